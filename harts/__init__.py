@@ -1,0 +1,7 @@
+"""HARTS: prefix-shared training of hybrid-attention MoE models on agentic-RL rollout trees.
+
+Pipeline stages, dependencies pointing one way:
+trees -> planning -> runtime + ops -> model -> objective -> parallel -> bench -> report.
+"""
+
+__version__ = "0.1.0"

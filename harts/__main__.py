@@ -1,0 +1,3 @@
+from harts.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""The `harts` command line.
+
+Each subcommand lives in a module of `harts.cli` that registers its parser; heavy packages
+(torch, fla, megatron) are imported inside the command functions that need them, so
+`harts trees ...` and `harts plan ...` start fast. User errors (ValueError, OSError) print one
+line, `harts: error: ...`, and exit with status 2; set HARTS_DEBUG=1 to see the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from harts import __version__
+from harts.cli import trees as trees_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harts", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"harts {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    trees_cli.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, OSError) as error:
+        if os.environ.get("HARTS_DEBUG"):
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"harts: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("harts: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,213 @@
+"""Chat-format agent logs -> trajectories (`harts trees ingest --format messages`).
+
+Input: OpenAI-style message lists (`role` in system/user/assistant/tool, `content` a string or a
+list of text parts; assistant `tool_calls` are kept as JSON text), as SWE-agent `.traj` files
+(a JSON object with `history`) and OpenHands-style datasets publish them. Accepted files:
+`.traj`/`.json` (one object with `history` or `messages`, or a bare message list) and
+`.jsonl`/`.jsonl.gz` (one such object per line); a directory means all of them, by name.
+A record's optional `id`, `tree` (or `instance_id`) and `reward` are kept; the default id is the
+file stem (`stem:line` for JSONL), the default tree is the id, the default reward 0. Advantages are
+the GRPO normalisation of rewards within each tree.
+
+Rendering (ChatML): each message is `<|im_start|>{role}\\n` + content + `<|im_end|>\\n`, and each
+message is tokenised on its own, so trajectories with a common message prefix share their token
+prefix exactly (the trie sees the sharing). Loss mask = the content and `<|im_end|>\\n` of
+assistant messages. Tokenisers: a local `tokenizer.json` (the `tokenizers` package) or `byte`
+(UTF-8 bytes 0-255, `<|im_start|>` = 256, `<|im_end|>` = 257).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+from harts.trees.io import TrajectoryFormatError
+from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
+
+ROLES = ("system", "user", "assistant", "tool")
+INPUT_SUFFIXES = (".traj", ".json", ".jsonl", ".jsonl.gz")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus two special tokens for the ChatML markers."""
+
+    name = "byte"
+    vocab_size = 258
+    IM_START, IM_END = 256, 257
+
+    def header(self, role: str) -> list[int]:
+        return [self.IM_START, *f"{role}\n".encode()]
+
+    def footer(self) -> list[int]:
+        return [self.IM_END, *b"\n"]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizer.json`, loaded with the `tokenizers` package."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the package raises plain Exceptions
+            raise ValueError(f"{path}: cannot load tokenizer ({error})") from None
+        self.name = str(path)
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def header(self, role: str) -> list[int]:
+        return self.encode(f"<|im_start|>{role}\n")
+
+    def footer(self) -> list[int]:
+        return self.encode("<|im_end|>\n")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
+    if spec == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_file():
+        raise ValueError(f"{spec}: tokenizer is neither 'byte' nor an existing tokenizer.json file")
+    return FileTokenizer(spec)
+
+
+def _input_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(INPUT_SUFFIXES))
+        if not files:
+            raise TrajectoryFormatError(f"{path}: directory holds no {', '.join(INPUT_SUFFIXES)} file")
+        return files
+    if not path.is_file():
+        raise TrajectoryFormatError(f"{path}: no such file or directory")
+    if not path.name.endswith(INPUT_SUFFIXES):
+        raise TrajectoryFormatError(f"{path}: unknown file type (expected {', '.join(INPUT_SUFFIXES)})")
+    return [path]
+
+
+def _records(path: Path):
+    """(where, default id, record) for every conversation in the file."""
+    stem = path.name.split(".")[0]
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                where = f"{path}:{number}"
+                try:
+                    yield where, f"{stem}:{number}", json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise TrajectoryFormatError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
+    else:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                yield str(path), stem, json.load(handle)
+        except json.JSONDecodeError as error:
+            raise TrajectoryFormatError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None
+
+
+def _messages(record: object, where: str) -> list:
+    if isinstance(record, list):
+        return record
+    if isinstance(record, dict):
+        for key in ("messages", "history"):
+            if key in record:
+                messages = record[key]
+                if not isinstance(messages, list):
+                    raise TrajectoryFormatError(f"{where}: field '{key}': expected a list of messages")
+                return messages
+        raise TrajectoryFormatError(f"{where}: field 'messages': missing (expected 'messages' or 'history')")
+    raise TrajectoryFormatError(f"{where}: expected a JSON object or a list of messages")
+
+
+def _content_text(message: dict, where: str) -> str:
+    content = message.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise TrajectoryFormatError(f"{where}: field 'content[{k}]': only text parts are supported")
+            parts.append(part["text"])
+        text = "".join(parts)
+    else:
+        raise TrajectoryFormatError(f"{where}: field 'content': expected a string or a list of text parts")
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise TrajectoryFormatError(f"{where}: field 'tool_calls': expected a list")
+        text += "".join("\n" + json.dumps(call, sort_keys=True, ensure_ascii=False) for call in calls)
+    elif content is None:
+        raise TrajectoryFormatError(f"{where}: field 'content': missing")
+    return text
+
+
+def render(messages: list, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and loss mask of one conversation."""
+    tokens: list[int] = []
+    mask: list[int] = []
+    for k, message in enumerate(messages):
+        at = f"{where}: message {k}"
+        if not isinstance(message, dict):
+            raise TrajectoryFormatError(f"{at}: expected an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise TrajectoryFormatError(f"{at}: field 'role': {role!r} is not one of {', '.join(ROLES)}")
+        header = tokenizer.header(role)
+        body = tokenizer.encode(_content_text(message, at)) + tokenizer.footer()
+        tokens += header + body
+        trained = 1 if role == "assistant" else 0
+        mask += [0] * len(header) + [trained] * len(body)
+    if not tokens:
+        raise TrajectoryFormatError(f"{where}: empty conversation")
+    mask[0] = 0
+    return np.asarray(tokens, dtype=TOKEN_DTYPE), np.asarray(mask, dtype=np.uint8)
+
+
+def ingest_messages(path: str | Path, tokenizer) -> Step:
+    """Tokenise every conversation under `path` into one step."""
+    ids, trees, rewards, token_arrays, mask_arrays = [], [], [], [], []
+    seen: dict[str, str] = {}
+    for file in _input_files(Path(path)):
+        for where, default_id, record in _records(file):
+            messages = _messages(record, where)
+            meta = record if isinstance(record, dict) else {}
+            trajectory_id = meta.get("id", default_id)
+            tree = meta.get("tree", meta.get("instance_id", trajectory_id))
+            reward = meta.get("reward", 0.0)
+            if not isinstance(trajectory_id, str) or not trajectory_id:
+                raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
+            if trajectory_id in seen:
+                raise TrajectoryFormatError(f"{where}: field 'id': duplicate id {trajectory_id!r} (also {seen[trajectory_id]})")
+            if not isinstance(tree, str) or not tree:
+                raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                raise TrajectoryFormatError(f"{where}: field 'reward': expected a number")
+            tokens, mask = render(messages, tokenizer, where)
+            seen[trajectory_id] = where
+            ids.append(trajectory_id)
+            trees.append(tree)
+            rewards.append(float(reward))
+            token_arrays.append(tokens)
+            mask_arrays.append(mask)
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in token_arrays], out=offsets[1:])
+    return Step(
+        ids=tuple(ids),
+        trees=tuple(trees),
+        offsets=offsets,
+        tokens=np.concatenate(token_arrays),
+        loss_mask=np.concatenate(mask_arrays),
+        rewards=np.asarray(rewards, dtype=np.float32),
+        advantage_per_trajectory=grpo_advantages(np.asarray(rewards), trees),
+        source=str(path),
+    )

@@ -1,0 +1,509 @@
+"""Reading and writing steps: JSONL (plain or gzip, one file or a directory) and `.npz`.
+
+JSONL record, one trajectory per line (README, "Trajectory input"):
+
+    {"id": str, "tree": str, "tokens": [int >= 0], "loss_mask": [0|1], "advantage": float | [float],
+     "reward": float, "old_logprobs": [float], "ref_logprobs": [float]}
+
+`id` and `tokens` are required. Defaults: tree = the trajectory's own id; loss_mask = 0 for
+token 0 and 1 for every other token; advantage = 0.0; reward = 0.0; old_logprobs/ref_logprobs
+absent (then absent for the whole step: a field given on some lines and not on others is an
+error). Per-token lists have the length of `tokens`; `loss_mask[0]` must be 0 (DESIGN §5).
+
+The `.npz` form holds the same fields as flat arrays (`Step`'s attributes) and loads without
+pickle. A directory is one step: every `*.jsonl`, `*.jsonl.gz` and `*.npz` in it, by name.
+
+Every malformed input raises `TrajectoryFormatError` (a ValueError) whose message is one line
+naming the file, the line (or trajectory) and the field. Nothing is dropped or coerced.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from harts.trees.step import TOKEN_DTYPE, Step
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+NPZ_SUFFIX = ".npz"
+NPZ_FORMAT_VERSION = 1
+FIELDS = ("id", "tree", "tokens", "loss_mask", "advantage", "reward", "old_logprobs", "ref_logprobs")
+OPTIONAL_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
+
+
+class TrajectoryFormatError(ValueError):
+    """A malformed trajectory input; the message names file, line or record, and field."""
+
+
+def step_files(path: str | Path) -> list[Path]:
+    """The files that make up the step at `path` (a file, or a directory of them)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(
+            p for p in path.iterdir()
+            if p.is_file() and (p.name.endswith(JSONL_SUFFIXES) or p.name.endswith(NPZ_SUFFIX))
+        )
+        if not files:
+            raise TrajectoryFormatError(f"{path}: directory holds no *.jsonl, *.jsonl.gz or *.npz file")
+        return files
+    if not path.exists():
+        raise TrajectoryFormatError(f"{path}: no such file or directory")
+    if not (path.name.endswith(JSONL_SUFFIXES) or path.name.endswith(NPZ_SUFFIX)):
+        raise TrajectoryFormatError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz or .npz)")
+    return [path]
+
+
+def read_step(path: str | Path, *, vocab_size: int | None = None) -> Step:
+    """Read and validate one step from a file or a directory."""
+    parts = [
+        _read_npz(f) if f.name.endswith(NPZ_SUFFIX) else _read_jsonl(f)
+        for f in step_files(path)
+    ]
+    step = parts[0] if len(parts) == 1 else _concatenate(parts, str(path))
+    if vocab_size is not None:
+        check_vocabulary(step, vocab_size)
+    return step
+
+
+def check_vocabulary(step: Step, vocab_size: int) -> None:
+    """Raise if any token id is >= vocab_size, naming the first offending trajectory."""
+    bad = np.flatnonzero(step.tokens >= vocab_size)
+    if len(bad):
+        k = int(np.searchsorted(step.offsets, bad[0], side="right") - 1)
+        i = int(bad[0] - step.offsets[k])
+        raise TrajectoryFormatError(
+            f"{step.source}: trajectory {step.ids[k]!r}: field 'tokens': token {int(step.tokens[bad[0]])} "
+            f"at position {i} is >= the vocabulary size {vocab_size}"
+        )
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+class _Collector:
+    """Accumulates validated records of one JSONL file into flat arrays."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.ids: list[str] = []
+        self.trees: list[str] = []
+        self.lengths: list[int] = []
+        self.tokens: list[np.ndarray] = []
+        self.loss_mask: list[np.ndarray] = []
+        self.rewards: list[float] = []
+        self.advantages: list[float | np.ndarray] = []
+        self.optional: dict[str, list[np.ndarray]] = {}
+        self.optional_first_line: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+
+
+def _read_jsonl(path: Path) -> Step:
+    acc = _Collector(str(path))
+    try:
+        with _open_text(path) as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    raise TrajectoryFormatError(f"{path}:{line_number}: empty line")
+                _parse_record(acc, line, line_number)
+    except UnicodeDecodeError as error:
+        raise TrajectoryFormatError(f"{path}: not UTF-8 text ({error.reason})") from None
+    except (OSError, EOFError) as error:
+        raise TrajectoryFormatError(f"{path}: cannot read ({error})") from None
+    if not acc.ids:
+        raise TrajectoryFormatError(f"{path}: no trajectories")
+    for name, first in acc.optional_first_line.items():
+        if len(acc.optional[name]) != len(acc.ids):
+            raise TrajectoryFormatError(
+                f"{path}: field '{name}' is given on line {first} but not on every line "
+                "(give it for every trajectory of the step or for none)"
+            )
+    return _build_step(acc)
+
+
+def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
+    where = f"{acc.where}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise TrajectoryFormatError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise TrajectoryFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    unknown = sorted(set(record) - set(FIELDS))
+    if unknown:
+        raise TrajectoryFormatError(
+            f"{where}: field '{unknown[0]}': unknown field (allowed: {', '.join(FIELDS)})"
+        )
+    may_hold_bools = "true" in line or "false" in line
+
+    trajectory_id = record.get("id")
+    if trajectory_id is None:
+        raise TrajectoryFormatError(f"{where}: field 'id': missing")
+    if not isinstance(trajectory_id, str) or not trajectory_id:
+        raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
+    if trajectory_id in acc.seen:
+        raise TrajectoryFormatError(
+            f"{where}: field 'id': duplicate id {trajectory_id!r} (first on line {acc.seen[trajectory_id]})"
+        )
+    tree = record.get("tree", trajectory_id)
+    if not isinstance(tree, str) or not tree:
+        raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
+
+    if "tokens" not in record:
+        raise TrajectoryFormatError(f"{where}: field 'tokens': missing")
+    tokens = _int_array(record["tokens"], where, "tokens", may_hold_bools)
+    if len(tokens) == 0:
+        raise TrajectoryFormatError(f"{where}: field 'tokens': empty")
+    if tokens.min() < 0:
+        raise TrajectoryFormatError(f"{where}: field 'tokens': negative token {int(tokens.min())}")
+    if tokens.max() > np.iinfo(TOKEN_DTYPE).max:
+        raise TrajectoryFormatError(f"{where}: field 'tokens': token {int(tokens.max())} exceeds int32")
+    length = len(tokens)
+
+    if "loss_mask" in record:
+        loss_mask = _int_array(record["loss_mask"], where, "loss_mask", may_hold_bools)
+        _check_length(loss_mask, length, where, "loss_mask")
+        if ((loss_mask != 0) & (loss_mask != 1)).any():
+            raise TrajectoryFormatError(f"{where}: field 'loss_mask': values must be 0 or 1")
+        if loss_mask[0] != 0:
+            raise TrajectoryFormatError(
+                f"{where}: field 'loss_mask': loss_mask[0] must be 0 (nothing predicts the first token)"
+            )
+        loss_mask = loss_mask.astype(np.uint8)
+    else:
+        loss_mask = np.ones(length, dtype=np.uint8)
+        loss_mask[0] = 0
+
+    advantage = record.get("advantage", 0.0)
+    if isinstance(advantage, list):
+        advantage = _float_array(advantage, where, "advantage", may_hold_bools)
+        _check_length(advantage, length, where, "advantage")
+    else:
+        advantage = _float_scalar(advantage, where, "advantage")
+    reward = _float_scalar(record.get("reward", 0.0), where, "reward")
+
+    for name in OPTIONAL_TOKEN_FIELDS:
+        if name in record:
+            values = _float_array(record[name], where, name, may_hold_bools)
+            _check_length(values, length, where, name)
+            if (values > 0).any():
+                raise TrajectoryFormatError(f"{where}: field '{name}': log-probabilities must be <= 0")
+            acc.optional_first_line.setdefault(name, line_number)
+            if len(acc.optional.setdefault(name, [])) != len(acc.ids):
+                raise TrajectoryFormatError(
+                    f"{where}: field '{name}': given here but missing on an earlier line "
+                    "(give it for every trajectory of the step or for none)"
+                )
+            acc.optional[name].append(values)
+        elif name in acc.optional:
+            raise TrajectoryFormatError(
+                f"{where}: field '{name}': missing here but given on line {acc.optional_first_line[name]} "
+                "(give it for every trajectory of the step or for none)"
+            )
+
+    acc.seen[trajectory_id] = line_number
+    acc.ids.append(trajectory_id)
+    acc.trees.append(tree)
+    acc.lengths.append(length)
+    acc.tokens.append(tokens.astype(TOKEN_DTYPE))
+    acc.loss_mask.append(loss_mask)
+    acc.rewards.append(reward)
+    acc.advantages.append(advantage)
+
+
+def _int_array(values: object, where: str, name: str, may_hold_bools: bool) -> np.ndarray:
+    if not isinstance(values, list):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a list of integers")
+    if may_hold_bools and any(type(v) is bool for v in values):
+        raise TrajectoryFormatError(f"{where}: field '{name}': booleans are not integers")
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of integers") from None
+    if array.ndim != 1:
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of integers")
+    if len(values) and array.dtype.kind not in "iu":
+        raise TrajectoryFormatError(f"{where}: field '{name}': non-integer value (expected integers)")
+    return array.astype(np.int64, copy=False)
+
+
+def _float_array(values: object, where: str, name: str, may_hold_bools: bool) -> np.ndarray:
+    if not isinstance(values, list):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a list of numbers")
+    if may_hold_bools and any(type(v) is bool for v in values):
+        raise TrajectoryFormatError(f"{where}: field '{name}': booleans are not numbers")
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (ValueError, TypeError):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of numbers") from None
+    if array.ndim != 1:
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of numbers")
+    if not np.isfinite(array).all():
+        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
+    return array.astype(np.float32)
+
+
+def _float_scalar(value: object, where: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a number")
+    if not math.isfinite(value):
+        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
+    return float(value)
+
+
+def _check_length(array: np.ndarray, length: int, where: str, name: str) -> None:
+    if array.ndim != 1:
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list")
+    if len(array) != length:
+        raise TrajectoryFormatError(
+            f"{where}: field '{name}': length {len(array)} does not match tokens' length {length}"
+        )
+
+
+def _build_step(acc: _Collector) -> Step:
+    offsets = np.zeros(len(acc.ids) + 1, dtype=np.int64)
+    np.cumsum(acc.lengths, out=offsets[1:])
+    if all(not isinstance(a, np.ndarray) for a in acc.advantages):
+        per_trajectory = np.asarray(acc.advantages, dtype=np.float32)
+        per_token = None
+    else:
+        per_trajectory = None
+        per_token = np.concatenate([
+            a if isinstance(a, np.ndarray) else np.full(n, a, dtype=np.float32)
+            for a, n in zip(acc.advantages, acc.lengths)
+        ])
+    optional = {name: np.concatenate(values) for name, values in acc.optional.items()}
+    return Step(
+        ids=tuple(acc.ids),
+        trees=tuple(acc.trees),
+        offsets=offsets,
+        tokens=np.concatenate(acc.tokens),
+        loss_mask=np.concatenate(acc.loss_mask),
+        rewards=np.asarray(acc.rewards, dtype=np.float32),
+        advantage_per_trajectory=per_trajectory,
+        advantage_per_token=per_token,
+        old_logprobs=optional.get("old_logprobs"),
+        ref_logprobs=optional.get("ref_logprobs"),
+        source=acc.where,
+    )
+
+
+def _concatenate(parts: list[Step], source: str) -> Step:
+    seen: dict[str, str] = {}
+    for part in parts:
+        for trajectory_id in part.ids:
+            if trajectory_id in seen:
+                raise TrajectoryFormatError(
+                    f"{part.source}: field 'id': duplicate id {trajectory_id!r} (also in {seen[trajectory_id]})"
+                )
+            seen[trajectory_id] = part.source
+    for name in OPTIONAL_TOKEN_FIELDS:
+        present = [getattr(p, name) is not None for p in parts]
+        if any(present) and not all(present):
+            with_field = parts[present.index(True)].source
+            without = parts[present.index(False)].source
+            raise TrajectoryFormatError(
+                f"{without}: field '{name}': missing here but given in {with_field} "
+                "(give it for every trajectory of the step or for none)"
+            )
+    lengths = np.concatenate([p.lengths for p in parts])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    scalar_advantages = all(p.advantage_per_trajectory is not None for p in parts)
+
+    def joined(name: str) -> np.ndarray | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else np.concatenate(values)
+
+    return Step(
+        ids=tuple(i for p in parts for i in p.ids),
+        trees=tuple(t for p in parts for t in p.trees),
+        offsets=offsets,
+        tokens=np.concatenate([p.tokens for p in parts]),
+        loss_mask=np.concatenate([p.loss_mask for p in parts]),
+        rewards=np.concatenate([p.rewards for p in parts]),
+        advantage_per_trajectory=joined("advantage_per_trajectory") if scalar_advantages else None,
+        advantage_per_token=None if scalar_advantages else np.concatenate([p.advantages() for p in parts]),
+        old_logprobs=joined("old_logprobs"),
+        ref_logprobs=joined("ref_logprobs"),
+        source=source,
+    )
+
+
+_NPZ_ARRAYS = {
+    "offsets": (np.int64, "N+1"),
+    "tokens": (TOKEN_DTYPE, "S"),
+    "loss_mask": (np.uint8, "S"),
+    "rewards": (np.float32, "N"),
+    "advantage_per_trajectory": (np.float32, "N"),
+    "advantage_per_token": (np.float32, "S"),
+    "old_logprobs": (np.float32, "S"),
+    "ref_logprobs": (np.float32, "S"),
+}
+
+
+def _read_npz(path: Path) -> Step:
+    where = str(path)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise TrajectoryFormatError(f"{where}: not a readable .npz archive ({error})") from None
+    with archive:
+        names = set(archive.files)
+        unknown = sorted(names - set(_NPZ_ARRAYS) - {"ids", "trees", "format_version"})
+        if unknown:
+            raise TrajectoryFormatError(f"{where}: field '{unknown[0]}': unknown array")
+        for required in ("format_version", "ids", "trees", "offsets", "tokens", "loss_mask", "rewards"):
+            if required not in names:
+                raise TrajectoryFormatError(f"{where}: field '{required}': missing")
+        try:
+            version = int(archive["format_version"])
+            ids = archive["ids"]
+            trees = archive["trees"]
+            arrays = {name: archive[name] for name in _NPZ_ARRAYS if name in names}
+        except ValueError as error:
+            raise TrajectoryFormatError(f"{where}: unreadable array ({error})") from None
+    if version != NPZ_FORMAT_VERSION:
+        raise TrajectoryFormatError(f"{where}: field 'format_version': {version} is not {NPZ_FORMAT_VERSION}")
+    for name, array in (("ids", ids), ("trees", trees)):
+        if array.dtype.kind != "U" or array.ndim != 1:
+            raise TrajectoryFormatError(f"{where}: field '{name}': expected a 1-D string array")
+    num = len(ids)
+    if len(trees) != num:
+        raise TrajectoryFormatError(f"{where}: field 'trees': {len(trees)} entries for {num} ids")
+    offsets = arrays["offsets"]
+    if offsets.dtype != np.int64 or offsets.shape != (num + 1,) or (num and offsets[0] != 0):
+        raise TrajectoryFormatError(f"{where}: field 'offsets': expected int64 [N+1] starting at 0")
+    lengths = np.diff(offsets)
+    if (lengths <= 0).any():
+        k = int(np.flatnonzero(lengths <= 0)[0])
+        raise TrajectoryFormatError(f"{where}: trajectory {str(ids[k])!r}: field 'tokens': empty")
+    sizes = {"N": num, "N+1": num + 1, "S": int(offsets[-1]) if num else 0}
+    for name, array in arrays.items():
+        dtype, size = _NPZ_ARRAYS[name]
+        if array.dtype != dtype or array.shape != (sizes[size],):
+            raise TrajectoryFormatError(
+                f"{where}: field '{name}': expected {np.dtype(dtype).name} [{size}], "
+                f"got {array.dtype.name} {list(array.shape)}"
+            )
+    if ("advantage_per_trajectory" in arrays) == ("advantage_per_token" in arrays):
+        raise TrajectoryFormatError(
+            f"{where}: field 'advantage_per_trajectory': give exactly one of it and 'advantage_per_token'"
+        )
+    if num == 0:
+        raise TrajectoryFormatError(f"{where}: no trajectories")
+    id_list = [str(i) for i in ids]
+    if len(set(id_list)) != num:
+        counts: dict[str, int] = {}
+        for k, trajectory_id in enumerate(id_list):
+            if trajectory_id in counts:
+                raise TrajectoryFormatError(
+                    f"{where}: trajectory {k}: field 'id': duplicate id {trajectory_id!r} (first at {counts[trajectory_id]})"
+                )
+            counts[trajectory_id] = k
+    if "" in id_list:
+        raise TrajectoryFormatError(f"{where}: trajectory {id_list.index('')}: field 'id': empty")
+    tokens = arrays["tokens"]
+    loss_mask = arrays["loss_mask"]
+    _check_npz_values(where, id_list, offsets, tokens < 0, "tokens", "negative token")
+    _check_npz_values(where, id_list, offsets, loss_mask > 1, "loss_mask", "values must be 0 or 1")
+    first = loss_mask[offsets[:-1]] != 0
+    if first.any():
+        k = int(np.flatnonzero(first)[0])
+        raise TrajectoryFormatError(
+            f"{where}: trajectory {id_list[k]!r}: field 'loss_mask': loss_mask[0] must be 0"
+        )
+    for name in ("rewards", "advantage_per_trajectory", "advantage_per_token", "old_logprobs", "ref_logprobs"):
+        if name in arrays and not np.isfinite(arrays[name]).all():
+            raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
+    for name in OPTIONAL_TOKEN_FIELDS:
+        if name in arrays:
+            _check_npz_values(where, id_list, offsets, arrays[name] > 0, name, "log-probabilities must be <= 0")
+    return Step(
+        ids=tuple(id_list),
+        trees=tuple(str(t) for t in trees),
+        offsets=offsets,
+        tokens=tokens,
+        loss_mask=loss_mask,
+        rewards=arrays["rewards"],
+        advantage_per_trajectory=arrays.get("advantage_per_trajectory"),
+        advantage_per_token=arrays.get("advantage_per_token"),
+        old_logprobs=arrays.get("old_logprobs"),
+        ref_logprobs=arrays.get("ref_logprobs"),
+        source=where,
+    )
+
+
+def _check_npz_values(
+    where: str, ids: list[str], offsets: np.ndarray, bad: np.ndarray, name: str, problem: str
+) -> None:
+    if bad.any():
+        position = int(np.flatnonzero(bad)[0])
+        k = int(np.searchsorted(offsets, position, side="right") - 1)
+        raise TrajectoryFormatError(
+            f"{where}: trajectory {ids[k]!r}: field '{name}': {problem} (position {position - int(offsets[k])})"
+        )
+
+
+def write_npz(step: Step, path: str | Path) -> None:
+    """Write `step` in the binary form (uncompressed: loading is a memory copy)."""
+    arrays = {
+        "format_version": np.asarray(NPZ_FORMAT_VERSION),
+        "ids": np.asarray(step.ids, dtype=str),
+        "trees": np.asarray(step.trees, dtype=str),
+    }
+    for name in _NPZ_ARRAYS:
+        value = step.offsets if name == "offsets" else getattr(step, name)
+        if value is not None:
+            arrays[name] = value
+    with open(path, "wb") as handle:
+        np.savez(handle, **arrays)
+
+
+def iter_jsonl_records(step: Step):
+    """The step's trajectories as JSONL records (dicts), in batch order."""
+    for k, trajectory_id in enumerate(step.ids):
+        lo, hi = step.offsets[k], step.offsets[k + 1]
+        record: dict[str, object] = {
+            "id": trajectory_id,
+            "tree": step.trees[k],
+            "tokens": step.tokens[lo:hi].tolist(),
+            "loss_mask": step.loss_mask[lo:hi].tolist(),
+            "advantage": (
+                float(step.advantage_per_trajectory[k]) if step.advantage_per_trajectory is not None
+                else step.advantage_per_token[lo:hi].tolist()
+            ),
+            "reward": float(step.rewards[k]),
+        }
+        for name in OPTIONAL_TOKEN_FIELDS:
+            values = getattr(step, name)
+            if values is not None:
+                record[name] = values[lo:hi].tolist()
+        yield record
+
+
+def write_jsonl(step: Step, path: str | Path) -> None:
+    """Write `step` as JSONL (gzip-compressed when the name ends in .gz)."""
+    path = Path(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as handle:
+        for record in iter_jsonl_records(step):
+            handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def write_step(step: Step, path: str | Path) -> None:
+    """Write `step` in the form its file name asks for (.npz, .jsonl or .jsonl.gz)."""
+    name = Path(path).name
+    if name.endswith(NPZ_SUFFIX):
+        write_npz(step, path)
+    elif name.endswith(JSONL_SUFFIXES):
+        write_jsonl(step, path)
+    else:
+        raise ValueError(f"{path}: unknown output type (expected .npz, .jsonl or .jsonl.gz)")
