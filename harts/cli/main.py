@@ -13,6 +13,8 @@ import os
 import sys
 
 from harts import __version__
+from harts.cli import bench as bench_cli
+from harts.cli import plan as plan_cli
 from harts.cli import trees as trees_cli
 
 
@@ -21,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"harts {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     trees_cli.register(commands)
+    plan_cli.register(commands)
+    bench_cli.register(commands)
     return parser
 
 

@@ -1,0 +1,19 @@
+"""`harts bench ...`: benchmarks that write JSON records.
+
+Each benchmark lives in its own module with a `register(subcommands)` function, listed in
+`_COMMAND_MODULES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="run benchmarks (JSON records)")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
