@@ -1,0 +1,185 @@
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from harts.cli.main import main
+from harts.trees.io import TrajectoryFormatError, read_step, write_step
+
+from .helpers import make_step
+
+GOOD = {"id": "a", "tokens": [1, 2, 3]}
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _record(**fields):
+    record = dict(GOOD)
+    record.update(fields)
+    return json.dumps({k: v for k, v in record.items() if v is not _DROP})
+
+
+_DROP = object()
+
+BAD_LINES = {
+    # name: (second line, expected message fragment)
+    "bad-json": ('{"id": "b", "tokens": [1, 2', "invalid JSON"),
+    "not-object": ("[1, 2, 3]", "expected a JSON object"),
+    "missing-id": (_record(id=_DROP), "field 'id': missing"),
+    "duplicate-id": (_record(), "duplicate id 'a'"),
+    "empty-id": (_record(id=""), "field 'id'"),
+    "missing-tokens": (_record(id="b", tokens=_DROP), "field 'tokens': missing"),
+    "empty-tokens": (_record(id="b", tokens=[]), "field 'tokens': empty"),
+    "float-token": (_record(id="b", tokens=[1, 2.5]), "field 'tokens': non-integer"),
+    "string-token": (_record(id="b", tokens=[1, "x"]), "field 'tokens': non-integer"),
+    "bool-token": (_record(id="b", tokens=[1, True]), "field 'tokens': booleans"),
+    "nested-tokens": (_record(id="b", tokens=[[1], [2]]), "field 'tokens'"),
+    "negative-token": (_record(id="b", tokens=[1, -4]), "field 'tokens': negative token -4"),
+    "mask-length": (_record(id="b", loss_mask=[0, 1]), "field 'loss_mask': length 2 does not match tokens' length 3"),
+    "mask-value": (_record(id="b", loss_mask=[0, 2, 1]), "field 'loss_mask': values must be 0 or 1"),
+    "mask-first": (_record(id="b", loss_mask=[1, 1, 1]), "loss_mask[0] must be 0"),
+    "advantage-length": (_record(id="b", advantage=[0.1]), "field 'advantage': length 1"),
+    "advantage-type": (_record(id="b", advantage="high"), "field 'advantage': expected a number"),
+    "reward-nan": ('{"id": "b", "tokens": [1], "reward": NaN}', "field 'reward': non-finite"),
+    "logprob-positive": (_record(id="b", old_logprobs=[0.0, 0.5, -1.0]), "must be <= 0"),
+    "unknown-field": (_record(id="b", extra=1), "field 'extra': unknown field"),
+    "empty-line": ("", "empty line"),
+    "tree-type": (_record(id="b", tree=3), "field 'tree'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINES)
+def test_bad_input_names_file_line_and_field(tmp_path, case, capsys):
+    line, fragment = BAD_LINES[case]
+    path = _write_lines(tmp_path / "step.jsonl", [json.dumps(GOOD), line])
+    with pytest.raises(TrajectoryFormatError) as error:
+        read_step(path)
+    message = str(error.value)
+    assert fragment in message
+    assert f"{path}:2" in message
+    assert "\n" not in message
+    # The CLI prints the same line and exits non-zero without a traceback.
+    assert main(["trees", "validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("harts: error: ") and fragment in err and "Traceback" not in err
+
+
+def test_vocabulary_bound(tmp_path):
+    path = _write_lines(tmp_path / "step.jsonl", [json.dumps(GOOD), _record(id="b", tokens=[5, 300])])
+    read_step(path)
+    with pytest.raises(TrajectoryFormatError, match=r"trajectory 'b': field 'tokens': token 300 at position 1 is >= the vocabulary size 256"):
+        read_step(path, vocab_size=256)
+
+
+def test_optional_field_on_some_lines_only(tmp_path):
+    path = _write_lines(tmp_path / "s.jsonl", [_record(old_logprobs=[0.0, -1.0, -2.0]), _record(id="b")])
+    with pytest.raises(TrajectoryFormatError, match=r"s.jsonl:2: field 'old_logprobs': missing here but given on line 1"):
+        read_step(path)
+    path = _write_lines(tmp_path / "t.jsonl", [_record(), _record(id="b", ref_logprobs=[0.0, -1.0, -2.0])])
+    with pytest.raises(TrajectoryFormatError, match=r"t.jsonl:2: field 'ref_logprobs': given here but missing"):
+        read_step(path)
+
+
+def test_defaults(tmp_path):
+    step = read_step(_write_lines(tmp_path / "s.jsonl", [json.dumps(GOOD)]))
+    assert step.trees == ("a",)
+    assert step.loss_mask.tolist() == [0, 1, 1]
+    assert step.advantages().tolist() == [0.0, 0.0, 0.0]
+    assert step.rewards.tolist() == [0.0]
+    assert step.old_logprobs is None and step.ref_logprobs is None
+
+
+def _full_step():
+    step = make_step([[1, 2, 3], [1, 2, 4, 5], [7]])
+    rng = np.random.default_rng(42)
+    return type(step)(
+        ids=step.ids, trees=("x", "x", "y"), offsets=step.offsets, tokens=step.tokens,
+        loss_mask=np.array([0, 1, 0, 0, 1, 1, 0, 0], dtype=np.uint8),
+        rewards=np.array([1.0, 0.0, 0.5], dtype=np.float32),
+        advantage_per_token=rng.standard_normal(8).astype(np.float32),
+        old_logprobs=-rng.random(8).astype(np.float32),
+        ref_logprobs=-rng.random(8).astype(np.float32),
+    )
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "npz"])
+def test_round_trip(tmp_path, suffix):
+    step = _full_step()
+    path = tmp_path / f"step.{suffix}"
+    write_step(step, path)
+    again = read_step(path)
+    assert again.ids == step.ids and again.trees == step.trees
+    for name in ("offsets", "tokens", "loss_mask", "rewards", "advantage_per_token", "old_logprobs", "ref_logprobs"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(step, name), err_msg=name)
+
+
+def test_directory_is_one_step(tmp_path):
+    step = _full_step()
+    write_step(step.subset(np.array([0, 1])), tmp_path / "a.jsonl.gz")
+    write_step(step.subset(np.array([2])), tmp_path / "b.npz")
+    again = read_step(tmp_path)
+    assert again.ids == step.ids
+    np.testing.assert_array_equal(again.tokens, step.tokens)
+    np.testing.assert_array_equal(again.advantages(), step.advantages())
+
+
+def test_directory_duplicate_ids(tmp_path):
+    step = _full_step()
+    write_step(step, tmp_path / "a.jsonl")
+    write_step(step, tmp_path / "b.jsonl")
+    with pytest.raises(TrajectoryFormatError, match="duplicate id 't0'"):
+        read_step(tmp_path)
+
+
+def test_gzip_input(tmp_path):
+    path = tmp_path / "s.jsonl.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write(json.dumps(GOOD) + "\n" + _record(id="b", tokens=[1, -1]) + "\n")
+    with pytest.raises(TrajectoryFormatError, match=r"s.jsonl.gz:2: field 'tokens': negative"):
+        read_step(path)
+
+
+NPZ_BREAKAGE = {
+    "negative-token": (lambda a: a["tokens"].__setitem__(0, -1), "trajectory 't0': field 'tokens': negative token"),
+    "mask-first": (lambda a: a["loss_mask"].__setitem__(0, 1), "trajectory 't0': field 'loss_mask': loss_mask[0] must be 0"),
+    "offsets-dtype": (lambda a: a.__setitem__("offsets", a["offsets"].astype(np.int32)), "field 'offsets'"),
+    "tokens-length": (lambda a: a.__setitem__("tokens", a["tokens"][:-1]), "field 'tokens': expected int32"),
+    "missing-rewards": (lambda a: a.pop("rewards"), "field 'rewards': missing"),
+    "unknown-array": (lambda a: a.__setitem__("junk", np.zeros(1)), "field 'junk': unknown array"),
+    "nan-logprob": (lambda a: a["old_logprobs"].__setitem__(1, np.nan), "field 'old_logprobs': non-finite"),
+    "duplicate-id": (lambda a: a.__setitem__("ids", np.array(["t0", "t0", "t2"])), "duplicate id 't0'"),
+}
+
+
+@pytest.mark.parametrize("case", NPZ_BREAKAGE)
+def test_bad_npz(tmp_path, case):
+    path = tmp_path / "s.npz"
+    write_step(_full_step(), path)
+    with np.load(path) as archive:
+        arrays = {k: archive[k].copy() for k in archive.files}
+    breakage, fragment = NPZ_BREAKAGE[case]
+    breakage(arrays)
+    np.savez(path, **arrays)
+    with pytest.raises(TrajectoryFormatError) as error:
+        read_step(path)
+    assert fragment in str(error.value) and str(path) in str(error.value)
+
+
+def test_npz_never_unpickles(tmp_path):
+    path = tmp_path / "s.npz"
+    np.savez(path, format_version=np.asarray(1), ids=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(TrajectoryFormatError, match="s.npz"):
+        read_step(path)
+
+
+def test_unknown_file_type(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("x")
+    with pytest.raises(TrajectoryFormatError, match="unknown file type"):
+        read_step(path)
+    with pytest.raises(TrajectoryFormatError, match="no such file"):
+        read_step(tmp_path / "missing.jsonl")
