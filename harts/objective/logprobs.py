@@ -1,0 +1,200 @@
+"""Compact log-probs: next-token log-probabilities of semantic positions from compact rows.
+
+`compact_logprobs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)` returns
+λ_s = z[m(s), y_s] − lse[m(s)] for every requested semantic position s, where z = hidden @ Wᵀ are
+the LM-head logits of the compact rows (DESIGN §5). The S positions may be any subset of the
+step's semantic positions in any order (typically all of them in original batch order, or only
+those that carry a loss); several may map to the same compact row with different targets.
+
+Legend: C compact rows, D hidden size, V vocabulary, S requested semantic positions, n rows of
+one chunk.
+
+Work and memory. Rows are processed in chunks of `chunk_rows`. The forward computes each chunk's
+fp32 logits once, their log-sum-exp, and reads every target logit out of the same chunk (exact:
+the value that entered the log-sum-exp, and an O(S) gather instead of an O(S·D) dot product per
+position). It keeps only the inputs (hidden, weight: already alive), lse (C floats) and the
+index arrays (O(S)); the chunk's logits are dropped before the next chunk is formed. The backward
+recomputes each chunk's logits, turns them in place into
+    ∂L/∂z_c = Σ_{s: m(s)=c} g_s·onehot(y_s) − (Σ_{s: m(s)=c} g_s)·softmax(z_c),
+i.e. Σ_s g_s·(onehot(y_s) − softmax(z_c)), each position's gradient formed on its own (labels
+and upstream gradients of positions sharing a row all survive), then dhidden = dz @ W and
+dW += dzᵀ @ hidden chunk by chunk. So the largest temporary is one n×V fp32 buffer (plus an
+fp32 copy of W and an fp32 dW accumulator of V×D when the inputs are not fp32); nothing S×V
+is ever built and no C×V tensor outlives its chunk. Vocabulary work: O(C·V·D) matmuls + O(S).
+
+Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
+bf16 hidden states and weights give fp32 logits and fp32 log-probs; gradients are returned in
+the inputs' dtypes. Ordering of accumulation into a row's dz uses `index_put_(accumulate=True)`,
+deterministic on CPU and under `torch.use_deterministic_algorithms(True)` on CUDA.
+
+Reference: `naive_compact_logprobs` expands hidden to the S semantic rows, builds the S×V
+logits, applies log_softmax and gathers, all under autograd; the tests compare forward and both
+gradients with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 4096
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_inputs(
+    hidden_CD: torch.Tensor, weight_VD: torch.Tensor, compact_index_S: torch.Tensor, targets_S: torch.Tensor
+) -> None:
+    if hidden_CD.dim() != 2 or weight_VD.dim() != 2:
+        raise ValueError(
+            f"compact_logprobs: hidden must be [C, D] and weight [V, D], got {tuple(hidden_CD.shape)} "
+            f"and {tuple(weight_VD.shape)}"
+        )
+    if hidden_CD.shape[1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"compact_logprobs: hidden size {hidden_CD.shape[1]} != LM-head input size {weight_VD.shape[1]}"
+        )
+    if compact_index_S.dim() != 1 or compact_index_S.shape != targets_S.shape:
+        raise ValueError(
+            f"compact_logprobs: compact_index and targets must be 1-D of equal length, got "
+            f"{tuple(compact_index_S.shape)} and {tuple(targets_S.shape)}"
+        )
+    if compact_index_S.dtype != torch.int64 or targets_S.dtype != torch.int64:
+        raise ValueError(
+            f"compact_logprobs: compact_index and targets must be int64, got {compact_index_S.dtype} "
+            f"and {targets_S.dtype}"
+        )
+    if compact_index_S.numel():
+        num_rows, vocab = hidden_CD.shape[0], weight_VD.shape[0]
+        if int(compact_index_S.min()) < 0 or int(compact_index_S.max()) >= num_rows:
+            raise ValueError(f"compact_logprobs: compact_index out of range [0, {num_rows})")
+        if int(targets_S.min()) < 0 or int(targets_S.max()) >= vocab:
+            raise ValueError(f"compact_logprobs: targets out of range [0, {vocab})")
+
+
+class _CompactLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows):
+        num_rows = hidden_CD.shape[0]
+        dtype = _compute_dtype(hidden_CD.dtype)
+        weight_f = weight_VD.to(dtype)
+        # Positions sorted by compact row: each chunk owns one contiguous range of them.
+        order_S = torch.argsort(compact_index_S, stable=True)
+        rows_sorted_S = compact_index_S[order_S]
+        targets_sorted_S = targets_S[order_S]
+        starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
+        bounds = torch.searchsorted(
+            rows_sorted_S, torch.tensor(starts, dtype=torch.int64, device=rows_sorted_S.device)
+        ).tolist()
+
+        lse_C = torch.empty(num_rows, dtype=dtype, device=hidden_CD.device)
+        out_sorted_S = torch.empty(len(order_S), dtype=dtype, device=hidden_CD.device)
+        for k in range(len(starts) - 1):
+            r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
+            logits_nV = hidden_CD[r0:r1].to(dtype) @ weight_f.T
+            lse_C[r0:r1] = torch.logsumexp(logits_nV, dim=-1)
+            local = rows_sorted_S[p0:p1] - r0
+            out_sorted_S[p0:p1] = logits_nV[local, targets_sorted_S[p0:p1]] - lse_C[r0:r1][local]
+            del logits_nV
+        logprobs_S = torch.empty_like(out_sorted_S)
+        logprobs_S[order_S] = out_sorted_S
+
+        ctx.save_for_backward(hidden_CD, weight_VD, lse_C, order_S, rows_sorted_S, targets_sorted_S)
+        ctx.starts, ctx.bounds = starts, bounds
+        return logprobs_S
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_S):
+        hidden_CD, weight_VD, lse_C, order_S, rows_sorted_S, targets_sorted_S = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = lse_C.dtype
+        weight_f = weight_VD.to(dtype)
+        grad_sorted_S = grad_S[order_S].to(dtype)
+        grad_sum_C = torch.zeros_like(lse_C).index_add_(0, rows_sorted_S, grad_sorted_S)
+
+        grad_hidden = torch.empty_like(hidden_CD) if need_hidden else None
+        grad_weight_f = torch.zeros_like(weight_f) if need_weight else None
+        starts, bounds = ctx.starts, ctx.bounds
+        for k in range(len(starts) - 1):
+            r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
+            hidden_nD = hidden_CD[r0:r1].to(dtype)
+            grad_logits_nV = hidden_nD @ weight_f.T
+            grad_logits_nV.sub_(lse_C[r0:r1, None]).exp_().mul_(-grad_sum_C[r0:r1, None])
+            grad_logits_nV.index_put_(
+                (rows_sorted_S[p0:p1] - r0, targets_sorted_S[p0:p1]), grad_sorted_S[p0:p1], accumulate=True
+            )
+            if need_hidden:
+                grad_hidden[r0:r1] = (grad_logits_nV @ weight_f).to(hidden_CD.dtype)
+            if need_weight:
+                grad_weight_f.addmm_(grad_logits_nV.T, hidden_nD)
+            del grad_logits_nV
+        grad_weight = grad_weight_f.to(weight_VD.dtype) if need_weight else None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def compact_logprobs(
+    hidden_CD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    compact_index_S: torch.Tensor,
+    targets_S: torch.Tensor,
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
+    """Log-probabilities λ_s of targets y_s under the logits of compact rows m(s).
+
+    Args:
+        hidden_CD: final hidden states of the C compact rows (after the final norm), [C, D].
+        lm_head_weight_VD: LM-head weight, [V, D] (logits = hidden @ weightᵀ, no bias).
+        compact_index_S: int64 [S], m(s): the compact row whose logits predict position s's target.
+        targets_S: int64 [S], y_s: the next token of position s (in [0, V)).
+        chunk_rows: compact rows per chunk; peak extra memory is one chunk_rows×V fp32 buffer.
+
+    Returns:
+        [S] log-probs in fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden and weight
+        through a backward that recomputes each chunk's logits.
+
+    Example:
+        >>> hidden = torch.randn(5, 8, requires_grad=True)
+        >>> weight = torch.randn(11, 8, requires_grad=True)
+        >>> m = torch.tensor([0, 1, 2, 1, 3, 4])   # positions 1 and 3 share compact row 1
+        >>> y = torch.tensor([3, 7, 2, 9, 0, 4])
+        >>> compact_logprobs(hidden, weight, m, y, chunk_rows=2).sum().backward()
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"compact_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
+    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)
+    return _CompactLogprobs.apply(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, chunk_rows)
+
+
+def naive_compact_logprobs(
+    hidden_CD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    compact_index_S: torch.Tensor,
+    targets_S: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for `compact_logprobs`: expand to S rows, full S×V logits, log_softmax, gather."""
+    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)
+    dtype = _compute_dtype(hidden_CD.dtype)
+    logits_SV = hidden_CD[compact_index_S].to(dtype) @ lm_head_weight_VD.to(dtype).T
+    return torch.log_softmax(logits_SV, dim=-1).gather(1, targets_S[:, None])[:, 0]
+
+
+@torch.no_grad()
+def iter_compact_logits(
+    hidden_CD: torch.Tensor, lm_head_weight_VD: torch.Tensor, *, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Full-vocabulary fp32 logits of the compact rows, chunk by chunk, without gradients.
+
+    Yields (first_row, logits_nV) for consecutive chunks of at most `chunk_rows` rows; meant for
+    fidelity measurements (per-row cosine against a baseline) that must not hold C×V at once.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"iter_compact_logits: chunk_rows must be >= 1, got {chunk_rows}")
+    dtype = _compute_dtype(hidden_CD.dtype)
+    weight_f = lm_head_weight_VD.to(dtype)
+    for r0 in range(0, hidden_CD.shape[0], chunk_rows):
+        yield r0, hidden_CD[r0 : r0 + chunk_rows].to(dtype) @ weight_f.T

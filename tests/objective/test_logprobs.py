@@ -1,0 +1,201 @@
+import numpy as np
+import pytest
+import torch
+
+from harts.objective.logprobs import compact_logprobs, iter_compact_logits, naive_compact_logprobs
+from harts.objective.targets import semantic_targets_from_step
+
+from .helpers import random_tree_step
+
+# dtype: (forward max |Δ|, gradient max |Δ| / max |reference|)
+TOLERANCES = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5)}
+
+
+def _random_problem(dtype, *, num_rows=37, hidden=24, vocab=101, num_positions=150, seed=42):
+    generator = torch.Generator().manual_seed(seed)
+    hidden_CD = torch.randn(num_rows, hidden, generator=generator, dtype=torch.float64)
+    weight_VD = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64) / hidden**0.5
+    # Every row used, many rows shared by several positions with different targets.
+    compact_index = torch.cat(
+        [torch.arange(num_rows), torch.randint(0, num_rows, (num_positions - num_rows,), generator=generator)]
+    )
+    compact_index = compact_index[torch.randperm(num_positions, generator=generator)]
+    targets = torch.randint(0, vocab, (num_positions,), generator=generator)
+    grad_S = torch.randn(num_positions, generator=generator, dtype=torch.float64)
+    return hidden_CD.to(dtype), weight_VD.to(dtype), compact_index, targets, grad_S
+
+
+def _forward_backward(function, hidden_CD, weight_VD, compact_index, targets, grad_S, **kwargs):
+    hidden_CD = hidden_CD.detach().clone().requires_grad_()
+    weight_VD = weight_VD.detach().clone().requires_grad_()
+    logprobs = function(hidden_CD, weight_VD, compact_index, targets, **kwargs)
+    logprobs.backward(grad_S.to(logprobs.dtype))
+    return logprobs.detach(), hidden_CD.grad, weight_VD.grad
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 16, 37, 1000], ids=lambda n: f"chunk{n}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_matches_naive(dtype, chunk_rows):
+    problem = _random_problem(dtype)
+    fast = _forward_backward(compact_logprobs, *problem, chunk_rows=chunk_rows)
+    naive = _forward_backward(naive_compact_logprobs, *problem)
+    forward_tol, grad_tol = TOLERANCES[dtype]
+    assert fast[0].dtype == dtype
+    assert float((fast[0] - naive[0]).abs().max()) <= forward_tol
+    assert _relative(fast[1], naive[1]) <= grad_tol
+    assert _relative(fast[2], naive[2]) <= grad_tol
+
+
+def test_shared_row_gradients_are_summed_per_position():
+    # Two positions on one row with different targets and upstream gradients, one on another row.
+    hidden_CD, weight_VD, _, _, _ = _random_problem(torch.float64, num_rows=2, vocab=7)
+    compact_index = torch.tensor([0, 0, 1])
+    targets = torch.tensor([3, 5, 3])
+    grad_S = torch.tensor([0.7, -1.3, 0.0], dtype=torch.float64)
+    _, grad_hidden, grad_weight = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S)
+    softmax = torch.softmax(hidden_CD[0] @ weight_VD.T, dim=-1)
+    grad_logits = 0.7 * (torch.nn.functional.one_hot(torch.tensor(3), 7) - softmax) + (-1.3) * (
+        torch.nn.functional.one_hot(torch.tensor(5), 7) - softmax
+    )
+    assert torch.allclose(grad_hidden[0], grad_logits @ weight_VD, rtol=0, atol=1e-12)
+    assert torch.equal(grad_hidden[1], torch.zeros_like(grad_hidden[1]))
+    assert torch.allclose(grad_weight, torch.outer(grad_logits, hidden_CD[0]), rtol=0, atol=1e-12)
+
+
+def test_gradcheck():
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(
+        torch.float64, num_rows=6, hidden=5, vocab=9, num_positions=14
+    )
+    inputs = (hidden_CD.requires_grad_(), weight_VD.requires_grad_())
+    assert torch.autograd.gradcheck(
+        lambda h, w: compact_logprobs(h, w, compact_index, targets, chunk_rows=4), inputs
+    )
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight"])
+def test_gradient_of_one_input_only(needs):
+    hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(torch.float64)
+    hidden_CD.requires_grad_(needs == "hidden")
+    weight_VD.requires_grad_(needs == "weight")
+    compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8).backward(grad_S)
+    reference = _forward_backward(naive_compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S)
+    got, expected = (hidden_CD.grad, reference[1]) if needs == "hidden" else (weight_VD.grad, reference[2])
+    assert _relative(got, expected) <= 1e-12
+    assert (weight_VD.grad if needs == "hidden" else hidden_CD.grad) is None
+
+
+def test_keeps_nothing_vocabulary_sized():
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32, num_rows=40, vocab=200)
+    hidden_CD.requires_grad_()
+    logprobs = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8)
+    saved = logprobs.grad_fn.saved_tensors
+    vocab_sized = [t.shape for t in saved if t.numel() > max(hidden_CD.numel(), weight_VD.numel(), len(targets))]
+    assert vocab_sized == []
+    assert sum(t.numel() for t in saved) <= hidden_CD.numel() + weight_VD.numel() + 40 + 3 * len(targets)
+
+
+def test_bf16_inputs_give_fp32_logprobs():
+    hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(torch.bfloat16)
+    fast = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S, chunk_rows=6)
+    exact = _forward_backward(naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), compact_index, targets, grad_S)
+    assert fast[0].dtype == torch.float32 and fast[1].dtype == fast[2].dtype == torch.bfloat16
+    assert float((fast[0] - exact[0]).abs().max()) <= 1e-5
+    assert _relative(fast[1].float(), exact[1]) <= 1e-2
+    assert _relative(fast[2].float(), exact[2]) <= 1e-2
+
+
+def test_random_tree_semantic_positions():
+    """A real trie: labels, gradients and masks differ on shared rows; fp32 within 1e-5."""
+    rng = np.random.default_rng(42)
+    tree = random_tree_step(rng, num=12, max_len=30, vocab=5)
+    targets = semantic_targets_from_step(tree.step)
+    assert tree.num_compact < tree.step.num_semantic_tokens
+    generator = torch.Generator().manual_seed(42)
+    hidden_CD = torch.randn(tree.num_compact, 16, generator=generator)
+    weight_VD = torch.randn(5, 16, generator=generator)
+    compact_index = torch.from_numpy(tree.compact_map)
+    targets_S = torch.from_numpy(targets.targets)
+    grad_S = torch.randn(len(targets_S), generator=generator, dtype=torch.float64) * torch.from_numpy(targets.loss_mask)
+    fast = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets_S, grad_S, chunk_rows=7)
+    naive = _forward_backward(naive_compact_logprobs, hidden_CD, weight_VD, compact_index, targets_S, grad_S)
+    assert float((fast[0] - naive[0]).abs().max()) <= 1e-5
+    assert _relative(fast[1], naive[1]) <= 1e-5
+    assert _relative(fast[2], naive[2]) <= 1e-5
+
+
+def test_empty_positions():
+    hidden_CD, weight_VD, _, _, _ = _random_problem(torch.float64)
+    hidden_CD.requires_grad_()
+    empty = torch.zeros(0, dtype=torch.int64)
+    logprobs = compact_logprobs(hidden_CD, weight_VD, empty, empty, chunk_rows=8)
+    logprobs.sum().backward()
+    assert logprobs.shape == (0,) and torch.equal(hidden_CD.grad, torch.zeros_like(hidden_CD))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["row-out-of-range", "target-out-of-range", "negative-row", "int32-index", "length-mismatch", "hidden-size", "chunk0"],
+)
+def test_bad_inputs(case):
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32)
+    chunk_rows = 4
+    if case == "row-out-of-range":
+        compact_index = compact_index.clone()
+        compact_index[3] = hidden_CD.shape[0]
+    elif case == "target-out-of-range":
+        targets = targets.clone()
+        targets[0] = weight_VD.shape[0]
+    elif case == "negative-row":
+        compact_index = compact_index.clone()
+        compact_index[0] = -1
+    elif case == "int32-index":
+        compact_index = compact_index.int()
+    elif case == "length-mismatch":
+        targets = targets[:-1]
+    elif case == "hidden-size":
+        weight_VD = weight_VD[:, :-1]
+    else:
+        chunk_rows = 0
+    with pytest.raises(ValueError, match="compact_logprobs"):
+        compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows)
+
+
+def test_iter_compact_logits_covers_all_rows():
+    hidden_CD, weight_VD, _, _, _ = _random_problem(torch.float32)
+    chunks = list(iter_compact_logits(hidden_CD, weight_VD, chunk_rows=10))
+    assert [start for start, _ in chunks] == [0, 10, 20, 30]
+    assert torch.equal(torch.cat([logits for _, logits in chunks]), hidden_CD @ weight_VD.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_bounded_memory():
+    """bf16 on GPU: matches the fp32 reference; peak memory stays below half of C×V fp32 (so no
+    chunk's logits outlive it, as they would under plain autograd) and far below S×V."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(42)
+    num_rows, hidden, vocab, sharing = 8192, 256, 32768, 4
+    hidden_CD = torch.randn(num_rows, hidden, device=device, generator=generator).bfloat16().requires_grad_()
+    weight_VD = (torch.randn(vocab, hidden, device=device, generator=generator) / hidden**0.5).bfloat16().requires_grad_()
+    compact_index = torch.arange(num_rows, device=device).repeat(sharing)
+    targets = torch.randint(0, vocab, compact_index.shape, device=device, generator=generator)
+    grad_S = torch.randn(compact_index.shape, device=device, generator=generator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logprobs = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=512)
+    logprobs.backward(grad_S)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    compact_logits_bytes = num_rows * vocab * 4
+    assert peak < compact_logits_bytes / 2, (peak, compact_logits_bytes)
+    reference = _forward_backward(
+        naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), compact_index, targets, grad_S
+    )
+    assert float((logprobs.detach() - reference[0]).abs().max()) <= 1e-4
+    assert _relative(hidden_CD.grad.float(), reference[1]) <= 2e-2
+    assert _relative(weight_VD.grad.float(), reference[2]) <= 2e-2
