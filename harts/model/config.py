@@ -1,0 +1,95 @@
+"""Configuration of the hybrid KDA/MLA MoE model (configs/models/NAME.yaml).
+
+`ModelConfig` composes one small dataclass per component. Layer i is an MLA layer when
+(i + 1) is a multiple of `layers_per_group` (groups of `layers_per_group - 1` KDA layers then one
+MLA layer, as in Ling-3 / Kimi Linear), else a KDA layer. The first `num_dense_layers` layers use
+a dense SwiGLU MLP, the rest the MoE MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harts.config import load_config
+from harts.model.moe import MoEConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclass(kw_only=True)
+class KDAConfig:
+    """Kimi Delta Attention layer."""
+
+    num_heads: int
+    head_dim: int
+    """K = V, the key and value head dimension."""
+    conv_size: int = 4
+    """Width of the short causal convolution on q, k and v."""
+    gate_rank: int | None = None
+    """Rank of the low-rank decay-gate and output-gate projections (default: head_dim)."""
+    chunk_size: int = 64
+    """B: the chunked kernel's chunk length (chunks aligned at multiples of B)."""
+
+
+@dataclass(kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention layer (DeepSeek-V2 style)."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    """Dimension of the decoupled RoPE part; 0 = NoPE (no positional encoding)."""
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    """Low-rank query compression (None = a full query projection)."""
+    rope_theta: float = 10000.0
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The whole model."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layers_per_group: int = 4
+    """3 KDA + 1 MLA per group by default."""
+    num_dense_layers: int = 0
+    dense_hidden_size: int = 0
+    """Intermediate size of the dense SwiGLU MLP of the first num_dense_layers layers."""
+    kda: KDAConfig
+    mla: MLAConfig
+    moe: MoEConfig
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.layers_per_group < 1:
+            raise ValueError("num_layers and layers_per_group must be >= 1")
+        if self.moe.hidden_size != self.hidden_size:
+            raise ValueError(f"moe.hidden_size ({self.moe.hidden_size}) must equal hidden_size ({self.hidden_size})")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError("num_dense_layers must be in [0, num_layers]")
+        if self.num_dense_layers and self.dense_hidden_size < 1:
+            raise ValueError("dense_hidden_size must be >= 1 when num_dense_layers > 0")
+
+    def layer_kind(self, index: int) -> str:
+        return "mla" if (index + 1) % self.layers_per_group == 0 else "kda"
+
+    def layer_kinds(self) -> list[str]:
+        return [self.layer_kind(i) for i in range(self.num_layers)]
+
+
+def load_model_config(name_or_path: str) -> ModelConfig:
+    """A shipped config by name (`tiny`, `cpu-small`, `h200`, `ling3-tiny`) or a YAML path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+            raise ValueError(f"unknown model {name_or_path!r} (known: {known}; or give a YAML path)")
+    return load_config(path, ModelConfig)

@@ -1,0 +1,152 @@
+"""Layers of the hybrid model, written over rows and a row layout.
+
+Every layer maps rows x_RD to rows y_RD. What makes rows "packed trajectories" (the baseline)
+or "compact rows of a tree" (HARTS) is the `Layout` (harts.runtime.layout) passed in: it owns
+the path positions, the causal-conv predecessor index, the KDA call execution and the attention
+query groups. Per-row work (projections, norms, gates, MLPs) is identical in both executions, so
+the same weights compute the same function (tests/model/test_equivalence.py).
+
+- `KDALayer`: q/k/v projections, short causal conv (width 4) + SiLU on each, low-rank decay gate
+  g = -exp(A_log)·softplus(f(x) + dt_bias) (per channel, log space), β = sigmoid(b(x)), KDA with
+  L2-normalised q/k, output gate + RMSNorm (o = RMSNorm(o)·sigmoid(gate)), output projection.
+- `MLALayer`: DeepSeek-V2 multi-head latent attention: optional low-rank query, KV compressed
+  to `kv_lora_rank` + a shared decoupled RoPE key; RoPE on the original path positions (or
+  NoPE when qk_rope_head_dim = 0).
+- `SwiGLU`: the dense MLP of the first layers.
+Legend: R rows, D hidden, H heads, K/V KDA head dims, E = qk head dim, F = v head dim of MLA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.model.config import KDAConfig, MLAConfig
+from harts.runtime.layout import Layout
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def apply_rope(x_RHE: torch.Tensor, positions_R: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split convention) at the given path positions, computed in fp32."""
+    dim = x_RHE.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x_RHE.device, dtype=torch.float32) / dim))
+    angles = positions_R.float().unsqueeze(-1) * inv_freq
+    cos = angles.cos().unsqueeze(1)
+    sin = angles.sin().unsqueeze(1)
+    x32 = x_RHE.float()
+    first, second = x32[..., : dim // 2], x32[..., dim // 2 :]
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return rotated.to(x_RHE.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class KDALayer(nn.Module):
+    def __init__(self, hidden: int, config: KDAConfig, norm_eps: float) -> None:
+        super().__init__()
+        heads, head_dim = config.num_heads, config.head_dim
+        rank = config.gate_rank or head_dim
+        self.num_heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        # Depthwise causal conv weights [channels, width]; the last column multiplies the row itself.
+        self.q_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
+        self.k_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
+        self.v_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
+        self.f_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=False))
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads * head_dim))
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        self.g_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=True))
+        self.o_norm = RMSNorm(head_dim, norm_eps)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    @torch.no_grad()
+    def reset_kda_parameters(self, generator: torch.Generator) -> None:
+        """Conv, decay and dt initialisation from a CPU generator (values copied to the device)."""
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            bound = 1.0 / math.sqrt(conv.shape[1])
+            conv.copy_(torch.empty(conv.shape).uniform_(-bound, bound, generator=generator))
+        self.A_log.copy_(torch.empty(self.A_log.shape).uniform_(1, 16, generator=generator).log())
+        # dt in [1e-3, 1e-1] log-uniformly, stored as its softplus inverse.
+        log_dt = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
+        dt = log_dt.exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:
+        rows = x_RD.shape[0]
+        shape = (rows, self.num_heads, self.head_dim)
+        q = F.silu(layout.causal_conv(self.q_proj(x_RD), self.q_conv)).view(shape)
+        k = F.silu(layout.causal_conv(self.k_proj(x_RD), self.k_conv)).view(shape)
+        v = F.silu(layout.causal_conv(self.v_proj(x_RD), self.v_conv)).view(shape)
+        gate = self.f_proj(x_RD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
+        g = -self.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
+        beta = torch.sigmoid(self.b_proj(x_RD).float())
+        o = layout.linear_attention(q, k, v, g, beta)
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x_RD).view(shape)).to(o.dtype)
+        return self.o_proj(o.reshape(rows, -1).to(x_RD.dtype))
+
+
+class MLALayer(nn.Module):
+    def __init__(self, hidden: int, config: MLAConfig, norm_eps: float) -> None:
+        super().__init__()
+        self.config = config
+        heads = config.num_heads
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        if config.q_lora_rank:
+            self.q_proj = nn.Sequential(
+                nn.Linear(hidden, config.q_lora_rank, bias=False),
+                RMSNorm(config.q_lora_rank, norm_eps),
+                nn.Linear(config.q_lora_rank, heads * self.qk_head_dim, bias=False),
+            )
+        else:
+            self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(config.kv_lora_rank, norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
+        self.scale = self.qk_head_dim ** -0.5
+
+    def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:
+        config = self.config
+        rows, heads = x_RD.shape[0], config.num_heads
+        q = self.q_proj(x_RD).view(rows, heads, self.qk_head_dim)
+        compressed, k_rope = self.kv_a_proj(x_RD).split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_norm(compressed)).view(rows, heads, config.qk_nope_head_dim + config.v_head_dim)
+        k_nope, v = kv.split([config.qk_nope_head_dim, config.v_head_dim], dim=-1)
+        if config.qk_rope_head_dim:
+            q_nope, q_rope = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
+            q_rope = apply_rope(q_rope, layout.positions, config.rope_theta)
+            k_rope = apply_rope(k_rope.unsqueeze(1), layout.positions, config.rope_theta).expand(-1, heads, -1)
+            q = torch.cat([q_nope, q_rope], dim=-1)
+            k = torch.cat([k_nope, k_rope], dim=-1)
+        else:
+            k = k_nope
+        o = layout.attention(q, k, v, self.scale)
+        return self.o_proj(o.reshape(rows, heads * config.v_head_dim))

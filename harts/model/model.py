@@ -1,0 +1,90 @@
+"""The hybrid KDA/MLA MoE language model (plain PyTorch, no parallelism inside).
+
+`HybridModel(config)` maps input ids of R rows and a `Layout` to final hidden states [R, D] and
+the MoE auxiliary outputs of every MoE layer. The LM head is applied by the objective
+(`harts.objective.compact_logprobs`), which never materialises all logits at once. With
+`recompute=True` every block is checkpointed (non-reentrant): its activations are dropped in
+forward and recomputed in backward with the same layout, so the KDA call plan, replay ranges and
+state handoffs are replayed exactly (DESIGN §4, activation recomputation).
+Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts.model.config import ModelConfig
+from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
+from harts.model.moe import MoE, MoEAux
+from harts.runtime.layout import Layout
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: token mixer (KDA or MLA), then MLP (dense or MoE)."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.kind = config.layer_kind(index)
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        if self.kind == "kda":
+            self.mixer = KDALayer(config.hidden_size, config.kda, config.norm_eps)
+        else:
+            self.mixer = MLALayer(config.hidden_size, config.mla, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.is_moe = index >= config.num_dense_layers
+        self.mlp = MoE(config.moe) if self.is_moe else SwiGLU(config.hidden_size, config.dense_hidden_size)
+
+    def forward(self, x_RD: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, MoEAux | None]:
+        x_RD = x_RD + self.mixer(self.mixer_norm(x_RD), layout)
+        h_RD = self.mlp_norm(x_RD)
+        if self.is_moe:
+            y_RD, aux = self.mlp(h_RD, multiplicity_N=layout.multiplicity)
+        else:
+            y_RD, aux = self.mlp(h_RD), None
+        return x_RD + y_RD, aux
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation: normal(0, init_std) for matrices, layer-specific for KDA."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for name, parameter in self.named_parameters():
+            if parameter.dim() >= 2:
+                values = torch.empty(parameter.shape).normal_(0.0, self.config.init_std, generator=generator)
+                parameter.copy_(values)
+            elif name.endswith(".bias"):
+                parameter.zero_()
+            elif name.endswith("norm.weight") or name.endswith(".weight"):
+                parameter.fill_(1.0)
+        for module in self.modules():
+            if isinstance(module, KDALayer):
+                module.reset_kda_parameters(generator)
+            if isinstance(module, MoE) and module.expert_bias is not None:
+                module.expert_bias.zero_()
+
+    def forward(
+        self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False
+    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        x_RD = self.embed(input_ids_R)
+        auxes: list[MoEAux] = []
+        for block in self.blocks:
+            if recompute and torch.is_grad_enabled():
+                x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False)
+            else:
+                x_RD, aux = block(x_RD, layout)
+            if aux is not None:
+                auxes.append(aux)
+        return self.final_norm(x_RD), auxes

@@ -1,0 +1,156 @@
+"""Full attention over rows that form paths of a tree: query groups with ancestor KV views.
+
+Both executions describe causal attention the same way. The R rows (packed trajectories, or
+the compact rows of a microbatch) are split into G query groups; group g's queries are rows
+`q_index[q_ptr[g]:q_ptr[g+1]]` (l_g rows, consecutive positions of one path) and its keys are
+rows `kv_index[kv_ptr[g]:kv_ptr[g+1]]`: the h_g ancestor rows of the path, then the group's own l_g
+rows. Query i of the group sees keys j <= h_g + i (causal, aligned bottom-right). A trajectory
+of the baseline is one group with h = 0. For the DFS tree-mask backend, rows must be in DFS
+preorder and `row_subtree_end[r]` is one past the last descendant row of r: key c is visible to
+query r iff c <= r < row_subtree_end[c].
+
+Backends (all compute the same function, tested against `naive_group_attention`):
+- `naive_group_attention`: one dense R x R boolean mask, SDPA (the oracle; O(R^2) memory).
+- `sdpa_group_attention`: a loop over groups with gathered KV and a bottom-right mask (CPU path).
+- `varlen_group_attention`: all groups packed into one `torch.nn.attention.varlen.varlen_attn`
+  call with `window_size=(-1, 0)` (causal, bottom-right aligned) over gathered KV (GPU).
+- `flex_tree_attention`: FlexAttention over the rows in place with the DFS tree mask (GPU; no
+  ancestor KV copies).
+Legend: R rows, H heads, E query/key head dim, F value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionGroups:
+    q_index: torch.Tensor
+    """int64 [R] query rows, grouped (every row exactly once)."""
+    q_ptr: torch.Tensor
+    """int64 [G + 1]."""
+    kv_index: torch.Tensor
+    """int64 [Σ (h + l)] key rows per group: ancestors, then the group's own rows."""
+    kv_ptr: torch.Tensor
+    """int64 [G + 1]."""
+    row_subtree_end: torch.Tensor
+    """int64 [R] one past the last DFS-descendant row of each row."""
+    max_q: int
+    max_k: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.q_ptr) - 1
+
+    @property
+    def num_kv_rows(self) -> int:
+        return int(self.kv_ptr[-1])
+
+    def to(self, device: torch.device | str) -> AttentionGroups:
+        return AttentionGroups(
+            q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
+            kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
+            row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
+        )
+
+
+def visibility_mask(groups: AttentionGroups, num_rows: int) -> torch.Tensor:
+    """bool [R, R]: mask[r, c] = query row r sees key row c."""
+    mask = torch.zeros(num_rows, num_rows, dtype=torch.bool)
+    q_ptr, kv_ptr = groups.q_ptr.tolist(), groups.kv_ptr.tolist()
+    for g in range(groups.num_groups):
+        queries = groups.q_index[q_ptr[g] : q_ptr[g + 1]].cpu()
+        keys = groups.kv_index[kv_ptr[g] : kv_ptr[g + 1]].cpu()
+        ancestors = len(keys) - len(queries)
+        mask[queries.unsqueeze(1), keys.unsqueeze(0)] = _bottom_right(len(queries), len(keys), ancestors)
+    return mask
+
+
+def _bottom_right(num_q: int, num_k: int, ancestors: int, device=None) -> torch.Tensor:
+    """bool [l, h + l]: query i sees key j iff j <= h + i."""
+    rows = torch.arange(num_q, device=device).unsqueeze(1)
+    cols = torch.arange(num_k, device=device).unsqueeze(0)
+    return cols <= rows + ancestors
+
+
+def naive_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    mask = visibility_mask(groups, q_RHE.shape[0]).to(q_RHE.device)
+    out = F.scaled_dot_product_attention(
+        q_RHE.transpose(0, 1), k_RHE.transpose(0, 1), v_RHF.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def sdpa_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    out_RHF = q_RHE.new_empty(q_RHE.shape[0], q_RHE.shape[1], v_RHF.shape[2])
+    q_ptr, kv_ptr = groups.q_ptr.tolist(), groups.kv_ptr.tolist()
+    pieces, rows = [], []
+    for g in range(groups.num_groups):
+        queries = groups.q_index[q_ptr[g] : q_ptr[g + 1]]
+        keys = groups.kv_index[kv_ptr[g] : kv_ptr[g + 1]]
+        mask = _bottom_right(len(queries), len(keys), len(keys) - len(queries), q_RHE.device)
+        o = F.scaled_dot_product_attention(
+            q_RHE[queries].transpose(0, 1), k_RHE[keys].transpose(0, 1), v_RHF[keys].transpose(0, 1),
+            attn_mask=mask, scale=scale,
+        )
+        pieces.append(o.transpose(0, 1))
+        rows.append(queries)
+    out_RHF = out_RHF.index_copy(0, torch.cat(rows), torch.cat(pieces))
+    return out_RHF
+
+
+def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    value_dim = v_RHF.shape[-1]
+    if value_dim != q_RHE.shape[-1]:
+        # Flash attention wants one head dim for q, k and v: pad v, slice the output.
+        v_RHF = F.pad(v_RHF, (0, q_RHE.shape[-1] - value_dim))
+    out = varlen_attn(
+        q_RHE[groups.q_index], k_RHE[groups.kv_index], v_RHF[groups.kv_index],
+        groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
+        scale=scale, window_size=(-1, 0),
+    )
+    out_RHF = torch.empty_like(out).index_copy(0, groups.q_index, out)
+    return out_RHF[..., :value_dim]
+
+
+_compiled_flex = None
+
+
+def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    subtree_end = groups.row_subtree_end
+
+    def tree_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    num_rows = q_RHE.shape[0]
+    block_mask = create_block_mask(tree_mask, None, None, num_rows, num_rows, device=q_RHE.device)
+    out = _compiled_flex(
+        q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
+        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=block_mask, scale=scale,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+BACKENDS = {
+    "naive": naive_group_attention,
+    "sdpa": sdpa_group_attention,
+    "varlen": varlen_group_attention,
+    "flex": flex_tree_attention,
+}
+
+
+def group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float, backend: str) -> torch.Tensor:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    return BACKENDS[backend](q_RHE, k_RHE, v_RHF, groups, scale)

@@ -1,0 +1,214 @@
+"""Row layouts: how a microbatch's tokens become rows, for both executions.
+
+A `Layout` is built once per microbatch and used by every layer (and by the recomputation in
+backward). It holds the row inputs and everything a layer needs beyond per-row work:
+- `positions` (int64 [R]): the path position of each row (RoPE uses original positions);
+- `predecessors` (int64 [R, W - 1]): the rows of the 1st..(W-1)-th previous path positions, for
+  the short causal conv (R points at an all-zero row before a path's start);
+- the linear-attention execution: one packed call over all trajectories (baseline) or the
+  planned calls of a `KDASchedule` with state handoff and replay (compact);
+- `groups` (AttentionGroups): MLA query groups with their ancestor KV rows, and the DFS
+  subtree ends for the tree-mask backend;
+- `multiplicity` (float32 [R] or None): q_c, the MoE loss weights (None = all ones);
+- `semantic_rows` (int64 [S_mb]): the row of each semantic position of the members, members
+  concatenated in the given order — the compact map m for the compact layout.
+
+`baseline_layout` packs each trajectory as its own sequence (what a standard trainer does);
+`compact_layout` uses the microbatch's segment tree: C compact rows in DFS preorder, the KDA
+call schedule of harts.planning.kda_calls, and query groups = the schedule's sequences.
+Invariant (tests/runtime, tests/model/test_equivalence.py): for any per-row function, both
+layouts give the same value at every semantic position.
+Legend: R rows, C channels, W conv width, S_mb semantic positions of the microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from harts.ops.attention.groups import AttentionGroups, group_attention
+from harts.planning.kda_calls import compact_parent_row, plan_kda_calls
+from harts.planning.kda_schedule import KDASchedule
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex, SegmentTree
+
+EXECUTIONS = ("baseline", "compact")
+
+
+@dataclass(eq=False)
+class Layout:
+    execution: str
+    members: np.ndarray
+    """int64 trajectory indices (of the step) in this microbatch, in row/semantic order."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    predecessors: torch.Tensor
+    semantic_rows: torch.Tensor
+    groups: AttentionGroups
+    multiplicity: torch.Tensor | None
+    chunk_size: int
+    kda_schedule: KDASchedule | None = None
+    """The compact execution's call plan."""
+    cu_seqlens: torch.Tensor | None = None
+    """The baseline's packed sequences (one KDA call)."""
+    attention_backend: str = "sdpa"
+    kda_backend: str = "torch"
+    info: dict = field(default_factory=dict)
+    """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> Layout:
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids), positions=move(self.positions), predecessors=move(self.predecessors),
+            semantic_rows=move(self.semantic_rows), groups=self.groups.to(device),
+            multiplicity=move(self.multiplicity), cu_seqlens=move(self.cu_seqlens),
+        )
+
+    def causal_conv(self, x_RC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv along each row's path; weight[:, -1] multiplies the row itself."""
+        width = weight_CW.shape[1]
+        out_RC = x_RC * weight_CW[:, -1].to(x_RC.dtype)
+        if width > 1:
+            padded = torch.cat([x_RC, x_RC.new_zeros(1, x_RC.shape[1])])
+            for j in range(1, width):
+                out_RC = out_RC + padded[self.predecessors[:, j - 1]] * weight_CW[:, -1 - j].to(x_RC.dtype)
+        return out_RC
+
+    def linear_attention(self, q, k, v, g, beta) -> torch.Tensor:
+        from harts.ops.kda import compact_kda, packed_kda
+
+        if self.execution == "compact":
+            return compact_kda(q, k, v, g, beta, self.kda_schedule, backend=self.kda_backend)
+        return packed_kda(q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, backend=self.kda_backend)
+
+    def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
+        return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)
+
+
+def _predecessors(parent_row: np.ndarray, width: int) -> np.ndarray:
+    """int64 [R, W - 1]: j-th previous row along the path; R (a zero row) past the path start."""
+    num_rows = len(parent_row)
+    step_back = np.where(parent_row >= 0, parent_row, num_rows)
+    step_back = np.append(step_back, num_rows)
+    columns, current = [], np.arange(num_rows)
+    for _ in range(width - 1):
+        current = step_back[current]
+        columns.append(current)
+    return np.stack(columns, axis=1) if columns else np.zeros((num_rows, 0), dtype=np.int64)
+
+
+def _member_tokens(step: Step, members: np.ndarray) -> np.ndarray:
+    return np.concatenate([step.trajectory_tokens(k) for k in members]).astype(np.int64)
+
+
+def _groups(q_rows: list[np.ndarray], kv_rows: list[np.ndarray], subtree_end: np.ndarray) -> AttentionGroups:
+    q_ptr = np.zeros(len(q_rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in q_rows], out=q_ptr[1:])
+    kv_ptr = np.zeros(len(kv_rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in kv_rows], out=kv_ptr[1:])
+    return AttentionGroups(
+        q_index=torch.from_numpy(np.concatenate(q_rows)),
+        q_ptr=torch.from_numpy(q_ptr),
+        kv_index=torch.from_numpy(np.concatenate(kv_rows)),
+        kv_ptr=torch.from_numpy(kv_ptr),
+        row_subtree_end=torch.from_numpy(subtree_end.astype(np.int64)),
+        max_q=int(np.diff(q_ptr).max()),
+        max_k=int(np.diff(kv_ptr).max()),
+    )
+
+
+def baseline_layout(
+    step: Step, members: np.ndarray, *, conv_size: int, chunk_size: int,
+    attention_backend: str = "sdpa", kda_backend: str = "torch",
+) -> Layout:
+    """Each member trajectory its own packed sequence (rows = its semantic tokens)."""
+    members = np.asarray(members, dtype=np.int64)
+    lengths = step.lengths[members]
+    starts = np.zeros(len(members) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    num_rows = int(starts[-1])
+    rows = np.arange(num_rows, dtype=np.int64)
+    parent_row = rows - 1
+    parent_row[starts[:-1]] = -1
+    positions = rows - np.repeat(starts[:-1], lengths)
+    sequences = [rows[starts[i] : starts[i + 1]] for i in range(len(members))]
+    subtree_end = np.repeat(starts[1:], lengths)
+    return Layout(
+        execution="baseline",
+        members=members,
+        input_ids=torch.from_numpy(_member_tokens(step, members)),
+        positions=torch.from_numpy(positions),
+        predecessors=torch.from_numpy(_predecessors(parent_row, conv_size)),
+        semantic_rows=torch.from_numpy(rows),
+        groups=_groups(sequences, sequences, subtree_end),
+        multiplicity=None,
+        chunk_size=chunk_size,
+        cu_seqlens=torch.from_numpy(starts),
+        attention_backend=attention_backend,
+        kda_backend=kda_backend,
+        info={"rows": num_rows, "semantic_tokens": num_rows, "kda_calls": 1, "replay_rows": 0,
+              "attention_kv_rows": num_rows, "sequences": len(members)},
+    )
+
+
+def _ancestor_rows(tree: SegmentTree, segment_of_row: np.ndarray, row: int) -> np.ndarray:
+    """Compact rows of the path positions before `row`, in path order."""
+    v = int(segment_of_row[row])
+    pieces = [np.arange(tree.compact_start[v], row)]
+    u = int(tree.parent[v])
+    while u >= 0:
+        pieces.append(np.arange(tree.compact_start[u], tree.compact_start[u] + tree.end[u] - tree.start[u]))
+        u = int(tree.parent[u])
+    return np.concatenate(pieces[::-1])
+
+
+def compact_layout(
+    step: Step, index: PrefixIndex, members: np.ndarray, *, conv_size: int, chunk_size: int,
+    replay: bool = True, attention_backend: str = "sdpa", kda_backend: str = "torch",
+) -> Layout:
+    """One row per compact token of the members' trie, KDA executed by the planned calls."""
+    members = np.asarray(members, dtype=np.int64)
+    tree = index.segment_tree(members)
+    compact_map = tree.compact_map()
+    num_rows = tree.num_compact_tokens
+    input_ids = np.empty(num_rows, dtype=np.int64)
+    input_ids[compact_map] = _member_tokens(step, members)
+    parent_row = compact_parent_row(tree)
+    schedule = plan_kda_calls(tree, chunk_size, replay=replay)
+
+    segment_of_row = tree.compact_segment()
+    q_rows, kv_rows = [], []
+    for call in schedule.calls:
+        for i in range(call.num_sequences):
+            lo, hi = int(call.cu_seqlens[i]), int(call.cu_seqlens[i + 1])
+            computed = call.rows[lo:hi][~call.is_replay[lo:hi]]
+            q_rows.append(computed)
+            kv_rows.append(np.concatenate([_ancestor_rows(tree, segment_of_row, int(computed[0])), computed]))
+    segment_end_row = np.append(tree.compact_start, num_rows)[tree.subtree_end]
+    groups = _groups(q_rows, kv_rows, segment_end_row[segment_of_row])
+    return Layout(
+        execution="compact",
+        members=members,
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(tree.compact_positions()),
+        predecessors=torch.from_numpy(_predecessors(parent_row, conv_size)),
+        semantic_rows=torch.from_numpy(compact_map),
+        groups=groups,
+        multiplicity=torch.from_numpy(tree.multiplicity().astype(np.float32)),
+        chunk_size=chunk_size,
+        kda_schedule=schedule,
+        attention_backend=attention_backend,
+        kda_backend=kda_backend,
+        info={"rows": num_rows, "semantic_tokens": tree.num_semantic_tokens, "kda_calls": schedule.num_calls,
+              "replay_rows": schedule.replay_tokens, "attention_kv_rows": groups.num_kv_rows,
+              "sequences": schedule.num_sequences},
+    )

@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+import torch
+
+from harts.ops.attention.groups import (
+    BACKENDS, group_attention, naive_group_attention, sdpa_group_attention, visibility_mask,
+)
+from harts.runtime.layout import baseline_layout, compact_layout
+from harts.trees.trie import PrefixIndex
+from tests.trees.helpers import make_step, random_sequences
+
+
+def _random_step(seed, num=12, max_len=40, vocab=3):
+    rng = np.random.default_rng(seed)
+    return make_step(random_sequences(rng, num, max_len, vocab))
+
+
+def _ancestor_or_self(layout, step):
+    """mask[r, c]: row c holds a path position <= row r's on r's path (from the semantic map)."""
+    rows = layout.semantic_rows.numpy()
+    mask = np.zeros((layout.num_rows, layout.num_rows), dtype=bool)
+    start = 0
+    for k in layout.members:
+        path = rows[start : start + step.lengths[k]]
+        for i, r in enumerate(path):
+            mask[r, path[: i + 1]] = True
+        start += step.lengths[k]
+    return mask
+
+
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+@pytest.mark.parametrize("seed", range(4))
+def test_groups_see_exactly_the_path(execution, seed):
+    step = _random_step(42 + seed)
+    members = np.arange(step.num_trajectories)
+    if execution == "compact":
+        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8)
+    else:
+        layout = baseline_layout(step, members, conv_size=4, chunk_size=8)
+    expected = _ancestor_or_self(layout, step)
+    assert (visibility_mask(layout.groups, layout.num_rows).numpy() == expected).all()
+    # The DFS tree mask (flex backend) describes the same relation.
+    subtree_end = layout.groups.row_subtree_end.numpy()
+    r, c = np.meshgrid(np.arange(layout.num_rows), np.arange(layout.num_rows), indexing="ij")
+    assert ((c <= r) & (r < subtree_end[c]) == expected).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sdpa_matches_naive(seed):
+    step = _random_step(7 + seed, num=10, max_len=30)
+    layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=4)
+    gen = torch.Generator().manual_seed(seed)
+    rows, heads = layout.num_rows, 2
+    q = torch.randn(rows, heads, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(rows, heads, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(rows, heads, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(rows, heads, 6, generator=gen, dtype=torch.float64)
+    outs = []
+    for fn in (naive_group_attention, sdpa_group_attention):
+        out = fn(q, k, v, layout.groups, 0.3)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        outs.append((out, *grads))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_unknown_backend():
+    step = _random_step(1)
+    layout = baseline_layout(step, np.arange(step.num_trajectories), conv_size=4, chunk_size=8)
+    x = torch.zeros(layout.num_rows, 1, 4)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        group_attention(x, x, x, layout.groups, 1.0, "fast")
+    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def test_gpu_backends_match_naive(backend):
+    step = _random_step(3, num=16, max_len=200, vocab=3)
+    layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
+    groups = layout.groups.to("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, heads = layout.num_rows, 4
+    q, k = (torch.randn(rows, heads, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(rows, heads, 32, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, heads, 32, generator=gen, device="cuda", dtype=torch.bfloat16)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = naive_group_attention(*ref, groups, 0.125)
+    expected_grads = torch.autograd.grad(expected, ref, grad.double())
+    out = group_attention(q, k, v, groups, 0.125, backend)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    for got, want in zip((out, *grads), (expected, *expected_grads)):
+        error = (got.double() - want).norm() / want.norm()
+        assert error < 1e-2, error
