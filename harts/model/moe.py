@@ -1,0 +1,364 @@
+"""Mixture-of-experts MLP on rows, with auxiliary losses weighted by multiplicity (DESIGN §4).
+
+`MoE(config)` maps rows x_ND to (y_ND, MoEAux). In compact execution the N rows are the C
+compact rows: routing, dispatch and expert compute happen once per compact token. The optional
+`multiplicity_N` (q_c, Σ q = S) restores the semantics of the S positions in the auxiliary
+losses and counts, so that with q = multiplicities of a compact map they equal the same
+quantities computed on the expanded rows (row c repeated q_c times), and with q ≡ 1 they equal
+megatron-core 0.16's:
+- router z-loss  β_z · Σ q_c·lse(logits_c)² / Σ q_c                          (`z_loss_func`)
+- load-balancing loss  β_aux · E/(k·S²) · Σ_e (Σ_c q_c·P_ce)(Σ_c q_c·f_ce)
+  (`switch_load_balancing_loss_func`), with P the scores over all experts (softmax, or
+  sigmoid normalised over all experts) and f the top-k of P without expert bias — megatron's
+  `compute_routing_scores_for_aux_loss`;
+- expert-bias counts  Σ_c q_c·[expert e selected for c]  over the routing actually used, and
+  the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
+
+Routing (megatron's `topk_routing_with_score_function`, no group-limited top-k): router logits
+in fp32 (fp64 for fp64 rows, the tests' exact mode); softmax scores: top-k of the logits then softmax over the k (or, with
+`softmax_before_topk`, softmax over all experts then top-k, unnormalised); sigmoid scores: top-k
+of sigmoid(logits) + expert bias (the bias picks the experts only), combine weights = the k
+unbiased sigmoid scores normalised to sum 1 (when k > 1); then × `topk_scaling_factor`.
+
+Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
+[E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
+row. Expert outputs are combined in the router's precision. Two expert paths compute the same
+function:
+- "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
+- "grouped": `dispatch` sorts the N·k (row, expert) pairs by expert once (tokens per expert
+  give the group offsets), `grouped_experts` runs two `torch._grouped_mm` calls, `combine`
+  scatter-adds the weighted outputs. An expert-parallel wrapper replaces `dispatch`/`combine`.
+  `torch._grouped_mm(mat_a [R, K], mat_b [G, K, N], offs=int32 cumulative ends) -> [R, N]`
+  exists in torch 2.11 (DESIGN §4 measures it on an H200) and 2.13; its meta checks ask for
+  bf16 operands with 16-byte-aligned strides (D and F multiples of 8), so on CUDA run the layer
+  in bf16; torch 2.13 also runs it on CPU in fp32 (the CPU test compares it with "loop").
+"auto" picks "grouped" on CUDA and "loop" elsewhere. The layer holds no parallelism.
+
+Legend: N rows, D hidden size, E experts, k = top_k, F expert hidden size, R = N·k routed rows.
+Tests: routing and losses against megatron-core on the same logits, compact q-weighted vs
+expanded rows (forward and gradients), grouped vs loop (forward and gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+EXPERT_BACKENDS = ("auto", "loop", "grouped")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """One MoE MLP layer."""
+
+    hidden_size: int
+    """D, the model width."""
+    num_experts: int
+    """E, routed experts."""
+    top_k: int
+    """k, experts per row."""
+    expert_hidden_size: int
+    """F, the intermediate size of each routed expert."""
+    score_function: str = "softmax"
+    """"softmax" or "sigmoid"."""
+    softmax_before_topk: bool = False
+    """Softmax over all experts before top-k (megatron's pre-softmax); needed for softmax with k = 1."""
+    topk_scaling_factor: float | None = None
+    """Multiplies the combine weights (e.g. 2.5 in DeepSeek-V3-style sigmoid routing)."""
+    shared_expert_hidden_size: int = 0
+    """Intermediate size of the shared expert applied to every row (0 = none)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to sigmoid scores for selection only."""
+    bias_update_rate: float = 1e-3
+    """Step of the sign update of the expert bias."""
+    aux_loss_coeff: float = 0.0
+    """Coefficient of the switch-style load-balancing loss (0 = not computed)."""
+    z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (0 = not computed)."""
+    experts_backend: str = "auto"
+    """"loop", "grouped" or "auto" (grouped on CUDA)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight."""
+
+    def __post_init__(self) -> None:
+        if min(self.hidden_size, self.num_experts, self.top_k, self.expert_hidden_size) < 1:
+            raise ValueError(f"MoEConfig: sizes must be >= 1, got {self}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig: top_k {self.top_k} > num_experts {self.num_experts}")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"MoEConfig: score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}")
+        if self.experts_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"MoEConfig: experts_backend must be one of {EXPERT_BACKENDS}, got {self.experts_backend!r}")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise ValueError("MoEConfig: expert_bias needs score_function 'sigmoid' (as in megatron-core)")
+        if self.score_function == "softmax" and self.top_k == 1 and not self.softmax_before_topk:
+            raise ValueError("MoEConfig: softmax after top-1 has zero gradient; set softmax_before_topk")
+        if self.shared_expert_hidden_size < 0 or self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            raise ValueError(f"MoEConfig: shared size and loss coefficients must be >= 0, got {self}")
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Top-k routing of N rows."""
+
+    experts_NK: torch.Tensor
+    """int64 selected experts of each row."""
+    probs_NK: torch.Tensor
+    """fp32 combine weights (differentiable w.r.t. the router logits)."""
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """Rows sorted by expert: routed row r is (row token_R[r], slot order_R[r] of the N·k pairs)."""
+
+    order_R: torch.Tensor
+    """int64 flat (row·k + slot) indices of the routed pairs, sorted by expert (stable)."""
+    token_R: torch.Tensor
+    """int64 source row of each routed row."""
+    tokens_per_expert_E: torch.Tensor
+    """int64 routed rows per expert (unweighted); cumulative sums are the group ends."""
+
+
+@dataclass(frozen=True, eq=False)
+class MoEAux:
+    """Auxiliary outputs of one MoE forward (losses already multiplied by their coefficients)."""
+
+    z_loss: torch.Tensor | None
+    """Router z-loss (None when its coefficient is 0)."""
+    load_balancing_loss: torch.Tensor | None
+    """Switch-style load-balancing loss (None when its coefficient is 0)."""
+    tokens_per_expert_E: torch.Tensor
+    """fp32 q-weighted routed assignments per expert (no grad): the expert-bias update counts."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The sum of the enabled losses (a zero tensor when none is)."""
+        total = self.tokens_per_expert_E.new_zeros(())
+        for term in (self.z_loss, self.load_balancing_loss):
+            if term is not None:
+                total = total + term
+        return total
+
+
+def topk_routing(
+    logits_NE: torch.Tensor,
+    *,
+    top_k: int,
+    score_function: str,
+    softmax_before_topk: bool = False,
+    topk_scaling_factor: float | None = None,
+    expert_bias_E: torch.Tensor | None = None,
+) -> Routing:
+    """Selected experts and combine weights from fp32 router logits (module docstring)."""
+    if score_function == "softmax":
+        if expert_bias_E is not None:
+            raise ValueError("topk_routing: expert bias needs the sigmoid score function")
+        if softmax_before_topk:
+            probs, experts = torch.topk(torch.softmax(logits_NE, dim=-1), k=top_k, dim=1)
+        else:
+            top_logits, experts = torch.topk(logits_NE, k=top_k, dim=1)
+            probs = torch.softmax(top_logits, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits_NE)
+        selection = scores if expert_bias_E is None else scores + expert_bias_E
+        experts = torch.topk(selection, k=top_k, dim=1).indices
+        probs = scores.gather(1, experts)
+        if top_k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"topk_routing: unknown score function {score_function!r}")
+    if topk_scaling_factor:
+        probs = probs * topk_scaling_factor
+    return Routing(experts_NK=experts, probs_NK=probs)
+
+
+def _weights(multiplicity_N: torch.Tensor | None, logits_NE: torch.Tensor) -> torch.Tensor:
+    if multiplicity_N is None:
+        return logits_NE.new_ones(logits_NE.shape[0])
+    return multiplicity_N.to(logits_NE.dtype)
+
+
+def router_z_loss(logits_NE: torch.Tensor, multiplicity_N: torch.Tensor | None, coeff: float) -> torch.Tensor:
+    """coeff · Σ q_c·lse_c² / Σ q_c (megatron's `z_loss_func` when q ≡ 1)."""
+    q = _weights(multiplicity_N, logits_NE)
+    return (q * torch.logsumexp(logits_NE, dim=-1).square()).sum() / q.sum() * coeff
+
+
+def aux_loss_scores(logits_NE: torch.Tensor, *, top_k: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores_NE, top-k map_NE) for the load-balancing loss: scores over all experts, no bias."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits_NE, dim=-1)
+    else:
+        scores = torch.sigmoid(logits_NE)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top = torch.topk(scores, k=top_k, dim=1).indices
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+    return scores, selected
+
+
+def load_balancing_loss(
+    scores_NE: torch.Tensor,
+    selected_NE: torch.Tensor,
+    multiplicity_N: torch.Tensor | None,
+    *,
+    top_k: int,
+    coeff: float,
+) -> torch.Tensor:
+    """coeff · E/(k·S²) · Σ_e (Σ q·P_e)(Σ q·f_e), S = Σ q (megatron's switch loss when q ≡ 1)."""
+    q = _weights(multiplicity_N, scores_NE)
+    num_experts = scores_NE.shape[1]
+    total = q.sum()
+    probability_mass_E = (q[:, None] * scores_NE).sum(dim=0)
+    assignments_E = (q[:, None] * selected_NE.to(q.dtype)).sum(dim=0)
+    return (probability_mass_E * assignments_E).sum() * (num_experts * coeff / top_k) / (total * total)
+
+
+@torch.no_grad()
+def expert_assignment_counts(
+    experts_NK: torch.Tensor, multiplicity_N: torch.Tensor | None, num_experts: int
+) -> torch.Tensor:
+    """fp32 [E] Σ_c q_c·[e ∈ experts_c]: the q-weighted top-k counts."""
+    q = torch.ones(experts_NK.shape[0], device=experts_NK.device) if multiplicity_N is None else multiplicity_N
+    weights = q.to(torch.float32)[:, None].expand(experts_NK.shape)
+    return torch.zeros(num_experts, device=experts_NK.device).index_add_(
+        0, experts_NK.reshape(-1), weights.reshape(-1)
+    )
+
+
+@torch.no_grad()
+def updated_expert_bias(
+    tokens_per_expert_E: torch.Tensor, expert_bias_E: torch.Tensor, update_rate: float
+) -> torch.Tensor:
+    """b + rate·sign(mean(counts) − counts): raise under-loaded experts, lower over-loaded ones.
+
+    `tokens_per_expert_E` are the counts of the whole global batch (summed over microbatches and
+    data-parallel ranks by the caller); works on stacked [L, E] inputs too.
+    """
+    mean = tokens_per_expert_E.sum(dim=-1, keepdim=True) / tokens_per_expert_E.shape[-1]
+    return expert_bias_E + torch.sign(mean - tokens_per_expert_E) * update_rate
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 rows, fp64 for fp64 rows (the tests' exact mode)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ optional shared expert) on rows [N, D]."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.router_weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, 2 * c.expert_hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(c.num_experts, c.expert_hidden_size, c.hidden_size))
+        if c.shared_expert_hidden_size:
+            self.shared_gate_up_proj = nn.Parameter(torch.empty(c.hidden_size, 2 * c.shared_expert_hidden_size))
+            self.shared_down_proj = nn.Parameter(torch.empty(c.shared_expert_hidden_size, c.hidden_size))
+        else:
+            self.shared_gate_up_proj = self.shared_down_proj = None
+        # Kept in fp32 whatever the module dtype: tiny sign updates vanish in bf16.
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts) if c.expert_bias else None)
+        for parameter in self.parameters():
+            nn.init.normal_(parameter, std=c.init_std)
+
+    def router_logits(self, x_ND: torch.Tensor) -> torch.Tensor:
+        dtype = _accumulation_dtype(x_ND)
+        return x_ND.to(dtype) @ self.router_weight.to(dtype).T
+
+    def route(self, logits_NE: torch.Tensor) -> Routing:
+        c = self.config
+        return topk_routing(
+            logits_NE,
+            top_k=c.top_k,
+            score_function=c.score_function,
+            softmax_before_topk=c.softmax_before_topk,
+            topk_scaling_factor=c.topk_scaling_factor,
+            expert_bias_E=None if self.expert_bias is None else self.expert_bias.to(logits_NE.dtype),
+        )
+
+    def dispatch(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchPlan]:
+        """Routed rows sorted by expert, and the plan to combine them."""
+        flat_experts = routing.experts_NK.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token = torch.div(order, self.config.top_k, rounding_mode="floor")
+        counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
+        return x_ND[token], DispatchPlan(order_R=order, token_R=token, tokens_per_expert_E=counts)
+
+    def grouped_experts(self, x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Expert MLPs on rows sorted by expert, two grouped GEMMs."""
+        c = self.config
+        if c.hidden_size % 8 or c.expert_hidden_size % 8:
+            raise ValueError(
+                f"grouped experts need hidden_size and expert_hidden_size multiples of 8 (16-byte strides), "
+                f"got {c.hidden_size} and {c.expert_hidden_size}"
+            )
+        ends = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
+        gate, up = torch._grouped_mm(x_RD, self.gate_up_proj, offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj, offs=ends)
+
+    def combine(self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int) -> torch.Tensor:
+        """[N, D] in the combine dtype (fp32, fp64 for fp64 rows): Σ over a row's experts of weight · output."""
+        weights_R = routing.probs_NK.reshape(-1)[plan.order_R]
+        out = y_RD.new_zeros(num_rows, y_RD.shape[1], dtype=weights_R.dtype)
+        return out.index_add_(0, plan.token_R, y_RD.to(weights_R.dtype) * weights_R[:, None])
+
+    def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Reference path: [N, D] in the combine dtype, one gather / MLP / scatter-add per expert."""
+        out = x_ND.new_zeros(x_ND.shape, dtype=routing.probs_NK.dtype)
+        for expert in range(self.config.num_experts):
+            token, slot = torch.nonzero(routing.experts_NK == expert, as_tuple=True)
+            if len(token):
+                y = _swiglu(x_ND[token], self.gate_up_proj[expert], self.down_proj[expert])
+                out.index_add_(0, token, y.to(out.dtype) * routing.probs_NK[token, slot][:, None])
+        return out
+
+    def _backend(self, x_ND: torch.Tensor) -> str:
+        if self.config.experts_backend == "auto":
+            return "grouped" if x_ND.is_cuda else "loop"
+        return self.config.experts_backend
+
+    def forward(
+        self, x_ND: torch.Tensor, multiplicity_N: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoEAux]:
+        """(y_ND in x's dtype, aux); `multiplicity_N` (q, default 1) weights the losses and counts."""
+        c = self.config
+        if x_ND.dim() != 2 or x_ND.shape[1] != c.hidden_size:
+            raise ValueError(f"MoE: expected rows [N, {c.hidden_size}], got {tuple(x_ND.shape)}")
+        if multiplicity_N is not None and multiplicity_N.shape != (x_ND.shape[0],):
+            raise ValueError(f"MoE: multiplicity has shape {tuple(multiplicity_N.shape)}, expected ({x_ND.shape[0]},)")
+        logits = self.router_logits(x_ND)
+        routing = self.route(logits)
+        if self._backend(x_ND) == "grouped":
+            x_RD, plan = self.dispatch(x_ND, routing)
+            out = self.combine(self.grouped_experts(x_RD, plan.tokens_per_expert_E), routing, plan, x_ND.shape[0])
+        else:
+            out = self.loop_experts(x_ND, routing)
+        if self.shared_gate_up_proj is not None:
+            out = out + _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+
+        z_loss = router_z_loss(logits, multiplicity_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
+        balance = None
+        if c.aux_loss_coeff > 0:
+            scores, selected = aux_loss_scores(logits, top_k=c.top_k, score_function=c.score_function)
+            balance = load_balancing_loss(scores, selected, multiplicity_N, top_k=c.top_k, coeff=c.aux_loss_coeff)
+        counts = expert_assignment_counts(routing.experts_NK, multiplicity_N, c.num_experts)
+        return out.to(x_ND.dtype), MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Apply the aux-loss-free update after a step, from the step's summed `tokens_per_expert_E`."""
+        if self.expert_bias is None:
+            raise ValueError("MoE.update_expert_bias: this layer has no expert bias (config.expert_bias)")
+        updated = updated_expert_bias(tokens_per_expert_E.float(), self.expert_bias, self.config.bias_update_rate)
+        self.expert_bias.copy_(updated)

@@ -1,0 +1,310 @@
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from harts.model.moe import (
+    MoE,
+    MoEConfig,
+    aux_loss_scores,
+    expert_assignment_counts,
+    load_balancing_loss,
+    router_z_loss,
+    topk_routing,
+    updated_expert_bias,
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # megatron warns at import that TE and Apex are missing
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+NUM_ROWS, NUM_EXPERTS = 64, 8
+
+ROUTINGS = {
+    # id: kwargs of topk_routing (the expert bias, when True, is drawn at random)
+    "softmax-k2": dict(top_k=2, score_function="softmax"),
+    "softmax-pre-k3-scaled": dict(top_k=3, score_function="softmax", softmax_before_topk=True, topk_scaling_factor=2.0),
+    "softmax-pre-k1": dict(top_k=1, score_function="softmax", softmax_before_topk=True),
+    "sigmoid-k3": dict(top_k=3, score_function="sigmoid"),
+    "sigmoid-k1": dict(top_k=1, score_function="sigmoid"),
+    "sigmoid-bias-k4-scaled": dict(top_k=4, score_function="sigmoid", expert_bias_E=True, topk_scaling_factor=2.5),
+}
+
+
+def _logits(dtype=torch.float32, seed=42):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_ROWS, NUM_EXPERTS, generator=generator, dtype=dtype) * 2
+
+
+def _dense(routing):
+    probs = torch.zeros(NUM_ROWS, NUM_EXPERTS, dtype=routing.probs_NK.dtype).scatter(
+        1, routing.experts_NK, routing.probs_NK
+    )
+    selected = torch.zeros(NUM_ROWS, NUM_EXPERTS, dtype=torch.bool).scatter(1, routing.experts_NK, True)
+    return probs, selected
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_routing_matches_megatron(name):
+    kwargs = dict(ROUTINGS[name])
+    if kwargs.get("expert_bias_E"):
+        kwargs["expert_bias_E"] = torch.randn(NUM_EXPERTS, generator=torch.Generator().manual_seed(7)) * 0.3
+    logits = _logits().requires_grad_()
+    probs, selected = _dense(topk_routing(logits, **kwargs))
+    upstream = torch.randn(NUM_ROWS, NUM_EXPERTS, generator=torch.Generator().manual_seed(1))
+    (grad,) = torch.autograd.grad((probs * upstream).sum(), logits)
+
+    reference_logits = logits.detach().clone().requires_grad_()
+    reference_probs, reference_map = moe_utils.topk_routing_with_score_function(
+        reference_logits,
+        kwargs["top_k"],
+        use_pre_softmax=kwargs.get("softmax_before_topk", False),
+        scaling_factor=kwargs.get("topk_scaling_factor"),
+        score_function=kwargs["score_function"],
+        expert_bias=kwargs.get("expert_bias_E"),
+    )
+    (reference_grad,) = torch.autograd.grad((reference_probs * upstream).sum(), reference_logits)
+    if kwargs.get("expert_bias_E") is not None:
+        # The bias must change the selection here, or the case would not test it.
+        assert not torch.equal(selected, _dense(topk_routing(logits, **{**kwargs, "expert_bias_E": None}))[1])
+    assert torch.equal(selected, reference_map)
+    assert torch.allclose(probs, reference_probs, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(grad, reference_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_z_loss_matches_megatron():
+    logits = _logits().requires_grad_()
+    loss = router_z_loss(logits, None, 1e-3)
+    (grad,) = torch.autograd.grad(loss, logits)
+    reference_logits = logits.detach().clone().requires_grad_()
+    reference = moe_utils.z_loss_func(reference_logits, 1e-3)
+    (reference_grad,) = torch.autograd.grad(reference, reference_logits)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert torch.allclose(grad, reference_grad, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_load_balancing_loss_matches_megatron(score_function, top_k):
+    logits = _logits().requires_grad_()
+    scores, selected = aux_loss_scores(logits, top_k=top_k, score_function=score_function)
+    loss = load_balancing_loss(scores, selected, None, top_k=top_k, coeff=1e-2)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    reference_logits = logits.detach().clone().requires_grad_()
+    reference_map, reference_scores = moe_utils.compute_routing_scores_for_aux_loss(
+        reference_logits, top_k, score_function
+    )
+    reference = moe_utils.switch_load_balancing_loss_func(
+        probs=reference_scores,
+        tokens_per_expert=reference_map.sum(dim=0),
+        total_num_tokens=NUM_ROWS,
+        topk=top_k,
+        num_experts=NUM_EXPERTS,
+        moe_aux_loss_coeff=1e-2,
+    )
+    (reference_grad,) = torch.autograd.grad(reference, reference_logits)
+    assert torch.equal(selected, reference_map)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert torch.allclose(grad, reference_grad, rtol=1e-5, atol=1e-10)
+
+
+@pytest.fixture
+def single_process_all_reduce(monkeypatch):
+    """megatron's bias update all-reduces the counts; over one process that is the identity."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: None)
+    monkeypatch.setattr(parallel_state, "get_tensor_and_data_parallel_group", lambda **_: None)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "three-layers"])
+def test_expert_bias_update_matches_megatron(single_process_all_reduce, stacked):
+    generator = torch.Generator().manual_seed(42)
+    layers = 3 if stacked else 1
+    biases = torch.randn(layers, NUM_EXPERTS, generator=generator) * 0.1
+    counts = []
+    for layer in range(layers):
+        logits = _logits(seed=layer)
+        routing = topk_routing(logits, top_k=2, score_function="sigmoid", expert_bias_E=biases[layer])
+        _, reference_map = moe_utils.topk_routing_with_score_function(
+            logits, 2, score_function="sigmoid", expert_bias=biases[layer]
+        )
+        counts.append(expert_assignment_counts(routing.experts_NK, None, NUM_EXPERTS))
+        assert torch.equal(counts[-1], reference_map.sum(dim=0).float())
+    counts = torch.stack(counts)
+    if not stacked:
+        counts, biases = counts[0], biases[0]
+    expected = moe_utils.get_updated_expert_bias(counts.clone(), biases, 1e-3)
+    updated = updated_expert_bias(counts, biases, 1e-3)
+    assert torch.equal(updated, expected)
+    assert not torch.equal(updated, biases)
+
+
+MODULES = {
+    # id: MoEConfig overrides
+    "softmax-shared": dict(score_function="softmax", shared_expert_hidden_size=16),
+    "softmax-pre-k1": dict(score_function="softmax", top_k=1, softmax_before_topk=True),
+    "sigmoid-bias-scaled": dict(score_function="sigmoid", expert_bias=True, topk_scaling_factor=2.5),
+}
+
+
+def _module(overrides, dtype=torch.float64, backend="loop", seed=42):
+    config = MoEConfig(
+        hidden_size=16, num_experts=NUM_EXPERTS, top_k=overrides.get("top_k", 2), expert_hidden_size=8,
+        aux_loss_coeff=1e-2, z_loss_coeff=1e-3, experts_backend=backend, init_std=0.3,
+        **{k: v for k, v in overrides.items() if k != "top_k"},
+    )
+    torch.manual_seed(seed)
+    module = MoE(config).to(dtype)
+    if module.expert_bias is not None:
+        module.expert_bias.copy_(torch.randn(NUM_EXPERTS) * 0.2)
+    return module
+
+
+def _random_compact_map(num_compact, num_semantic, seed=42):
+    generator = torch.Generator().manual_seed(seed)
+    compact_map = torch.cat(
+        [torch.arange(num_compact), torch.randint(0, num_compact, (num_semantic - num_compact,), generator=generator)]
+    )
+    return compact_map[torch.randperm(num_semantic, generator=generator)]
+
+
+def _run(module, x, multiplicity, compact_map, upstream_SD):
+    """Forward, loss Σ upstream·y[m] + aux, backward; returns outputs, aux and every gradient."""
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad()
+    y, aux = module(x, multiplicity)
+    y_S = y if compact_map is None else y[compact_map]
+    ((y_S * upstream_SD).sum() + aux.loss).backward()
+    grads = {name: p.grad.clone() for name, p in module.named_parameters()}
+    return y_S.detach(), aux, x.grad, grads
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_compact_q_weighted_equals_expanded(name):
+    module = _module(MODULES[name])
+    num_compact, num_semantic = 40, 150
+    compact_map = _random_compact_map(num_compact, num_semantic)
+    multiplicity = torch.bincount(compact_map, minlength=num_compact)
+    generator = torch.Generator().manual_seed(42)
+    x_CD = torch.randn(num_compact, 16, generator=generator, dtype=torch.float64)
+    upstream_SD = torch.randn(num_semantic, 16, generator=generator, dtype=torch.float64)
+
+    y, aux, grad_x, grads = _run(module, x_CD, multiplicity, compact_map, upstream_SD)
+    y_ref, aux_ref, grad_x_S, grads_ref = _run(module, x_CD[compact_map], None, None, upstream_SD)
+
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    assert aux.z_loss.item() == pytest.approx(aux_ref.z_loss.item(), rel=1e-12)
+    assert aux.load_balancing_loss.item() == pytest.approx(aux_ref.load_balancing_loss.item(), rel=1e-12)
+    assert torch.equal(aux.tokens_per_expert_E, aux_ref.tokens_per_expert_E)
+    assert float(aux.tokens_per_expert_E.sum()) == num_semantic * module.config.top_k
+    grad_x_ref = torch.zeros_like(grad_x).index_add_(0, compact_map, grad_x_S)
+    assert torch.allclose(grad_x, grad_x_ref, rtol=0, atol=1e-12)
+    for parameter in grads:
+        scale = float(grads_ref[parameter].abs().max())
+        assert float((grads[parameter] - grads_ref[parameter]).abs().max()) <= 1e-10 * scale, parameter
+
+    # The expanded rows are plain megatron rows: the q-weighted compact losses equal megatron's
+    # (to fp32 precision: megatron's softmax scores are fp32 even for fp64 logits).
+    logits_S = module.router_logits(x_CD[compact_map]).detach()
+    assert aux.z_loss.item() == pytest.approx(moe_utils.z_loss_func(logits_S, 1e-3).item(), rel=1e-12)
+    top_k, score_function = module.config.top_k, module.config.score_function
+    routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits_S, top_k, score_function)
+    megatron_balance = moe_utils.switch_load_balancing_loss_func(
+        scores, routing_map.sum(dim=0), num_semantic, top_k, NUM_EXPERTS, 1e-2
+    )
+    assert aux.load_balancing_loss.item() == pytest.approx(megatron_balance.item(), rel=1e-6)
+
+
+def _grouped_mm_runs_on_cpu():
+    try:
+        torch._grouped_mm(torch.ones(4, 8), torch.ones(2, 8, 8), offs=torch.tensor([1, 4], dtype=torch.int32))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_on_cpu(), reason="torch._grouped_mm has no CPU kernel in this torch")
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("num_rows", [1, 5, 63], ids=lambda n: f"rows{n}")
+def test_grouped_equals_loop_cpu(name, num_rows):
+    loop = _module(MODULES[name], dtype=torch.float32, backend="loop")
+    grouped = _module(MODULES[name], dtype=torch.float32, backend="grouped")
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(num_rows, 16, generator=generator)
+    upstream = torch.randn(num_rows, 16, generator=generator)
+    y, aux, grad_x, grads = _run(grouped, x, None, None, upstream)
+    y_ref, aux_ref, grad_x_ref, grads_ref = _run(loop, x, None, None, upstream)
+    if num_rows == 5:
+        assert (aux.tokens_per_expert_E == 0).any()  # empty groups are exercised
+    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(grad_x, grad_x_ref, rtol=1e-5, atol=1e-6)
+    for parameter in grads:
+        assert torch.allclose(grads[parameter], grads_ref[parameter], rtol=1e-5, atol=1e-6), parameter
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", MODULES)
+def test_grouped_equals_loop_cuda_bf16(name):
+    """GPU path: bf16 grouped GEMMs against the bf16 loop; errors relative to each tensor's scale."""
+    device = torch.device("cuda")
+    loop = _module(MODULES[name], dtype=torch.bfloat16, backend="loop").to(device)
+    grouped = _module(MODULES[name], dtype=torch.bfloat16, backend="grouped").to(device)
+    generator = torch.Generator(device=device).manual_seed(42)
+    x = torch.randn(4096, 16, generator=generator, device=device).bfloat16()
+    upstream = torch.randn(4096, 16, generator=generator, device=device).bfloat16()
+    y, aux, grad_x, grads = _run(grouped, x, None, None, upstream)
+    y_ref, aux_ref, grad_x_ref, grads_ref = _run(loop, x, None, None, upstream)
+    assert torch.equal(aux.tokens_per_expert_E, aux_ref.tokens_per_expert_E)
+    pairs = [(y, y_ref), (grad_x, grad_x_ref)] + [(grads[p], grads_ref[p]) for p in grads]
+    for got, expected in pairs:
+        error = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
+        assert float(error) <= 2e-2
+
+
+def test_update_expert_bias_in_place():
+    module = _module(MODULES["sigmoid-bias-scaled"], dtype=torch.float32)
+    before = module.expert_bias.clone()
+    counts = torch.arange(NUM_EXPERTS, dtype=torch.float32)
+    module.update_expert_bias(counts)
+    step = torch.sign(counts.mean() - counts) * module.config.bias_update_rate
+    assert torch.equal(module.expert_bias, before + step)
+    with pytest.raises(ValueError, match="no expert bias"):
+        _module(MODULES["softmax-shared"]).update_expert_bias(counts)
+
+
+def test_disabled_losses_are_absent():
+    module = _module(dict(score_function="softmax"), dtype=torch.float32)
+    module.config = dataclasses.replace(module.config, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    _, aux = module(torch.randn(6, 16))
+    assert aux.z_loss is None and aux.load_balancing_loss is None and aux.loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(top_k=9),
+        dict(score_function="relu"),
+        dict(expert_bias=True),
+        dict(top_k=1),
+        dict(experts_backend="fast"),
+        dict(z_loss_coeff=-1.0),
+    ],
+    ids=["topk-above-experts", "unknown-score", "bias-with-softmax", "softmax-after-top1", "unknown-backend",
+         "negative-coeff"],
+)
+def test_bad_configs(overrides):
+    base = dict(hidden_size=16, num_experts=8, top_k=2, expert_hidden_size=8)
+    with pytest.raises(ValueError, match="MoEConfig"):
+        MoEConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("case", ["wrong-width", "wrong-multiplicity"])
+def test_bad_inputs(case):
+    module = _module(MODULES["softmax-shared"], dtype=torch.float32)
+    x = torch.randn(5, 15 if case == "wrong-width" else 16)
+    multiplicity = torch.ones(4) if case == "wrong-multiplicity" else None
+    with pytest.raises(ValueError, match="MoE"):
+        module(x, multiplicity)
