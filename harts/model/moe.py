@@ -15,10 +15,11 @@ megatron-core 0.16's:
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
 Routing (megatron's `topk_routing_with_score_function`, no group-limited top-k): router logits
-in fp32 (fp64 for fp64 rows, the tests' exact mode); softmax scores: top-k of the logits then softmax over the k (or, with
-`softmax_before_topk`, softmax over all experts then top-k, unnormalised); sigmoid scores: top-k
-of sigmoid(logits) + expert bias (the bias picks the experts only), combine weights = the k
-unbiased sigmoid scores normalised to sum 1 (when k > 1); then × `topk_scaling_factor`.
+in fp32 (fp64 for fp64 rows, the tests' exact mode); softmax scores: top-k of the logits then
+softmax over the k (or, with `softmax_before_topk`, softmax over all experts then top-k,
+unnormalised); sigmoid scores: top-k of sigmoid(logits) + expert bias (the bias picks the
+experts only), combine weights = the k unbiased sigmoid scores normalised to sum 1 (when k > 1);
+then × `topk_scaling_factor`.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
@@ -90,9 +91,13 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig: top_k {self.top_k} > num_experts {self.num_experts}")
         if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"MoEConfig: score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}")
+            raise ValueError(
+                f"MoEConfig: score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}"
+            )
         if self.experts_backend not in EXPERT_BACKENDS:
-            raise ValueError(f"MoEConfig: experts_backend must be one of {EXPERT_BACKENDS}, got {self.experts_backend!r}")
+            raise ValueError(
+                f"MoEConfig: experts_backend must be one of {EXPERT_BACKENDS}, got {self.experts_backend!r}"
+            )
         if self.expert_bias and self.score_function != "sigmoid":
             raise ValueError("MoEConfig: expert_bias needs score_function 'sigmoid' (as in megatron-core)")
         if self.score_function == "softmax" and self.top_k == 1 and not self.softmax_before_topk:
@@ -188,7 +193,9 @@ def router_z_loss(logits_NE: torch.Tensor, multiplicity_N: torch.Tensor | None, 
     return (q * torch.logsumexp(logits_NE, dim=-1).square()).sum() / q.sum() * coeff
 
 
-def aux_loss_scores(logits_NE: torch.Tensor, *, top_k: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
+def aux_loss_scores(
+    logits_NE: torch.Tensor, *, top_k: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores_NE, top-k map_NE) for the load-balancing loss: scores over all experts, no bias."""
     if score_function == "softmax":
         scores = torch.softmax(logits_NE, dim=-1)
@@ -222,8 +229,9 @@ def expert_assignment_counts(
     experts_NK: torch.Tensor, multiplicity_N: torch.Tensor | None, num_experts: int
 ) -> torch.Tensor:
     """fp32 [E] Σ_c q_c·[e ∈ experts_c]: the q-weighted top-k counts."""
-    q = torch.ones(experts_NK.shape[0], device=experts_NK.device) if multiplicity_N is None else multiplicity_N
-    weights = q.to(torch.float32)[:, None].expand(experts_NK.shape)
+    if multiplicity_N is None:
+        multiplicity_N = torch.ones(experts_NK.shape[0], device=experts_NK.device)
+    weights = multiplicity_N.to(torch.float32)[:, None].expand(experts_NK.shape)
     return torch.zeros(num_experts, device=experts_NK.device).index_add_(
         0, experts_NK.reshape(-1), weights.reshape(-1)
     )
@@ -263,14 +271,23 @@ class MoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, 2 * c.expert_hidden_size))
         self.down_proj = nn.Parameter(torch.empty(c.num_experts, c.expert_hidden_size, c.hidden_size))
         if c.shared_expert_hidden_size:
-            self.shared_gate_up_proj = nn.Parameter(torch.empty(c.hidden_size, 2 * c.shared_expert_hidden_size))
-            self.shared_down_proj = nn.Parameter(torch.empty(c.shared_expert_hidden_size, c.hidden_size))
+            shared = c.shared_expert_hidden_size
+            self.shared_gate_up_proj = nn.Parameter(torch.empty(c.hidden_size, 2 * shared))
+            self.shared_down_proj = nn.Parameter(torch.empty(shared, c.hidden_size))
         else:
             self.shared_gate_up_proj = self.shared_down_proj = None
-        # Kept in fp32 whatever the module dtype: tiny sign updates vanish in bf16.
         self.register_buffer("expert_bias", torch.zeros(c.num_experts) if c.expert_bias else None)
         for parameter in self.parameters():
             nn.init.normal_(parameter, std=c.init_std)
+
+    def _apply(self, fn, recurse=True):
+        # Module-wide casts (.to(bf16), .half()) move the expert bias but keep it fp32, like
+        # megatron's router: tiny sign updates vanish in bf16.
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != bias.dtype:
+            self.expert_bias = bias.to(device=self.expert_bias.device)
+        return self
 
     def router_logits(self, x_ND: torch.Tensor) -> torch.Tensor:
         dtype = _accumulation_dtype(x_ND)
@@ -307,8 +324,10 @@ class MoE(nn.Module):
         gate, up = torch._grouped_mm(x_RD, self.gate_up_proj, offs=ends).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj, offs=ends)
 
-    def combine(self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int) -> torch.Tensor:
-        """[N, D] in the combine dtype (fp32, fp64 for fp64 rows): Σ over a row's experts of weight · output."""
+    def combine(
+        self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int
+    ) -> torch.Tensor:
+        """[N, D] in the combine dtype (fp32; fp64 for fp64 rows): Σ_experts weight · output."""
         weights_R = routing.probs_NK.reshape(-1)[plan.order_R]
         out = y_RD.new_zeros(num_rows, y_RD.shape[1], dtype=weights_R.dtype)
         return out.index_add_(0, plan.token_R, y_RD.to(weights_R.dtype) * weights_R[:, None])
@@ -336,12 +355,15 @@ class MoE(nn.Module):
         if x_ND.dim() != 2 or x_ND.shape[1] != c.hidden_size:
             raise ValueError(f"MoE: expected rows [N, {c.hidden_size}], got {tuple(x_ND.shape)}")
         if multiplicity_N is not None and multiplicity_N.shape != (x_ND.shape[0],):
-            raise ValueError(f"MoE: multiplicity has shape {tuple(multiplicity_N.shape)}, expected ({x_ND.shape[0]},)")
+            raise ValueError(
+                f"MoE: multiplicity has shape {tuple(multiplicity_N.shape)}, expected ({x_ND.shape[0]},)"
+            )
         logits = self.router_logits(x_ND)
         routing = self.route(logits)
         if self._backend(x_ND) == "grouped":
             x_RD, plan = self.dispatch(x_ND, routing)
-            out = self.combine(self.grouped_experts(x_RD, plan.tokens_per_expert_E), routing, plan, x_ND.shape[0])
+            y_RD = self.grouped_experts(x_RD, plan.tokens_per_expert_E)
+            out = self.combine(y_RD, routing, plan, x_ND.shape[0])
         else:
             out = self.loop_experts(x_ND, routing)
         if self.shared_gate_up_proj is not None:
@@ -351,14 +373,17 @@ class MoE(nn.Module):
         balance = None
         if c.aux_loss_coeff > 0:
             scores, selected = aux_loss_scores(logits, top_k=c.top_k, score_function=c.score_function)
-            balance = load_balancing_loss(scores, selected, multiplicity_N, top_k=c.top_k, coeff=c.aux_loss_coeff)
+            balance = load_balancing_loss(
+                scores, selected, multiplicity_N, top_k=c.top_k, coeff=c.aux_loss_coeff
+            )
         counts = expert_assignment_counts(routing.experts_NK, multiplicity_N, c.num_experts)
-        return out.to(x_ND.dtype), MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts)
+        aux = MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts)
+        return out.to(x_ND.dtype), aux
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
         """Apply the aux-loss-free update after a step, from the step's summed `tokens_per_expert_E`."""
         if self.expert_bias is None:
             raise ValueError("MoE.update_expert_bias: this layer has no expert bias (config.expert_bias)")
-        updated = updated_expert_bias(tokens_per_expert_E.float(), self.expert_bias, self.config.bias_update_rate)
-        self.expert_bias.copy_(updated)
+        rate = self.config.bias_update_rate
+        self.expert_bias.copy_(updated_expert_bias(tokens_per_expert_E.float(), self.expert_bias, rate))

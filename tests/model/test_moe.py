@@ -25,11 +25,15 @@ NUM_ROWS, NUM_EXPERTS = 64, 8
 ROUTINGS = {
     # id: kwargs of topk_routing (the expert bias, when True, is drawn at random)
     "softmax-k2": dict(top_k=2, score_function="softmax"),
-    "softmax-pre-k3-scaled": dict(top_k=3, score_function="softmax", softmax_before_topk=True, topk_scaling_factor=2.0),
+    "softmax-pre-k3-scaled": dict(
+        top_k=3, score_function="softmax", softmax_before_topk=True, topk_scaling_factor=2.0
+    ),
     "softmax-pre-k1": dict(top_k=1, score_function="softmax", softmax_before_topk=True),
     "sigmoid-k3": dict(top_k=3, score_function="sigmoid"),
     "sigmoid-k1": dict(top_k=1, score_function="sigmoid"),
-    "sigmoid-bias-k4-scaled": dict(top_k=4, score_function="sigmoid", expert_bias_E=True, topk_scaling_factor=2.5),
+    "sigmoid-bias-k4-scaled": dict(
+        top_k=4, score_function="sigmoid", expert_bias_E=True, topk_scaling_factor=2.5
+    ),
 }
 
 
@@ -164,9 +168,8 @@ def _module(overrides, dtype=torch.float64, backend="loop", seed=42):
 
 def _random_compact_map(num_compact, num_semantic, seed=42):
     generator = torch.Generator().manual_seed(seed)
-    compact_map = torch.cat(
-        [torch.arange(num_compact), torch.randint(0, num_compact, (num_semantic - num_compact,), generator=generator)]
-    )
+    extra = torch.randint(0, num_compact, (num_semantic - num_compact,), generator=generator)
+    compact_map = torch.cat([torch.arange(num_compact), extra])
     return compact_map[torch.randperm(num_semantic, generator=generator)]
 
 
@@ -273,6 +276,16 @@ def test_update_expert_bias_in_place():
     assert torch.equal(module.expert_bias, before + step)
     with pytest.raises(ValueError, match="no expert bias"):
         _module(MODULES["softmax-shared"]).update_expert_bias(counts)
+
+
+def test_expert_bias_stays_fp32_under_module_casts():
+    module = _module(MODULES["sigmoid-bias-scaled"], dtype=torch.float32)
+    module.expert_bias.add_(1e-4)
+    before = module.expert_bias.clone()
+    module = module.to(torch.bfloat16)
+    assert module.router_weight.dtype == torch.bfloat16
+    assert module.expert_bias.dtype == torch.float32 and torch.equal(module.expert_bias, before)
+    assert "expert_bias" in module.state_dict()
 
 
 def test_disabled_losses_are_absent():

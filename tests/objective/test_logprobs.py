@@ -56,7 +56,8 @@ def test_shared_row_gradients_are_summed_per_position():
     compact_index = torch.tensor([0, 0, 1])
     targets = torch.tensor([3, 5, 3])
     grad_S = torch.tensor([0.7, -1.3, 0.0], dtype=torch.float64)
-    _, grad_hidden, grad_weight = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S)
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S)
+    _, grad_hidden, grad_weight = _forward_backward(compact_logprobs, *problem)
     softmax = torch.softmax(hidden_CD[0] @ weight_VD.T, dim=-1)
     grad_logits = 0.7 * (torch.nn.functional.one_hot(torch.tensor(3), 7) - softmax) + (-1.3) * (
         torch.nn.functional.one_hot(torch.tensor(5), 7) - softmax
@@ -82,7 +83,8 @@ def test_gradient_of_one_input_only(needs):
     hidden_CD.requires_grad_(needs == "hidden")
     weight_VD.requires_grad_(needs == "weight")
     compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8).backward(grad_S)
-    reference = _forward_backward(naive_compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S)
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S)
+    reference = _forward_backward(naive_compact_logprobs, *problem)
     got, expected = (hidden_CD.grad, reference[1]) if needs == "hidden" else (weight_VD.grad, reference[2])
     assert _relative(got, expected) <= 1e-12
     assert (weight_VD.grad if needs == "hidden" else hidden_CD.grad) is None
@@ -93,15 +95,19 @@ def test_keeps_nothing_vocabulary_sized():
     hidden_CD.requires_grad_()
     logprobs = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8)
     saved = logprobs.grad_fn.saved_tensors
-    vocab_sized = [t.shape for t in saved if t.numel() > max(hidden_CD.numel(), weight_VD.numel(), len(targets))]
+    largest_input = max(hidden_CD.numel(), weight_VD.numel(), len(targets))
+    vocab_sized = [t.shape for t in saved if t.numel() > largest_input]
     assert vocab_sized == []
     assert sum(t.numel() for t in saved) <= hidden_CD.numel() + weight_VD.numel() + 40 + 3 * len(targets)
 
 
 def test_bf16_inputs_give_fp32_logprobs():
     hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(torch.bfloat16)
-    fast = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets, grad_S, chunk_rows=6)
-    exact = _forward_backward(naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), compact_index, targets, grad_S)
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S)
+    fast = _forward_backward(compact_logprobs, *problem, chunk_rows=6)
+    exact = _forward_backward(
+        naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), compact_index, targets, grad_S
+    )
     assert fast[0].dtype == torch.float32 and fast[1].dtype == fast[2].dtype == torch.bfloat16
     assert float((fast[0] - exact[0]).abs().max()) <= 1e-5
     assert _relative(fast[1].float(), exact[1]) <= 1e-2
@@ -119,9 +125,11 @@ def test_random_tree_semantic_positions():
     weight_VD = torch.randn(5, 16, generator=generator)
     compact_index = torch.from_numpy(tree.compact_map)
     targets_S = torch.from_numpy(targets.targets)
-    grad_S = torch.randn(len(targets_S), generator=generator, dtype=torch.float64) * torch.from_numpy(targets.loss_mask)
-    fast = _forward_backward(compact_logprobs, hidden_CD, weight_VD, compact_index, targets_S, grad_S, chunk_rows=7)
-    naive = _forward_backward(naive_compact_logprobs, hidden_CD, weight_VD, compact_index, targets_S, grad_S)
+    grad_S = torch.randn(len(targets_S), generator=generator, dtype=torch.float64)
+    grad_S = grad_S * torch.from_numpy(targets.loss_mask)
+    problem = (hidden_CD, weight_VD, compact_index, targets_S, grad_S)
+    fast = _forward_backward(compact_logprobs, *problem, chunk_rows=7)
+    naive = _forward_backward(naive_compact_logprobs, *problem)
     assert float((fast[0] - naive[0]).abs().max()) <= 1e-5
     assert _relative(fast[1], naive[1]) <= 1e-5
     assert _relative(fast[2], naive[2]) <= 1e-5
@@ -138,7 +146,10 @@ def test_empty_positions():
 
 @pytest.mark.parametrize(
     "case",
-    ["row-out-of-range", "target-out-of-range", "negative-row", "int32-index", "length-mismatch", "hidden-size", "chunk0"],
+    [
+        "row-out-of-range", "target-out-of-range", "negative-row", "int32-index", "length-mismatch",
+        "hidden-size", "chunk0",
+    ],
 )
 def test_bad_inputs(case):
     hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32)
@@ -180,7 +191,8 @@ def test_cuda_bf16_bounded_memory():
     generator = torch.Generator(device=device).manual_seed(42)
     num_rows, hidden, vocab, sharing = 8192, 256, 32768, 4
     hidden_CD = torch.randn(num_rows, hidden, device=device, generator=generator).bfloat16().requires_grad_()
-    weight_VD = (torch.randn(vocab, hidden, device=device, generator=generator) / hidden**0.5).bfloat16().requires_grad_()
+    weight_VD = torch.randn(vocab, hidden, device=device, generator=generator) / hidden**0.5
+    weight_VD = weight_VD.bfloat16().requires_grad_()
     compact_index = torch.arange(num_rows, device=device).repeat(sharing)
     targets = torch.randint(0, vocab, compact_index.shape, device=device, generator=generator)
     grad_S = torch.randn(compact_index.shape, device=device, generator=generator)

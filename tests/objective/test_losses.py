@@ -24,13 +24,16 @@ def _hand_case():
 def test_grpo_hand_computed_token_mean():
     logprobs, old, advantages, mask = _hand_case()
     # ℓ = [-1.2 (clipped), -1.0, 0.8 (clipped), 3.3]; the masked-out position is taken at ratio 1.
-    out = grpo_loss(logprobs, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old, config=GRPOConfig())
+    out = grpo_loss(
+        logprobs, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old, config=GRPOConfig()
+    )
     assert float(out.per_token_loss[4].detach()) == 5.0
     assert out.loss.item() == pytest.approx((-1.2 - 1.0 + 0.8 + 3.3) / 4, rel=1e-12)
     assert float(out.clip_fraction) == pytest.approx(0.5)
     assert out.kl is None
     out.loss.backward()
-    assert torch.allclose(logprobs.grad, torch.tensor([0.0, -1.0 / 4, 0.0, 3.3 / 4, 0.0], dtype=torch.float64))
+    expected = torch.tensor([0.0, -1.0 / 4, 0.0, 3.3 / 4, 0.0], dtype=torch.float64)
+    assert torch.allclose(logprobs.grad, expected)
 
 
 def test_grpo_hand_computed_seq_mean_token_mean():
@@ -38,12 +41,13 @@ def test_grpo_hand_computed_seq_mean_token_mean():
     config = GRPOConfig(aggregation="seq-mean-token-mean")
     trajectory = torch.tensor([0, 0, 0, 1, 1])
     out = grpo_loss(
-        logprobs, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old, trajectory_index_S=trajectory,
-        config=config,
+        logprobs, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old,
+        trajectory_index_S=trajectory, config=config,
     )
     assert out.loss.item() == pytest.approx(((-1.2 - 1.0 + 0.8) / 3 + 3.3) / 2, rel=1e-12)
     out.loss.backward()
-    assert torch.allclose(logprobs.grad, torch.tensor([0.0, -1.0 / 6, 0.0, 3.3 / 2, 0.0], dtype=torch.float64))
+    expected = torch.tensor([0.0, -1.0 / 6, 0.0, 3.3 / 2, 0.0], dtype=torch.float64)
+    assert torch.allclose(logprobs.grad, expected)
 
 
 def test_asymmetric_clip():
@@ -70,8 +74,8 @@ def test_kl_k3_penalty():
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     delta = torch.tensor([-0.5, 1.0], dtype=torch.float64)
     out = grpo_loss(
-        logprobs, advantages_S=torch.zeros(2, dtype=torch.float64), loss_mask_S=torch.ones(2, dtype=torch.bool),
-        ref_logprobs_S=ref, config=GRPOConfig(kl_coef=0.1),
+        logprobs, advantages_S=torch.zeros(2, dtype=torch.float64),
+        loss_mask_S=torch.ones(2, dtype=torch.bool), ref_logprobs_S=ref, config=GRPOConfig(kl_coef=0.1),
     )
     k3 = torch.exp(delta) - delta - 1
     assert torch.allclose(k3_kl(logprobs, ref), k3)
@@ -108,7 +112,8 @@ def test_microbatches_with_step_normalizer_add_up(aggregation):
     def loss(select, normalizer=None):
         return grpo_loss(
             logprobs[select], advantages_S=advantages[select], loss_mask_S=mask[select],
-            old_logprobs_S=old[select], trajectory_index_S=trajectory[select], config=config, normalizer=normalizer,
+            old_logprobs_S=old[select], trajectory_index_S=trajectory[select], config=config,
+            normalizer=normalizer,
         ).loss
 
     everything = torch.ones(size, dtype=torch.bool)
@@ -118,7 +123,8 @@ def test_microbatches_with_step_normalizer_add_up(aggregation):
     else:
         normalizer = int(torch.unique(trajectory[mask]).numel())
     first = trajectory < 4
-    assert (loss(first, normalizer) + loss(~first, normalizer)).item() == pytest.approx(whole.item(), rel=1e-12)
+    summed = loss(first, normalizer) + loss(~first, normalizer)
+    assert summed.item() == pytest.approx(whole.item(), rel=1e-12)
 
 
 def test_no_masked_positions_gives_zero():
@@ -141,8 +147,10 @@ def test_gradcheck_grpo_with_kl():
     trajectory = torch.arange(size) // 4
     config = GRPOConfig(kl_coef=0.05, clip_ratio_high=0.28, aggregation="seq-mean-token-mean")
     assert torch.autograd.gradcheck(
-        lambda lp: grpo_loss(lp, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old, ref_logprobs_S=ref,
-                             trajectory_index_S=trajectory, config=config).loss,
+        lambda lp: grpo_loss(
+            lp, advantages_S=advantages, loss_mask_S=mask, old_logprobs_S=old, ref_logprobs_S=ref,
+            trajectory_index_S=trajectory, config=config,
+        ).loss,
         (logprobs,),
     )
 
@@ -165,7 +173,8 @@ def test_compact_equals_naive_on_random_trees(config, chunk_rows):
     targets = torch.from_numpy(shifted.targets)
     xi = dict(
         advantages_S=torch.from_numpy(shifted.advantages), loss_mask_S=torch.from_numpy(shifted.loss_mask),
-        old_logprobs_S=torch.from_numpy(shifted.old_logprobs), trajectory_index_S=torch.from_numpy(shifted.trajectory_index),
+        old_logprobs_S=torch.from_numpy(shifted.old_logprobs),
+        trajectory_index_S=torch.from_numpy(shifted.trajectory_index),
     )
     if isinstance(config, GRPOConfig):
         xi["ref_logprobs_S"] = torch.from_numpy(shifted.ref_logprobs)
