@@ -24,8 +24,9 @@ is ever built and no C×V tensor outlives its chunk. Vocabulary work: O(C·V·D)
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
 bf16 hidden states and weights give fp32 logits and fp32 log-probs; gradients are returned in
-the inputs' dtypes. Ordering of accumulation into a row's dz uses `index_put_(accumulate=True)`,
-deterministic on CPU and under `torch.use_deterministic_algorithms(True)` on CUDA.
+the inputs' dtypes. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
+`index_put_(accumulate=True)`) are deterministic on CPU; on CUDA they use atomics unless
+`torch.use_deterministic_algorithms(True)` is set.
 
 Reference: `naive_compact_logprobs` expands hidden to the S semantic rows, builds the S×V
 logits, applies log_softmax and gathers, all under autograd; the tests compare forward and both
