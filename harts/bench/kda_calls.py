@@ -35,7 +35,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("kda-calls", help="time the KDA call planner on a large random segment tree")
     parser.add_argument("--segments", type=int, default=1_000_000)
     parser.add_argument("--chunk", type=int, default=64, help="chunk size B")
-    parser.add_argument("--max-length", type=int, default=None, help="segment lengths are uniform on 1..this (default B)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="segment lengths are uniform on 1..this (default B)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="reports/raw/planning/kda_calls.json")

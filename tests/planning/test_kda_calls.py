@@ -63,8 +63,8 @@ def check_schedule(tree: SegmentTree, chunk: int, replay: bool):
             assert (source[0] < 0) == (call.handoff_depth[i] == 0)
             if source[0] >= 0:
                 consumed.add(source)
-            first_computed = call.rows[call.cu_seqlens[i] + int(call.is_replay[call.cu_seqlens[i] : call.cu_seqlens[i + 1]].sum())]
-            head_start = int(positions[first_computed])
+            lo, hi = call.cu_seqlens[i], call.cu_seqlens[i + 1]
+            head_start = int(positions[call.rows[lo + int(call.is_replay[lo:hi].sum())]])
             assert head_start in segment_starts, "a sequence computes from a segment's start"
             expected = head_start // chunk * chunk if replay else head_start
             assert call.path_start[i] == expected
