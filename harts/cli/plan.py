@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-_COMMAND_MODULES: tuple[str, ...] = ("harts.cli.plan_kda",)
+_COMMAND_MODULES: tuple[str, ...] = ("harts.cli.plan_kda", "harts.cli.plan_microbatches")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

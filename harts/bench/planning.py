@@ -1,0 +1,275 @@
+"""`harts bench planning`: planning quality and time per step, HARTS vs the OR-Tools planner (DESIGN §2).
+
+For each step (generated from `--trees CONFIG` with `--seed`, or read from `--data DIR`, file
+`step_NNN.*`) and each planner of `--planners`: plan (wall time measured by the planner, its
+prefix index included), validate (coverage, capacity, K mod D, works recomputed from the trie)
+and compute DESIGN §2's metrics. One record per (step, planner), written with
+`harts.bench.records`; a planner that fails or whose plan does not validate gives a record
+with an `error` field.
+
+The table compares the first planner with the second in the paper's form: per step and over
+all steps, compact tokens, compression (second / first), planning seconds and speedup
+(second / first), P95 slot imbalance and step imbalance; the paper's figures sit in the last
+row. Over all steps: Σ compact tokens (and the change), the range of per-step compression and
+speedup, the P95 over the slots of every step (nearest rank) and the largest step imbalance.
+The table is printed and written beside the records as `.md` and `.csv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+# DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
+PAPER = {
+    "compact_tokens": (77_581_958, 80_213_867),
+    "compression": (1.007, 1.079),
+    "speedup": (7.24, 9.73),
+    "p95_slot_imbalance": (0.0214, 0.3464),
+    "max_step_imbalance": (0.0111, 0.0568),
+}
+_LABELS = {"harts": "HARTS", "treetrain-ortools": "OR-Tools", "greedy-trie": "greedy-trie",
+           "per-trajectory": "per-trajectory"}
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    from harts.planning.microbatch import PLANNER_NAMES
+
+    parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
+    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (the steps' shape and count)")
+    parser.add_argument("--data", help="read steps step_NNN.* from this directory instead of generating them")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=_index_list, default=None, help="comma-separated step indices (default: all)")
+    parser.add_argument("--capacity", type=int, default=None, help="T (default: the config's max_tokens)")
+    parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--planners", type=_planner_list(PLANNER_NAMES), default=["harts", "treetrain-ortools"],
+                        help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
+    parser.add_argument("--out", default="reports/raw/planning/planning.json",
+                        help="records (.json or .jsonl); the table goes beside it as .md and .csv")
+    parser.set_defaults(run=run)
+
+
+def _index_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative step indices, got {text!r}")
+    return values
+
+
+def _planner_list(names: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [v for v in values if v not in names]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"unknown planner {unknown[0] if unknown else text!r} "
+                                             f"(choose from {', '.join(names)})")
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"planner listed twice in {text!r}")
+        return values
+    return parse
+
+
+def _load_step(args: argparse.Namespace, synth: Any, index: int):
+    from harts.trees.io import read_step
+    from harts.trees.synth import generate_step
+
+    if args.data is None:
+        return generate_step(synth, args.seed, index)
+    matches = sorted(p for p in Path(args.data).glob(f"step_{index:03d}.*") if not p.name.endswith(".tmp"))
+    if not matches:
+        raise ValueError(f"{args.data}: no file step_{index:03d}.* (generate it with harts trees synth)")
+    return read_step(matches[0])
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from harts.bench.records import make_record, write_records
+    from harts.config import config_to_dict, load_config
+    from harts.planning.microbatch import plan, plan_metrics, validate
+    from harts.trees.synth import SynthConfig
+    from harts.trees.trie import PrefixIndex
+
+    synth = load_config(args.trees, SynthConfig)
+    steps = args.steps if args.steps is not None else list(range(synth.num_steps))
+    if args.steps is not None and args.data is None and max(steps) >= synth.num_steps:
+        raise ValueError(f"{args.trees}: step {max(steps)} is beyond num_steps = {synth.num_steps}")
+    capacity = args.capacity if args.capacity is not None else synth.max_tokens
+    if capacity < 1 or args.dp < 1:
+        raise ValueError("--capacity and --dp must be >= 1")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise ValueError("--time-limit must be > 0")
+
+    records = []
+    progress = tqdm(total=len(steps) * len(args.planners), desc="bench planning", unit="plan",
+                    file=sys.stderr, disable=None)
+    for step_index in steps:
+        step = _load_step(args, synth, step_index)
+        index = PrefixIndex.from_step(step)
+        lower_bound = index.segment_tree().num_compact_tokens
+        for name in args.planners:
+            options = {"time_limit_s": args.time_limit} if name == "treetrain-ortools" and args.time_limit else {}
+            config = {
+                "trees": str(args.trees), "synth": config_to_dict(synth), "data": args.data, "seed": args.seed,
+                "step": step_index, "capacity": capacity, "dp": args.dp, "planner": name, "options": options,
+            }
+            progress.set_postfix_str(f"step {step_index} {name}")
+            try:
+                result = plan(step, capacity, args.dp, name, **options)
+                validate(result, step, index)
+            except ValueError as error:
+                records.append(make_record("planning", config, error=str(error)))
+                progress.update()
+                continue
+            metrics = plan_metrics(result, lower_bound, step.num_semantic_tokens)
+            results = {
+                "trajectories": step.num_trajectories,
+                "semantic_tokens": step.num_semantic_tokens,
+                "compact_tokens": metrics.compact_tokens,
+                "lower_bound_compact_tokens": metrics.lower_bound_compact_tokens,
+                "microbatches": metrics.num_microbatches,
+                "plan_seconds": metrics.plan_seconds,
+                "p95_slot_imbalance": metrics.p95_slot_imbalance,
+                "max_slot_imbalance": metrics.max_slot_imbalance,
+                "step_imbalance": metrics.step_imbalance,
+                "critical_path": metrics.critical_path,
+                "max_replica_work": metrics.max_replica_work,
+                "slot_imbalance": metrics.slot_imbalance,
+                "details": result.details,
+            }
+            records.append(make_record("planning", config, results))
+            progress.update()
+    progress.close()
+
+    out = Path(args.out)
+    write_records(records, out)
+    header, rows = planning_table(records, args.planners)
+    markdown = _markdown(header, rows)
+    hardware = records[0]["environment"]["hardware"] if records else {}
+    note = (f"T = {capacity:,}, D = {args.dp}; {hardware.get('cpu', '?')}, {hardware.get('cpu_count', '?')} CPUs; "
+            f"seed {args.seed}; {args.trees}")
+    out.with_suffix(".md").write_text(markdown + "\n\n" + note + "\n", encoding="utf-8")
+    with open(out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+    print(markdown)
+    print(note)
+    print(f"wrote {out} and its .md/.csv table")
+    failed = [r for r in records if "error" in r]
+    for record in failed:
+        print(f"error: step {record['config']['step']} {record['config']['planner']}: {record['error']}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows comparing planners[0] ("ours") with planners[1] (or a one-planner table)."""
+    import numpy as np
+
+    from harts.planning.microbatch import nearest_rank
+
+    ours = planners[0]
+    other = planners[1] if len(planners) > 1 else None
+    by_key = {(r["config"]["step"], r["config"]["planner"]): r for r in records}
+    steps = sorted({r["config"]["step"] for r in records})
+    a, b = _LABELS[ours], _LABELS[other] if other else None
+    header = ["step", f"{a} tokens"]
+    if other:
+        header += [f"{b} tokens", "compression"]
+    header += [f"{a} s"]
+    if other:
+        header += [f"{b} s", "speedup"]
+    header += [f"{a} P95 slot imb."] + ([f"{b} P95 slot imb."] if other else [])
+    header += [f"{a} step imb."] + ([f"{b} step imb."] if other else [])
+
+    def cell(record: dict[str, Any] | None, key: str, fmt: str) -> str:
+        if record is None:
+            return "missing"
+        if "error" in record:
+            return "error"
+        return format(record["results"][key], fmt)
+
+    rows = []
+    totals = {ours: [], other: []}
+    compression, speedup = [], []
+    slots = {ours: [], other: []}
+    step_imb = {ours: [], other: []}
+    for s in steps:
+        mine, theirs = by_key.get((s, ours)), by_key.get((s, other)) if other else None
+        row = [str(s), cell(mine, "compact_tokens", ",")]
+        both = mine and theirs and "error" not in mine and "error" not in theirs
+        if other:
+            ratio = theirs["results"]["compact_tokens"] / mine["results"]["compact_tokens"] if both else None
+            row += [cell(theirs, "compact_tokens", ","), f"{ratio:.3f}x" if ratio else "-"]
+        row += [cell(mine, "plan_seconds", ".2f")]
+        if other:
+            fast = theirs["results"]["plan_seconds"] / mine["results"]["plan_seconds"] if both else None
+            row += [cell(theirs, "plan_seconds", ".2f"), f"{fast:.1f}x" if fast else "-"]
+            if both:
+                compression.append(ratio)
+                speedup.append(fast)
+        for key in ("p95_slot_imbalance", "step_imbalance"):
+            row += [_percent(mine, key)] + ([_percent(theirs, key)] if other else [])
+        rows.append(row)
+        for name, record in ((ours, mine), (other, theirs)):
+            if record is not None and "error" not in record:
+                totals[name].append(record["results"]["compact_tokens"])
+                slots[name].extend(record["results"]["slot_imbalance"])
+                step_imb[name].append(record["results"]["step_imbalance"])
+
+    def over(name: str | None) -> dict[str, str]:
+        return {
+            "tokens": f"{sum(totals[name]):,}" if totals[name] else "-",
+            "p95": f"{100 * nearest_rank(np.asarray(slots[name]), 95):.2f}%" if slots[name] else "-",
+            "step": f"{100 * max(step_imb[name]):.2f}%" if step_imb[name] else "-",
+        }
+
+    mine_all, theirs_all = over(ours), over(other) if other else None
+    row = ["all", mine_all["tokens"]]
+    if other:
+        change = (f" ({100 * (sum(totals[ours]) / sum(totals[other]) - 1):+.2f}%)"
+                  if totals[ours] and totals[other] else "")
+        row += [theirs_all["tokens"], _range(compression, "x", 3)]
+        row[1] += change
+    row += ["-"]
+    if other:
+        row += ["-", _range(speedup, "x", 1)]
+    row += [mine_all["p95"]] + ([theirs_all["p95"]] if other else [])
+    row += [mine_all["step"]] + ([theirs_all["step"]] if other else [])
+    rows.append(row)
+    if other == "treetrain-ortools" and ours == "harts":
+        ours_tokens, theirs_tokens = PAPER["compact_tokens"]
+        rows.append([
+            "paper", f"{ours_tokens:,} ({100 * (ours_tokens / theirs_tokens - 1):+.2f}%)", f"{theirs_tokens:,}",
+            _range(list(PAPER["compression"]), "x", 3), "-", "-", _range(list(PAPER["speedup"]), "x", 2),
+            *(f"{100 * v:.2f}%" for v in PAPER["p95_slot_imbalance"]),
+            *(f"{100 * v:.2f}%" for v in PAPER["max_step_imbalance"]),
+        ])
+    return header, rows
+
+
+def _percent(record: dict[str, Any] | None, key: str) -> str:
+    if record is None or "error" in record:
+        return "error" if record else "missing"
+    return f"{100 * record['results'][key]:.2f}%"
+
+
+def _range(values: list[float], unit: str, digits: int) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}{unit}"
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Planning: microbatch plans (DESIGN §2) and linear-attention call schedules (DESIGN §3)."""
+
+from harts.planning.microbatch import (
+    PLANNER_NAMES,
+    Microbatch,
+    Plan,
+    PlanMetrics,
+    greedy_assignment,
+    objective,
+    plan,
+    plan_metrics,
+    validate,
+)
+
+__all__ = [
+    "PLANNER_NAMES",
+    "Microbatch",
+    "Plan",
+    "PlanMetrics",
+    "greedy_assignment",
+    "objective",
+    "plan",
+    "plan_metrics",
+    "validate",
+]

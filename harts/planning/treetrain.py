@@ -1,0 +1,293 @@
+"""The "treetrain-ortools" baseline: Tree Training's planner as the HARTS paper describes it.
+
+Tree Training's planner code is not public; this module implements the paper's description
+(DESIGN §2) with the following choices, each the plain reading of that description:
+
+1. Parts. Each rollout tree (`step.trees`) whose own trie fits in T is one part. A larger tree
+   is split into its root-level subtrees: the children of its root segment (the groups of its
+   trajectories that agree beyond the tree's common prefix), each part carrying the root
+   prefix, plus one part per trajectory that ends exactly at the root fork. A part still larger
+   than T is split the same way one level further, recursively (a single trajectory always
+   fits: longer ones are rejected before planning).
+2. Replicas. First-fit-decreasing over D replicas without a replica capacity, i.e. parts in
+   decreasing compact size (ties: lowest first rank) each go to the replica with the least
+   total part size so far (ties: lowest replica). This is the LPT rule; a "first fit" with a
+   replica budget of Σ/D degenerates to it once the budget is exceeded.
+3. Microbatches, per replica, independently: an OR-Tools CP-SAT model. Items = the replica's
+   parts, bins = the count of a trie-aware first-fit-decreasing packing (an upper bound, also
+   the solution hint). Sharing is modelled exactly with the step's segment tree: a segment
+   traversed by one part only is a constant of that part; segments traversed by several of
+   the replica's parts are grouped by their part set into nodes n with y[n, b] >= x[p, b], so
+   bin work = Σ_n len_n·y[n, b] + Σ_p own_p·x[p, b] <= T is the bin's trie size (parts of one
+   tree share their root prefix, parts of different trees the common scaffold prefix, and
+   deeper shared prefixes count too). Objective: minimise (Σ_b work_b)·(B + 1) + Σ_b used_b,
+   i.e. compact tokens first, then microbatch count. Symmetry: part i (in decreasing size)
+   may only use bins 0..i, and used bins come first. Limits: `time_limit_s` wall-clock seconds
+   per solve (default 10), `num_workers` (default 2, this CPU machine's core count), seed 0.
+   If a solve returns no solution, the hint is used (its status is recorded).
+4. K mod D. Every slot needs one microbatch per replica, so each replica must end with the same
+   count k* = max over replicas. A replica with fewer is solved again with exactly k*
+   non-empty bins (same objective), its parts split one more level while it has fewer than k*
+   parts; the hint is its first solution with bins split until there are k*. Slots: each
+   replica's microbatches in decreasing work (the alignment that minimises Σ slot maxima for
+   fixed replica contents).
+
+`plan_seconds` is the wall time of everything above, the CP-SAT solves included. With a wall-
+clock limit and several workers CP-SAT is not bit-reproducible; the plan is still validated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+from harts.planning.microbatch import Plan, build_plan
+from harts.planning.rank_work import RankWork
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex
+
+
+@dataclass(kw_only=True)
+class TreeTrainConfig:
+    time_limit_s: float = 10.0
+    """CP-SAT wall-clock limit per solve (one per replica, plus one per count-equalising re-solve)."""
+    num_workers: int = 2
+    """CP-SAT search workers."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0 or self.num_workers < 1:
+            raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
+
+
+def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,
+                           config: TreeTrainConfig | None = None, **options) -> Plan:
+    started = time.perf_counter()
+    config = config or TreeTrainConfig()
+    names = {f.name for f in fields(TreeTrainConfig)}
+    if set(options) - names:
+        raise ValueError(f"treetrain-ortools: unknown option '{sorted(set(options) - names)[0]}' "
+                         f"(allowed: {', '.join(sorted(names))})")
+    config = replace(config, **options) if options else config
+    index = index or PrefixIndex.from_step(step)
+    rw = RankWork(index)
+    parts = _tree_parts(step, rw, capacity)
+    part_nodes = _Sharing(index, rw)
+
+    sizes = [rw.trie(p) for p in parts]
+    order = sorted(range(len(parts)), key=lambda i: (-sizes[i], parts[i][0]))
+    loads = [0] * dp
+    replica_parts: list[list[list[int]]] = [[] for _ in range(dp)]
+    for i in order:
+        r = min(range(dp), key=lambda j: (loads[j], j))
+        loads[r] += sizes[i]
+        replica_parts[r].append(parts[i])
+
+    solutions: list[list[list[int]]] = []
+    details: dict[str, object] = {"num_parts": len(parts), "time_limit_s": config.time_limit_s, "replicas": []}
+    for r in range(dp):
+        bins, info = _solve_replica(rw, part_nodes, replica_parts[r], capacity, config, count=None)
+        solutions.append(bins)
+        details["replicas"].append(info)
+    target = max(len(b) for b in solutions)
+    for r in range(dp):
+        if len(solutions[r]) == target:
+            continue
+        current = replica_parts[r]
+        while len(current) < target:
+            splittable = [p for p in current if len(p) >= 2]
+            if not splittable:
+                raise ValueError(
+                    f"treetrain-ortools: replica {r} holds {sum(len(p) for p in current)} trajectories "
+                    f"but every replica needs {target} microbatches (K mod D = 0 without empty microbatches)"
+                )
+            widest = max(splittable, key=lambda p: (len(p), -p[0]))
+            current = [q for p in current for q in (_root_subtrees(rw, p) if p is widest else [p])]
+        hint = [list(b) for b in solutions[r]]
+        bins, info = _solve_replica(rw, part_nodes, current, capacity, config, count=target, hint=hint)
+        solutions[r] = bins
+        details["replicas"][r]["equalised"] = info
+
+    groups, works, slot, replica = [], [], [], []
+    for r, bins in enumerate(solutions):
+        bin_works = [rw.trie(b) for b in bins]
+        for position, k in enumerate(sorted(range(len(bins)), key=lambda k: (-bin_works[k], bins[k][0]))):
+            groups.append(rw.order[np.asarray(bins[k], dtype=np.int64)])
+            works.append(bin_works[k])
+            slot.append(position)
+            replica.append(r)
+    return build_plan(step, groups, np.asarray(works), planner="treetrain-ortools", capacity=capacity, dp=dp,
+                      started=started, slot=np.asarray(slot), replica=np.asarray(replica), details=details)
+
+
+def _root_subtrees(rw: RankWork, ranks: list[int]) -> list[list[int]]:
+    """Split sorted ranks where consecutive members share only the set's common prefix."""
+    shared = [rw.lcp(a, b) for a, b in zip(ranks, ranks[1:])]
+    root = min(shared)
+    runs = [[ranks[0]]]
+    for depth, b in zip(shared, ranks[1:]):
+        if depth == root:
+            runs.append([b])
+        else:
+            runs[-1].append(b)
+    return runs
+
+
+def _tree_parts(step: Step, rw: RankWork, capacity: int) -> list[list[int]]:
+    """Whole trees, or recursively their root-level subtrees, each within the capacity."""
+    trees: dict[str, list[int]] = {}
+    for trajectory, tree in enumerate(step.trees):
+        trees.setdefault(tree, []).append(int(rw.rank[trajectory]))
+    parts = []
+    pending = [sorted(members) for _, members in sorted(trees.items())]
+    while pending:
+        ranks = pending.pop()
+        if rw.trie(ranks) <= capacity:
+            parts.append(ranks)
+        else:
+            pending.extend(reversed(_root_subtrees(rw, ranks)))
+    return sorted(parts)
+
+
+class _Sharing:
+    """Segments of the step's trie on each trajectory's path, to price sets of parts exactly."""
+
+    def __init__(self, index: PrefixIndex, rw: RankWork) -> None:
+        tree = index.segment_tree()
+        owners, segments = tree.member_paths()
+        self.lengths = tree.segment_lengths
+        ranks = index.rank[tree.members[owners]]
+        order = np.argsort(ranks, kind="stable")
+        self.ranks = ranks[order]
+        self.segments = segments[order]
+        self.starts = np.searchsorted(self.ranks, np.arange(rw.num + 1))
+
+    def nodes(self, parts: list[list[int]]) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """(own_p, [(len_n, parts through n)]) for segments shared by several parts."""
+        through: dict[int, set[int]] = {}
+        for p, ranks in enumerate(parts):
+            for r in ranks:
+                for s in self.segments[self.starts[r] : self.starts[r + 1]].tolist():
+                    through.setdefault(s, set()).add(p)
+        own = [0] * len(parts)
+        grouped: dict[tuple[int, ...], int] = {}
+        for s, members in through.items():
+            if len(members) == 1:
+                own[next(iter(members))] += int(self.lengths[s])
+            else:
+                key = tuple(sorted(members))
+                grouped[key] = grouped.get(key, 0) + int(self.lengths[s])
+        return own, [(length, list(key)) for key, length in sorted(grouped.items())]
+
+
+def _solve_replica(rw: RankWork, sharing: _Sharing, parts: list[list[int]], capacity: int,
+                   config: TreeTrainConfig, *, count: int | None,
+                   hint: list[list[int]] | None = None) -> tuple[list[list[int]], dict[str, object]]:
+    """CP-SAT partition of one replica's parts; `count` fixes the number of non-empty bins."""
+    from ortools.sat.python import cp_model
+
+    solve_started = time.perf_counter()
+    if not parts:
+        return [], {"parts": 0, "bins": 0, "status": "EMPTY", "seconds": 0.0}
+    sizes = [rw.trie(p) for p in parts]
+    order = sorted(range(len(parts)), key=lambda i: (-sizes[i], parts[i][0]))
+    parts = [parts[i] for i in order]
+    own, nodes = sharing.nodes(parts)
+    part_nodes: list[list[int]] = [[] for _ in parts]
+    for n, (_, members) in enumerate(nodes):
+        for p in members:
+            part_nodes[p].append(n)
+
+    if hint is None:
+        assignment = _first_fit(own, nodes, part_nodes, capacity)
+    else:
+        assignment = _hint_assignment(parts, hint, count)
+    num_bins = count if count is not None else max(assignment) + 1
+
+    model = cp_model.CpModel()
+    x = [{b: model.new_bool_var(f"x{p}_{b}") for b in range(min(p + 1, num_bins))} for p in range(len(parts))]
+    used = [model.new_bool_var(f"used{b}") for b in range(num_bins)]
+    y = [{} for _ in nodes]
+    for p, row in enumerate(x):
+        model.add_exactly_one(row.values())
+        for b, var in row.items():
+            model.add_implication(var, used[b])
+            for n in part_nodes[p]:
+                if b not in y[n]:
+                    y[n][b] = model.new_bool_var(f"y{n}_{b}")
+                model.add_implication(var, y[n][b])
+    for b in range(num_bins - 1):
+        model.add_implication(used[b + 1], used[b])
+    works = []
+    for b in range(num_bins):
+        work = sum(nodes[n][0] * row[b] for n, row in enumerate(y) if b in row)
+        work += sum(own[p] * row[b] for p, row in enumerate(x) if b in row)
+        model.add(work <= capacity)
+        works.append(work)
+        if count is not None:
+            model.add(sum(row[b] for row in x if b in row) >= 1)
+    model.minimize(sum(works) * (num_bins + 1) + sum(used))
+    for p, row in enumerate(x):
+        for b, var in row.items():
+            model.add_hint(var, int(assignment[p] == b))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = config.time_limit_s
+    solver.parameters.num_workers = config.num_workers
+    solver.parameters.random_seed = config.seed
+    status = solver.solve(model)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        assignment = [next(b for b, var in row.items() if solver.boolean_value(var)) for row in x]
+    bins_of: dict[int, list[int]] = {}
+    for p, b in enumerate(assignment):
+        bins_of.setdefault(b, []).extend(parts[p])
+    bins = [sorted(bins_of[b]) for b in sorted(bins_of)]
+    assert all(rw.trie(b) <= capacity for b in bins)
+    assert count is None or len(bins) == count
+    return bins, {
+        "parts": len(parts), "bins": len(bins), "status": solver.status_name(status),
+        "seconds": round(time.perf_counter() - solve_started, 3),
+    }
+
+
+def _first_fit(own: list[int], nodes: list[tuple[int, list[int]]], part_nodes: list[list[int]],
+               capacity: int) -> list[int]:
+    """Trie-aware first fit of parts (already in decreasing size) into bins."""
+    covered: list[set[int]] = []
+    loads: list[int] = []
+    assignment = []
+    for p in range(len(own)):
+        for b in range(len(loads)):
+            added = own[p] + sum(nodes[n][0] for n in part_nodes[p] if n not in covered[b])
+            if loads[b] + added <= capacity:
+                loads[b] += added
+                covered[b].update(part_nodes[p])
+                assignment.append(b)
+                break
+        else:
+            loads.append(own[p] + sum(nodes[n][0] for n in part_nodes[p]))
+            covered.append(set(part_nodes[p]))
+            assignment.append(len(loads) - 1)
+    return assignment
+
+
+def _hint_assignment(parts: list[list[int]], hint: list[list[int]], count: int) -> list[int]:
+    """Each part's bin in `hint` (bins of ranks), bins split until there are `count`, relabelled
+    so that bins are numbered by their first part (the model's symmetry breaking)."""
+    bin_of_rank = {r: b for b, members in enumerate(hint) for r in members}
+    groups: dict[int, list[int]] = {}
+    for p, ranks in enumerate(parts):
+        groups.setdefault(bin_of_rank[ranks[0]], []).append(p)
+    bins = [sorted(g) for g in groups.values()]
+    while len(bins) < count:
+        k = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
+        assert len(bins[k]) >= 2
+        bins[k:k + 1] = [bins[k][:1], bins[k][1:]]
+    bins.sort(key=lambda g: g[0])
+    assignment = [0] * len(parts)
+    for b, members in enumerate(bins):
+        for p in members:
+            assignment[p] = b
+    return assignment
