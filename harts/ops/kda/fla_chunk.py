@@ -1,0 +1,242 @@
+"""The GPU path: fla's chunked KDA kernels, with differentiable states after requested offsets.
+
+`chunk_kda_fla` has the signature and the semantics of `chunk_kda_torch` (harts.ops.kda.chunk)
+and runs one packed varlen call on fla 0.6's Triton kernels. fla's `chunk_kda` returns, and takes
+gradients for, only initial and final states; the compact operator also needs states at interior
+chunk boundaries of a sequence (where side branches fork off), with their gradients flowing back
+into the same call. `ChunkKDAStatesFunction` therefore composes fla's own forward and backward
+stages exactly as `fla.ops.kda.chunk.ChunkKDAFunction` does (chunk-local gate cumsum, intra-chunk
+WY solve, output, and in the backward dA/dv, WY and intra-chunk gradients), and replaces only the
+inter-chunk state pass by the kernels of `harts.ops.kda.triton_state`: the forward also writes
+the fp32 state at each requested chunk start, the backward adds each such state's incoming
+gradient at that point of its single reverse sweep. No extra call and no extra rows: one forward
+and one backward over the same rows as an unsplit `chunk_kda`.
+
+Offsets that are not chunk multiples (the no-replay ablation) are formed from the state at the
+start of their chunk (a kernel slot, or the initial state) by `chunk_kda_torch` over the first
+rows of that chunk — a few rows per request, differentiable through autograd.
+
+Conventions follow `chunk_kda` with use_gate_in_kernel=False (g is the log-space decay),
+use_qk_l2norm_in_kernel=False (normalise before: `compact_kda(use_qk_l2norm=True)`), beta after
+its sigmoid, H = HV (no grouped values), fp32 initial states, chunk size 32 or 64.
+Tested (tests/ops/kda/test_fla_chunk.py) against `chunk_kda_torch`: on CPU under the Triton
+interpreter in fp32, and on CUDA in bf16 (GPU-only tests); `harts bench kda-handoff` measures it.
+Legend: T packed rows, N sequences, NT chunks, H heads, K key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
+from fla.ops.kda.wy_fast import recompute_w_u_fwd
+from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+from fla.ops.utils.constant import RCP_LN2
+from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
+
+from harts.ops.kda.chunk import check_inputs, check_requests, chunk_kda_torch
+from harts.ops.kda.triton_state import state_backward, state_forward
+
+FLA_CHUNK_SIZES = (32, 64)
+
+
+class ChunkKDAStatesFunction(torch.autograd.Function):
+    """(o, final states, slot states) of one varlen call; slot s is the fp32 state at the start of
+    the chunk c with state_slot[c] == s. All three outputs are differentiable."""
+
+    @staticmethod
+    @input_guard
+    @autocast_custom_fwd
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_offsets, state_slot,
+                chunk_size, num_chunks, num_slots):
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+        g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                   chunk_indices=chunk_indices)
+        w, u, _, kg, aqk, akk = chunk_kda_fwd_intra(
+            q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size, chunk_indices=chunk_indices,
+        )
+        h, v_new, final_state, slot_states = state_forward(
+            kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size, num_chunks,
+            state_slot, num_slots,
+        )
+        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=aqk, h=h, scale=scale, cu_seqlens=cu_seqlens,
+                               chunk_size=chunk_size, chunk_indices=chunk_indices)
+        ctx.save_for_backward(q, k, v, g_cum, beta, aqk, akk, initial_state, cu_seqlens, chunk_indices,
+                              chunk_offsets, state_slot)
+        ctx.scale, ctx.chunk_size, ctx.num_chunks, ctx.g_dtype = scale, chunk_size, num_chunks, g.dtype
+        ctx.set_materialize_grads(False)
+        return o.type_as(q), final_state, slot_states
+
+    @staticmethod
+    @input_guard
+    @autocast_custom_bwd
+    def backward(ctx, do, dht, dslots):
+        (q, k, v, g_cum, beta, aqk, akk, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+         state_slot) = ctx.saved_tensors
+        scale, chunk_size, num_chunks = ctx.scale, ctx.chunk_size, ctx.num_chunks
+        if do is None:
+            do = torch.zeros_like(v)
+        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=akk, gk=g_cum, q=q, cu_seqlens=cu_seqlens,
+                                         chunk_indices=chunk_indices)
+        h, v_new, _, _ = state_forward(kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size,
+                                       num_chunks)
+        daqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=aqk, scale=scale, cu_seqlens=cu_seqlens,
+                                     chunk_size=chunk_size, chunk_indices=chunk_indices)
+        dh, dh0, dv = state_backward(qg, kg, w, g_cum, do, dv, dht, dslots, state_slot, cu_seqlens,
+                                     chunk_offsets, chunk_size, num_chunks, scale)
+        dq, dk, dv, db, dg, dakk = chunk_kda_bwd_wy_dqkg_fused(
+            q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+        )
+        dq, dk, db, dg = chunk_kda_bwd_intra(
+            q=q, k=k, g=g_cum, beta=beta, dAqk=daqk, dAkk=dakk, dq=dq, dk=dk, db=db, dg=dg,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size,
+        )
+        dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
+                                chunk_indices=chunk_indices)
+        return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0,
+                None, None, None, None, None, None, None)
+
+
+def chunk_kda_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | np.ndarray | None = None,
+    chunk_size: int = 64,
+    state_offsets: np.ndarray | None = None,
+    state_ptr: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    r"""`chunk_kda_torch` on fla's kernels (CUDA; the Triton interpreter on CPU for tests).
+
+    Args and returns as `chunk_kda_torch`: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta
+    ``[B, T, H]``, initial_state ``[N, H, K, V]`` (fp32), cu_seqlens ``[N + 1]``, chunk_size
+    32 or 64, requested states by CSR (`state_ptr` ``[N + 1]``, `state_offsets`). Returns
+    ``(o in q's dtype, final states or None, requested states fp32 or None)``.
+
+    Example::
+
+        >>> q, k = torch.randn(2, 1, 300, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)  # doctest: +SKIP
+        >>> v = torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> g = -torch.rand(1, 300, 4, 128, device="cuda")  # doctest: +SKIP
+        >>> beta = torch.rand(1, 300, 4, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> o, _, states = chunk_kda_fla(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 100, 300]),
+        ...     state_offsets=np.array([64, 128, 200]), state_ptr=np.array([0, 1, 3]))  # doctest: +SKIP
+    """
+    name = "chunk_kda_fla"
+    lengths = check_inputs(name, q, k, v, g, beta, cu_seqlens, initial_state)
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"{name}: fla's KDA kernels take chunk_size 32 or 64, got {chunk_size!r}")
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if key_dim > 256:
+        raise ValueError(f"{name}: fla's KDA kernels take K ≤ 256, got {key_dim}")
+    requests = check_requests(name, state_offsets, state_ptr, lengths)
+    if scale is None:
+        scale = key_dim**-0.5
+    device = q.device
+    num_seqs = len(lengths)
+    row_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    chunk_offsets = np.concatenate([[0], np.cumsum(-(-lengths // chunk_size))]).astype(np.int64)
+    num_chunks = int(chunk_offsets[-1])
+
+    plan = _StatePlan.build(requests, lengths, chunk_offsets, chunk_size, num_chunks)
+    rows = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if initial_state is None:
+        initial = q.new_zeros(num_seqs, heads, key_dim, value_dim, dtype=torch.float32)
+    else:
+        initial = initial_state.float()
+    slot = torch.from_numpy(plan.state_slot).to(device) if plan.num_slots else None
+    o, final_state, slot_states = ChunkKDAStatesFunction.apply(
+        *rows, initial, scale, torch.from_numpy(row_start).to(device), torch.from_numpy(chunk_offsets).to(device),
+        slot, chunk_size, num_chunks, plan.num_slots,
+    )
+    states = None
+    if requests is not None:
+        states = plan.assemble(rows, initial, final_state, slot_states, row_start, scale, chunk_size)
+    o = o.reshape(batch, length, heads, value_dim)
+    return o, final_state if output_final_state else None, states
+
+
+# Where a requested state comes from (`_StatePlan.kind`).
+_INITIAL, _FINAL, _SLOT, _PARTIAL = range(4)
+
+
+@dataclass(frozen=True)
+class _StatePlan:
+    """Sources of the requested states: the initial state, the final state, a kernel slot (a chunk
+    start), or a partial chunk on top of the initial state or a slot."""
+
+    state_slot: np.ndarray
+    """int32 [NT] slot of each chunk start (−1: none)."""
+    num_slots: int
+    seq: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    kind: np.ndarray | None = None
+    slot_of_request: np.ndarray | None = None
+    """int64 [M] the slot a request reads (directly, or as its partial chunk's start), else −1."""
+    base: np.ndarray | None = None
+    """int64 [M] start of the request's chunk (⌊offset/B⌋·B)."""
+
+    @classmethod
+    def build(cls, requests, lengths, chunk_offsets, chunk_size, num_chunks) -> _StatePlan:
+        state_slot = np.full(max(num_chunks, 1), -1, dtype=np.int32)
+        if requests is None:
+            return cls(state_slot=state_slot, num_slots=0)
+        seq, offsets = requests
+        base = offsets // chunk_size * chunk_size
+        kind = np.full(len(offsets), _PARTIAL, dtype=np.int64)
+        kind[offsets % chunk_size == 0] = _SLOT
+        kind[offsets == 0] = _INITIAL
+        kind[offsets == lengths[seq]] = _FINAL
+        needs_slot = (kind == _SLOT) | ((kind == _PARTIAL) & (base > 0))
+        chunk = chunk_offsets[seq] + base // chunk_size
+        unique = np.unique(chunk[needs_slot])
+        state_slot[unique] = np.arange(len(unique), dtype=np.int32)
+        slot_of_request = np.where(needs_slot, state_slot[np.minimum(chunk, len(state_slot) - 1)], -1).astype(np.int64)
+        return cls(state_slot=state_slot, num_slots=len(unique), seq=seq, offsets=offsets, kind=kind,
+                   slot_of_request=slot_of_request, base=base)
+
+    def assemble(self, rows, initial, final_state, slot_states, row_start, scale, chunk_size) -> torch.Tensor:
+        device = initial.device
+
+        def pick(source: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+            return source.index_select(0, torch.from_numpy(np.ascontiguousarray(index)).to(device))
+
+        parts, owners = [], []
+        for kind, source, index in ((_INITIAL, initial, self.seq), (_FINAL, final_state, self.seq),
+                                    (_SLOT, slot_states, self.slot_of_request)):
+            owner = np.flatnonzero(self.kind == kind)
+            if len(owner):
+                parts.append(pick(source, index[owner]))
+                owners.append(owner)
+        partial = np.flatnonzero(self.kind == _PARTIAL)
+        if len(partial):
+            from_slot = self.slot_of_request[partial] >= 0
+            start = torch.cat([pick(initial, self.seq[partial[~from_slot]]),
+                               pick(slot_states, self.slot_of_request[partial[from_slot]])])
+            order = np.argsort(np.concatenate([np.flatnonzero(~from_slot), np.flatnonzero(from_slot)]))
+            start = pick(start, order)
+            first = row_start[self.seq[partial]] + self.base[partial]
+            count = self.offsets[partial] - self.base[partial]
+            index = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in zip(first, count)])).to(device)
+            piece = [x.index_select(1, index) for x in rows]
+            _, ends, _ = chunk_kda_torch(
+                *piece, scale=scale, initial_state=start, output_final_state=True,
+                cu_seqlens=np.concatenate([[0], np.cumsum(count)]), chunk_size=chunk_size,
+            )
+            parts.append(ends.float())
+            owners.append(partial)
+        if not parts:
+            return initial.new_zeros(0, *initial.shape[1:])
+        return pick(torch.cat(parts), np.argsort(np.concatenate(owners)))

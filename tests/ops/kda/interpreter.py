@@ -1,0 +1,121 @@
+"""Run the fla path on CPU under the Triton interpreter and compare it with `chunk_kda_torch`.
+
+Run as `TRITON_INTERPRET=1 python -m tests.ops.kda.interpreter CASE` (test_fla_chunk.py does, in
+a subprocess, because the variable must be set before any Triton kernel is defined). Prints one
+JSON object: the relative error of every compared tensor.
+
+Three patches make Triton 3.6's interpreter run fla's kernels (and ours) on this CPU, none of
+which changes what a kernel computes: the autotuner takes its first config instead of timing
+(there is no GPU driver to time with); a scalar loaded from memory converts to a Python index
+even when numpy holds it as a one-element array (numpy 2 refuses `int()` of such arrays); and
+the variable of a `for ... in range(...)` loop is wrapped as a Triton scalar, as the compiler
+does, so kernels may call `.to()` on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+
+
+def patch_interpreter() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    autotuner.Autotuner.do_bench = property(lambda self: (lambda fn, quantiles=None: [0.0, 0.0, 0.0]))
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+    def visit_for(self, node):
+        self.generic_visit(node)
+        if isinstance(node.target, ast.Name):
+            wrap = ast.Call(
+                func=ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                   ctx=ast.Load()),
+                args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)], keywords=[],
+            )
+            node.body.insert(0, ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())], value=wrap))
+        return node
+
+    interpreter.ASTTransformer.visit_For = visit_for
+
+
+def case_states() -> dict[str, float]:
+    """One varlen call with interior, final, mid-chunk and zero-offset state requests."""
+    import numpy as np
+    import torch
+
+    from harts.ops.kda.chunk import chunk_kda_torch
+    from harts.ops.kda.fla_chunk import chunk_kda_fla
+
+    from .helpers import relative_error
+
+    gen = torch.Generator().manual_seed(42)
+    lengths = [70, 1, 96, 33]
+    total, heads, key_dim, value_dim, chunk = sum(lengths), 2, 16, 16, 32
+    q = torch.randn(1, total, heads, key_dim, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, total, heads, key_dim, generator=gen), dim=-1)
+    v = torch.randn(1, total, heads, value_dim, generator=gen)
+    g = -torch.rand(1, total, heads, key_dim, generator=gen)
+    beta = torch.rand(1, total, heads, generator=gen)
+    h0 = torch.randn(len(lengths), heads, key_dim, value_dim, generator=gen)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    offsets = np.array([32, 64, 40, 70, 1, 0, 32, 64, 50, 96, 33])
+    ptr = np.array([0, 4, 5, 10, 11])
+    errors = {}
+    results = []
+    for run in (chunk_kda_torch, chunk_kda_fla):
+        o, final, states = run(*leaves[:5], initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                               chunk_size=chunk, state_offsets=offsets, state_ptr=ptr)
+        weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + i)) for i, x in
+                   enumerate((o, final, states))]
+        loss = sum((x * w).sum() for x, w in zip((o, final, states), weights))
+        results.append([o, final, states, *torch.autograd.grad(loss, leaves)])
+    names = ["o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for name, actual, expected in zip(names, results[1], results[0]):
+        errors[name] = relative_error(actual, expected)
+    return errors
+
+
+def case_compact() -> dict[str, float]:
+    """compact_kda with the fla backend against the per-trajectory torch reference."""
+    import numpy as np
+    import torch
+
+    from harts.ops.kda.compact import compact_kda
+
+    from .helpers import per_trajectory, random_inputs, relative_error, segment_schedule, tree_from_shape
+
+    tree = tree_from_shape([-1, 0, 0, 1, 1], [40, 30, 5, 20, 12])
+    chunk = 32
+    index = torch.from_numpy(tree.compact_map())
+    errors = {}
+    for replay in (True, False):
+        leaves = random_inputs(tree.num_compact_tokens, 2, 16, 16, torch.float32, seed=42)
+        expected = per_trajectory(leaves, tree, chunk)
+        weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
+        grads_expected = torch.autograd.grad((expected * weight).sum(), leaves)
+        o = compact_kda(*leaves, segment_schedule(tree, chunk, replay), backend="fla")
+        semantic = o.index_select(0, index)
+        grads = torch.autograd.grad((semantic * weight).sum(), leaves)
+        tag = "replay" if replay else "no_replay"
+        errors[f"{tag}.o"] = relative_error(semantic, expected)
+        for name, actual, want in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, grads_expected):
+            errors[f"{tag}.{name}"] = relative_error(actual, want)
+    assert np.isfinite(list(errors.values())).all()
+    return errors
+
+
+if __name__ == "__main__":
+    patch_interpreter()
+    case = {"states": case_states, "compact": case_compact}[sys.argv[1]]
+    print(json.dumps(case()))
