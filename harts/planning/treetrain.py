@@ -26,11 +26,16 @@ Tree Training's planner code is not public; this module implements the paper's d
    per solve (default 10), `num_workers` (default 2, this CPU machine's core count), seed 0.
    If a solve returns no solution, the hint is used (its status is recorded).
 4. K mod D. Every slot needs one microbatch per replica, so each replica must end with the same
-   count k* = max over replicas. A replica with fewer is solved again with exactly k*
+   count k* = max over replicas (Tree Training's own replicas need not; this is the adaptation
+   to our slot model, without empty microbatches). A replica with fewer than k* trajectories
+   first receives parts from the replica with the most trajectories (its smallest part, split
+   into root-level subtrees until it fits that replica's surplus over k*). Every replica with
+   fewer than k* bins, or that gave or received parts, is solved again with exactly k*
    non-empty bins (same objective), its parts split one more level while it has fewer than k*
-   parts; the hint is its first solution with bins split until there are k*. Slots: each
-   replica's microbatches in decreasing work (the alignment that minimises Σ slot maxima for
-   fixed replica contents).
+   parts; the hint is its earlier solution adjusted for the moves, bins split until there are
+   k*. If the step has fewer than D·k* trajectories no such plan exists: a ValueError. Slots:
+   each replica's microbatches in decreasing work (the alignment that minimises Σ slot maxima
+   for fixed replica contents).
 
 `plan_seconds` is the wall time of everything above, the CP-SAT solves included. With a wall-
 clock limit and several workers CP-SAT is not bit-reproducible; the plan is still validated.
@@ -92,23 +97,19 @@ def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixI
         solutions.append(bins)
         details["replicas"].append(info)
     target = max(len(b) for b in solutions)
+    hints = [[list(b) for b in bins] for bins in solutions]
+    moved = _lend_trajectories(rw, replica_parts, hints, target)
     for r in range(dp):
-        if len(solutions[r]) == target:
+        if len(solutions[r]) == target and r not in moved:
             continue
         current = replica_parts[r]
         while len(current) < target:
-            splittable = [p for p in current if len(p) >= 2]
-            if not splittable:
-                raise ValueError(
-                    f"treetrain-ortools: replica {r} holds {sum(len(p) for p in current)} trajectories "
-                    f"but every replica needs {target} microbatches (K mod D = 0 without empty microbatches)"
-                )
-            widest = max(splittable, key=lambda p: (len(p), -p[0]))
+            widest = max((p for p in current if len(p) >= 2), key=lambda p: (len(p), -p[0]))
             current = [q for p in current for q in (_root_subtrees(rw, p) if p is widest else [p])]
-        hint = [list(b) for b in solutions[r]]
-        bins, info = _solve_replica(rw, part_nodes, current, capacity, config, count=target, hint=hint)
+        bins, info = _solve_replica(rw, part_nodes, current, capacity, config, count=target, hint=hints[r])
         solutions[r] = bins
         details["replicas"][r]["equalised"] = info
+    details["lent_to"] = {str(r): sorted(donors) for r, donors in moved.items() if donors}
 
     groups, works, slot, replica = [], [], [], []
     for r, bins in enumerate(solutions):
@@ -120,6 +121,39 @@ def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixI
             replica.append(r)
     return build_plan(step, groups, np.asarray(works), planner="treetrain-ortools", capacity=capacity, dp=dp,
                       started=started, slot=np.asarray(slot), replica=np.asarray(replica), details=details)
+
+
+def _lend_trajectories(rw: RankWork, replica_parts: list[list[list[int]]], hints: list[list[list[int]]],
+                       target: int) -> dict[int, set[int]]:
+    """Give each replica at least `target` trajectories by moving parts from the replicas with the
+    most, smallest part first (split into root-level subtrees until it fits the donor's surplus).
+    Updates parts and hint bins in place; returns {replica: donors} for every replica touched."""
+    touched: dict[int, set[int]] = {}
+    count = [sum(len(p) for p in parts) for parts in replica_parts]
+    for r in range(len(replica_parts)):
+        while count[r] < target:
+            donors = [d for d in range(len(replica_parts)) if count[d] > target]
+            if not donors:
+                raise ValueError(
+                    f"treetrain-ortools: {sum(count)} trajectories cannot fill {target} microbatches on each of "
+                    f"{len(replica_parts)} replicas (K mod D = 0 without empty microbatches)"
+                )
+            donor = max(donors, key=lambda d: (count[d], -d))
+            parts = replica_parts[donor]
+            part = min(parts, key=lambda p: (rw.trie(p), p[0]))
+            while len(part) > count[donor] - target:
+                parts.remove(part)
+                parts.extend(_root_subtrees(rw, part))
+                part = min(parts, key=lambda p: (rw.trie(p), p[0]))
+            parts.remove(part)
+            replica_parts[r].append(part)
+            count[donor] -= len(part)
+            count[r] += len(part)
+            hints[donor] = [kept for b in hints[donor] if (kept := [x for x in b if x not in part])]
+            hints[r].append(list(part))
+            touched.setdefault(r, set()).add(donor)
+            touched.setdefault(donor, set())
+    return touched
 
 
 def _root_subtrees(rw: RankWork, ranks: list[int]) -> list[list[int]]:
@@ -281,6 +315,7 @@ def _hint_assignment(parts: list[list[int]], hint: list[list[int]], count: int) 
     for p, ranks in enumerate(parts):
         groups.setdefault(bin_of_rank[ranks[0]], []).append(p)
     bins = [sorted(g) for g in groups.values()]
+    assert len(bins) <= count
     while len(bins) < count:
         k = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
         assert len(bins[k]) >= 2

@@ -1,0 +1,213 @@
+"""The HARTS planner's tiers against brute force, and its refinement stages."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from harts.planning import harts_planner as hp
+from harts.planning.microbatch import objective, plan, validate
+from harts.planning.rank_work import RankWork
+from harts.trees.trie import PrefixIndex
+
+from ..trees.helpers import make_step
+from .microbatch_helpers import all_partitions, brute_force_key, plan_key, rollout_step
+
+TINY = dict(num_tasks=2, branches=(1, 4), shared=6, prompt=(1, 4), continuation=(1, 12))
+MEDIUM = dict(num_tasks=5, branches=(3, 10), shared=30, prompt=(2, 10), continuation=(5, 60))
+
+
+def _tight_capacity(rng: np.random.Generator, step) -> int:
+    """Between the longest trajectory and a bit more: most partitions are infeasible."""
+    return int(step.lengths.max()) + int(rng.integers(0, int(step.lengths.max()) + 1))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4], ids=lambda d: f"D{d}")
+def test_exact_tier_equals_brute_force_over_all_partitions(dp):
+    rng = np.random.default_rng(42)
+    checked = 0
+    for case in range(40):
+        step = rollout_step(rng, **TINY, duplicate=case % 5 == 0)
+        if step.num_trajectories > 7:
+            continue
+        capacity = _tight_capacity(rng, step)
+        index = PrefixIndex.from_step(step)
+        keys = [k for blocks in all_partitions(step.num_trajectories)
+                if (k := brute_force_key(index, blocks, capacity, dp)) is not None]
+        if not keys:
+            with pytest.raises(ValueError, match="no plan"):
+                plan(step, capacity, dp, "harts")
+            continue
+        result = plan(step, capacity, dp, "harts")
+        validate(result, step, index)
+        assert result.details["tier"] == "exact"
+        assert plan_key(result) == min(keys), f"case {case}"
+        checked += 1
+    assert checked >= 20
+
+
+def _contiguous_optimum(index: PrefixIndex, capacity: int, dp: int) -> int | None:
+    """Min total work over every set of cuts of the sorted order (K mod D, capacity)."""
+    num = len(index.order)
+    best = None
+    for count in range(num):
+        for cuts in itertools.combinations(range(1, num), count):
+            bounds = (0, *cuts, num)
+            if num >= dp and (count + 1) % dp:
+                continue
+            works = [index.segment_tree(index.order[a:b]).num_compact_tokens for a, b in zip(bounds, bounds[1:])]
+            if max(works) <= capacity and (best is None or sum(works) < best):
+                best = sum(works)
+    return best
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4], ids=lambda d: f"D{d}")
+def test_dp_tier_equals_brute_force_over_cut_points(dp):
+    rng = np.random.default_rng(42)
+    checked = 0
+    for case in range(25):
+        step = rollout_step(rng, num_tasks=3, branches=(1, 5), shared=8, prompt=(1, 4), continuation=(1, 15))
+        if step.num_trajectories > 11:
+            continue
+        capacity = _tight_capacity(rng, step)
+        index = PrefixIndex.from_step(step)
+        best = _contiguous_optimum(index, capacity, dp)
+        if best is None:
+            with pytest.raises(ValueError, match="no plan"):
+                plan(step, capacity, dp, "harts", exact_max_trajectories=0, refine=False)
+            continue
+        result = plan(step, capacity, dp, "harts", exact_max_trajectories=0, refine=False)
+        validate(result, step, index)
+        assert result.details["tier"] == "dp"
+        assert result.compact_tokens == best, f"case {case}"
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"seed{s}")
+def test_restricted_dp(seed):
+    """A band that covers every count is the full DP; the narrowest band still plans validly."""
+    rng = np.random.default_rng([42, seed])
+    step = rollout_step(rng, **MEDIUM)
+    capacity = _tight_capacity(rng, step)
+    full = plan(step, capacity, 4, "harts", refine=False)
+    wide = plan(step, capacity, 4, "harts", refine=False, dp_max_cells=0, count_band=step.num_trajectories)
+    narrow = plan(step, capacity, 4, "harts", refine=False, dp_max_cells=0, count_band=1)
+    assert wide.details["tier"] == narrow.details["tier"] == "restricted-dp"
+    assert wide.compact_tokens == full.compact_tokens
+    assert narrow.compact_tokens >= full.compact_tokens
+    validate(narrow, step)
+
+
+def _random_medium(seed: int):
+    rng = np.random.default_rng([42, seed])
+    step = rollout_step(rng, **MEDIUM)
+    return step, _tight_capacity(rng, step), int(rng.choice([1, 2, 4, 8]))
+
+
+def test_refinement_never_worsens_and_sometimes_helps():
+    improved = 0
+    for seed in range(30):
+        step, capacity, dp = _random_medium(seed)
+        if step.num_trajectories < dp:
+            continue
+        index = PrefixIndex.from_step(step)
+        plain = plan(step, capacity, dp, "harts", index=index, refine=False)
+        refined = plan(step, capacity, dp, "harts", index=index)
+        validate(refined, step, index)
+        assert plan_key(refined) <= plan_key(plain), f"seed {seed}"
+        improved += plan_key(refined) < plan_key(plain)
+    assert improved >= 5
+
+
+def _stage_inputs(seed: int):
+    step, capacity, dp = _random_medium(seed)
+    index = PrefixIndex.from_step(step)
+    rw = RankWork(index)
+    return rw, hp.cut_point_dp(rw, capacity, dp), capacity, dp
+
+
+def _works(rw: RankWork, bins) -> np.ndarray:
+    return np.asarray([rw.trie(b) for b in bins if b])
+
+
+def _check_partition(rw: RankWork, bins, capacity: int) -> None:
+    assert sorted(r for b in bins for r in b) == list(range(rw.num))
+    assert all(b == sorted(b) and rw.trie(b) <= capacity for b in bins)
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
+def test_descent_lowers_work_and_keeps_the_count_when_asked(seed):
+    rw, bins, capacity, dp = _stage_inputs(seed)
+    config = hp.HartsConfig()
+    state = hp._State(rw, bins, capacity)
+    hp._descend(state, config, dp=dp, snapshots=None)
+    _check_partition(rw, state.nonempty(), capacity)
+    assert len(state.nonempty()) == len(bins)
+    assert state.total() <= _works(rw, bins).sum()
+    drifting = hp._State(rw, bins, capacity)
+    snapshots = []
+    hp._descend(drifting, config, dp=dp, snapshots=snapshots)
+    _check_partition(rw, drifting.nonempty(), capacity)
+    assert drifting.total() <= state.total() or len(drifting.nonempty()) != len(bins)
+    for total, snapshot in snapshots:
+        _check_partition(rw, snapshot, capacity)
+        assert len(snapshot) % dp == 0 and total == _works(rw, snapshot).sum()
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
+def test_repack_and_balance(seed):
+    rw, bins, capacity, dp = _stage_inputs(seed)
+    repacked = hp._repack(rw, bins, capacity, dp)
+    if repacked is not None:
+        _check_partition(rw, repacked, capacity)
+        assert len(repacked) % dp == 0 and all(repacked)
+        clusters = [c for b in bins for c in hp._clusters(rw, b)]
+        g0 = rw.common_prefix
+        assert _works(rw, repacked).sum() <= len(repacked) * g0 + sum(rw.trie(c) - g0 for c in clusters)
+    state = hp._State(rw, bins, capacity)
+    before = objective(_works(rw, bins), dp)
+    hp._balance(state, dp, hp.HartsConfig())
+    _check_partition(rw, state.nonempty(), capacity)
+    assert objective(_works(rw, state.nonempty()), dp) <= before
+
+
+def test_balance_lowers_the_critical_path_by_moving_a_cluster():
+    """Two trees under a shared prefix: one microbatch holds two clusters, its slot mate none."""
+    shared = [9] * 10
+    step = make_step([shared + [1] * 20, shared + [2] * 5, shared + [3] * 2])
+    index = PrefixIndex.from_step(step)
+    rw = RankWork(index)
+    # Ranks: [1]*20 -> 0, [2]*5 -> 1, [3]*2 -> 2. Start from {0}, {1, 2}: works 30 and 17.
+    state = hp._State(rw, [[0, 1], [2]], capacity=100)
+    assert state.works == [35, 12]
+    hp._balance(state, 2, hp.HartsConfig())
+    assert sorted(state.works) == [17, 30]
+
+
+@pytest.mark.parametrize("planner_options", [{}, {"refine": False}], ids=["refined", "dp-only"])
+def test_deterministic(planner_options):
+    step, capacity, dp = _random_medium(3)
+    first = plan(step, capacity, dp, "harts", **planner_options).to_dict()
+    second = plan(step, capacity, dp, "harts", **planner_options).to_dict()
+    first.pop("plan_seconds"), second.pop("plan_seconds")
+    assert first == second
+
+
+@pytest.mark.parametrize("num", [5, 9], ids=["exact-tier", "dp-tier"])
+def test_no_plan_when_count_cannot_be_a_multiple_of_dp(num):
+    # Distinct first tokens (no sharing), each longer than half the capacity: K = N only.
+    step = make_step([[k] * 6 for k in range(num)])
+    with pytest.raises(ValueError, match=f"no plan: {num} trajectories cannot form a multiple of D = 4"):
+        plan(step, 10, 4, "harts")
+
+
+def test_fewer_trajectories_than_dp_pads_with_empty_microbatches():
+    rng = np.random.default_rng(42)
+    step = rollout_step(rng, num_tasks=3, branches=(3, 4), shared=4, prompt=(1, 3), continuation=(1, 9))
+    result = plan(step, 1000, 16, "harts")
+    validate(result, step)
+    assert result.num_microbatches == 16
+    assert sum(1 for mb in result.microbatches if mb.trajectory_ids) == 1

@@ -1,0 +1,99 @@
+"""`harts plan microbatches` and `harts bench planning` end to end (no torch import)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harts.cli.main import main
+from harts.planning.microbatch import Plan, validate
+from harts.trees.io import read_step, write_step
+
+from .microbatch_helpers import rollout_step
+
+KEYS = {"planner", "microbatches", "compact_tokens", "lower_bound_compact_tokens", "plan_seconds",
+        "p95_slot_imbalance", "step_imbalance"}
+
+
+@pytest.fixture
+def step_file(tmp_path):
+    step = rollout_step(np.random.default_rng(42), num_tasks=3, branches=(2, 7), shared=20, prompt=(2, 6),
+                        continuation=(5, 40))
+    path = tmp_path / "step.npz"
+    write_step(step, path)
+    return path
+
+
+@pytest.mark.parametrize("planner", ["harts", "greedy-trie", "per-trajectory", "treetrain-ortools"])
+def test_plan_microbatches_json_and_out(step_file, tmp_path, capsys, planner):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "microbatches", str(step_file), "--capacity", "200", "--dp", "2", "--planner", planner,
+            "--out", str(out), "--json"]
+    if planner == "treetrain-ortools":
+        argv += ["--time-limit", "2"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary) == KEYS and summary["planner"] == planner
+    written = Plan.read(out)
+    validate(written, read_step(step_file))
+    assert summary["compact_tokens"] == written.compact_tokens
+    assert summary["microbatches"] == written.num_microbatches
+    assert 0 <= summary["p95_slot_imbalance"] and 0 <= summary["step_imbalance"] < 1
+
+
+def test_plan_microbatches_errors(step_file, capsys):
+    assert main(["plan", "microbatches", str(step_file), "--capacity", "5", "--dp", "2"]) == 2
+    assert "more than the capacity T = 5" in capsys.readouterr().err
+    assert main(["plan", "microbatches", str(step_file), "--capacity", "500", "--dp", "2",
+                 "--time-limit", "3"]) == 2
+    assert "--time-limit applies to --planner treetrain-ortools only" in capsys.readouterr().err
+
+
+def test_plan_microbatches_imports_no_torch(step_file):
+    code = (
+        "import sys\n"
+        "from harts.cli.main import main\n"
+        f"assert main(['plan', 'microbatches', {str(step_file)!r}, '--capacity', '300', '--dp', '2']) == 0\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'fla', 'megatron')]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+def test_bench_planning_writes_records_and_table(tmp_path, capsys):
+    out = tmp_path / "planning.json"
+    status = main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--dp", "2", "--steps", "0,1",
+                   "--planners", "harts,treetrain-ortools,greedy-trie", "--time-limit", "2", "--out", str(out)])
+    assert status == 0
+    records = json.loads(out.read_text())
+    assert [(r["config"]["step"], r["config"]["planner"]) for r in records] == [
+        (s, p) for s in (0, 1) for p in ("harts", "treetrain-ortools", "greedy-trie")
+    ]
+    for record in records:
+        assert "error" not in record
+        results = record["results"]
+        assert results["compact_tokens"] >= results["lower_bound_compact_tokens"]
+        assert results["microbatches"] % 2 == 0
+        assert len(results["slot_imbalance"]) == results["microbatches"] // 2
+        assert record["config"]["capacity"] == 512
+    table = out.with_suffix(".md").read_text()
+    assert "| all |" in table and "| paper | 77,581,958 (-3.28%) | 80,213,867 |" in table
+    rows = out.with_suffix(".csv").read_text().splitlines()
+    assert rows[0].startswith("step,HARTS tokens,OR-Tools tokens,compression") and len(rows) == 1 + 2 + 2
+    assert "| paper |" in capsys.readouterr().out
+
+
+def test_bench_planning_reads_data_dir(tmp_path):
+    data = tmp_path / "steps"
+    assert main(["trees", "synth", "--config", "configs/trees/tiny.yaml", "--steps", "1", "--out", str(data)]) == 0
+    out = tmp_path / "records.jsonl"
+    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--data", str(data), "--steps", "1",
+                 "--planners", "harts", "--dp", "2", "--out", str(out)]) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["config"]["data"] == str(data) and record["results"]["trajectories"] > 0
+    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--data", str(data), "--steps", "0",
+                 "--planners", "harts", "--out", str(out)]) == 2
