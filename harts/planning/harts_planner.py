@@ -24,18 +24,24 @@ Search tiers, by size:
 3. "restricted-dp" (when N · window · counts exceeds `dp_max_cells`): the same recursion keeping,
    for each prefix j, only counts within `count_band` of the fewest runs that can cover it.
 
-Refinement (tiers 2 and 3), each move accepted only when it lowers the objective it targets:
+Refinement (tiers 2 and 3), each change accepted only when it lowers the objective it targets:
 - boundary moves and sparse repair: move one trajectory to the microbatch of one of its sorted
   neighbours (crossing a cut) or to one of the microbatches with the most room (pairing
-  leftovers of different trees, which share the common prefix), and swap a trajectory with a
-  sorted neighbour in another microbatch, whenever W drops. Emptying a microbatch is allowed;
-  afterwards K is brought back to a multiple of D by the cheapest splits (cost = the LCP at
-  the split), or by the best state that already had K ≡ 0 mod D, whichever has the lower W;
-  a second pass of moves then runs with K fixed.
-- balance: "clusters" are the maximal groups of a microbatch's members that share more than the
-  common prefix g0 with each other; moving or swapping whole clusters never raises W (they
-  share g0 with anything), so clusters are moved or swapped between microbatches whenever the
-  (W, critical path, largest replica) key drops.
+  leftovers of different trees, which share only the common prefix), or swap it with a sorted
+  neighbour in another microbatch, whenever W drops;
+- elimination: empty a whole microbatch when its members fit elsewhere (each may push one
+  member of its new microbatch on to a third: an ejection chain of length one) for less than
+  the microbatch's work, which saves at least the common prefix;
+- K mod D: moves and eliminations run with K free; K is then brought back to a multiple of D
+  by the cheapest splits (cost = the LCP at the split), by repacking clusters (below), or by the
+  best state met with K ≡ 0 mod D, whichever has the lowest W; afterwards moves run with K
+  fixed, alternating with further free rounds while W keeps dropping;
+- repacking: "clusters" are the maximal groups of a microbatch's members that share more than
+  the common prefix g0; a cluster costs the same in any microbatch without its tree, so whole
+  clusters are repacked into the fewest multiple-of-D microbatches (first-fit-decreasing
+  count), largest first onto the least-loaded;
+- balance: moves of trajectories that do not raise W and moves or swaps of whole clusters out
+  of each slot's heaviest microbatch whenever the (W, critical path, largest replica) key drops.
 The refined plan replaces the DP plan only if its objective is no worse.
 
 Replicas: the greedy assignment of `greedy_assignment` (sort by work, D per slot, heaviest to the
@@ -75,6 +81,8 @@ class HartsConfig:
     """Sparse repair also tries the microbatches with the most free capacity."""
     max_passes: int = 30
     """Passes of moves over all trajectories (each pass stops early when nothing improves)."""
+    eliminate_max_members: int = 8
+    """Microbatches with more members are not candidates for elimination."""
     max_balance_moves: int = 2000
     """Upper bound on accepted balancing changes."""
 
@@ -290,27 +298,43 @@ class _State:
 
 
 def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: HartsConfig) -> list[list[int]]:
-    """Moves and swaps that lower W, cluster repacking, then balancing; never worse than `bins`."""
+    """Moves, swaps and eliminations that lower W, K mod D repair, balancing; never worse than `bins`."""
     original = _key(rw, bins, dp)
     state = _State(rw, bins, capacity)
     options = [(state.total(), state.nonempty())]
-    _descend(state, config, dp=dp, snapshots=options)
-    drifted = state.nonempty()
-    for candidate in (split_to_multiple(rw, drifted, dp), _repack(rw, drifted, capacity, dp)):
-        if candidate is not None:
-            options.append((sum(rw.trie(b) for b in candidate), candidate))
-    # min() keeps the earliest of equal totals.
+    state = _drift(state, config, dp, options)
     state = _State(rw, min(options, key=lambda item: item[0])[1], capacity)
     for _ in range(config.max_passes):
         _descend(state, config, dp=dp, snapshots=None)
-        repacked = _repack(rw, state.nonempty(), capacity, dp)
-        if repacked is None or sum(rw.trie(b) for b in repacked) >= state.total():
+        trial = _State(rw, state.nonempty(), capacity)
+        candidates = [(state.total(), state.nonempty())]
+        _drift(trial, config, dp, candidates)
+        best = min(candidates, key=lambda item: item[0])
+        if best[0] >= state.total():
             break
-        state = _State(rw, repacked, capacity)
+        state = _State(rw, best[1], capacity)
     _balance(state, dp, config)
     refined = state.nonempty()
     assert len(refined) % dp == 0
     return refined if _key(rw, refined, dp) <= original else [list(b) for b in bins]
+
+
+def _drift(state: _State, config: HartsConfig, dp: int, options: list[tuple[int, list[list[int]]]]) -> _State:
+    """Descend and eliminate microbatches with K free, then add the ways back to K ≡ 0 mod D.
+
+    Appends to `options` every state met with K ≡ 0 mod D, the cheapest splits of the final
+    state and its cluster repacking (each as (W, bins)).
+    """
+    rw = state.rw
+    for _ in range(config.max_passes):
+        _descend(state, config, dp=dp, snapshots=options)
+        if not _eliminate(state, config, dp=dp, snapshots=options):
+            break
+    drifted = state.nonempty()
+    for candidate in (split_to_multiple(rw, drifted, dp), _repack(rw, drifted, state.capacity, dp)):
+        if candidate is not None:
+            options.append((sum(rw.trie(b) for b in candidate), candidate))
+    return state
 
 
 def _descend(state: _State, config: HartsConfig, *, dp: int,
@@ -318,21 +342,26 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
     """Boundary moves, sparse-repair moves and neighbour swaps while W drops.
 
     With `snapshots` a move may empty a microbatch (K drifts; every state with K ≡ 0 mod D is
-    recorded); without, K stays fixed.
+    recorded); without, K stays fixed. After the first pass a trajectory is looked at again only
+    when its microbatch or a sorted neighbour's changed.
     """
     rw = state.rw
     lengths = rw.lengths_list
     window = config.neighbor_window
     allow_empty = snapshots is not None
+    dirty = set(range(len(state.bins)))
     for _ in range(config.max_passes):
-        improved = False
+        changed: set[int] = set()
         for x in range(rw.num):
+            nearby = state.bin_of[max(0, x - window) : x + window + 1].tolist()
+            if dirty.isdisjoint(nearby) and changed.isdisjoint(nearby):
+                continue
             source = int(state.bin_of[x])
             members = state.bins[source]
             if len(members) == 1 and not allow_empty:
                 continue
             saved = lengths[x] - rw.share(members, x)
-            candidates = set(state.bin_of[max(0, x - window) : x + window + 1].tolist())
+            candidates = set(nearby)
             if config.room_candidates:
                 works = np.asarray([w if b else state.capacity + 1 for w, b in zip(state.works, state.bins)])
                 candidates.update(np.argsort(works, kind="stable")[: config.room_candidates].tolist())
@@ -348,39 +377,124 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
                     best_delta, best_target = added - saved, target
             if best_target >= 0:
                 state.move(x, source, best_target)
-                improved = True
+                changed.update((source, best_target))
                 if allow_empty and not state.bins[source]:
                     count = sum(1 for b in state.bins if b)
                     if count % dp == 0:
                         snapshots.append((state.total(), state.nonempty()))
-            elif _swap_neighbour(state, x, window):
-                improved = True
-        if not improved:
+                continue
+            target = _swap_neighbour(state, x, saved, window)
+            if target >= 0:
+                changed.update((source, target))
+        if not changed:
             return
+        dirty = changed
 
 
-def _swap_neighbour(state: _State, x: int, window: int) -> bool:
-    """Swap x with the sorted neighbour in another microbatch that lowers W most, if any."""
+def _eliminate(state: _State, config: HartsConfig, *, dp: int,
+               snapshots: list[tuple[int, list[list[int]]]]) -> bool:
+    """Empty whole microbatches, lightest first, when their members fit elsewhere for less than
+    the microbatch's work.
+
+    Each member (longest first) goes where it adds least: a microbatch of a sorted neighbour or
+    one of the roomiest; when it does not fit there, that microbatch may eject one member into
+    a third microbatch (a chain of length one). Records every state with K ≡ 0 mod D.
+    """
     rw = state.rw
+    lengths = rw.lengths_list
+    capacity = state.capacity
+    window = config.neighbor_window
+    improved = False
+    for emptied in sorted((k for k, b in enumerate(state.bins) if b), key=lambda k: (state.works[k], k)):
+        members = state.bins[emptied]
+        if not members or len(members) > config.eliminate_max_members:
+            continue
+        scratch: dict[int, tuple[list[int], int]] = {}
+
+        def current(k: int) -> tuple[list[int], int]:
+            return scratch.get(k, (state.bins[k], state.works[k]))
+
+        def home(r: int) -> int:
+            for k, (m, _) in scratch.items():
+                if r in m:
+                    return k
+            return int(state.bin_of[r])
+
+        works = np.asarray([w if b else capacity + 1 for w, b in zip(state.works, state.bins)])
+        roomiest = np.argsort(works, kind="stable")[: config.room_candidates].tolist()
+        cost = 0
+        for x in sorted(members, key=lambda r: (-lengths[r], r)):
+            targets = {home(r) for r in range(max(0, x - window), min(rw.num, x + window + 1))}
+            best: tuple[int, dict[int, tuple[list[int], int]]] | None = None
+            for target in sorted((targets | set(roomiest)) - {emptied}):
+                held, before = current(target)
+                if not held:
+                    continue
+                joined = sorted(held + [x])
+                work = before + lengths[x] - rw.share(held, x)
+                if work <= capacity:
+                    if best is None or work - before < best[0]:
+                        best = (work - before, {target: (joined, work)})
+                    continue
+                for y in held:
+                    kept_work = work - lengths[y] + rw.share(joined, y)
+                    if kept_work > capacity:
+                        continue
+                    thirds = {home(r) for r in range(max(0, y - 4), min(rw.num, y + 5))} | set(roomiest[:4])
+                    for third in sorted(thirds - {emptied, target}):
+                        receiving, receiving_work = current(third)
+                        if not receiving:
+                            continue
+                        grown_work = receiving_work + lengths[y] - rw.share(receiving, y)
+                        delta = kept_work - before + grown_work - receiving_work
+                        if grown_work <= capacity and (best is None or delta < best[0]):
+                            best = (delta, {target: ([r for r in joined if r != y], kept_work),
+                                            third: (sorted(receiving + [y]), grown_work)})
+            if best is None:
+                break
+            cost += best[0]
+            scratch.update(best[1])
+            if cost >= state.works[emptied]:
+                break
+        else:
+            if cost < state.works[emptied]:
+                changes = {k: m for k, (m, _) in scratch.items()}
+                changes[emptied] = []
+                state.replace(changes)
+                improved = True
+                if sum(1 for b in state.bins if b) % dp == 0:
+                    snapshots.append((state.total(), state.nonempty()))
+    return improved
+
+
+def _swap_neighbour(state: _State, x: int, saved: int, window: int) -> int:
+    """Swap x with the sorted neighbour in another microbatch that lowers W most; that
+    microbatch, or -1 if no swap lowers W. `saved` is what removing x alone saves."""
+    rw = state.rw
+    lengths = rw.lengths_list
     source = int(state.bin_of[x])
+    members = state.bins[source]
     best_delta, best = 0, None
-    without_x = [r for r in state.bins[source] if r != x]
     for y in range(max(0, x - window), min(rw.num, x + window + 1)):
         target = int(state.bin_of[y])
         if target == source:
             continue
-        new_source = sorted(without_x + [y])
-        new_target = sorted([r for r in state.bins[target] if r != y] + [x])
-        work_source, work_target = rw.trie(new_source), rw.trie(new_target)
+        held = state.bins[target]
+        work_source = state.works[source] - saved + lengths[y] - rw.share(members, y, skip=x)
+        work_target = state.works[target] - lengths[y] + rw.share(held, y) + lengths[x] - rw.share(held, x, skip=y)
         if work_source > state.capacity or work_target > state.capacity:
             continue
         delta = work_source + work_target - state.works[source] - state.works[target]
         if delta < best_delta:
-            best_delta, best = delta, {source: new_source, target: new_target}
+            best_delta, best = delta, (y, target)
     if best is None:
-        return False
-    state.replace(best)
-    return True
+        return -1
+    y, target = best
+    state.replace({
+        source: sorted([r for r in members if r != x] + [y]),
+        target: sorted([r for r in state.bins[target] if r != y] + [x]),
+    })
+    return target
 
 
 def _repack(rw: RankWork, bins: list[list[int]], capacity: int, dp: int) -> list[list[int]] | None:
@@ -453,71 +567,89 @@ def _clusters(rw: RankWork, members: list[int]) -> list[list[int]]:
 
 
 def _balance(state: _State, dp: int, config: HartsConfig) -> None:
-    """Move or swap whole clusters while the (W, critical path, largest replica) key drops.
+    """Move trajectories or move/swap whole clusters while the (W, critical path, largest replica) key drops.
 
-    Candidates: a cluster of a slot's heaviest microbatch goes to (or swaps with a cluster of)
-    another microbatch, when both results stay below that heaviest work and within capacity;
-    every candidate of one cluster is scored exactly in one batch.
+    Candidates, for each slot's heaviest microbatch (the only ones whose loss of work can lower
+    the critical path): one of its trajectories to the microbatch of a sorted neighbour when W
+    does not rise, or one of its clusters to (or swapped with a cluster of) any microbatch,
+    when both results stay below the heaviest work and within capacity. A source's candidates
+    are scored in one batch; the best that lowers the full key is taken.
     """
     rw = state.rw
     capacity = state.capacity
+    lengths = rw.lengths_list
+    window = config.neighbor_window
     cache: dict[int, list[list[int]]] = {}
 
     def clusters_of(k: int) -> list[list[int]]:
         if k not in cache:
             cache[k] = _clusters(rw, state.bins[k])
+            sizes[k] = [rw.trie(cl) for cl in cache[k]]
         return cache[k]
 
+    def sizes_of(k: int) -> list[int]:
+        clusters_of(k)
+        return sizes[k]
+
+    sizes: dict[int, list[int]] = {}
     for _ in range(config.max_balance_moves):
         live = [k for k, b in enumerate(state.bins) if b]
+        position = {k: i for i, k in enumerate(live)}
         works = np.asarray([state.works[k] for k in live], dtype=np.int64)
         current = objective(works, dp)
-        by_work = np.argsort(-works, kind="stable")
-        sources = by_work[::dp].tolist()
-        accepted = False
-        for a in sources:
+        change = None
+        for a in np.argsort(-works, kind="stable")[::dp].tolist():
             source = live[a]
+            members = state.bins[source]
+            # (new source work, target position, new target work, change)
+            proposals: list[tuple[int, int, int, dict[int, list[int]]]] = []
+            for x in members if len(members) >= 2 else ():
+                saved = lengths[x] - rw.share(members, x)
+                for target in sorted(set(state.bin_of[max(0, x - window) : x + window + 1].tolist()) - {source}):
+                    b = position[target]
+                    added = lengths[x] - rw.share(state.bins[target], x)
+                    if added <= saved and works[b] + added <= capacity and works[b] + added < works[a]:
+                        proposals.append((int(works[a] - saved), b, int(works[b] + added), {
+                            source: [r for r in members if r != x], target: sorted(state.bins[target] + [x])}))
             source_clusters = clusters_of(source)
             for c, cluster in enumerate(source_clusters):
                 rest = [r for e, cl in enumerate(source_clusters) if e != c for r in cl]
                 rest_work = rw.trie(rest)
-                proposals: list[tuple[int, int, int, int, dict[int, list[int]]]] = []
                 for b, target in enumerate(live):
                     if target == source:
                         continue
                     if rest:
                         new_target = works[b] + rw.insert_cost(state.bins[target], cluster)
                         if new_target <= capacity and new_target < works[a]:
-                            proposals.append((rest_work, b, int(new_target), a,
+                            proposals.append((rest_work, b, int(new_target),
                                               {source: rest, target: sorted(state.bins[target] + cluster)}))
                     target_clusters = clusters_of(target)
                     for d, other in enumerate(target_clusters):
+                        # A larger cluster coming back cannot lighten the source.
+                        if sizes_of(target)[d] >= sizes_of(source)[c]:
+                            continue
                         target_rest = [r for e, cl in enumerate(target_clusters) if e != d for r in cl]
                         new_source = rest_work + rw.insert_cost(rest, other)
                         new_target = rw.trie(target_rest) + rw.insert_cost(target_rest, cluster)
                         if new_source < works[a] and new_target < works[a] and max(new_source, new_target) <= capacity:
-                            proposals.append((int(new_source), b, int(new_target), a,
+                            proposals.append((int(new_source), b, int(new_target),
                                               {source: sorted(rest + other), target: sorted(target_rest + cluster)}))
-                if not proposals:
-                    continue
-                trial = np.tile(works, (len(proposals), 1))
-                rows = np.arange(len(proposals))
-                trial[rows, [p[3] for p in proposals]] = [p[0] for p in proposals]
-                trial[rows, [p[1] for p in proposals]] = [p[2] for p in proposals]
-                totals = trial.sum(axis=1)
-                critical = -np.sort(-trial, axis=1)[:, ::dp].sum(axis=1)
-                for p in np.lexsort((critical, totals))[:8].tolist():
-                    key = objective(trial[p], dp)
-                    if key < current:
-                        changed = proposals[p][4]
-                        state.replace(changed)
-                        for k in changed:
-                            cache.pop(k, None)
-                        accepted = True
-                        break
-                if accepted:
+            if not proposals:
+                continue
+            trial = np.tile(works, (len(proposals), 1))
+            rows = np.arange(len(proposals))
+            trial[rows, a] = [p[0] for p in proposals]
+            trial[rows, [p[1] for p in proposals]] = [p[2] for p in proposals]
+            totals = trial.sum(axis=1)
+            critical = -np.sort(-trial, axis=1)[:, ::dp].sum(axis=1)
+            for p in np.lexsort((critical, totals))[:8].tolist():
+                if objective(trial[p], dp) < current:
+                    change = proposals[p][3]
                     break
-            if accepted:
+            if change is not None:
                 break
-        if not accepted:
+        if change is None:
             return
+        state.replace(change)
+        for k in change:
+            cache.pop(k, None)

@@ -6,8 +6,13 @@ without touching tokens:
 - `run_cost(i, j)`: trie size of the contiguous run i..j-1 = Σ len - Σ adjacent LCP (prefix sums);
 - `trie(ranks)`: trie size of any sorted rank list = Σ len - Σ LCP of consecutive members (the
   trie of a set is the trie of its sorted sequence, so this holds for non-contiguous sets too);
-- `share(ranks, x)`: the longest prefix x shares with a sorted set (its sorted neighbours there),
-  so adding x costs len(x) - share and removing it saves the same.
+- `share(ranks, x, skip)`: the longest prefix x shares with a sorted set (its sorted neighbours
+  there, optionally ignoring one member), so adding x costs len(x) - share and removing it
+  saves the same;
+- `insert_cost(ranks, block)` and `cheapest_split(ranks)`: the same arithmetic for blocks.
+
+Also the helpers shared by the planners to reach K ≡ 0 mod D: `split_to_multiple` (cheapest
+splits), `pad_to_dp` (empty microbatches, only below D trajectories) and `no_plan_error`.
 
 Legend: N trajectories; L[r] tokens of rank r; lcp[r] = LCP(rank r - 1, rank r), lcp[0] = 0.
 Tested against `PrefixIndex.segment_tree(members).num_compact_tokens` on random sets.
@@ -65,21 +70,27 @@ class RankWork:
         if not ranks:
             return 0
         lengths = self.lengths_list
+        table = self._table
         total = lengths[ranks[0]]
+        # The sparse-table query inlined: this loop is the refinement's hottest path.
         for a, b in zip(ranks, ranks[1:]):
-            total += lengths[b] - self.lcp(a, b)
+            level = (b - a).bit_length() - 1
+            row = table[level]
+            x, y = row[a + 1], row[b + 1 - (1 << level)]
+            total += lengths[b] - (x if x < y else y)
         return total
 
-    def share(self, ranks: list[int], x: int) -> int:
-        """Longest prefix rank x shares with the sorted list `ranks` (x itself excluded)."""
+    def share(self, ranks: list[int], x: int, skip: int = -1) -> int:
+        """Longest prefix rank x shares with the sorted list `ranks`, x and `skip` excluded."""
         at = bisect.bisect_left(ranks, x)
-        best = 0
-        if at > 0:
-            best = self.lcp(ranks[at - 1], x)
-        if at < len(ranks) and ranks[at] == x:
-            at += 1
-        if at < len(ranks):
-            best = max(best, self.lcp(x, ranks[at]))
+        before, after = at - 1, at
+        if before >= 0 and ranks[before] == skip:
+            before -= 1
+        while after < len(ranks) and (ranks[after] == x or ranks[after] == skip):
+            after += 1
+        best = self.lcp(ranks[before], x) if before >= 0 else 0
+        if after < len(ranks):
+            best = max(best, self.lcp(x, ranks[after]))
         return best
 
     def insert_cost(self, ranks: list[int], block: list[int]) -> int:

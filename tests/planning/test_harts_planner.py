@@ -211,3 +211,38 @@ def test_fewer_trajectories_than_dp_pads_with_empty_microbatches():
     validate(result, step)
     assert result.num_microbatches == 16
     assert sum(1 for mb in result.microbatches if mb.trajectory_ids) == 1
+
+
+def test_elimination_empties_microbatches_and_lowers_work():
+    eliminated = 0
+    for seed in range(12):
+        rw, bins, capacity, dp = _stage_inputs(seed)
+        state = hp._State(rw, bins, capacity)
+        snapshots = []
+        before = state.total()
+        if hp._eliminate(state, hp.HartsConfig(), dp=dp, snapshots=snapshots):
+            eliminated += 1
+            assert len(state.nonempty()) < len(bins) and state.total() < before
+        else:
+            assert state.nonempty() == bins
+        _check_partition(rw, state.nonempty(), capacity)
+        assert state.works == [rw.trie(b) for b in state.bins]
+        for total, snapshot in snapshots:
+            assert len(snapshot) % dp == 0 and total == _works(rw, snapshot).sum()
+    assert eliminated >= 3
+
+
+def test_elimination_uses_an_ejection_chain():
+    """The lightest microbatch empties only if a member of its new microbatch moves on to a third."""
+    shared = [9] * 10
+    a, a2 = shared + [1] * 20, shared + [1] * 18 + [5] * 4
+    b, c = shared + [2] * 12, shared + [3] * 20
+    rw = RankWork(PrefixIndex.from_step(make_step([a, a2, b, c])))
+    # Ranks a, a2, b, c = 0, 1, 2, 3; LCP(a, a2) = 28, every other pair 10.
+    state = hp._State(rw, [[0, 2], [1], [3]], capacity=45)
+    assert state.works == [42, 32, 30]
+    # c (30) does not fit beside a and b (62 > 45) nor beside b without a (50): it replaces a,
+    # which joins a2 (+2): 2 < 30. Then nothing else can be emptied.
+    assert hp._eliminate(state, hp.HartsConfig(), dp=1, snapshots=[])
+    assert sorted(state.nonempty()) == [[0, 1], [2, 3]]
+    assert sorted(state.works) == [0, 34, 42]

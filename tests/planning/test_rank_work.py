@@ -38,6 +38,11 @@ def test_trie_share_and_insert_match_the_segment_tree(setting):
         x = ranks[int(rng.integers(len(ranks)))]
         rest = [r for r in ranks if r != x]
         assert rw.lengths_list[x] - rw.share(ranks, x) == rw.trie(ranks) - rw.trie(rest)
+        skip = ranks[int(rng.integers(len(ranks)))]
+        without = [r for r in rest if r != skip]
+        if skip != x:
+            assert rw.lengths_list[x] - rw.share(ranks, x, skip=skip) == _trie(index, rw, without + [x]) - (
+                _trie(index, rw, without) if without else 0)
         if len(rest) >= 2:
             cut = int(rng.integers(1, len(rest)))
             pick = rng.permutation(len(rest))
