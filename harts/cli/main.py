@@ -15,6 +15,7 @@ import sys
 from harts import __version__
 from harts.cli import bench as bench_cli
 from harts.cli import plan as plan_cli
+from harts.cli import train as train_cli
 from harts.cli import trees as trees_cli
 
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     trees_cli.register(commands)
     plan_cli.register(commands)
     bench_cli.register(commands)
+    train_cli.register(commands)
     return parser
 
 

@@ -84,11 +84,15 @@ class Layout:
         return out_RC
 
     def linear_attention(self, q, k, v, g, beta) -> torch.Tensor:
-        from harts.ops.kda import compact_kda, packed_kda
+        """KDA with L2-normalised q and k: the planned calls (compact) or one packed call (baseline)."""
+        from harts.ops.kda import compact_kda
+        from harts.ops.kda.packed import packed_kda
 
         if self.execution == "compact":
-            return compact_kda(q, k, v, g, beta, self.kda_schedule, backend=self.kda_backend)
-        return packed_kda(q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, backend=self.kda_backend)
+            return compact_kda(q, k, v, g, beta, self.kda_schedule, use_qk_l2norm=True, backend=self.kda_backend)
+        return packed_kda(
+            q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend
+        )
 
     def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
         return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)

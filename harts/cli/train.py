@@ -1,0 +1,138 @@
+"""`harts train-step` and `harts verify`: one step of the model in either execution, or both.
+
+Microbatches come from a planner (`--planner`, default: `harts` for the compact execution and
+for `verify`, `per-trajectory` for the baseline) at capacity `--capacity`; `verify` runs both
+executions on the same microbatches, so every quantity must agree (issue 5's equivalence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train-step", help="forward + backward of one step (loss, rows, seconds)")
+    _common(train)
+    train.add_argument("--execution", choices=("baseline", "compact"), required=True)
+    train.add_argument("--planner", default=None, help="microbatch planner (default: harts / per-trajectory)")
+    train.set_defaults(run=run_train_step)
+
+    verify = commands.add_parser("verify", help="compare the compact execution with the baseline")
+    _common(verify)
+    verify.add_argument("--planner", default="harts", help="microbatch planner shared by both executions")
+    verify.add_argument("--no-replay", action="store_true", help="compact side runs the no-replay ablation")
+    verify.set_defaults(run=run_verify)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
+    parser.add_argument("--trees", required=True, help="a step: .jsonl(.gz), .npz or a directory")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--capacity", type=int, default=65536, help="T: tokens per microbatch")
+    parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
+    parser.add_argument("--loss", choices=("grpo", "ppo"), default="grpo")
+    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex (default: sdpa on CPU, flex on CUDA)")
+    parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
+    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument("--on-policy", action="store_true",
+                        help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _setup(args: argparse.Namespace):
+    import torch
+
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.trees.io import read_step
+    from harts.trees.trie import PrefixIndex
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    config = load_model_config(args.model)
+    step = read_step(args.trees, vocab_size=config.vocab_size)
+    if args.on_policy:
+        step = replace(step, old_logprobs=None)
+    index = PrefixIndex.from_step(step)
+    model = HybridModel(config).to(args.device)
+    model.init_weights(args.seed)
+    return model, step, index
+
+
+def _step_config(args: argparse.Namespace, execution: str, **extra):
+    from harts.objective.step import StepConfig
+
+    cuda = args.device == "cuda"
+    return StepConfig(
+        execution=execution, recompute=args.recompute, loss=args.loss, dtype=args.dtype,
+        attention_backend=args.attention_backend or ("flex" if cuda else "sdpa"),
+        kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+        **extra,
+    )
+
+
+def _microbatches(step, index, args, planner: str):
+    import numpy as np
+
+    from harts.planning.microbatch import plan
+
+    result = plan(step, args.capacity, 1, planner=planner, index=index)
+    position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
+    microbatches = [
+        np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
+    ]
+    return result, microbatches
+
+
+def run_train_step(args: argparse.Namespace) -> int:
+    from harts.objective.step import run_step
+
+    model, step, index = _setup(args)
+    planner = args.planner or ("harts" if args.execution == "compact" else "per-trajectory")
+    plan, microbatches = _microbatches(step, index, args, planner)
+    result = run_step(model, step, microbatches, _step_config(args, args.execution), index=index)
+    summary = {
+        "execution": args.execution,
+        "planner": planner,
+        "microbatches": len([m for m in microbatches if len(m)]),
+        "loss": result.loss,
+        "policy_loss": result.policy_loss,
+        "moe_loss": result.moe_loss,
+        "semantic_tokens": result.num_semantic_tokens,
+        "rows": result.num_rows,
+        "plan_seconds": plan.plan_seconds,
+        "seconds": result.seconds,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        seconds = result.seconds
+        print(
+            f"{args.execution}: loss {result.loss:.6f} (policy {result.policy_loss:.6f}, moe {result.moe_loss:.6f}), "
+            f"{result.num_rows:,} rows for {result.num_semantic_tokens:,} semantic tokens in "
+            f"{summary['microbatches']} microbatch(es); layout {seconds['layout']:.2f} s, forward "
+            f"{seconds['forward']:.2f} s, backward {seconds['backward']:.2f} s"
+        )
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from harts.objective.verify import compare_executions
+
+    model, step, index = _setup(args)
+    _, microbatches = _microbatches(step, index, args, args.planner)
+    report = compare_executions(
+        model, step, microbatches, _step_config(args, "baseline"),
+        _step_config(args, "compact", replay=not args.no_replay), index=index,
+    )
+    report["compact_tokens"] = index.segment_tree().num_compact_tokens
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:<24} {value}", file=sys.stdout)
+    return 0

@@ -1,0 +1,208 @@
+"""One training step over microbatches, in either execution (forward, loss, backward).
+
+`run_step(model, step, microbatches, config)` builds each microbatch's layout (baseline: each
+trajectory its own packed sequence; compact: the microbatch's trie), runs the model, computes
+the log-probs λ of every semantic position through the compact LM head
+(`compact_logprobs`, never S × V), applies the GRPO/PPO loss with the step-level normaliser (so
+microbatch losses add up to the step's loss whatever the microbatching) plus the MoE losses
+averaged over microbatches (megatron-core's convention), and accumulates gradients.
+
+Both executions on the same microbatches compute the same function of the same weights: that
+is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of
+layout building, forward and backward are returned per step (with device synchronisation).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts.model.model import HybridModel
+from harts.objective.logprobs import compact_logprobs
+from harts.objective.losses import GRPOConfig, PolicyLoss, PPOConfig, grpo_loss, ppo_loss
+from harts.objective.targets import SemanticTargets, semantic_targets_from_step
+from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_layout
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex
+
+LOSSES = ("grpo", "ppo")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class StepConfig:
+    """How a step is executed."""
+
+    execution: str = "compact"
+    """"baseline" (each trajectory its own sequence) or "compact" (the microbatch's trie)."""
+    recompute: bool = False
+    """Per-layer activation recomputation."""
+    replay: bool = True
+    """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
+    attention_backend: str = "sdpa"
+    kda_backend: str = "torch"
+    loss: str = "grpo"
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    logprob_chunk_rows: int = 4096
+    dtype: str = "fp32"
+    """"fp32" or "bf16" (autocast; parameters stay fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    policy_loss: float
+    moe_loss: float
+    clip_fraction: float
+    """Fraction of masked tokens whose clipped surrogate term is active (mean over microbatches)."""
+    num_rows: int
+    num_semantic_tokens: int
+    seconds: dict[str, float]
+    """layout, forward, backward (summed over microbatches)."""
+    layout_info: list[dict]
+    tokens_per_expert: list[torch.Tensor]
+    """Per MoE layer, q-weighted routed assignments summed over microbatches (bias update counts)."""
+    logprobs: torch.Tensor | None = None
+    """fp32 [S] λ in the step's batch order (when collected)."""
+
+
+def semantic_index(step: Step, members: np.ndarray) -> np.ndarray:
+    """int64 [S_mb]: the step's semantic positions of `members`, concatenated in member order."""
+    return np.concatenate([np.arange(step.offsets[k], step.offsets[k + 1]) for k in members])
+
+
+def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: StepConfig,
+                 index: PrefixIndex | None) -> Layout:
+    kda = model.config.kda
+    if config.execution == "compact":
+        return compact_layout(
+            step, index, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size, replay=config.replay,
+            attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+        )
+    return baseline_layout(
+        step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
+        attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+    )
+
+
+def autocast_context(device: torch.device, config: StepConfig):
+    dtype = DTYPES[config.dtype]
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def microbatch_loss(
+    model: HybridModel, layout: Layout, targets: SemanticTargets, sem_index: np.ndarray, config: StepConfig,
+    normalizer: float, device: torch.device,
+) -> tuple[PolicyLoss, torch.Tensor, torch.Tensor, list]:
+    """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch."""
+    with autocast_context(device, config):
+        hidden, auxes = model(layout.input_ids, layout, recompute=config.recompute)
+    sem = torch.from_numpy(sem_index).to(device)
+    logprobs = compact_logprobs(
+        hidden, model.lm_head.weight, layout.semantic_rows, torch.from_numpy(targets.targets).to(device)[sem],
+        chunk_rows=config.logprob_chunk_rows,
+    )
+
+    def pick(array):
+        return None if array is None else torch.from_numpy(array).to(device)[sem]
+
+    common = dict(
+        advantages_S=pick(targets.advantages), loss_mask_S=pick(targets.loss_mask),
+        old_logprobs_S=pick(targets.old_logprobs), trajectory_index_S=pick(targets.trajectory_index),
+        normalizer=normalizer,
+    )
+    if config.loss == "grpo":
+        policy = grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=pick(targets.ref_logprobs), **common)
+    else:
+        policy = ppo_loss(logprobs, config=config.ppo, **common)
+    moe = sum((aux.loss for aux in auxes), hidden.new_zeros((), dtype=torch.float32))
+    return policy, moe, logprobs, auxes
+
+
+def step_normalizer(targets: SemanticTargets, config: StepConfig) -> float:
+    aggregation = (config.grpo if config.loss == "grpo" else config.ppo).aggregation
+    if aggregation == "token-mean":
+        return float(targets.loss_mask.sum())
+    return float(len(np.unique(targets.trajectory_index[targets.loss_mask])))
+
+
+def run_step(
+    model: HybridModel,
+    step: Step,
+    microbatches: list[np.ndarray],
+    config: StepConfig,
+    *,
+    index: PrefixIndex | None = None,
+    backward: bool = True,
+    collect_logprobs: bool = False,
+) -> StepResult:
+    """Forward (+ backward, accumulating into .grad) of `step` split into `microbatches`."""
+    device = next(model.parameters()).device
+    if config.execution == "compact" and index is None:
+        index = PrefixIndex.from_step(step)
+    covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
+    if not np.array_equal(covered, np.arange(step.num_trajectories)):
+        raise ValueError("run_step: microbatches must cover every trajectory of the step exactly once")
+    targets = semantic_targets_from_step(step)
+    normalizer = step_normalizer(targets, config)
+    num_microbatches = len([m for m in microbatches if len(m)])
+    seconds = {"layout": 0.0, "forward": 0.0, "backward": 0.0}
+    total_policy = total_moe = 0.0
+    rows = 0
+    infos, tokens_per_expert, clip_fractions = [], [], []
+    logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
+    for members in microbatches:
+        members = np.asarray(members, dtype=np.int64)
+        if not len(members):
+            continue
+        start = time.perf_counter()
+        layout = build_layout(step, members, model, config, index).to(device)
+        sem_index = semantic_index(step, members)
+        _sync(device)
+        seconds["layout"] += time.perf_counter() - start
+
+        start = time.perf_counter()
+        with torch.set_grad_enabled(backward):
+            policy, moe, logprobs, auxes = microbatch_loss(model, layout, targets, sem_index, config, normalizer, device)
+            loss = policy.loss + moe / num_microbatches
+        _sync(device)
+        seconds["forward"] += time.perf_counter() - start
+        if backward:
+            start = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            seconds["backward"] += time.perf_counter() - start
+
+        total_policy += float(policy.loss.detach())
+        clip_fractions.append(float(policy.clip_fraction))
+        total_moe += float(moe.detach()) / num_microbatches
+        rows += layout.num_rows
+        infos.append(layout.info)
+        counts = [aux.tokens_per_expert_E.detach() for aux in auxes]
+        tokens_per_expert = counts if not tokens_per_expert else [a + b for a, b in zip(tokens_per_expert, counts)]
+        if collect_logprobs:
+            logprobs_all[torch.from_numpy(sem_index)] = logprobs.detach().float().cpu()
+    return StepResult(
+        loss=total_policy + total_moe, policy_loss=total_policy, moe_loss=total_moe,
+        clip_fraction=float(np.mean(clip_fractions)), num_rows=rows,
+        num_semantic_tokens=step.num_semantic_tokens, seconds=seconds, layout_info=infos,
+        tokens_per_expert=tokens_per_expert, logprobs=logprobs_all,
+    )

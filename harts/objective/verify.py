@@ -1,0 +1,97 @@
+"""Compare two executions of the same weights on the same step (`harts verify`).
+
+`compare_executions(model, step, microbatches, reference, candidate)` runs both step configs on
+identical weights and microbatches and returns the discrepancies DESIGN §6 and issue 5 name:
+- max_abs_logprob_diff: max over semantic positions of |λ_candidate − λ_reference|;
+- loss_rel_diff, moe_loss_abs_diff;
+- grad_rel_diff: max over parameters of ‖g_c − g_r‖ / ‖g_r‖;
+- logit_cosine_min / logit_cosine_mean: per semantic position, the cosine of the two
+  full-vocabulary logit vectors (computed chunk by chunk, never S × V at once);
+plus S and the rows each execution ran. The model's gradients are left zeroed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from harts.model.model import HybridModel
+from harts.objective.step import StepConfig, autocast_context, build_layout, run_step, semantic_index
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex
+
+
+def _gradients(model: HybridModel) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+    }
+
+
+@torch.no_grad()
+def _semantic_logits_cosine(
+    model: HybridModel, step: Step, microbatches: list[np.ndarray], reference: StepConfig, candidate: StepConfig,
+    index: PrefixIndex, chunk: int = 2048,
+) -> np.ndarray:
+    device = next(model.parameters()).device
+    weight = model.lm_head.weight.float()
+    cosines = []
+    for members in microbatches:
+        members = np.asarray(members, dtype=np.int64)
+        if not len(members):
+            continue
+        hidden = []
+        for config in (reference, candidate):
+            layout = build_layout(step, members, model, config, index).to(device)
+            with autocast_context(device, config):
+                h, _ = model(layout.input_ids, layout)
+            hidden.append((h.float(), layout.semantic_rows))
+        (h_ref, rows_ref), (h_cand, rows_cand) = hidden
+        num = len(semantic_index(step, members))
+        for lo in range(0, num, chunk):
+            a = h_ref[rows_ref[lo : lo + chunk]] @ weight.T
+            b = h_cand[rows_cand[lo : lo + chunk]] @ weight.T
+            cosines.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).cpu().numpy())
+    return np.concatenate(cosines)
+
+
+def compare_executions(
+    model: HybridModel,
+    step: Step,
+    microbatches: list[np.ndarray],
+    reference: StepConfig,
+    candidate: StepConfig,
+    *,
+    index: PrefixIndex | None = None,
+) -> dict[str, float | int]:
+    index = index or PrefixIndex.from_step(step)
+    results = []
+    for config in (reference, candidate):
+        model.zero_grad(set_to_none=True)
+        result = run_step(model, step, microbatches, config, index=index, collect_logprobs=True)
+        results.append((result, _gradients(model)))
+    model.zero_grad(set_to_none=True)
+    (ref, ref_grads), (cand, cand_grads) = results
+    grad_rel = max(
+        float((cand_grads[n].float() - g.float()).norm() / g.float().norm().clamp(min=1e-30)) for n, g in ref_grads.items()
+    )
+    cosines = _semantic_logits_cosine(model, step, microbatches, reference, candidate, index)
+    return {
+        "semantic_tokens": step.num_semantic_tokens,
+        "reference_rows": ref.num_rows,
+        "candidate_rows": cand.num_rows,
+        "max_abs_logprob_diff": float((cand.logprobs - ref.logprobs).abs().max()),
+        "loss": ref.loss,
+        "loss_rel_diff": abs(cand.loss - ref.loss) / max(abs(ref.loss), 1e-30),
+        "moe_loss_abs_diff": abs(cand.moe_loss - ref.moe_loss),
+        "clip_fraction": ref.clip_fraction,
+        "grad_rel_diff": grad_rel,
+        "logit_cosine_min": float(cosines.min()),
+        "logit_cosine_mean": float(cosines.mean()),
+    }
+
+
+def baseline_and_compact(config: StepConfig) -> tuple[StepConfig, StepConfig]:
+    return replace(config, execution="baseline"), replace(config, execution="compact")

@@ -1,0 +1,31 @@
+import json
+
+from harts.cli.main import main
+
+STEP = "data/samples/tiny-step.jsonl.gz"
+
+
+def test_train_step_both_executions(capsys):
+    rows = {}
+    for execution in ("baseline", "compact"):
+        assert main(["train-step", "--model", "tiny", "--trees", STEP, "--execution", execution,
+                     "--capacity", "1024", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["semantic_tokens"] == 2728 and out["microbatches"] >= 1
+        rows[execution] = out["rows"]
+    assert rows["compact"] < rows["baseline"] == 2728
+
+
+def test_verify_json(capsys):
+    assert main(["verify", "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--on-policy", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["semantic_tokens"] == 2728 and report["compact_tokens"] == 1113
+    assert report["max_abs_logprob_diff"] <= 1e-5 and report["grad_rel_diff"] <= 1e-4
+    assert report["logit_cosine_min"] >= 0.99999
+
+
+def test_bad_inputs(capsys, tmp_path):
+    assert main(["train-step", "--model", "nope", "--trees", STEP, "--execution", "compact"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--capacity", "100"]) == 2
+    assert "more than the capacity T = 100" in capsys.readouterr().err
