@@ -99,7 +99,8 @@ def _intra_chunk(q, k, v, g, beta, scale: float):
     if num_blocks > 1:
         reference = gb[..., :, 0, :]
         left = (gb - reference[..., None, :]).exp()
-        before = (torch.arange(chunk, device=q.device)[None, :] < (torch.arange(num_blocks, device=q.device) * block)[:, None])[..., None]
+        block_start = torch.arange(num_blocks, device=q.device) * block
+        before = (torch.arange(chunk, device=q.device)[None, :] < block_start[:, None])[..., None]
         right = torch.where(before, reference[..., :, None, :] - gc[..., None, :, :], 0.0).exp() * before
         key_right = (k[..., None, :, :] * right).transpose(-1, -2)
         kk = kk + ((kb * left) @ key_right).flatten(2, 3)
@@ -120,7 +121,8 @@ def _intra_chunk(q, k, v, g, beta, scale: float):
 def check_inputs(name: str, q, k, v, g, beta, cu_seqlens, initial_state) -> np.ndarray:
     """Shapes of a chunked-KDA call (ValueError naming `name`); returns the sequence lengths."""
     if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"{name}: q, k, g must share a [B, T, H, K] shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+        shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, g))
+        raise ValueError(f"{name}: q, k, g must share a [B, T, H, K] shape, got {shapes}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"{name}: v must be [B, T, H, V] matching q, got {tuple(v.shape)}")
     if beta.shape != q.shape[:3]:
@@ -137,7 +139,9 @@ def check_inputs(name: str, q, k, v, g, beta, cu_seqlens, initial_state) -> np.n
         lengths = np.diff(cu)
     expected = (len(lengths), q.shape[2], q.shape[3], v.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != expected:
-        raise ValueError(f"{name}: initial_state must be [N, H, K, V] = {list(expected)}, got {list(initial_state.shape)}")
+        raise ValueError(
+            f"{name}: initial_state must be [N, H, K, V] = {list(expected)}, got {list(initial_state.shape)}"
+        )
     return lengths
 
 

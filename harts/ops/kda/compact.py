@@ -82,9 +82,8 @@ def compact_kda(
     """
     num_rows = schedule.num_compact_tokens
     if q.dim() != 3 or q.shape[0] != num_rows or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(
-            f"compact_kda: q, k, g must be [C={num_rows}, H, K], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}"
-        )
+        shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, g))
+        raise ValueError(f"compact_kda: q, k, g must be [C={num_rows}, H, K], got {shapes}")
     if v.dim() != 3 or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
         raise ValueError(f"compact_kda: v must be [C, H, V] and beta [C, H], got {tuple(v.shape)}, {tuple(beta.shape)}")
     run = _backend(backend)

@@ -143,7 +143,8 @@ def segment_schedule(tree: SegmentTree, chunk: int, replay: bool) -> KDASchedule
             boundary_ptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
             handoff_depth=handoff[segments],
         ))
-    schedule = KDASchedule(chunk_size=chunk, replay=replay, calls=tuple(calls), num_compact_tokens=tree.num_compact_tokens)
+    schedule = KDASchedule(chunk_size=chunk, replay=replay, calls=tuple(calls),
+                           num_compact_tokens=tree.num_compact_tokens)
     validate_schedule(schedule, tree.compact_positions(), parent_rows(tree))
     return schedule
 
@@ -160,7 +161,8 @@ def random_inputs(num_rows: int, heads: int, key_dim: int, value_dim: int, dtype
     return [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def per_trajectory(inputs: list[torch.Tensor], tree: SegmentTree, chunk: int, scale: float | None = None) -> torch.Tensor:
+def per_trajectory(inputs: list[torch.Tensor], tree: SegmentTree, chunk: int,
+                   scale: float | None = None) -> torch.Tensor:
     """Every member trajectory its own sequence from position 0 (chunked from there), one packed
     call over semantic rows gathered through m: o [S, H, V]."""
     index = torch.from_numpy(tree.compact_map()).to(inputs[0].device)

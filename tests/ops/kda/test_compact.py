@@ -66,7 +66,10 @@ def _recurrence(inputs, tree):
 @pytest.mark.parametrize("chunk", [4, 16], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kind", ["bushy", "random", "fixed"])
 def test_no_replay_is_the_recurrence_from_the_fork_state(kind, chunk, planner):
-    tree = tree_from_shape([-1, 0, 0, 2, 2], [chunk + 3, 5, 2 * chunk - 1, 7, 1]) if kind == "fixed" else _tree(kind, chunk)
+    if kind == "fixed":
+        tree = tree_from_shape([-1, 0, 0, 2, 2], [chunk + 3, 5, 2 * chunk - 1, 7, 1])
+    else:
+        tree = _tree(kind, chunk)
     build = plan_kda_calls if planner == "plan" else segment_schedule
     schedule = build(tree, chunk, replay=False)
     assert schedule.replay_tokens == 0

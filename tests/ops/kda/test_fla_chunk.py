@@ -163,8 +163,10 @@ def test_gpu_compact_matches_per_trajectory(planner):
     grads_baseline = torch.autograd.grad((baseline.float() * weight).sum(), leaves)
 
     names = ["dq", "dk", "dv", "dg", "dbeta"]
-    errors = {"o": relative_error(o, expected)} | {n: relative_error(a, e) for n, a, e in zip(names, grads, grads_expected)}
-    drift = {"o": relative_error(o, baseline)} | {n: relative_error(a, e) for n, a, e in zip(names, grads, grads_baseline)}
+    errors = {"o": relative_error(o, expected)}
+    errors |= {n: relative_error(a, e) for n, a, e in zip(names, grads, grads_expected)}
+    drift = {"o": relative_error(o, baseline)}
+    drift |= {n: relative_error(a, e) for n, a, e in zip(names, grads, grads_baseline)}
     print(json.dumps({"vs_fp32": errors, "vs_fla_per_trajectory": drift}))
     assert all(errors[n] < BF16_TOLERANCE[n] for n in errors), errors
     # The baseline rounds each trajectory's gradient of a shared row to bf16 before summing; the
