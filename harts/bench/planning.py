@@ -3,15 +3,18 @@
 For each step (generated from `--trees CONFIG` with `--seed`, or read from `--data DIR`, file
 `step_NNN.*`) and each planner of `--planners`: plan (wall time measured by the planner, its
 prefix index included), validate (coverage, capacity, K mod D, works recomputed from the trie)
-and compute DESIGN §2's metrics. One record per (step, planner), written with
+and compute DESIGN §2's metrics; the records also hold the process CPU time of the planning
+call (all threads, so CP-SAT's workers count), which shows how much of a wall time was lost to
+other load on the machine. One record per (step, planner), written with
 `harts.bench.records`; a planner that fails or whose plan does not validate gives a record
 with an `error` field.
 
 The table compares the first planner with the second in the paper's form: per step and over
 all steps, compact tokens, compression (second / first), planning seconds and speedup
 (second / first), P95 slot imbalance and step imbalance; the paper's figures sit in the last
-row. Over all steps: Σ compact tokens (and the change), the range of per-step compression and
-speedup, the P95 over the slots of every step (nearest rank) and the largest step imbalance.
+row. Over all steps: Σ compact tokens (and the change), Σ seconds, the range of per-step
+compression and speedup, the P95 over the slots of every step (nearest rank) and the largest
+step imbalance.
 The table is printed and written beside the records as `.md` and `.csv`.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
             }
             progress.set_postfix_str(f"step {step_index} {name}")
             try:
+                cpu_started = time.process_time()
                 result = plan(step, capacity, args.dp, name, **options)
+                cpu_seconds = time.process_time() - cpu_started
                 validate(result, step, index)
             except ValueError as error:
                 records.append(make_record("planning", config, error=str(error)))
@@ -137,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 "lower_bound_compact_tokens": metrics.lower_bound_compact_tokens,
                 "microbatches": metrics.num_microbatches,
                 "plan_seconds": metrics.plan_seconds,
+                "plan_cpu_seconds": cpu_seconds,
                 "p95_slot_imbalance": metrics.p95_slot_imbalance,
                 "max_slot_imbalance": metrics.max_slot_imbalance,
                 "step_imbalance": metrics.step_imbalance,
@@ -203,6 +210,7 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
     compression, speedup = [], []
     slots = {ours: [], other: []}
     step_imb = {ours: [], other: []}
+    seconds = {ours: [], other: []}
     for s in steps:
         mine, theirs = by_key.get((s, ours)), by_key.get((s, other)) if other else None
         row = [str(s), cell(mine, "compact_tokens", ",")]
@@ -225,12 +233,14 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
                 totals[name].append(record["results"]["compact_tokens"])
                 slots[name].extend(record["results"]["slot_imbalance"])
                 step_imb[name].append(record["results"]["step_imbalance"])
+                seconds[name].append(record["results"]["plan_seconds"])
 
     def over(name: str | None) -> dict[str, str]:
         return {
             "tokens": f"{sum(totals[name]):,}" if totals[name] else "-",
             "p95": f"{100 * nearest_rank(np.asarray(slots[name]), 95):.2f}%" if slots[name] else "-",
             "step": f"{100 * max(step_imb[name]):.2f}%" if step_imb[name] else "-",
+            "seconds": f"{sum(seconds[name]):.1f}" if seconds[name] else "-",
         }
 
     mine_all, theirs_all = over(ours), over(other) if other else None
@@ -240,9 +250,9 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
                   if totals[ours] and totals[other] else "")
         row += [theirs_all["tokens"], _range(compression, "x", 3)]
         row[1] += change
-    row += ["-"]
+    row += [mine_all["seconds"]]
     if other:
-        row += ["-", _range(speedup, "x", 1)]
+        row += [theirs_all["seconds"], _range(speedup, "x", 1)]
     row += [mine_all["p95"]] + ([theirs_all["p95"]] if other else [])
     row += [mine_all["step"]] + ([theirs_all["step"]] if other else [])
     rows.append(row)

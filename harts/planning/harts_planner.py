@@ -352,6 +352,7 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
     dirty = set(range(len(state.bins)))
     for _ in range(config.max_passes):
         changed: set[int] = set()
+        roomiest = _roomiest(state, config.room_candidates)
         for x in range(rw.num):
             nearby = state.bin_of[max(0, x - window) : x + window + 1].tolist()
             if dirty.isdisjoint(nearby) and changed.isdisjoint(nearby):
@@ -361,10 +362,7 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
             if len(members) == 1 and not allow_empty:
                 continue
             saved = lengths[x] - rw.share(members, x)
-            candidates = set(nearby)
-            if config.room_candidates:
-                works = np.asarray([w if b else state.capacity + 1 for w, b in zip(state.works, state.bins)])
-                candidates.update(np.argsort(works, kind="stable")[: config.room_candidates].tolist())
+            candidates = set(nearby).union(roomiest)
             candidates.discard(source)
             best_delta, best_target = 0, -1
             for target in sorted(candidates):
@@ -378,6 +376,7 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
             if best_target >= 0:
                 state.move(x, source, best_target)
                 changed.update((source, best_target))
+                roomiest = _roomiest(state, config.room_candidates)
                 if allow_empty and not state.bins[source]:
                     count = sum(1 for b in state.bins if b)
                     if count % dp == 0:
@@ -389,6 +388,12 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
         if not changed:
             return
         dirty = changed
+
+
+def _roomiest(state: _State, count: int) -> list[int]:
+    """The `count` non-empty microbatches with the most free capacity (ties: lowest index)."""
+    works = np.asarray([w if b else state.capacity + 1 for w, b in zip(state.works, state.bins)])
+    return np.argsort(works, kind="stable")[:count].tolist()
 
 
 def _eliminate(state: _State, config: HartsConfig, *, dp: int,
@@ -420,8 +425,7 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
                     return k
             return int(state.bin_of[r])
 
-        works = np.asarray([w if b else capacity + 1 for w, b in zip(state.works, state.bins)])
-        roomiest = np.argsort(works, kind="stable")[: config.room_candidates].tolist()
+        roomiest = _roomiest(state, config.room_candidates)
         cost = 0
         for x in sorted(members, key=lambda r: (-lengths[r], r)):
             targets = {home(r) for r in range(max(0, x - window), min(rw.num, x + window + 1))}
@@ -592,13 +596,17 @@ def _balance(state: _State, dp: int, config: HartsConfig) -> None:
         return sizes[k]
 
     sizes: dict[int, list[int]] = {}
+    # Sources that found nothing are skipped until they change; a full rescan confirms the end.
+    barren: set[int] = set()
     for _ in range(config.max_balance_moves):
         live = [k for k, b in enumerate(state.bins) if b]
         position = {k: i for i, k in enumerate(live)}
         works = np.asarray([state.works[k] for k in live], dtype=np.int64)
         current = objective(works, dp)
         change = None
-        for a in np.argsort(-works, kind="stable")[::dp].tolist():
+        heaviest = np.argsort(-works, kind="stable")[::dp].tolist()
+        sources = [a for a in heaviest if live[a] not in barren]
+        for a in sources:
             source = live[a]
             members = state.bins[source]
             # (new source work, target position, new target work, change)
@@ -648,8 +656,13 @@ def _balance(state: _State, dp: int, config: HartsConfig) -> None:
                     break
             if change is not None:
                 break
+            barren.add(source)
         if change is None:
-            return
+            if len(sources) == len(heaviest):
+                return
+            barren.clear()
+            continue
         state.replace(change)
         for k in change:
             cache.pop(k, None)
+            barren.discard(k)

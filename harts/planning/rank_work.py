@@ -86,11 +86,27 @@ class RankWork:
         before, after = at - 1, at
         if before >= 0 and ranks[before] == skip:
             before -= 1
-        while after < len(ranks) and (ranks[after] == x or ranks[after] == skip):
+        size = len(ranks)
+        while after < size and (ranks[after] == x or ranks[after] == skip):
             after += 1
-        best = self.lcp(ranks[before], x) if before >= 0 else 0
-        if after < len(ranks):
-            best = max(best, self.lcp(x, ranks[after]))
+        table = self._table
+        best = 0
+        # Sparse-table queries inlined (hot path): LCP(a, b) = min(lcp[a + 1 .. b]).
+        if before >= 0:
+            a = ranks[before]
+            level = (x - a).bit_length() - 1
+            row = table[level]
+            u, v = row[a + 1], row[x + 1 - (1 << level)]
+            best = u if u < v else v
+        if after < size:
+            b = ranks[after]
+            level = (b - x).bit_length() - 1
+            row = table[level]
+            u, v = row[x + 1], row[b + 1 - (1 << level)]
+            if v < u:
+                u = v
+            if u > best:
+                best = u
         return best
 
     def insert_cost(self, ranks: list[int], block: list[int]) -> int:
