@@ -21,8 +21,9 @@ Search tiers, by size:
    the bound C + (k - 1 smallest adjacent LCPs) exceeds the best W found at a multiple of D;
    every k ≡ 0 mod D reaching that W is rebuilt and scored by the full objective. Exact among
    contiguous partitions (tested against enumeration of all cut sets).
-3. "restricted-dp" (when N · window · counts exceeds `dp_max_cells`): the same recursion keeping,
-   for each prefix j, only counts within `count_band` of the fewest runs that can cover it.
+3. "restricted-dp" (when N² · window, the full table's cells, exceeds `dp_max_cells`): the same
+   recursion keeping, for each prefix j, only counts within `count_band` of the fewest runs
+   that can cover it.
 
 Refinement (tiers 2 and 3), each change accepted only when it lowers the objective it targets:
 - boundary moves and sparse repair: move one trajectory to the microbatch of one of its sorted
@@ -70,7 +71,7 @@ class HartsConfig:
     exact_max_trajectories: int = 8
     """Steps with at most this many trajectories are solved by exhaustive branch and bound."""
     dp_max_cells: int = 100_000_000
-    """Above N · window · (possible counts) cells the DP keeps only a band of counts per prefix."""
+    """Above N² · window cells (N prefixes × N counts × window starts) the DP keeps a band of counts."""
     count_band: int = 64
     """Restricted tier: counts kept per prefix beyond the fewest runs that cover it (>= D)."""
     refine: bool = True
@@ -302,7 +303,7 @@ def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: 
     original = _key(rw, bins, dp)
     state = _State(rw, bins, capacity)
     options = [(state.total(), state.nonempty())]
-    state = _drift(state, config, dp, options)
+    _drift(state, config, dp, options)
     state = _State(rw, min(options, key=lambda item: item[0])[1], capacity)
     for _ in range(config.max_passes):
         _descend(state, config, dp=dp, snapshots=None)
@@ -319,7 +320,7 @@ def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: 
     return refined if _key(rw, refined, dp) <= original else [list(b) for b in bins]
 
 
-def _drift(state: _State, config: HartsConfig, dp: int, options: list[tuple[int, list[list[int]]]]) -> _State:
+def _drift(state: _State, config: HartsConfig, dp: int, options: list[tuple[int, list[list[int]]]]) -> None:
     """Descend and eliminate microbatches with K free, then add the ways back to K ≡ 0 mod D.
 
     Appends to `options` every state met with K ≡ 0 mod D, the cheapest splits of the final
@@ -334,7 +335,6 @@ def _drift(state: _State, config: HartsConfig, dp: int, options: list[tuple[int,
     for candidate in (split_to_multiple(rw, drifted, dp), _repack(rw, drifted, state.capacity, dp)):
         if candidate is not None:
             options.append((sum(rw.trie(b) for b in candidate), candidate))
-    return state
 
 
 def _descend(state: _State, config: HartsConfig, *, dp: int,
