@@ -1,0 +1,127 @@
+"""Start the ranks of a parallel configuration and run one function on each (`launch`).
+
+`launch(fn, config, *args, device=...)` spawns `config.world_size` processes
+(torch.multiprocessing, start method "spawn"), each of which joins a process group (gloo on
+CPU, NCCL on CUDA with one GPU per rank and NCCL_NVLS_ENABLE=0 in its environment) through a
+free TCP port on 127.0.0.1 with the config's timeout, builds its `ParallelGroups` and calls
+`fn(groups, *args)`. Rank 0's return value is handed back to the caller (through a temporary
+file, so it may hold tensors). When the process was itself started by torchrun (RANK,
+WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment), nothing is spawned: this process
+is one rank, and `launch` returns rank 0's value on rank 0 and None elsewhere.
+
+Failures: an exception in any rank stops every rank (torch.multiprocessing terminates the
+others) and `launch` raises `RankFailed` with one line, "rank i: Type: message"; a collective
+waiting on a dead or diverged rank fails after the configured timeout instead of hanging.
+On CPU each rank uses cpu_count // world_size intra-op threads, so ranks do not oversubscribe.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harts.parallel.config import ParallelConfig
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailed(RuntimeError):
+    """A rank of a parallel run raised or died; the message is one line naming the rank."""
+
+
+def resolve_backend(config: ParallelConfig, device: str) -> str:
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"parallel config {config.name!r}: backend nccl needs --device cuda")
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, device_type: str,
+              fn: Callable, args: tuple) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from harts.parallel.groups import build_groups
+
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=config.timeout_s),
+        device_id=device if device_type == "cuda" else None,
+    )
+    try:
+        return fn(build_groups(config, device), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, config: ParallelConfig, backend: str, device_type: str,
+                  fn: Callable, args: tuple, result_path: str) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = _run_rank(rank, world_size, config, backend, device_type, fn, args)
+    if rank == 0:
+        torch.save(result, result_path)
+
+
+def _one_line(error: Exception, rank: int) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return f"rank {rank}: {lines[-1] if lines else type(error).__name__}"
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu") -> Any:
+    """Run `fn(groups, *args)` on every rank of `config`; rank 0's result (None on other torchrun ranks)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    backend = resolve_backend(config, device)
+    world_size = config.world_size
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ValueError(
+                f"parallel config {config.name!r} needs {world_size} ranks, torchrun started {os.environ['WORLD_SIZE']}"
+            )
+        rank = int(os.environ["RANK"])
+        result = _run_rank(rank, world_size, config, backend, device, fn, args)
+        return result if rank == 0 else None
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"parallel config {config.name!r} needs {world_size} GPUs, {torch.cuda.device_count()} are visible"
+        )
+    with tempfile.TemporaryDirectory(prefix="harts-parallel-") as tmp:
+        result_path = str(Path(tmp) / "rank0.pt")
+        try:
+            mp.start_processes(
+                _spawned_rank, args=(world_size, _free_port(), config, backend, device, fn, args, result_path),
+                nprocs=world_size, join=True, start_method="spawn",
+            )
+        except mp.ProcessRaisedException as error:
+            raise RankFailed(_one_line(error, error.error_index)) from None
+        except mp.ProcessExitedException as error:
+            raise RankFailed(f"rank {error.error_index}: exited with code {error.exit_code}") from None
+        return torch.load(result_path, weights_only=False)

@@ -1,0 +1,224 @@
+"""One training step under a parallel configuration (forward, loss, backward, gradient reduction).
+
+`run_parallel_step(pmodel, step, microbatches, config)` runs on every rank of the world with
+the same arguments. The microbatches are a plan's, in (slot, replica) order: K = S·D for D
+data-parallel replicas, slot s holding microbatches s·D .. s·D + D − 1; replica r runs
+microbatch s·D + r of every slot, in slot order, so the replicas of a slot run side by side
+(the expert all-to-alls of dp-ep configurations pair them). Each microbatch's layout is built
+by every rank that runs it (identically: it is deterministic), in either execution. The
+stage's part of the model runs in the 1F1B order of harts.parallel.pipeline (with pp = 1: F0
+B0 F1 B1 ..., the order of `run_step`); the last stage computes the log-probs and the policy
+loss through `harts.objective.step.microbatch_loss` itself (handing it the stage's final hidden
+states), so the loss is the single-process code; every stage adds its MoE losses ÷ K.
+Gradients are then reduced once (`ParallelModel.reduce_gradients`).
+
+Equivalence with `run_step` on the same microbatches (tests/parallel/test_step.py): the step
+loss and the per-microbatch policy losses use the step-level normaliser, so summing them over
+replicas and stages gives the single-process loss and, by linearity, gradient; each MoE loss
+is per microbatch (÷ K, the number of microbatches of the step), as in one process; the
+expert-bias counts are summed over replicas (and over row shards under SP). Reported values
+(loss, counts, rows) are summed over the ranks that own them once (TP rank 0 unless the value
+is per shard) and are the same on every rank; timings are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harts.objective.step import StepConfig, autocast_context, build_layout, microbatch_loss, semantic_index, step_normalizer
+from harts.objective.targets import semantic_targets_from_step
+from harts.parallel.comm import all_reduce_
+from harts.parallel.model import ParallelModel
+from harts.parallel.pipeline import PipelineLink, one_f_one_b
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex
+
+SECONDS = ("layout", "forward", "backward", "grad_reduce", "total")
+
+
+class _FinalHidden:
+    """Stands in for the model in `microbatch_loss`: returns the last stage's final hidden states."""
+
+    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Linear) -> None:
+        self.hidden, self.lm_head = hidden, lm_head
+
+    def __call__(self, input_ids, layout, recompute=False):
+        return self.hidden, []
+
+
+@dataclass
+class ParallelStepResult:
+    loss: float
+    policy_loss: float
+    moe_loss: float
+    clip_fraction: float
+    num_rows: int
+    num_semantic_tokens: int
+    seconds: dict[str, float]
+    """Per phase, the maximum over ranks (forward/backward summed over this rank's microbatches)."""
+    tokens_per_expert: list[torch.Tensor]
+    """Per MoE layer of the model, q-weighted routed assignments summed over the step."""
+    logprobs: torch.Tensor | None = None
+    """fp32 [S] λ in batch order, on global rank 0 when collected."""
+    final_hidden: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per microbatch of the plan: (final hidden [R, D] fp32, semantic rows), on global rank 0 when collected."""
+
+
+def replica_microbatches(num_microbatches: int, dp: int, dp_rank: int) -> list[int]:
+    """Indices (in the plan's (slot, replica) order) of the microbatches replica `dp_rank` runs."""
+    return list(range(dp_rank, num_microbatches, dp))
+
+
+def _check_microbatches(step: Step, microbatches: list[np.ndarray], dp: int) -> None:
+    covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
+    if not np.array_equal(covered, np.arange(step.num_trajectories)):
+        raise ValueError("run_parallel_step: microbatches must cover every trajectory of the step exactly once")
+    if len(microbatches) % dp:
+        raise ValueError(f"run_parallel_step: {len(microbatches)} microbatches are not a multiple of dp = {dp}")
+    if any(len(m) == 0 for m in microbatches):
+        raise ValueError("run_parallel_step: empty microbatch (the step has fewer trajectories than dp replicas)")
+
+
+def run_parallel_step(
+    pmodel: ParallelModel,
+    step: Step,
+    microbatches: list[np.ndarray],
+    config: StepConfig,
+    *,
+    index: PrefixIndex | None = None,
+    backward: bool = True,
+    collect: bool = False,
+) -> ParallelStepResult:
+    """Forward (+ backward and gradient reduction) of `step` on this rank; call on every rank."""
+    started = time.perf_counter()
+    groups = pmodel.groups
+    parallel, layout_of_rank = groups.config, groups.layout
+    device = groups.device
+    model = pmodel.model
+    microbatches = [np.asarray(m, dtype=np.int64) for m in microbatches]
+    _check_microbatches(step, microbatches, parallel.dp)
+    if config.execution == "compact" and index is None:
+        index = PrefixIndex.from_step(step)
+    targets = semantic_targets_from_step(step)
+    normalizer = step_normalizer(targets, config)
+    num_microbatches = len(microbatches)
+    mine = replica_microbatches(num_microbatches, parallel.dp, layout_of_rank.dp_rank)
+    seconds = dict.fromkeys(SECONDS, 0.0)
+
+    start = time.perf_counter()
+    layouts = [pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine]
+    sem_indices = [semantic_index(step, microbatches[j]) for j in mine]
+    seconds["layout"] = time.perf_counter() - start
+
+    first, last = groups.is_first_stage, groups.is_last_stage
+    link = PipelineLink(None if first else groups.previous_stage_rank, None if last else groups.next_stage_rank)
+    hidden_size = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    num_experts = model.config.moe.num_experts
+    counts = torch.zeros(pmodel.num_moe_layers, num_experts, device=device)
+    owner = layout_of_rank.tp_rank == 0
+    totals = {"policy": 0.0, "moe": 0.0, "clip": 0.0, "rows": 0.0}
+    stash: dict[int, tuple] = {}
+    collected_logprobs, collected_hidden = [], []
+
+    def forward(j: int) -> None:
+        layout = layouts[j]
+        x_in = None
+        if not first:
+            x_in = link.receive_forward((pmodel.rows_on_rank(layout), hidden_size), dtype, device)
+            x_in.requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            with autocast_context(device, config):
+                out, auxes = pmodel.stage_forward(layout, x_in, recompute=config.recompute)
+            moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))
+            if last:
+                policy, _, logprobs, _ = microbatch_loss(
+                    _FinalHidden(out, model.lm_head), layout, targets, sem_indices[j], config, normalizer, device
+                )
+                terms = [policy.loss + moe / num_microbatches]
+            else:
+                link.send_forward(out)
+                terms = [out, moe / num_microbatches]
+        if owner:
+            totals["moe"] += float(moe.detach()) / num_microbatches
+            if last:
+                totals["policy"] += float(policy.loss.detach())
+                totals["clip"] += float(policy.clip_fraction)
+            if first:
+                totals["rows"] += layout.num_rows
+        if owner or pmodel.sequence_parallel:
+            for k, aux in enumerate(auxes):
+                counts[k] += aux.tokens_per_expert_E.detach()
+        if collect and last and owner:
+            collected_logprobs.append((sem_indices[j], logprobs.detach().float().cpu()))
+            collected_hidden.append((mine[j], out.detach().float().cpu(), layout.semantic_rows.cpu()))
+        stash[j] = (x_in, terms)
+
+    def backward_step(j: int) -> None:
+        x_in, terms = stash.pop(j)
+        if last:
+            tensors, grads = terms, [None]
+        else:
+            out, moe_term = terms
+            tensors = [out]
+            grads = [link.receive_backward(tuple(out.shape), out.dtype, device)]
+            if moe_term.requires_grad:
+                tensors.append(moe_term)
+                grads.append(None)
+        torch.autograd.backward(tensors, grads)
+        if not first:
+            link.send_backward(x_in.grad)
+
+    schedule = one_f_one_b(len(mine), layout_of_rank.pp_rank, parallel.pp)
+    if not backward:
+        schedule = [(kind, j) for kind, j in schedule if kind == "F"]
+    for kind, j in schedule:
+        start = time.perf_counter()
+        forward(j) if kind == "F" else backward_step(j)
+        seconds["forward" if kind == "F" else "backward"] += time.perf_counter() - start
+    link.wait()
+    if backward:
+        start = time.perf_counter()
+        pmodel.reduce_gradients()
+        seconds["grad_reduce"] = time.perf_counter() - start
+    seconds["total"] = time.perf_counter() - started
+    return _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, collected_logprobs,
+                           collected_hidden, collect)
+
+
+def _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, logprobs, hidden, collect):
+    device = pmodel.groups.device
+    world = dist.group.WORLD
+    sums = torch.tensor([totals["policy"], totals["moe"], totals["clip"], totals["rows"]], dtype=torch.float64,
+                        device=device)
+    all_reduce_(sums, world)
+    config = pmodel.model.config
+    all_counts = torch.zeros(config.num_layers - config.num_dense_layers, config.moe.num_experts, device=device)
+    offset = pmodel.moe_layer_offset
+    all_counts[offset : offset + pmodel.num_moe_layers] = counts
+    all_reduce_(all_counts, world)
+    times = torch.tensor([seconds[k] for k in SECONDS], dtype=torch.float64, device=device)
+    all_reduce_(times, world, op=dist.ReduceOp.MAX)
+    policy, moe, clip, rows = sums.tolist()
+    result = ParallelStepResult(
+        loss=policy + moe, policy_loss=policy, moe_loss=moe, clip_fraction=clip / num_microbatches,
+        num_rows=int(rows), num_semantic_tokens=step.num_semantic_tokens,
+        seconds=dict(zip(SECONDS, times.tolist())), tokens_per_expert=list(all_counts.cpu()),
+    )
+    if collect:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((logprobs, hidden), gathered, dst=0)
+        if dist.get_rank() == 0:
+            result.logprobs = torch.full((step.num_semantic_tokens,), float("nan"))
+            result.final_hidden = [None] * num_microbatches
+            for rank_logprobs, rank_hidden in gathered:
+                for sem, values in rank_logprobs:
+                    result.logprobs[torch.from_numpy(sem)] = values
+                for j, h, rows in rank_hidden:
+                    result.final_hidden[j] = (h, rows)
+    return result

@@ -1,0 +1,160 @@
+"""A parallel step against the single-process baseline (`harts verify --parallel NAME`), and the rank programs.
+
+`verify_on_rank(groups, ...)` (run on every rank by `launch`) initialises the model identically
+on every rank, cuts it with `parallelize`, runs `run_parallel_step` for each candidate step
+config (e.g. both executions, ± recomputation) collecting λ, the final hidden states and the
+reduced gradients, reassembles the full gradients on rank 0 (`full_gradients`), then runs the
+reference on rank 0: `run_step` of the plain model in one process on the same microbatches
+(the baseline execution, without recomputation). For each candidate it reports, beside the
+figures of harts.objective.verify:
+- max_abs_logprob_diff, loss_rel_diff, moe_loss_abs_diff;
+- grad_rel_diff: max over parameters of ‖g_parallel − g_reference‖ / ‖g_reference‖, on the
+  reassembled full gradients (after the TP/DP/expert-DP reduction);
+- logit_cosine_min / _mean: per semantic position, cosine of the full-vocabulary logits
+  (final hidden · W_lm_headᵀ, chunked) of the parallel run and of the reference;
+- tokens_per_expert_max_abs_diff: the expert-bias counts;
+- replica_grad_max_rel_diff: ranks holding the same parameter part (DP replicas, TP ranks of
+  a whole parameter) must hold the same reduced gradient: the largest relative difference
+  (0 when every copy agrees).
+`train_step_on_rank` is the rank program of `harts train-step --parallel`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harts.model.config import ModelConfig
+from harts.model.model import HybridModel
+from harts.objective.step import StepConfig, autocast_context, build_layout, run_step
+from harts.parallel.groups import ParallelGroups
+from harts.parallel.model import ParallelModel, parallelize
+from harts.parallel.step import ParallelStepResult, run_parallel_step
+from harts.trees.step import Step
+from harts.trees.trie import PrefixIndex
+
+
+def full_gradients(pmodel: ParallelModel) -> tuple[dict[str, torch.Tensor], float] | None:
+    """(full gradient per parameter name, replica_grad_max_rel_diff) on global rank 0; None elsewhere."""
+    entries = []
+    for name, parameter in pmodel.named_parameters():
+        grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+        spec = pmodel.shard_specs.get(name)
+        entries.append((name, spec, grad.detach().float().cpu().clone()))
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(entries, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    written: dict[str, torch.Tensor] = {}
+    worst = 0.0
+    for rank_entries in gathered:
+        for name, spec, grad in rank_entries:
+            shape = spec.full_shape if spec is not None else tuple(grad.shape)
+            if name not in full:
+                full[name] = torch.zeros(shape)
+                written[name] = torch.zeros(shape, dtype=torch.bool)
+            if spec is None:
+                target, mask = full[name], written[name]
+            else:
+                target = full[name].index_select(spec.dim, spec.index)
+                mask = written[name].index_select(spec.dim, spec.index)
+            if mask.any():
+                difference = (target[mask] - grad[mask]).norm() / grad[mask].norm().clamp(min=1e-30)
+                worst = max(worst, float(difference))
+            if spec is None:
+                full[name].copy_(grad)
+                written[name].fill_(True)
+            else:
+                full[name].index_copy_(spec.dim, spec.index, grad)
+                written[name].index_fill_(spec.dim, spec.index, True)
+    assert all(bool(mask.all()) for mask in written.values()), "every parameter part is held by some rank"
+    return full, worst
+
+
+def _parallel_model(groups: ParallelGroups, model_config: ModelConfig, seed: int) -> ParallelModel:
+    model = HybridModel(model_config).to(groups.device)
+    model.init_weights(seed)
+    return parallelize(model, groups)
+
+
+def train_step_on_rank(
+    groups: ParallelGroups, model_config: ModelConfig, seed: int, step: Step, microbatches: list[np.ndarray],
+    config: StepConfig,
+) -> ParallelStepResult:
+    pmodel = _parallel_model(groups, model_config, seed)
+    return run_parallel_step(pmodel, step, microbatches, config)
+
+
+@torch.no_grad()
+def _final_hidden(model: HybridModel, step: Step, microbatches, config: StepConfig, index: PrefixIndex):
+    device = next(model.parameters()).device
+    out = []
+    for members in microbatches:
+        layout = build_layout(step, np.asarray(members, dtype=np.int64), model, config, index).to(device)
+        with autocast_context(device, config):
+            hidden, _ = model(layout.input_ids, layout)
+        out.append((hidden.float().cpu(), layout.semantic_rows.cpu()))
+    return out
+
+
+def _logit_cosines(reference_hidden, candidate_hidden, weight: torch.Tensor, chunk: int = 2048) -> np.ndarray:
+    cosines = []
+    for (h_ref, rows_ref), (h_cand, rows_cand) in zip(reference_hidden, candidate_hidden):
+        for lo in range(0, len(rows_ref), chunk):
+            a = h_ref[rows_ref[lo : lo + chunk]] @ weight.T
+            b = h_cand[rows_cand[lo : lo + chunk]] @ weight.T
+            cosines.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).numpy())
+    return np.concatenate(cosines)
+
+
+def verify_on_rank(
+    groups: ParallelGroups, model_config: ModelConfig, seed: int, step: Step, microbatches: list[np.ndarray],
+    candidates: list[StepConfig], reference: StepConfig,
+) -> list[dict[str, float | int]] | None:
+    """One report per candidate on global rank 0 (module docstring); None on other ranks."""
+    pmodel = _parallel_model(groups, model_config, seed)
+    index = PrefixIndex.from_step(step)
+    runs = []
+    for candidate in candidates:
+        pmodel.model.zero_grad(set_to_none=True)
+        result = run_parallel_step(pmodel, step, microbatches, candidate, index=index, collect=True)
+        runs.append((result, full_gradients(pmodel)))
+    if dist.get_rank() != 0:
+        return None
+    model = HybridModel(model_config).to(groups.device)
+    model.init_weights(seed)
+    ref = run_step(model, step, microbatches, reference, index=index, collect_logprobs=True)
+    ref_grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
+    ref_hidden = _final_hidden(model, step, microbatches, reference, index)
+    weight = model.lm_head.weight.detach().float().cpu()
+    reports = []
+    for candidate, (result, (grads, replica_diff)) in zip(candidates, runs):
+        grad_rel = max(
+            float((grads[name] - g).norm() / g.norm().clamp(min=1e-30)) for name, g in ref_grads.items()
+        )
+        cosines = _logit_cosines(ref_hidden, result.final_hidden, weight)
+        counts_diff = max(
+            (float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(result.tokens_per_expert, ref.tokens_per_expert)),
+            default=0.0,
+        )
+        reports.append({
+            "execution": candidate.execution,
+            "recompute": candidate.recompute,
+            "semantic_tokens": step.num_semantic_tokens,
+            "reference_rows": ref.num_rows,
+            "candidate_rows": result.num_rows,
+            "max_abs_logprob_diff": float((result.logprobs - ref.logprobs).abs().max()),
+            "loss": ref.loss,
+            "loss_rel_diff": abs(result.loss - ref.loss) / max(abs(ref.loss), 1e-30),
+            "moe_loss_abs_diff": abs(result.moe_loss - ref.moe_loss),
+            "clip_fraction": result.clip_fraction,
+            "grad_rel_diff": grad_rel,
+            "replica_grad_max_rel_diff": replica_diff,
+            "tokens_per_expert_max_abs_diff": counts_diff,
+            "logit_cosine_min": float(cosines.min()),
+            "logit_cosine_mean": float(cosines.mean()),
+            "seconds": result.seconds,
+        })
+    return reports
