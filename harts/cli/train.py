@@ -41,6 +41,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-policy", action="store_true",
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--parallel", default=None, metavar="NAME",
+                        help="configs/parallel NAME or a YAML path: run on its ranks (DP/TP/SP/PP/EP), spawned here")
 
 
 def _setup(args: argparse.Namespace):
@@ -75,12 +77,12 @@ def _step_config(args: argparse.Namespace, execution: str, **extra):
     )
 
 
-def _microbatches(step, index, args, planner: str):
+def _microbatches(step, index, args, planner: str, dp: int = 1):
     import numpy as np
 
     from harts.planning.microbatch import plan
 
-    result = plan(step, args.capacity, 1, planner=planner, index=index)
+    result = plan(step, args.capacity, dp, planner=planner, index=index)
     position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
     microbatches = [
         np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
@@ -91,6 +93,8 @@ def _microbatches(step, index, args, planner: str):
 def run_train_step(args: argparse.Namespace) -> int:
     from harts.objective.step import run_step
 
+    if args.parallel:
+        return _run_parallel(args, verify=False)
     model, step, index = _setup(args)
     planner = args.planner or ("harts" if args.execution == "compact" else "per-trajectory")
     plan, microbatches = _microbatches(step, index, args, planner)
@@ -123,6 +127,8 @@ def run_train_step(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from harts.objective.verify import compare_executions
 
+    if args.parallel:
+        return _run_parallel(args, verify=True)
     model, step, index = _setup(args)
     _, microbatches = _microbatches(step, index, args, args.planner)
     report = compare_executions(
@@ -135,4 +141,63 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         for key, value in report.items():
             print(f"{key:<24} {value}", file=sys.stdout)
+    return 0
+
+
+def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
+    """`--parallel NAME`: the step on the ranks of a parallel config (harts.parallel); verify compares
+    both executions there with the single-process baseline. Rank 0's result is printed."""
+    import torch
+
+    from harts.model.config import load_model_config
+    from harts.parallel.config import load_parallel_config
+    from harts.parallel.launch import RankFailed, launch
+    from harts.parallel.verify import train_step_on_rank, verify_on_rank
+    from harts.trees.io import read_step
+    from harts.trees.trie import PrefixIndex
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    parallel = load_parallel_config(args.parallel)
+    config = load_model_config(args.model)
+    parallel.check_model(config)
+    step = read_step(args.trees, vocab_size=config.vocab_size)
+    if args.on_policy:
+        step = replace(step, old_logprobs=None)
+    index = PrefixIndex.from_step(step)
+    planner = args.planner or ("harts" if verify or args.execution == "compact" else "per-trajectory")
+    plan, microbatches = _microbatches(step, index, args, planner, dp=parallel.dp)
+    common = (config, args.seed, step, microbatches)
+    head = {"parallel": parallel.name, "world_size": parallel.world_size, "planner": planner,
+            "microbatches": len(microbatches)}
+    try:
+        if verify:
+            candidates = [_step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)]
+            reference = replace(candidates[0], recompute=False)
+            result = launch(verify_on_rank, parallel, *common, candidates, reference, device=args.device)
+        else:
+            result = launch(train_step_on_rank, parallel, *common, _step_config(args, args.execution),
+                            device=args.device)
+    except RankFailed as error:
+        print(f"harts: error: {error}", file=sys.stderr)
+        return 1
+    if result is None:
+        return 0
+    if verify:
+        summary = {**head, "compact_tokens": index.segment_tree().num_compact_tokens,
+                   **{report["execution"]: report for report in result}}
+    else:
+        summary = {**head, "execution": args.execution, "loss": result.loss, "policy_loss": result.policy_loss,
+                   "moe_loss": result.moe_loss, "semantic_tokens": result.num_semantic_tokens,
+                   "rows": result.num_rows, "plan_seconds": plan.plan_seconds, "seconds": result.seconds}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            if isinstance(value, dict):
+                print(f"{key}:")
+                for inner, number in value.items():
+                    print(f"  {inner:<30} {number}")
+            else:
+                print(f"{key:<32} {value}")
     return 0

@@ -25,6 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
@@ -56,7 +60,7 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(group_size(group) * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out
 
 
@@ -64,7 +68,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     size = group_size(group)
     assert x.shape[0] % size == 0, "reduce-scatter needs rows divisible by the group size"
     out = x.new_empty(x.shape[0] // size, *x.shape[1:])
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
