@@ -1,0 +1,448 @@
+"""`harts bench speedup`: compact execution vs the per-trajectory baseline, per step (DESIGN §6).
+
+For each step: plan the baseline's microbatches (`per-trajectory`: each trajectory its own
+sequence, first-fit-decreasing to capacity T in semantic tokens) and the compact execution's
+(`--planner`, default HARTS, capacity T in compact tokens); run both on the same weights with the
+same kernels and recomputation setting, `--repeats` times each (interleaved, after a warm-up),
+and take medians. One record per step (config, environment, hardware) with:
+- sizes: S, the plan's compact rows C, the trie lower bound, replay rows, attention KV rows of
+  each execution (ancestor KV views of the compact groups), KDA calls per microbatch;
+- per execution: forward, backward, gradient reduction (0 in one process), planning (the
+  microbatch planner plus layout building, which includes the KDA call planning), peak memory;
+- fbg_speedup = baseline (F + B + G) / compact (F + B + G); core_speedup = the same with planning
+  added to both sides; compression = S / C; efficiency = fbg_speedup / compression;
+- breakdown of the compact time beyond the ideal (C / S) × baseline into terms, from op-level
+  measurements on each microbatch's real layout with random inputs of the model's shapes:
+  replay (one call over the calls' rows with vs without the replay rows), boundary-state handoff
+  and call launches (the planned calls vs one call over the same rows), other KDA (shorter
+  sequences, chunk padding), ancestor KV / masked blocks (MLA), LM head, the remaining per-row
+  work (projections, MoE, norms), and layout materialisation (reported beside, since it is
+  planning);
+- on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
+  over the measured time and the bf16 dense peak).
+A case that fails (an error, out of memory) is a record with an `error` field, never a gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
+# NVIDIA's datasheet: H100/H200 SXM dense bf16 (the measured ceiling on KINDS.md is lower).
+H200_BF16_PEAK_FLOPS = 989.5e12
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("speedup", help="compact vs per-trajectory execution: speedup records")
+    parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
+    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (generate) or a step path")
+    parser.add_argument("--steps", type=_index_list, default=None, help="step indices of a trees config (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="trees seed")
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--planner", default="harts")
+    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--kda-backend", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
+    parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
+    parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
+    parser.set_defaults(run=run)
+
+
+def _index_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative indices, got {text!r}")
+    return values
+
+
+class PeakMemory:
+    """Peak memory of a region: CUDA allocator peak, or the process RSS sampled every 5 ms on CPU."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _rss()
+            self.peak = self.base
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(fn, device, repeats: int = 3) -> float:
+    """Median seconds of fn() (forward + backward of one op)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def op_times(model, layout, device, dtype) -> dict[str, float]:
+    """Per-microbatch op times (fwd + bwd) on `layout` with random inputs of the model's shapes."""
+    import numpy as np
+    import torch
+
+    from harts.objective.logprobs import compact_logprobs
+    from harts.ops.kda.packed import packed_kda
+
+    config = model.config
+    rows = layout.num_rows
+    generator = torch.Generator(device=device).manual_seed(0)
+    act_dtype = dtype or torch.float32
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(act_dtype).requires_grad_()
+
+    heads, head_dim = config.kda.num_heads, config.kda.head_dim
+    q, k, v = (rand(rows, heads, head_dim) for _ in range(3))
+    g = (-torch.rand(rows, heads, head_dim, generator=generator, device=device) * 0.1).requires_grad_()
+    beta = torch.rand(rows, heads, generator=generator, device=device).requires_grad_()
+
+    def backward(out):
+        out.float().square().mean().backward()
+
+    times = {"kda": _time_op(lambda: backward(layout.linear_attention(q, k, v, g, beta)), device)}
+    schedule = layout.kda_schedule
+    if schedule is not None:
+        # The same rows as one call: with the replay rows, and without them (computed rows only).
+        for name, keep_replay in (("kda_one_call", True), ("kda_one_call_no_replay", False)):
+            pieces, lengths = [], []
+            for call in schedule.calls:
+                for i in range(call.num_sequences):
+                    lo, hi = int(call.cu_seqlens[i]), int(call.cu_seqlens[i + 1])
+                    sel = call.rows[lo:hi] if keep_replay else call.rows[lo:hi][~call.is_replay[lo:hi]]
+                    pieces.append(sel)
+                    lengths.append(len(sel))
+            index = torch.from_numpy(np.concatenate(pieces)).to(device)
+            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(device)
+
+            def one_call(index=index, cu=cu):
+                out = packed_kda(
+                    q[index], k[index], v[index], g[index], beta[index], cu, chunk_size=layout.chunk_size,
+                    use_qk_l2norm=True, backend=layout.kda_backend,
+                )
+                backward(out)
+
+            times[name] = _time_op(one_call, device)
+    mla = config.mla
+    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    qa, ka = rand(rows, mla.num_heads, qk_dim), rand(rows, mla.num_heads, qk_dim)
+    va = rand(rows, mla.num_heads, mla.v_head_dim)
+    times["mla"] = _time_op(lambda: backward(layout.attention(qa, ka, va, qk_dim ** -0.5)), device)
+    hidden = rand(rows, config.hidden_size)
+    weight = rand(config.vocab_size, config.hidden_size, scale=0.02)
+    semantic = len(layout.semantic_rows)
+    targets = torch.randint(0, config.vocab_size, (semantic,), generator=generator, device=device)
+    times["lm_head"] = _time_op(
+        lambda: compact_logprobs(hidden, weight, layout.semantic_rows, targets).sum().backward(), device
+    )
+    return times
+
+
+def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) -> float:
+    """Training FLOPs (forward + backward, no recomputation) of the baseline: matmuls of the
+    per-token weights (MoE: the k routed experts + shared expert + router), MLA scores and values
+    over the causal pairs, and the KDA chunked form (intra-chunk products and state update)."""
+    c = model_config
+    per_token = 2 * c.hidden_size * c.vocab_size  # LM head
+    kda, mla, moe = c.kda, c.mla, c.moe
+    kda_width = kda.num_heads * kda.head_dim
+    rank = kda.gate_rank or kda.head_dim
+    kda_params = 4 * c.hidden_size * kda_width + 2 * (c.hidden_size * rank + rank * kda_width) + c.hidden_size * kda.num_heads
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    q_params = (c.hidden_size * mla.q_lora_rank + mla.q_lora_rank * mla.num_heads * qk) if mla.q_lora_rank else c.hidden_size * mla.num_heads * qk
+    mla_params = (q_params + c.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+                  + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+                  + mla.num_heads * mla.v_head_dim * c.hidden_size)
+    moe_params = (c.hidden_size * moe.num_experts + moe.top_k * 3 * c.hidden_size * moe.expert_hidden_size
+                  + 3 * c.hidden_size * moe.shared_expert_hidden_size)
+    dense_params = 3 * c.hidden_size * c.dense_hidden_size
+    attention = 0.0
+    kda_per_token = 2 * kda.num_heads * (kda.chunk_size * (2 * kda.head_dim + kda.head_dim) + 4 * kda.head_dim * kda.head_dim)
+    for i, kind in enumerate(c.layer_kinds()):
+        per_token += 2 * (kda_params if kind == "kda" else mla_params)
+        per_token += 2 * (dense_params if i < c.num_dense_layers else moe_params)
+        if kind == "kda":
+            per_token += kda_per_token
+        else:
+            attention += 2 * mla.num_heads * (qk + mla.v_head_dim) * causal_pairs
+    return 3.0 * (per_token * semantic_tokens + attention)
+
+
+def _microbatches(step, plan) -> list:
+    import numpy as np
+
+    position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
+    return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in plan.microbatches]
+
+
+def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from harts.objective.step import DTYPES, StepConfig, build_layout, run_step
+    from harts.planning.microbatch import plan
+    from harts.trees.trie import PrefixIndex
+
+    plans = {
+        "baseline": plan(step, args.capacity, 1, planner="per-trajectory"),
+        "compact": plan(step, args.capacity, 1, planner=args.planner),
+    }
+    microbatches = {name: _microbatches(step, p) for name, p in plans.items()}
+    index = PrefixIndex.from_step(step)
+    cuda = device.type == "cuda"
+    configs = {
+        name: StepConfig(
+            execution=name, recompute=args.recompute, dtype=dtype_name,
+            attention_backend=args.attention_backend or ("flex" if cuda else "sdpa"),
+            kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+        )
+        for name in ("baseline", "compact")
+    }
+    for name in configs:
+        _warm(model, step, microbatches[name], configs[name])
+
+    samples: dict[str, list] = {"baseline": [], "compact": []}
+    peaks = {"baseline": 0, "compact": 0}
+    infos: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for name in ("baseline", "compact"):
+            with PeakMemory(device) as memory:
+                result = run_step(model, step, microbatches[name], configs[name], index=index)
+            model.zero_grad(set_to_none=True)
+            samples[name].append(result.seconds)
+            peaks[name] = max(peaks[name], memory.peak)
+            infos[name] = result.layout_info
+
+    def median(name, key):
+        return statistics.median(s[key] for s in samples[name])
+
+    executions = {}
+    for name in ("baseline", "compact"):
+        forward, backward, layout = median(name, "forward"), median(name, "backward"), median(name, "layout")
+        executions[name] = {
+            "forward_s": forward, "backward_s": backward, "grad_reduction_s": 0.0,
+            "layout_s": layout, "planning_s": plans[name].plan_seconds + layout,
+            "fbg_s": forward + backward, "peak_memory_bytes": int(peaks[name]),
+            "microbatches": len([m for m in microbatches[name] if len(m)]),
+            "rows": int(sum(i["rows"] for i in infos[name])),
+            "attention_kv_rows": int(sum(i["attention_kv_rows"] for i in infos[name])),
+            "kda_calls": [i["kda_calls"] for i in infos[name]],
+            "samples": samples[name],
+        }
+    base, comp = executions["baseline"], executions["compact"]
+    semantic = step.num_semantic_tokens
+    compact_rows = comp["rows"]
+    fbg_speedup = base["fbg_s"] / comp["fbg_s"]
+    core_speedup = (base["fbg_s"] + base["planning_s"]) / (comp["fbg_s"] + comp["planning_s"])
+    results: dict[str, Any] = {
+        "semantic_tokens": semantic,
+        "compact_tokens": compact_rows,
+        "lower_bound_compact_tokens": index.segment_tree().num_compact_tokens,
+        "compression": semantic / compact_rows,
+        "replay_rows": int(sum(i["replay_rows"] for i in infos["compact"])),
+        "fbg_speedup": fbg_speedup,
+        "core_speedup": core_speedup,
+        "efficiency": fbg_speedup / (semantic / compact_rows),
+        "baseline": base,
+        "compact": comp,
+    }
+    if cuda:
+        pairs = int(sum(int(n) * (int(n) + 1) // 2 for n in step.lengths))
+        flops = estimate_model_flops(model.config, semantic, pairs)
+        results["baseline_model_flops"] = flops
+        results["baseline_mfu"] = flops / base["fbg_s"] / H200_BF16_PEAK_FLOPS
+    if not args.no_breakdown:
+        results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name], base, comp,
+                                         semantic / compact_rows)
+    return results
+
+
+def _warm(model, step, microbatches, config) -> None:
+    """Run the first microbatch once (as a step of its own) so kernels compile outside the timings."""
+    import numpy as np
+
+    from harts.objective.step import run_step
+
+    first = next(m for m in microbatches if len(m))
+    run_step(model, step.subset(first), [np.arange(len(first))], config)
+    model.zero_grad(set_to_none=True)
+
+
+def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression) -> dict[str, Any]:
+    """Where the compact time goes beyond (C/S) × baseline, from op-level times on the real layouts."""
+    from harts.objective.step import build_layout
+
+    config = model.config
+    num_kda = sum(kind == "kda" for kind in config.layer_kinds())
+    num_mla = config.num_layers - num_kda
+    totals: dict[str, dict[str, float]] = {}
+    for name in ("baseline", "compact"):
+        sums: dict[str, float] = {}
+        for members in microbatches[name]:
+            if not len(members):
+                continue
+            layout = build_layout(step, members, model, configs[name], index).to(device)
+            for key, value in op_times(model, layout, device, dtype).items():
+                sums[key] = sums.get(key, 0.0) + value
+        totals[name] = sums
+    b, c = totals["baseline"], totals["compact"]
+    ratio = 1.0 / compression
+    base_ops = {"kda": num_kda * b["kda"], "mla": num_mla * b["mla"], "lm_head": b["lm_head"]}
+    comp_ops = {"kda": num_kda * c["kda"], "mla": num_mla * c["mla"], "lm_head": c["lm_head"]}
+    base_rest = base["fbg_s"] - sum(base_ops.values())
+    comp_rest = comp["fbg_s"] - sum(comp_ops.values())
+    terms = {
+        "replay": num_kda * (c["kda_one_call"] - c["kda_one_call_no_replay"]),
+        "boundary_handoff_and_calls": num_kda * (c["kda"] - c["kda_one_call"]),
+        "kda_other": num_kda * c["kda_one_call_no_replay"] - ratio * base_ops["kda"],
+        "ancestor_kv_attention": comp_ops["mla"] - ratio * base_ops["mla"],
+        "lm_head": comp_ops["lm_head"] - ratio * base_ops["lm_head"],
+        "per_row_other": comp_rest - ratio * base_rest,
+    }
+    ideal = ratio * base["fbg_s"]
+    return {
+        "ideal_compact_fbg_s": ideal,
+        "excess_s": comp["fbg_s"] - ideal,
+        "terms_s": terms,
+        "layout_materialisation_s": comp["layout_s"] - base["layout_s"],
+        "op_seconds": {"baseline": b, "compact": c},
+        "method": "op-level fwd+bwd on each microbatch's real layout with random inputs; per_row_other = measured F+B "
+                  "minus the measured ops; terms sum to excess_s",
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from harts.bench.records import make_record, write_records
+    from harts.bench.steps import iter_steps
+    from harts.config import config_to_dict
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    model_config = load_model_config(args.model)
+    model = HybridModel(model_config).to(device)
+    model.init_weights(args.model_seed)
+    out = Path(args.out or f"reports/raw/speedup/{model_config.name}.json")
+    records = []
+    for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
+        config = {
+            "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
+            "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
+            "recompute": args.recompute, "repeats": args.repeats, "parallel": "single",
+            "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
+        }
+        print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...", file=sys.stderr)
+        try:
+            results = measure_step(args, model, step, device, dtype_name)
+            records.append(make_record("speedup", config, results))
+        except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            print(f"step {index}: failed: {message}", file=sys.stderr)
+            if os.environ.get("HARTS_DEBUG"):
+                traceback.print_exc()
+            records.append(make_record("speedup", config, error=message))
+        write_records(records, out)
+    print(format_table(records))
+    print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([headline(r) for r in records]))
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def headline(record: dict[str, Any]) -> dict[str, Any]:
+    keys = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedup", "core_speedup", "efficiency")
+    summary = {"step": record["config"].get("step"), "model": record["config"]["model"]}
+    if "error" in record:
+        return {**summary, **{k: None for k in keys}, "error": record["error"]}
+    return {**summary, **{k: record["results"][k] for k in keys}}
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| step | S | C | S/C | baseline F+B s | compact F+B s | F/B/Grad speedup | Core speedup | efficiency |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for record in records:
+        step = record["config"].get("step")
+        if "error" in record:
+            lines.append(f"| {step} | error: {record['error']} | | | | | | | |")
+            continue
+        r = record["results"]
+        lines.append(
+            f"| {step} | {r['semantic_tokens']:,} | {r['compact_tokens']:,} | {r['compression']:.2f} | "
+            f"{r['baseline']['fbg_s']:.2f} | {r['compact']['fbg_s']:.2f} | {r['fbg_speedup']:.2f}x | "
+            f"{r['core_speedup']:.2f}x | {r['efficiency']:.2f} |"
+        )
+    lines.append(
+        f"| paper | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | {PAPER['efficiency']:.2f} |"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""The steps a benchmark runs on: generated from a trees config, or read from a step path.
+
+`iter_steps(trees, seed, steps)` yields (step_index, Step, description) for `trees` being a
+`configs/trees/*.yaml` file (each requested step generated deterministically from the seed) or a
+step on disk (a .jsonl/.jsonl.gz/.npz file or a directory: one step, index 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def is_config(trees: str) -> bool:
+    return Path(trees).suffix in (".yaml", ".yml")
+
+
+def iter_steps(trees: str, seed: int, steps: list[int] | None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+    from harts.config import config_to_dict, load_config
+    from harts.trees.io import read_step
+    from harts.trees.synth import SynthConfig, generate_step
+
+    if is_config(trees):
+        synth = load_config(trees, SynthConfig)
+        indices = steps if steps is not None else [0]
+        beyond = [i for i in indices if i >= synth.num_steps]
+        if beyond:
+            raise ValueError(f"{trees}: step {beyond[0]} is beyond num_steps = {synth.num_steps}")
+        for index in indices:
+            yield index, generate_step(synth, seed, index), {
+                "trees": trees, "seed": seed, "step": index, "synth": config_to_dict(synth),
+            }
+    else:
+        if steps not in (None, [0]):
+            raise ValueError(f"{trees}: a step path holds one step; --steps applies to a trees config")
+        yield 0, read_step(trees), {"trees": trees, "step": 0}
