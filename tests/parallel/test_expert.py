@@ -1,0 +1,130 @@
+"""ParallelMoE on 2 gloo ranks against the plain MoE on the same rows in one process.
+
+Scenarios (the groups of a config): dp2-ep2 (each rank its own rows, experts split between the
+ranks), tp2 (replicated rows, expert and shared-expert columns split), tp2-sp (row shards,
+columns split), ep2 (row shards, experts split). With the loop and the grouped expert backends,
+random multiplicities and a non-zero expert bias, each rank checks in fp32: its output rows, the
+gradient of its input rows, the z- and load-balancing losses, the expert-bias counts (summed
+over shards) and, after summing partial gradients as `ParallelModel.reduce_gradients` does, every
+parameter gradient (cut ones against their slice of the full gradient).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harts.model.config import load_model_config
+from harts.model.moe import MoE
+from harts.parallel.comm import all_reduce_, pad_rows
+from harts.parallel.config import ParallelConfig, load_parallel_config
+from harts.parallel.expert import MoEParallelism, parallelize_moe
+from harts.parallel.groups import build_groups
+from harts.parallel.launch import launch
+from harts.parallel.tensor import Sharder
+
+SCENARIOS = ("dp2-ep2", "tp2", "tp2-sp", "ep2")
+BACKENDS = ("loop", "grouped")
+ROWS = 11
+QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "counts", "param_grads")
+
+
+def _plain_moe(backend: str) -> MoE:
+    torch.manual_seed(42)
+    moe = MoE(replace(load_model_config("tiny").moe, experts_backend=backend))
+    moe.expert_bias.copy_(torch.randn(moe.config.num_experts) * 0.05)
+    return moe
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, 64, generator=generator)
+    q = torch.randint(1, 4, (ROWS,), generator=generator).float()
+    upstream = torch.randn(ROWS, 64, generator=generator)
+    return x, q, upstream
+
+
+def _reference(moe: MoE, x, q, upstream):
+    x = x.clone().requires_grad_()
+    out, aux = moe(x, multiplicity_N=q)
+    ((out * upstream).sum() + aux.loss).backward()
+    return out.detach(), x.grad, aux
+
+
+def _error(actual, expected) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
+
+
+def _case(groups, backend: str) -> list[float]:
+    config = groups.config
+    me = dist.get_rank()
+    sp = config.sequence_parallel
+    full = _plain_moe(backend)
+    moe = _plain_moe(backend)
+    sharder = Sharder(moe)
+    partial = set(parallelize_moe(sharder, moe, MoEParallelism(tp_group=groups.tp, ep_group=groups.ep, sequence_parallel=sp),
+                                  tp_rank=groups.layout.tp_rank, ep_rank=groups.layout.ep_rank))
+    if config.dp > 1:
+        ranks = [_rows(seed) for seed in range(config.dp)]
+        references = [_reference(full, *rows) for rows in ranks]
+        x, q, upstream = ranks[me]
+        want_out, want_grad, want_aux = references[me]
+        rows = slice(None)
+    else:
+        x, q, upstream = _rows(0)
+        want_out, want_grad, want_aux = _reference(full, x, q, upstream)
+        rows = slice(None)
+        if sp:
+            shard = -(-ROWS // config.tp)
+            rows = slice(me * shard, (me + 1) * shard)
+            x, upstream = pad_rows(x, shard * config.tp)[rows], pad_rows(upstream, shard * config.tp)[rows]
+            want_out, want_grad = pad_rows(want_out, shard * config.tp)[rows], pad_rows(want_grad, shard * config.tp)[rows]
+    x = x.clone().requires_grad_()
+    out, aux = moe(x, multiplicity_N=q)
+    ((out * upstream).sum() + aux.loss).backward()
+    counts = aux.tokens_per_expert_E.clone()
+    if sp:
+        all_reduce_(counts, groups.tp)
+    want_counts = want_aux.tokens_per_expert_E
+    worst_param = 0.0
+    for name, parameter in moe.named_parameters():
+        grad = parameter.grad.clone()
+        if name in partial:
+            all_reduce_(grad, groups.tp)
+        if config.dp > 1 and name not in ("gate_up_proj", "down_proj"):
+            all_reduce_(grad, groups.dp)
+        expected = dict(full.named_parameters())[name].grad
+        spec = sharder.specs.get(name)
+        if spec is not None:
+            expected = expected.index_select(spec.dim, spec.index)
+        worst_param = max(worst_param, _error(grad, expected))
+    return [
+        _error(out.detach(), want_out), _error(x.grad, want_grad),
+        _error(aux.z_loss.detach(), want_aux.z_loss.detach()),
+        _error(aux.load_balancing_loss.detach(), want_aux.load_balancing_loss.detach()),
+        _error(counts, want_counts), worst_param,
+    ]
+
+
+def _all_cases(groups) -> dict[tuple[str, str], dict[str, float]]:
+    results = {}
+    for name in SCENARIOS:
+        scenario_groups = build_groups(load_parallel_config(name), groups.device)
+        for backend in BACKENDS:
+            errors = torch.tensor(_case(scenario_groups, backend), dtype=torch.float64)
+            all_reduce_(errors, dist.group.WORLD, op=dist.ReduceOp.MAX)
+            results[name, backend] = dict(zip(QUANTITIES, errors.tolist()))
+    return results
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return launch(_all_cases, ParallelConfig(name="two-ranks", dp=2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_parallel_moe_equals_plain(errors, scenario, backend):
+    report = errors[scenario, backend]
+    assert max(report.values()) <= 1e-5, report
