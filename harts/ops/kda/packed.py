@@ -2,15 +2,17 @@
 
 `packed_kda(q, k, v, g, beta, cu_seqlens)` runs rows [R, ...] holding whole sequences back to
 back, each from the zero state and chunked from its own first row — what a standard trainer
-does with varlen `chunk_kda`. Same backends as `compact_kda` (torch anywhere, fla on CUDA);
-tested through the model's equivalence tests against the compact execution.
+does. Backends: "torch" (`chunk_kda_torch`, any device) and "fla" (fla's own varlen
+`chunk_kda` with the L2 norm fused in the kernel: the strong baseline a user would run on GPU).
+Tested through the model's equivalence tests (torch) and the GPU tests (fla vs torch).
 """
 
 from __future__ import annotations
 
 import torch
 
-from harts.ops.kda.compact import _backend, l2norm
+from harts.ops.kda.chunk import chunk_kda_torch
+from harts.ops.kda.compact import l2norm
 
 
 def packed_kda(
@@ -19,9 +21,21 @@ def packed_kda(
     backend: str = "torch",
 ) -> torch.Tensor:
     """o [R, H, V] for q, k, g [R, H, K], v [R, H, V], beta [R, H] and cu_seqlens [N + 1]."""
+    if backend == "fla":
+        from fla.ops.kda import chunk_kda
+
+        if chunk_size != 64:
+            raise ValueError(f"packed_kda: fla's chunk_kda uses chunks of 64, got chunk_size {chunk_size}")
+        o, _ = chunk_kda(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long(),
+        )
+        return o[0]
+    if backend != "torch":
+        raise ValueError(f"packed_kda: unknown backend {backend!r} (expected 'torch' or 'fla')")
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    o, _, _ = _backend(backend)(
+    o, _, _ = chunk_kda_torch(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
         scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
     )

@@ -1,0 +1,142 @@
+"""`harts bench attention`: the MLA attention backends on real microbatch layouts.
+
+For a step (generated from a trees config or read), plans the compact microbatches (HARTS) and
+the baseline's (per-trajectory packing) at capacity T, builds their layouts, and times forward +
+backward of the group attention with each backend (`varlen`: ancestor-KV views through
+`varlen_attn`; `flex`: the DFS tree mask over the rows in place; `sdpa`: the CPU loop) on random
+bf16 (CUDA) or fp32 inputs of the model's MLA shapes. Each backend is first checked against the
+dense-mask reference on the first microbatch (a backend that disagrees is not timed). One record
+per (execution, backend) with median seconds, rows, KV rows and the tree mask's density.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("attention", help="time the MLA attention backends on real layouts")
+    parser.add_argument("--model", default="h200")
+    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
+    parser.add_argument("--step", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--microbatches", type=int, default=2, help="microbatches of each execution to time")
+    parser.add_argument("--backends", default="varlen,flex", help="comma-separated")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="reports/raw/attention/backends.json")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from harts.bench.records import make_record, write_records
+    from harts.bench.steps import iter_steps
+    from harts.model.config import load_model_config
+    from harts.ops.attention.groups import group_attention, naive_group_attention
+    from harts.planning.microbatch import plan
+    from harts.runtime.layout import baseline_layout, compact_layout
+    from harts.trees.trie import PrefixIndex
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mla = load_model_config(args.model).mla
+    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    backends = [b for b in args.backends.split(",") if b]
+    (_, step, meta), = iter_steps(args.trees, args.seed, [args.step])
+    index = PrefixIndex.from_step(step)
+    position = {t: k for k, t in enumerate(step.ids)}
+    layouts = {}
+    for execution, planner in (("baseline", "per-trajectory"), ("compact", "harts")):
+        result = plan(step, args.capacity, 1, planner=planner, index=index)
+        chosen = [mb for mb in result.microbatches if mb.trajectory_ids][: args.microbatches]
+        members = [np.asarray([position[t] for t in mb.trajectory_ids]) for mb in chosen]
+        build = (lambda m: compact_layout(step, index, m, conv_size=4, chunk_size=64)) if execution == "compact" \
+            else (lambda m: baseline_layout(step, m, conv_size=4, chunk_size=64))
+        layouts[execution] = [build(m) for m in members]
+
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(rows):
+        shapes = ((rows, mla.num_heads, qk_dim), (rows, mla.num_heads, qk_dim), (rows, mla.num_heads, mla.v_head_dim))
+        return [torch.randn(*s, generator=generator, device=device).to(dtype).requires_grad_() for s in shapes]
+
+    records = []
+    scale = qk_dim ** -0.5
+    for execution, items in layouts.items():
+        for backend in backends:
+            config = {"model": args.model, **meta, "capacity": args.capacity, "execution": execution,
+                      "backend": backend, "dtype": str(dtype), "repeats": args.repeats}
+            try:
+                error = check_backend(backend, device, dtype, mla)
+                if error > 2e-2:
+                    raise RuntimeError(f"{backend} disagrees with the dense reference: relative error {error:.3g}")
+                times, kv_rows, rows, density = [], 0, 0, []
+                for layout in items:
+                    groups = layout.groups.to(device)
+                    q, k, v = inputs(layout.num_rows)
+                    grad = torch.randn_like(v)
+
+                    def once():
+                        o = group_attention(q, k, v, groups, scale, backend)
+                        torch.autograd.grad(o, (q, k, v), grad)
+
+                    once()
+                    samples = []
+                    for _ in range(args.repeats):
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        once()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        samples.append(time.perf_counter() - start)
+                    times.append(statistics.median(samples))
+                    kv_rows += layout.groups.num_kv_rows
+                    rows += layout.num_rows
+                    ends = layout.groups.row_subtree_end.numpy()
+                    pairs = int((ends - np.arange(layout.num_rows)).sum())
+                    density.append(pairs / layout.num_rows ** 2)
+                results = {"check_relative_error": error, "seconds": sum(times), "per_microbatch_seconds": times, "rows": rows, "kv_rows": kv_rows,
+                           "tree_mask_density": float(np.mean(density))}
+                records.append(make_record("attention", config, results))
+                print(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms  rows {rows:,}  kv rows {kv_rows:,}", file=sys.stderr)
+            except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
+                message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                records.append(make_record("attention", config, error=message))
+                print(f"{execution:8} {backend:7} failed: {message}", file=sys.stderr)
+            write_records(records, Path(args.out))
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def check_backend(backend: str, device, dtype, mla) -> float:
+    """Relative error of `backend` against the dense-mask reference on the tiny synthetic tree."""
+    import numpy as np
+    import torch
+
+    from harts.config import load_config
+    from harts.ops.attention.groups import group_attention, naive_group_attention
+    from harts.runtime.layout import compact_layout
+    from harts.trees.synth import SynthConfig, generate_step
+    from harts.trees.trie import PrefixIndex
+
+    root = Path(__file__).resolve().parents[2]
+    step = generate_step(load_config(root / "configs/trees/tiny.yaml", SynthConfig), 0, 0)
+    layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
+    groups = layout.groups.to(device)
+    generator = torch.Generator(device=device).manual_seed(1)
+    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    q, k = (torch.randn(layout.num_rows, mla.num_heads, qk_dim, generator=generator, device=device) for _ in range(2))
+    v = torch.randn(layout.num_rows, mla.num_heads, mla.v_head_dim, generator=generator, device=device)
+    out = group_attention(q.to(dtype), k.to(dtype), v.to(dtype), groups, qk_dim ** -0.5, backend)
+    want = naive_group_attention(q.double(), k.double(), v.double(), groups, qk_dim ** -0.5)
+    return float((out.double() - want).norm() / want.norm())
