@@ -173,8 +173,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     try:
         if verify:
             candidates = [_step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)]
-            reference = replace(candidates[0], recompute=False)
-            result = launch(verify_on_rank, parallel, *common, candidates, reference, device=args.device)
+            result = launch(verify_on_rank, parallel, *common, candidates, device=args.device)
         else:
             result = launch(train_step_on_rank, parallel, *common, _step_config(args, args.execution),
                             device=args.device)

@@ -74,7 +74,8 @@ def replica_microbatches(num_microbatches: int, dp: int, dp_rank: int) -> list[i
     return list(range(dp_rank, num_microbatches, dp))
 
 
-def _check_microbatches(step: Step, microbatches: list[np.ndarray], dp: int) -> None:
+def check_microbatches(step: Step, microbatches: list[np.ndarray], dp: int) -> None:
+    """ValueError unless the microbatches partition the step and fill dp replicas (none empty)."""
     covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
     if not np.array_equal(covered, np.arange(step.num_trajectories)):
         raise ValueError("run_parallel_step: microbatches must cover every trajectory of the step exactly once")
@@ -101,7 +102,7 @@ def run_parallel_step(
     device = groups.device
     model = pmodel.model
     microbatches = [np.asarray(m, dtype=np.int64) for m in microbatches]
-    _check_microbatches(step, microbatches, parallel.dp)
+    check_microbatches(step, microbatches, parallel.dp)
     if config.execution == "compact" and index is None:
         index = PrefixIndex.from_step(step)
     targets = semantic_targets_from_step(step)

@@ -5,7 +5,7 @@ on every rank, cuts it with `parallelize`, runs `run_parallel_step` for each can
 config (e.g. both executions, ± recomputation) collecting λ, the final hidden states and the
 reduced gradients, reassembles the full gradients on rank 0 (`full_gradients`), then runs the
 reference on rank 0: `run_step` of the plain model in one process on the same microbatches
-(the baseline execution, without recomputation). For each candidate it reports, beside the
+(`reference_config`: the baseline execution with the candidate's loss, without recomputation). For each candidate it reports, beside the
 figures of harts.objective.verify:
 - max_abs_logprob_diff, loss_rel_diff, moe_loss_abs_diff;
 - grad_rel_diff: max over parameters of ‖g_parallel − g_reference‖ / ‖g_reference‖, on the
@@ -20,6 +20,8 @@ figures of harts.objective.verify:
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -109,9 +111,24 @@ def _logit_cosines(reference_hidden, candidate_hidden, weight: torch.Tensor, chu
     return np.concatenate(cosines)
 
 
+def reference_config(candidate: StepConfig) -> StepConfig:
+    """The single-process reference of a candidate: the baseline execution, same loss, no recomputation."""
+    return replace(candidate, execution="baseline", recompute=False, replay=True)
+
+
+def _reference(model_config: ModelConfig, seed: int, step: Step, microbatches, config: StepConfig,
+               index: PrefixIndex, device: torch.device):
+    model = HybridModel(model_config).to(device)
+    model.init_weights(seed)
+    result = run_step(model, step, microbatches, config, index=index, collect_logprobs=True)
+    grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
+    hidden = _final_hidden(model, step, microbatches, config, index)
+    return result, grads, hidden, model.lm_head.weight.detach().float().cpu()
+
+
 def verify_on_rank(
     groups: ParallelGroups, model_config: ModelConfig, seed: int, step: Step, microbatches: list[np.ndarray],
-    candidates: list[StepConfig], reference: StepConfig,
+    candidates: list[StepConfig],
 ) -> list[dict[str, float | int]] | None:
     """One report per candidate on global rank 0 (module docstring); None on other ranks."""
     pmodel = _parallel_model(groups, model_config, seed)
@@ -123,14 +140,14 @@ def verify_on_rank(
         runs.append((result, full_gradients(pmodel)))
     if dist.get_rank() != 0:
         return None
-    model = HybridModel(model_config).to(groups.device)
-    model.init_weights(seed)
-    ref = run_step(model, step, microbatches, reference, index=index, collect_logprobs=True)
-    ref_grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
-    ref_hidden = _final_hidden(model, step, microbatches, reference, index)
-    weight = model.lm_head.weight.detach().float().cpu()
+    references = {}
     reports = []
     for candidate, (result, (grads, replica_diff)) in zip(candidates, runs):
+        key = repr(reference_config(candidate))
+        if key not in references:
+            references[key] = _reference(model_config, seed, step, microbatches, reference_config(candidate), index,
+                                         groups.device)
+        ref, ref_grads, ref_hidden, weight = references[key]
         grad_rel = max(
             float((grads[name] - g).norm() / g.norm().clamp(min=1e-30)) for name, g in ref_grads.items()
         )
@@ -142,6 +159,7 @@ def verify_on_rank(
         reports.append({
             "execution": candidate.execution,
             "recompute": candidate.recompute,
+            "loss_function": candidate.loss,
             "semantic_tokens": step.num_semantic_tokens,
             "reference_rows": ref.num_rows,
             "candidate_rows": result.num_rows,

@@ -1,0 +1,112 @@
+"""Launching ranks: results come back from rank 0, failures are one line and never hang, and the CLI.
+
+`harts train-step/verify --parallel NAME` on the shipped tiny sample step: JSON from rank 0, bad
+configs as one-line errors (exit 2), a failing rank as one line (exit 1). Slow: `harts verify
+--parallel` meets the fidelity thresholds, and the same command under torchrun (no spawning,
+only rank 0 prints).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from harts.cli.main import main
+from harts.parallel.config import ParallelConfig, load_parallel_config
+from harts.parallel.launch import RankFailed, launch, resolve_backend
+
+STEP = "data/samples/tiny-step.jsonl.gz"
+TWO_RANKS = ParallelConfig(name="two-ranks", dp=2, timeout_s=120.0)
+
+
+def _raise_on_rank_one(groups):
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+    return "rank 0 must not get past the barrier"
+
+
+def _exit_on_rank_one(groups):
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_failing_rank_is_one_line_and_does_not_hang():
+    start = time.perf_counter()
+    with pytest.raises(RankFailed, match=r"^rank 1: ValueError: boom on purpose$"):
+        launch(_raise_on_rank_one, TWO_RANKS)
+    assert time.perf_counter() - start < TWO_RANKS.timeout_s
+
+
+@pytest.mark.slow
+def test_dead_rank_is_reported():
+    with pytest.raises(RankFailed, match=r"^rank 1: exited with code 3$"):
+        launch(_exit_on_rank_one, TWO_RANKS)
+
+
+def test_backend_resolution():
+    assert resolve_backend(load_parallel_config("dp2"), "cpu") == "gloo"
+    assert resolve_backend(load_parallel_config("dp2"), "cuda") == "nccl"
+    with pytest.raises(ValueError, match="backend nccl needs --device cuda"):
+        resolve_backend(ParallelConfig(name="x", dp=2, backend="nccl"), "cpu")
+
+
+def test_cli_train_step(capsys):
+    args = ["train-step", "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--json", "--parallel", "dp2"]
+    assert main([*args, "--execution", "compact"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["parallel"], out["world_size"], out["semantic_tokens"]) == ("dp2", 2, 2728)
+    assert out["microbatches"] % 2 == 0 and out["rows"] < 2728 and out["loss"] == pytest.approx(
+        out["policy_loss"] + out["moe_loss"])
+    assert set(out["seconds"]) == {"layout", "forward", "backward", "grad_reduce", "total"}
+
+
+def test_cli_errors(capsys, tmp_path):
+    common = ["--model", "tiny", "--trees", STEP, "--capacity", "1024"]
+    assert main(["verify", *common, "--parallel", "nope"]) == 2
+    assert "unknown parallel config 'nope'" in capsys.readouterr().err
+    config = tmp_path / "tp4.yaml"
+    config.write_text("name: tp4\ntp: 4\n")
+    assert main(["verify", *common, "--parallel", str(config)]) == 2
+    assert "kda.num_heads (2) not divisible by tp (4)" in capsys.readouterr().err
+    assert main(["train-step", *common, "--execution", "compact", "--parallel", "tp2",
+                 "--attention-backend", "bogus"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harts: error: rank ") and "unknown attention backend 'bogus'" in err[0]
+
+
+@pytest.mark.slow
+def test_cli_verify_meets_the_thresholds(capsys):
+    assert main(["verify", "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--on-policy", "--json",
+                 "--recompute", "--parallel", "tp2-sp"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compact_tokens"] == 1113
+    for execution in ("baseline", "compact"):
+        report = out[execution]
+        assert report["recompute"] is True
+        assert report["logit_cosine_min"] >= 0.99999 and report["loss_rel_diff"] <= 1e-6, report
+        assert report["grad_rel_diff"] <= 1e-4 and report["max_abs_logprob_diff"] <= 1e-5, report
+
+
+@pytest.mark.slow
+def test_torchrun_runs_ranks_in_place():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "harts", "train-step", "--model", "tiny", "--trees", STEP, "--capacity", "1024",
+               "--execution", "compact", "--json", "--parallel", "dp2-ep2"]
+    # A session of its own, so that a timeout also stops torchrun's workers.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert process.returncode == 0, stderr[-2000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["parallel"] == "dp2-ep2"
