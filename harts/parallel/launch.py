@@ -10,8 +10,10 @@ WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment), nothing is spawned: 
 is one rank, and `launch` returns rank 0's value on rank 0 and None elsewhere.
 
 Failures: an exception in any rank stops every rank (torch.multiprocessing terminates the
-others) and `launch` raises `RankFailed` with one line, "rank i: Type: message"; a collective
-waiting on a dead or diverged rank fails after the configured timeout instead of hanging.
+others) and `launch` raises `RankFailed` with one line, "rank i: Type: message", naming the
+rank that failed first (each failing rank records the time of its error: the peers of a crashed
+rank fail later, on the lost connection); a collective waiting on a dead or diverged rank
+fails after the configured timeout instead of hanging.
 On CPU each rank uses cpu_count // world_size intra-op threads, so ranks do not oversubscribe.
 """
 
@@ -21,6 +23,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,8 +52,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _record_error(error: BaseException, path: str) -> None:
+    """When and what: written before the process group is torn down (which makes the peers fail)."""
+    message = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
+    Path(path).write_text(f"{time.time()!r}\n{line}")
+
+
 def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, device_type: str,
-              fn: Callable, args: tuple) -> Any:
+              fn: Callable, args: tuple, error_path: str | None = None) -> Any:
     import torch
     import torch.distributed as dist
 
@@ -71,23 +81,40 @@ def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, 
     )
     try:
         return fn(build_groups(config, device), *args)
+    except BaseException as error:
+        if error_path is not None:
+            _record_error(error, error_path)
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, config: ParallelConfig, backend: str, device_type: str,
-                  fn: Callable, args: tuple, result_path: str) -> None:
+                  fn: Callable, args: tuple, directory: str) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    result = _run_rank(rank, world_size, config, backend, device_type, fn, args)
+    error_path = str(Path(directory, f"rank{rank}.error"))
+    try:
+        result = _run_rank(rank, world_size, config, backend, device_type, fn, args, error_path)
+    except BaseException as error:
+        if not Path(error_path).exists():
+            _record_error(error, error_path)
+        raise
     if rank == 0:
-        torch.save(result, result_path)
+        torch.save(result, Path(directory, "rank0.pt"))
 
 
-def _one_line(error: Exception, rank: int) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return f"rank {rank}: {lines[-1] if lines else type(error).__name__}"
+def _first_failure(directory: str) -> str | None:
+    """The earliest error of any rank: the cause (the others' are usually lost connections to it)."""
+    failures = []
+    for path in Path(directory).glob("rank*.error"):
+        stamp, line = path.read_text().split("\n", 1)
+        failures.append((float(stamp), int(path.stem.removeprefix("rank")), line))
+    if not failures:
+        return None
+    _, rank, line = min(failures)
+    return f"rank {rank}: {line}"
 
 
 def launched_by_torchrun() -> bool:
@@ -113,15 +140,15 @@ def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu"
         raise ValueError(
             f"parallel config {config.name!r} needs {world_size} GPUs, {torch.cuda.device_count()} are visible"
         )
-    with tempfile.TemporaryDirectory(prefix="harts-parallel-") as tmp:
-        result_path = str(Path(tmp) / "rank0.pt")
+    with tempfile.TemporaryDirectory(prefix="harts-parallel-") as directory:
         try:
             mp.start_processes(
-                _spawned_rank, args=(world_size, _free_port(), config, backend, device, fn, args, result_path),
+                _spawned_rank, args=(world_size, _free_port(), config, backend, device, fn, args, directory),
                 nprocs=world_size, join=True, start_method="spawn",
             )
-        except mp.ProcessRaisedException as error:
-            raise RankFailed(_one_line(error, error.error_index)) from None
+        except mp.ProcessRaisedException:
+            raise RankFailed(_first_failure(directory)) from None
         except mp.ProcessExitedException as error:
-            raise RankFailed(f"rank {error.error_index}: exited with code {error.exit_code}") from None
-        return torch.load(result_path, weights_only=False)
+            cause = _first_failure(directory) or f"rank {error.error_index}: exited with code {error.exit_code}"
+            raise RankFailed(cause) from None
+        return torch.load(Path(directory, "rank0.pt"), weights_only=False)

@@ -30,7 +30,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.objective.step import StepConfig, autocast_context, build_layout, microbatch_loss, semantic_index, step_normalizer
+from harts.objective.step import (
+    StepConfig,
+    autocast_context,
+    build_layout,
+    microbatch_loss,
+    semantic_index,
+    step_normalizer,
+)
 from harts.objective.targets import semantic_targets_from_step
 from harts.parallel.comm import all_reduce_
 from harts.parallel.model import ParallelModel
@@ -112,7 +119,9 @@ def run_parallel_step(
     seconds = dict.fromkeys(SECONDS, 0.0)
 
     start = time.perf_counter()
-    layouts = [pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine]
+    layouts = [
+        pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine
+    ]
     sem_indices = [semantic_index(step, microbatches[j]) for j in mine]
     seconds["layout"] = time.perf_counter() - start
 

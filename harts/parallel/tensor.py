@@ -125,7 +125,8 @@ def shard_mla(sharder: Sharder, layer: MLALayer, rank: int, size: int) -> list[s
         partial += [query[0].weight, query[1].weight]
         query = query[2]
     sharder.cut(query, "weight", 0, head_index(heads, layer.qk_head_dim, rank, size))
-    sharder.cut(layer.kv_b_proj, "weight", 0, head_index(heads, config.qk_nope_head_dim + config.v_head_dim, rank, size))
+    key_value_width = config.qk_nope_head_dim + config.v_head_dim
+    sharder.cut(layer.kv_b_proj, "weight", 0, head_index(heads, key_value_width, rank, size))
     sharder.cut(layer.o_proj, "weight", 1, head_index(heads, config.v_head_dim, rank, size))
     for linear in (query, layer.kv_b_proj, layer.o_proj):
         _set_linear_sizes(linear)

@@ -5,8 +5,8 @@ on every rank, cuts it with `parallelize`, runs `run_parallel_step` for each can
 config (e.g. both executions, ± recomputation) collecting λ, the final hidden states and the
 reduced gradients, reassembles the full gradients on rank 0 (`full_gradients`), then runs the
 reference on rank 0: `run_step` of the plain model in one process on the same microbatches
-(`reference_config`: the baseline execution with the candidate's loss, without recomputation). For each candidate it reports, beside the
-figures of harts.objective.verify:
+(`reference_config`: the baseline execution with the candidate's loss, without
+recomputation). For each candidate it reports, beside the figures of harts.objective.verify:
 - max_abs_logprob_diff, loss_rel_diff, moe_loss_abs_diff;
 - grad_rel_diff: max over parameters of ‖g_parallel − g_reference‖ / ‖g_reference‖, on the
   reassembled full gradients (after the TP/DP/expert-DP reduction);

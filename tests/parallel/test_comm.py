@@ -72,7 +72,9 @@ def _check_ops(groups) -> dict[str, float]:
         y = gather_rows(x, group, grad=grad)
         (y * _tensor(8, me, n * SHARD)).sum().backward()
         mine = slice(me * SHARD, (me + 1) * SHARD)
-        upstream = sum(_tensor(8, r, n * SHARD) for r in range(n)) if grad == "reduce_scatter" else _tensor(8, me, n * SHARD)
+        upstream = _tensor(8, me, n * SHARD)
+        if grad == "reduce_scatter":
+            upstream = sum(_tensor(8, r, n * SHARD) for r in range(n))
         errors[f"gather_rows/{grad}"] = max(_error(y, torch.cat([_tensor(7, r, SHARD) for r in range(n)])),
                                             _error(x.grad, upstream[mine]))
     errors["gather_rows_no_grad"] = _error(gather_rows_no_grad(_tensor(7, me, SHARD), group),

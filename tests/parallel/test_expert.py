@@ -63,8 +63,9 @@ def _case(groups, backend: str) -> list[float]:
     full = _plain_moe(backend)
     moe = _plain_moe(backend)
     sharder = Sharder(moe)
-    partial = set(parallelize_moe(sharder, moe, MoEParallelism(tp_group=groups.tp, ep_group=groups.ep, sequence_parallel=sp),
-                                  tp_rank=groups.layout.tp_rank, ep_rank=groups.layout.ep_rank))
+    parallelism = MoEParallelism(tp_group=groups.tp, ep_group=groups.ep, sequence_parallel=sp)
+    partial = set(parallelize_moe(sharder, moe, parallelism, tp_rank=groups.layout.tp_rank,
+                                  ep_rank=groups.layout.ep_rank))
     if config.dp > 1:
         ranks = [_rows(seed) for seed in range(config.dp)]
         references = [_reference(full, *rows) for rows in ranks]
@@ -79,7 +80,8 @@ def _case(groups, backend: str) -> list[float]:
             shard = -(-ROWS // config.tp)
             rows = slice(me * shard, (me + 1) * shard)
             x, upstream = pad_rows(x, shard * config.tp)[rows], pad_rows(upstream, shard * config.tp)[rows]
-            want_out, want_grad = pad_rows(want_out, shard * config.tp)[rows], pad_rows(want_grad, shard * config.tp)[rows]
+            want_out = pad_rows(want_out, shard * config.tp)[rows]
+            want_grad = pad_rows(want_grad, shard * config.tp)[rows]
     x = x.clone().requires_grad_()
     out, aux = moe(x, multiplicity_N=q)
     ((out * upstream).sum() + aux.loss).backward()

@@ -3,11 +3,11 @@
 One launch of 2 gloo ranks runs dp2, tp2, tp2-sp, pp2, ep2 and dp2-ep2 (groups for each built over
 the same world); a slow launch of 4 ranks runs the 4-rank combinations. For each configuration,
 execution (baseline, compact) and recomputation flag (not for dp2, whose blocks hold no
-collective), the parallel step on the tiny model in fp32 (a tree step with shared prefixes, 4 microbatches, off-policy GRPO with clipping active) is
-compared by `verify_on_rank` with `run_step` of the plain model in one process on the same
-microbatches: full-vocabulary logit cosine >= 0.99999, |Δloss| <= 1e-6 relative, |Δλ| <= 1e-5,
-MoE loss, expert-bias counts, every reassembled gradient <= 1e-4 relative, and all copies of a
-reduced gradient equal. dp2 and tp2-sp also run PPO with per-sequence aggregation and GRPO with a
+collective), the parallel step on the tiny model in fp32 (a tree step with shared prefixes,
+4 microbatches, off-policy GRPO with clipping active) is compared by `verify_on_rank` with
+`run_step` of the plain model in one process on the same microbatches: full-vocabulary logit
+cosine >= 0.99999, |Δloss| <= 1e-6 relative, |Δλ| <= 1e-5, MoE loss, expert-bias counts, every
+reassembled gradient <= 1e-4 relative, and all copies of a reduced gradient equal. dp2 and tp2-sp also run PPO with per-sequence aggregation and GRPO with a
 KL term (other normalisers and loss terms through the data-parallel sum and the SP gather).
 """
 
