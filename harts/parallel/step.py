@@ -76,6 +76,11 @@ class ParallelStepResult:
     """Per microbatch of the plan: (final hidden [R, D] fp32, semantic rows), on global rank 0 when collected."""
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def replica_microbatches(num_microbatches: int, dp: int, dp_rank: int) -> list[int]:
     """Indices (in the plan's (slot, replica) order) of the microbatches replica `dp_rank` runs."""
     return list(range(dp_rank, num_microbatches, dp))
@@ -123,6 +128,7 @@ def run_parallel_step(
         pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine
     ]
     sem_indices = [semantic_index(step, microbatches[j]) for j in mine]
+    _synchronize(device)
     seconds["layout"] = time.perf_counter() - start
 
     first, last = groups.is_first_stage, groups.is_last_stage
@@ -167,7 +173,8 @@ def run_parallel_step(
         if collect and last and owner:
             collected_logprobs.append((sem_indices[j], logprobs.detach().float().cpu()))
             collected_hidden.append((mine[j], out.detach().float().cpu(), layout.semantic_rows.cpu()))
-        stash[j] = (x_in, terms)
+        if backward:
+            stash[j] = (x_in, terms)
 
     def backward_step(j: int) -> None:
         x_in, terms = stash.pop(j)
@@ -189,12 +196,17 @@ def run_parallel_step(
         schedule = [(kind, j) for kind, j in schedule if kind == "F"]
     for kind, j in schedule:
         start = time.perf_counter()
-        forward(j) if kind == "F" else backward_step(j)
+        if kind == "F":
+            forward(j)
+        else:
+            backward_step(j)
+        _synchronize(device)
         seconds["forward" if kind == "F" else "backward"] += time.perf_counter() - start
     link.wait()
     if backward:
         start = time.perf_counter()
         pmodel.reduce_gradients()
+        _synchronize(device)
         seconds["grad_reduce"] = time.perf_counter() - start
     seconds["total"] = time.perf_counter() - started
     return _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, collected_logprobs,

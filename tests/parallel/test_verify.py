@@ -115,13 +115,15 @@ GPU_CONFIGS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2", "dp2-tp2-sp", "t
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_nccl_config_equals_single_process(name):
-    """The same comparison on GPUs over NCCL (fp32, torch KDA and SDPA attention: the CPU math)."""
+    """The same comparison on GPUs over NCCL, in fp32 with the CPU math (torch KDA, SDPA attention,
+    loop experts: grouped GEMMs need bf16)."""
     config = load_parallel_config(name)
     if not torch.cuda.is_available() or torch.cuda.device_count() < config.world_size:
         pytest.skip(f"needs {config.world_size} GPUs")
     step, microbatches = tree_step_and_microbatches()
+    model = load_model_config("tiny")
+    model = replace(model, moe=replace(model.moe, experts_backend="loop"))
     candidates = [replace(c, kda_backend="torch", attention_backend="sdpa") for c in EXECUTIONS]
-    reports = launch(verify_on_rank, config, load_model_config("tiny"), 0, step, microbatches, candidates,
-                     device="cuda")
+    reports = launch(verify_on_rank, config, model, 0, step, microbatches, candidates, device="cuda")
     for report in reports:
         _check(report)
