@@ -15,8 +15,13 @@ final norm, restricted to this rank's pipeline stage):
   gradients over TP are all-reduced over TP, then routed-expert parameters over the expert-
   data-parallel group and every other parameter over the DP group, by sums (the loss normaliser
   is step-level, so the sum over replicas is the single-process gradient).
+  Under SP the MoE needs explicit multiplicities to weight its shard (`prepare_layout`: the
+  baseline's q = None becomes all ones, which gives the same losses).
 `shard_specs` records how each cut parameter maps into the full one (`full_gradients` in
 harts.parallel.verify reassembles the whole model's gradients from them).
+Tested against the plain model in one process: with every degree 1 bitwise equal to `run_step`
+(tests/parallel/test_step.py), and every shipped configuration within the fidelity thresholds
+(tests/parallel/test_verify.py).
 """
 
 from __future__ import annotations
