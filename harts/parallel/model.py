@@ -10,13 +10,13 @@ final norm, restricted to this rank's pipeline stage):
 - TP/SP: tensor.py and expert.py. Under SP the residual stream between layers is this rank's
   shard of P = ⌈R/tp⌉ rows: the embedding output is padded to tp·P rows and scattered, the
   final norm's output gathered (backward: each rank keeps its rows' gradient, since the LM head
-  and the loss are replicated) and trimmed to the R rows of the layout.
+  and the loss are replicated) and trimmed to the R rows of the layout. The MoE needs explicit
+  multiplicities to weight its shard (`prepare_layout`: the baseline's q = None becomes all
+  ones, which gives the same losses).
 - Gradient synchronisation (`reduce_gradients`, once per step): parameters with partial
   gradients over TP are all-reduced over TP, then routed-expert parameters over the expert-
   data-parallel group and every other parameter over the DP group, by sums (the loss normaliser
   is step-level, so the sum over replicas is the single-process gradient).
-  Under SP the MoE needs explicit multiplicities to weight its shard (`prepare_layout`: the
-  baseline's q = None becomes all ones, which gives the same losses).
 `shard_specs` records how each cut parameter maps into the full one (`full_gradients` in
 harts.parallel.verify reassembles the whole model's gradients from them).
 Tested against the plain model in one process: with every degree 1 bitwise equal to `run_step`
