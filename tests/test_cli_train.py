@@ -11,15 +11,15 @@ def test_train_step_both_executions(capsys):
         assert main(["train-step", "--model", "tiny", "--trees", STEP, "--execution", execution,
                      "--capacity", "1024", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["semantic_tokens"] == 2728 and out["microbatches"] >= 1
+        assert out["semantic_tokens"] == 1971 and out["microbatches"] >= 1
         rows[execution] = out["rows"]
-    assert rows["compact"] < rows["baseline"] == 2728
+    assert rows["compact"] < rows["baseline"] == 1971
 
 
 def test_verify_json(capsys):
     assert main(["verify", "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--on-policy", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["semantic_tokens"] == 2728 and report["compact_tokens"] == 1113
+    assert report["semantic_tokens"] == 1971 and report["compact_tokens"] == 920
     assert report["max_abs_logprob_diff"] <= 1e-5 and report["grad_rel_diff"] <= 1e-4
     assert report["logit_cosine_min"] >= 0.99999
 

@@ -253,7 +253,7 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     configs = {
         name: StepConfig(
             execution=name, recompute=args.recompute, dtype=dtype_name,
-            attention_backend=args.attention_backend or ("flex" if cuda else "sdpa"),
+            attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
             kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
         )
         for name in ("baseline", "compact")

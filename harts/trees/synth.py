@@ -75,11 +75,16 @@ class SynthConfig:
     """Independent samples per task (forks right after the issue text)."""
     trajectory_tokens: Lengths
     """Target length of a sample; beyond max_tokens the sample continues after a compaction."""
-    fork_probability: float
-    """Chance of a side branch after each tool output."""
     continuation_tokens: Lengths
     """Length a side branch runs after its fork (times the calibrated scale)."""
     max_branches_per_task: int
+    """Trajectories per task at most (samples, side branches and compaction branches)."""
+    max_tree_tokens: int | None = None
+    """Compact tokens of a task's tree at most (prompt included); None = no budget."""
+    fork_position_skew: float = 1.0
+    """>= 1: side branches fork at boundary index ⌊n·u^(1/skew)⌋ of their parent (larger = later)."""
+    nested_fork_probability: float = 0.0
+    """Chance that a side branch forks off another side branch (nested retries) rather than a sample."""
     target_compression: float | None = None
     """Calibrate each step's S/C to this value (None: no calibration, scale 1)."""
     compression_tolerance: float = 0.05
@@ -93,8 +98,12 @@ class SynthConfig:
             raise ValueError("num_steps, num_tasks and samples_per_task must be >= 1")
         if self.vocab_size - self.first_token_reserved < 16:
             raise ValueError("vocab_size must leave at least 16 usable token ids")
-        if not 0 <= self.fork_probability <= 1:
-            raise ValueError("fork_probability must be in [0, 1]")
+        if not 0 <= self.nested_fork_probability <= 1:
+            raise ValueError("nested_fork_probability must be in [0, 1]")
+        if self.fork_position_skew < 1:
+            raise ValueError("fork_position_skew must be >= 1")
+        if self.max_tree_tokens is not None and self.max_tree_tokens < self.system_prompt_tokens + self.issue_tokens.max:
+            raise ValueError("max_tree_tokens must hold the system prompt and the longest issue")
         if self.max_branches_per_task < self.samples_per_task:
             raise ValueError("max_branches_per_task must be >= samples_per_task")
         prompt_max = self.system_prompt_tokens + self.issue_tokens.max
@@ -127,54 +136,90 @@ def _task_rng(seed: int, step: int, task: int, stream: int) -> np.random.Generat
     return np.random.default_rng([seed, step, task, stream])
 
 
+def _grow_branch(config: SynthConfig, branch: _Branch, rng: np.random.Generator, room: float) -> bool:
+    """Append turns to `branch` until its target, the capacity T or the tree budget `room` (own
+    tokens); returns whether the capacity cut it short (a context compaction follows)."""
+    cap = config.max_tokens
+    position = branch.fork
+    limit = min(cap, branch.fork + room)
+    if branch.turns:  # a compaction branch opens with its summary
+        position += branch.turns[0][1]
+    while True:
+        assistant = min(config.assistant_tokens.sample(rng), int(limit) - position)
+        branch.turns.append((ASSISTANT, assistant))
+        position += assistant
+        if position >= branch.target or position >= limit:
+            break
+        tool = config.tool_tokens.sample(rng)
+        if position + tool + config.assistant_tokens.min > limit:
+            break
+        branch.turns.append((TOOL, tool))
+        position += tool
+    branch.end = position
+    return position + config.assistant_tokens.min > cap and position < branch.target
+
+
+def _fork_points(branch: _Branch) -> list[int]:
+    """Path positions right after the branch's own tool outputs (where a turn can be resampled)."""
+    points, position = [], branch.fork
+    for kind, length in branch.turns:
+        position += length
+        if kind == TOOL:
+            points.append(position)
+    return points
+
+
 def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: float) -> _Task:
-    """The branch structure (lengths only) of one task."""
+    """The branch structure (lengths only) of one task.
+
+    Samples grow first (right after the task prompt); then side branches, each forking after a
+    tool output of an earlier branch (a sample, or with `nested_fork_probability` a side branch,
+    so forks nest), at a boundary drawn late-biased (index ⌊n·u^(1/skew)⌋), and running for a
+    short continuation. Growth stops at `max_branches_per_task` or when the tree's compact tokens
+    reach `max_tree_tokens`.
+    """
     rng = _task_rng(seed, step, task, 0)
     issue = config.issue_tokens.sample(rng)
     prompt = config.system_prompt_tokens + issue
-    cap = config.max_tokens
-    branches = [
-        _Branch(parent=-1, fork=prompt, depth=0, target=prompt + config.trajectory_tokens.sample(rng), turns=[])
-        for _ in range(config.samples_per_task)
-    ]
-    b = 0
-    while b < len(branches):
-        branch = branches[b]
-        branch_rng = _task_rng(seed, step, task, 1 + b)
-        position = branch.fork
-        if branch.parent == -1 and b >= config.samples_per_task:
-            summary = config.summary_tokens.sample(branch_rng)
-            branch.turns.append((SUMMARY, summary))
-            position += summary
-        compacted = False
-        while True:
-            assistant = min(config.assistant_tokens.sample(branch_rng), cap - position)
-            branch.turns.append((ASSISTANT, assistant))
-            position += assistant
-            if position >= branch.target:
-                break
-            tool = config.tool_tokens.sample(branch_rng)
-            if position + tool + config.assistant_tokens.min > cap:
-                compacted = True
-                break
-            branch.turns.append((TOOL, tool))
-            position += tool
-            wants_fork = branch_rng.random() < config.fork_probability
-            continuation = config.continuation_tokens.sample(branch_rng, scale)
-            if wants_fork and len(branches) < config.max_branches_per_task:
-                branches.append(_Branch(
-                    parent=b, fork=position, depth=branch.depth + 1,
-                    target=position + continuation, turns=[],
-                ))
-        branch.end = position
+    budget = config.max_tree_tokens if config.max_tree_tokens is not None else math.inf
+    used = prompt
+    branches: list[_Branch] = []
+
+    def add(branch: _Branch, stream: int) -> bool:
+        nonlocal used
+        room = budget - used - sum(length for _, length in branch.turns)
+        if room < config.assistant_tokens.min:
+            return False
+        compacted = _grow_branch(config, branch, _task_rng(seed, step, task, stream), room)
+        branches.append(branch)
+        used += branch.end - branch.fork
         if compacted and len(branches) < config.max_branches_per_task:
-            remaining = branch.target - position
-            if remaining > config.assistant_tokens.median:
-                branches.append(_Branch(
-                    parent=-1, fork=prompt, depth=0,
-                    target=prompt + config.summary_tokens.median + remaining, turns=[],
-                ))
-        b += 1
+            summary = config.summary_tokens.sample(rng)
+            remaining = branch.target - branch.end
+            add(_Branch(parent=-1, fork=prompt, depth=0, target=prompt + summary + remaining,
+                        turns=[(SUMMARY, summary)]), stream + 1000)
+        return True
+
+    for sample in range(config.samples_per_task):
+        add(_Branch(parent=-1, fork=prompt, depth=0, target=prompt + config.trajectory_tokens.sample(rng), turns=[]),
+            1 + sample)
+    attempt = 0
+    while len(branches) < config.max_branches_per_task and used < budget:
+        attempt += 1
+        side = [b for b, br in enumerate(branches) if br.depth > 0]
+        nested = side and rng.random() < config.nested_fork_probability
+        roots = [b for b, br in enumerate(branches) if br.depth == 0]
+        parent = int(rng.choice(side if nested else roots))
+        points = _fork_points(branches[parent])
+        continuation = config.continuation_tokens.sample(rng, scale)
+        if not points:
+            if attempt > 4 * config.max_branches_per_task:
+                break
+            continue
+        fork = points[int(len(points) * rng.random() ** (1.0 / config.fork_position_skew))]
+        branch = _Branch(parent=parent, fork=fork, depth=branches[parent].depth + 1, target=fork + continuation, turns=[])
+        if fork + config.assistant_tokens.min > config.max_tokens or not add(branch, 100 + attempt):
+            break
     return _Task(issue=issue, branches=branches)
 
 
@@ -211,11 +256,19 @@ def calibrate(config: SynthConfig, seed: int, step: int) -> tuple[float, list[_T
         else:
             hi = mid
     assert best is not None
+    if abs(best[0] - target) > config.compression_tolerance / 2:
+        # Compression is a step function of the scale (branches fit the budget or not): scan the
+        # neighbourhood of the bisection's best point on a fine grid.
+        for scale in best[1] * np.exp(np.linspace(-0.5, 0.5, 101)):
+            tasks = _structure(config, seed, step, float(scale))
+            ratio = _compression(config, tasks)
+            if abs(ratio - target) < abs(best[0] - target):
+                best = (ratio, float(scale), tasks)
     ratio, scale, tasks = best
     if abs(ratio - target) > config.compression_tolerance:
         raise ValueError(
             f"step {step}: cannot reach compression {target} (closest {ratio:.3f} at scale {scale:.3g}); "
-            "adjust fork_probability, continuation_tokens or samples_per_task"
+            "adjust max_tree_tokens, continuation_tokens, fork_position_skew or max_branches_per_task"
         )
     return scale, tasks
 
