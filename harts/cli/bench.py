@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-_COMMAND_MODULES: tuple[str, ...] = ("harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.kda_handoff", "harts.bench.speedup", "harts.bench.attention")
+_COMMAND_MODULES: tuple[str, ...] = ("harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.kda_handoff", "harts.bench.speedup", "harts.bench.attention", "harts.bench.fidelity")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,301 @@
+"""`harts bench fidelity`: replay ablation and logit fidelity (DESIGN §6).
+
+Fixed weights (seeded) and inputs (one step, or its first `--max-trees` task trees), forward in
+`--dtype` (bf16 by default). Four paths compute the final hidden state of every semantic position:
+- baseline: each trajectory its own sequence, packed to capacity (per-trajectory planner);
+- rerun: the same, with the trajectories packed in reverse order (same math, other packing and
+  kernel tiling): the noise floor;
+- replay: the compact execution (HARTS plan) with replay, as HARTS runs it;
+- no-replay: the compact execution where a side branch takes the state at its fork directly,
+  ignoring the chunk phase.
+
+(a) Replay ablation. Per position, against the baseline: the symmetric KL of the next-token
+distributions, KL(p‖q) + KL(q‖p) over the full vocabulary, and |ΔNLL| of the actual next token.
+Positions are binned by handoff depth: the number of state handoffs on the chain of sequences of
+the no-replay schedule that computed the position's row (0 = no handoff). Reported: the mean of
+each metric per depth and path, and how far replay and no-replay exceed the rerun noise
+(mean_path / mean_rerun - 1), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
+(b) Logit fidelity. Per-position cosine of the full-vocabulary logits of replay vs baseline,
+beside rerun vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the step loss and
+gradient of the compact vs the baseline execution with and without per-layer recomputation
+(|Δloss|, gradient cosine), both on the compact plan's microbatches (the MoE losses depend on a
+microbatch's rows, so the comparison keeps them equal).
+Logits are formed chunk by chunk from the stored hidden states (never S x V at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+PAPER = {
+    "symkl_excess_depth_4_5": (0.324, 0.361),
+    "abs_dnll_excess_depth_4_5": (0.170, 0.187),
+    "cosine_min": 0.9997,
+    "rerun_cosine": (0.99972, 0.99979),
+    "abs_dloss": 1e-8,
+}
+PATHS = ("rerun", "replay", "no-replay")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("fidelity", help="replay ablation and logit fidelity records")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
+    parser.add_argument("--step", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--max-trees", type=int, default=None, help="use the first N task trees of the step")
+    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--kda-backend", default=None)
+    parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
+    parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
+    parser.set_defaults(run=run)
+
+
+def _first_trees(step, max_trees: int | None):
+    import numpy as np
+
+    if max_trees is None:
+        return step
+    chosen, keep = [], []
+    for k, tree in enumerate(step.trees):
+        if tree not in chosen:
+            if len(chosen) == max_trees:
+                continue
+            chosen.append(tree)
+        keep.append(k)
+    return step.subset(np.asarray(keep))
+
+
+def _plan_members(step, capacity: int, planner: str, index=None):
+    import numpy as np
+
+    from harts.planning.microbatch import plan
+
+    position = {t: k for k, t in enumerate(step.ids)}
+    result = plan(step, capacity, 1, planner=planner, index=index)
+    return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
+            if mb.trajectory_ids]
+
+
+def path_hidden(model, step, microbatches, config, index, device, dtype):
+    """Final hidden states [S, D] of every semantic position (batch order), and the row depth."""
+    import torch
+
+    from harts.objective.step import autocast_context, build_layout, semantic_index
+
+    hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
+    depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
+    with torch.no_grad():
+        for members in microbatches:
+            layout = build_layout(step, members, model, config, index).to(device)
+            with autocast_context(device, config):
+                h, _ = model(layout.input_ids, layout)
+            sem = torch.from_numpy(semantic_index(step, members))
+            hidden[sem.to(device)] = h[layout.semantic_rows].to(dtype)
+            if layout.kda_schedule is not None:
+                depth[sem] = torch.from_numpy(row_handoff_depth(layout.kda_schedule))[layout.semantic_rows.cpu()]
+    return hidden, depth
+
+
+def row_handoff_depth(schedule):
+    """int64 [C]: handoff depth of the sequence that computed each compact row."""
+    import numpy as np
+
+    depth = np.zeros(schedule.num_compact_tokens, dtype=np.int64)
+    for call in schedule.calls:
+        per_row = np.repeat(call.handoff_depth, np.diff(call.cu_seqlens))
+        computed = ~call.is_replay
+        depth[call.rows[computed]] = per_row[computed]
+    return depth
+
+
+def compare(weight, reference, candidate, targets, has_target, chunk: int = 4096) -> dict[str, Any]:
+    """Per-position SymKL, |ΔNLL| and logit cosine of candidate vs reference hidden states."""
+    import torch
+
+    with torch.no_grad():
+        return _compare(weight, reference, candidate, targets, has_target, chunk)
+
+
+def _compare(weight, reference, candidate, targets, has_target, chunk):
+    import torch
+
+    symkl, dnll, cosine = [], [], []
+    w = weight.float()
+    for lo in range(0, reference.shape[0], chunk):
+        a = reference[lo : lo + chunk].float() @ w.T
+        b = candidate[lo : lo + chunk].float() @ w.T
+        la, lb = a.log_softmax(-1), b.log_softmax(-1)
+        pa, pb = la.exp(), lb.exp()
+        symkl.append(((pa - pb) * (la - lb)).sum(-1).double().cpu())
+        y = targets[lo : lo + chunk]
+        dnll.append((la.gather(1, y[:, None]) - lb.gather(1, y[:, None]))[:, 0].abs().double().cpu())
+        cosine.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).cpu())
+    result = {"symkl": torch.cat(symkl), "abs_dnll": torch.cat(dnll), "cosine": torch.cat(cosine)}
+    result["abs_dnll"] = torch.where(has_target, result["abs_dnll"], torch.nan)
+    return result
+
+
+def ablation_table(per_path: dict[str, dict], depth, has_target) -> dict[str, Any]:
+    import torch
+
+    table: dict[str, Any] = {}
+    for d in sorted(set(depth.tolist())):
+        sel = depth == d
+        row = {"positions": int(sel.sum())}
+        for path, metrics in per_path.items():
+            row[path] = {
+                "symkl": float(metrics["symkl"][sel].mean()),
+                "abs_dnll": float(torch.nanmean(metrics["abs_dnll"][sel & has_target])) if (sel & has_target).any() else None,
+            }
+        for path in ("replay", "no-replay"):
+            for metric in ("symkl", "abs_dnll"):
+                noise = row["rerun"][metric]
+                value = row[path][metric]
+                row[path][f"{metric}_excess_over_rerun"] = (
+                    value / noise - 1.0 if noise and value is not None else None
+                )
+        table[str(d)] = row
+    return table
+
+
+def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, Any]:
+    import torch
+
+    from harts.objective.step import run_step
+
+    rows = {}
+    for recompute in (False, True):
+        losses, grads = {}, {}
+        for name in ("baseline", "compact"):
+            model.zero_grad(set_to_none=True)
+            config = replace(configs[name], recompute=recompute)
+            result = run_step(model, step, microbatches[name], config, index=index)
+            losses[name] = result.loss
+            grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        rows["recompute" if recompute else "no-recompute"] = {
+            "loss_baseline": losses["baseline"], "loss_compact": losses["compact"],
+            "abs_dloss": abs(losses["compact"] - losses["baseline"]),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(
+                grads["baseline"].double(), grads["compact"].double(), dim=0)),
+        }
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from harts.bench.records import make_record, write_records
+    from harts.bench.steps import iter_steps
+    from harts.config import config_to_dict
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig
+    from harts.objective.targets import semantic_targets_from_step
+    from harts.trees.trie import PrefixIndex
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    model_config = load_model_config(args.model)
+    model = HybridModel(model_config).to(device)
+    model.init_weights(args.model_seed)
+    store_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cuda = device.type == "cuda"
+    (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
+    step = _first_trees(full_step, args.max_trees)
+    config = {"model": model_config.name, "model_config": config_to_dict(model_config), **meta,
+              "max_trees": args.max_trees, "capacity": args.capacity, "device": args.device, "dtype": args.dtype}
+    out = Path(args.out or f"reports/raw/fidelity/{model_config.name}.json")
+    try:
+        common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
+                      kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
+        configs = {
+            "baseline": StepConfig(execution="baseline", **common),
+            "replay": StepConfig(execution="compact", **common),
+            "no-replay": StepConfig(execution="compact", replay=False, **common),
+        }
+        index = PrefixIndex.from_step(step)
+        base_mbs = _plan_members(step, args.capacity, "per-trajectory")
+        compact_mbs = _plan_members(step, args.capacity, "harts", index)
+        import numpy as np
+
+        reverse = np.arange(step.num_trajectories)[::-1].copy()
+        rerun_step = step.subset(reverse)
+        print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
+        hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype)[0]}
+        rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
+                                      configs["baseline"], None, device, store_dtype)
+        # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
+        back = torch.from_numpy(np.concatenate([
+            np.arange(rerun_step.offsets[j], rerun_step.offsets[j + 1]) for j in np.argsort(reverse)
+        ])).to(device)
+        hidden["rerun"] = rerun_hidden[back]
+        hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype)
+        hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
+                                                 store_dtype)
+        targets = semantic_targets_from_step(step)
+        next_token = torch.from_numpy(targets.targets).to(device)
+        has_target = torch.ones(step.num_semantic_tokens, dtype=torch.bool)
+        has_target[torch.from_numpy(step.offsets[1:] - 1)] = False
+        per_path = {path: compare(model.lm_head.weight, hidden["baseline"], hidden[path], next_token, has_target)
+                    for path in PATHS}
+        cosine = {path: {"min": float(m["cosine"].min()), "mean": float(m["cosine"].mean()),
+                         "p001": float(m["cosine"].quantile(0.001))} for path, m in per_path.items()}
+        results: dict[str, Any] = {
+            "semantic_tokens": step.num_semantic_tokens,
+            "trajectories": step.num_trajectories,
+            "ablation": ablation_table(per_path, depth, has_target),
+            "logit_cosine": cosine,
+            "paper": PAPER,
+        }
+        if not args.no_gradients:
+            # The same microbatches for both executions: MoE losses depend on the microbatch's rows.
+            results["loss_and_gradients"] = gradient_comparison(
+                model, step, {"baseline": compact_mbs, "compact": compact_mbs},
+                {"baseline": configs["baseline"], "compact": configs["replay"]}, index)
+        records = [make_record("fidelity", config, results)]
+    except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
+        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        records = [make_record("fidelity", config, error=message)]
+    write_records(records, out)
+    print(format_fidelity(records[0]))
+    return 0 if "error" not in records[0] else 1
+
+
+def format_fidelity(record: dict[str, Any]) -> str:
+    if "error" in record:
+        return f"fidelity: error: {record['error']}"
+    r = record["results"]
+    lines = ["| handoff depth | positions | rerun SymKL | replay SymKL (excess) | no-replay SymKL (excess) | "
+             "rerun abs dNLL | replay abs dNLL (excess) | no-replay abs dNLL (excess) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(row, path, metric):
+        value = row[path][metric]
+        if value is None:
+            return "n/a"
+        excess = row[path].get(f"{metric}_excess_over_rerun")
+        return f"{value:.3g}" + (f" ({excess:+.1%})" if excess is not None else "")
+
+    for depth, row in r["ablation"].items():
+        lines.append(f"| {depth} | {row['positions']:,} | {cell(row, 'rerun', 'symkl')} | {cell(row, 'replay', 'symkl')} | "
+                     f"{cell(row, 'no-replay', 'symkl')} | {cell(row, 'rerun', 'abs_dnll')} | "
+                     f"{cell(row, 'replay', 'abs_dnll')} | {cell(row, 'no-replay', 'abs_dnll')} |")
+    cos = r["logit_cosine"]
+    lines.append("")
+    lines.append(f"logit cosine vs baseline: replay min {cos['replay']['min']:.6f} mean {cos['replay']['mean']:.6f}; "
+                 f"rerun min {cos['rerun']['min']:.6f} mean {cos['rerun']['mean']:.6f}; "
+                 f"no-replay min {cos['no-replay']['min']:.6f}")
+    for setting, row in r.get("loss_and_gradients", {}).items():
+        lines.append(f"{setting}: |dloss| {row['abs_dloss']:.3g}, gradient cosine {row['grad_cosine']:.6f}")
+    return "\n".join(lines)
