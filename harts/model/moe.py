@@ -321,8 +321,13 @@ class MoE(nn.Module):
                 f"got {c.hidden_size} and {c.expert_hidden_size}"
             )
         ends = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
-        gate, up = torch._grouped_mm(x_RD, self.gate_up_proj, offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj, offs=ends)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if x_RD.is_cuda and torch.is_autocast_enabled("cuda"):
+            # _grouped_mm is not an autocast op: apply the autocast dtype (bf16 on sm90) by hand.
+            dtype = torch.get_autocast_dtype("cuda")
+            x_RD, gate_up, down = x_RD.to(dtype), gate_up.to(dtype), down.to(dtype)
+        gate, up = torch._grouped_mm(x_RD, gate_up, offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)
 
     def combine(
         self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int

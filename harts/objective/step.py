@@ -116,8 +116,12 @@ def microbatch_loss(
     with autocast_context(device, config):
         hidden, auxes = model(layout.input_ids, layout, recompute=config.recompute)
     sem = torch.from_numpy(sem_index).to(device)
+    weight = model.lm_head.weight
+    if DTYPES[config.dtype] is not None:
+        # The LM head in the training dtype like every other matmul (log-probs stay fp32).
+        hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
     logprobs = compact_logprobs(
-        hidden, model.lm_head.weight, layout.semantic_rows, torch.from_numpy(targets.targets).to(device)[sem],
+        hidden, weight, layout.semantic_rows, torch.from_numpy(targets.targets).to(device)[sem],
         chunk_rows=config.logprob_chunk_rows,
     )
 
