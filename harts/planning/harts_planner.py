@@ -43,7 +43,11 @@ Refinement (tiers 2 and 3), each change accepted only when it lowers the objecti
   count), largest first onto the least-loaded;
 - balance: moves of trajectories that do not raise W and moves or swaps of whole clusters out
   of each slot's heaviest microbatch whenever the (W, critical path, largest replica) key drops.
-The refined plan replaces the DP plan only if its objective is no worse.
+The refined plan replaces the DP plan only if its objective is no worse. When the DP's W already
+equals the lower bound of `harts.planning.bounds.plan_bounds` (no plan of any shape has less W),
+the W-lowering stages cannot change anything and are skipped: only balancing runs (the result is
+the same as the full refinement's; tested). `details["work_gap_to_bound"]` reports the final W
+minus that bound (0: W proven optimal).
 
 Replicas: the greedy assignment of `greedy_assignment` (sort by work, D per slot, heaviest to the
 least-loaded replica).
@@ -58,6 +62,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from harts.planning.bounds import plan_bounds
 from harts.planning.microbatch import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork, no_plan_error, pad_to_dp, split_to_multiple
 from harts.trees.step import Step
@@ -86,6 +91,8 @@ class HartsConfig:
     """Microbatches with more members are not candidates for elimination."""
     max_balance_moves: int = 2000
     """Upper bound on accepted balancing changes."""
+    stop_at_bound: bool = True
+    """Skip the W-lowering refinement when the DP's W equals the plan lower bound (only balancing runs)."""
 
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
@@ -113,9 +120,12 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
         bins = cut_point_dp(rw, capacity, dp, band=band)
         details["tier"] = "dp" if band is None else "restricted-dp"
         details["dp_compact_tokens"] = sum(rw.trie(b) for b in bins)
-        if config.refine and rw.num >= dp:
-            bins = refine(rw, bins, capacity, dp, config)
+    bound = plan_bounds(rw, capacity, dp).compact_tokens
+    if details["tier"] != "exact" and config.refine and rw.num >= dp:
+        optimal = config.stop_at_bound and details["dp_compact_tokens"] == bound
+        bins = refine(rw, bins, capacity, dp, config, work_optimal=optimal)
     works = np.asarray([rw.trie(b) for b in bins], dtype=np.int64)
+    details["work_gap_to_bound"] = int(works.sum()) - bound
     groups = [rw.order[np.asarray(b, dtype=np.int64)] for b in bins]
     return build_plan(step, groups, works, planner="harts", capacity=capacity, dp=dp,
                       started=started, details=details)
@@ -298,10 +308,25 @@ class _State:
                 self.bin_of[members] = k
 
 
-def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: HartsConfig) -> list[list[int]]:
-    """Moves, swaps and eliminations that lower W, K mod D repair, balancing; never worse than `bins`."""
+def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: HartsConfig, *,
+           work_optimal: bool = False) -> list[list[int]]:
+    """Moves, swaps and eliminations that lower W, K mod D repair, balancing; never worse than `bins`.
+
+    `work_optimal`: the W of `bins` is proven minimal, so only balancing runs.
+    """
     original = _key(rw, bins, dp)
     state = _State(rw, bins, capacity)
+    if not work_optimal:
+        state = _lower_work(state, config, dp)
+    _balance(state, dp, config)
+    refined = state.nonempty()
+    assert len(refined) % dp == 0
+    return refined if _key(rw, refined, dp) <= original else [list(b) for b in bins]
+
+
+def _lower_work(state: _State, config: HartsConfig, dp: int) -> _State:
+    """Drift (K free) and descend (K fixed) alternately while W drops; K ≡ 0 mod D on return."""
+    rw, capacity = state.rw, state.capacity
     options = [(state.total(), state.nonempty())]
     _drift(state, config, dp, options)
     state = _State(rw, min(options, key=lambda item: item[0])[1], capacity)
@@ -314,10 +339,7 @@ def refine(rw: RankWork, bins: list[list[int]], capacity: int, dp: int, config: 
         if best[0] >= state.total():
             break
         state = _State(rw, best[1], capacity)
-    _balance(state, dp, config)
-    refined = state.nonempty()
-    assert len(refined) % dp == 0
-    return refined if _key(rw, refined, dp) <= original else [list(b) for b in bins]
+    return state
 
 
 def _drift(state: _State, config: HartsConfig, dp: int, options: list[tuple[int, list[list[int]]]]) -> None:

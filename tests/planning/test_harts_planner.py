@@ -118,8 +118,37 @@ def test_refinement_never_worsens_and_sometimes_helps():
         refined = plan(step, capacity, dp, "harts", index=index)
         validate(refined, step, index)
         assert plan_key(refined) <= plan_key(plain), f"seed {seed}"
+        assert refined.details["work_gap_to_bound"] >= 0
         improved += plan_key(refined) < plan_key(plain)
     assert improved >= 5
+
+
+def _tree_sized(seed: int):
+    """The paper's shape: trees under a shared prefix, T just above the largest tree's trie."""
+    rng = np.random.default_rng([42, seed])
+    step = rollout_step(rng, num_tasks=6, branches=(3, 8), shared=40, prompt=(5, 20), continuation=(20, 60))
+    index = PrefixIndex.from_step(step)
+    trees: dict[str, list[int]] = {}
+    for trajectory, tree in enumerate(step.trees):
+        trees.setdefault(tree, []).append(trajectory)
+    largest = max(index.segment_tree(np.asarray(m)).num_compact_tokens for m in trees.values())
+    return step, index, largest + int(rng.integers(0, 10)), int(rng.choice([2, 4]))
+
+
+def test_stopping_at_the_bound_gives_the_full_refinement():
+    """When the DP's W equals the lower bound, skipping the W-lowering stages changes no plan."""
+    stopped = 0
+    for seed in range(12):
+        step, index, capacity, dp = _tree_sized(seed)
+        fast = plan(step, capacity, dp, "harts", index=index)
+        full = plan(step, capacity, dp, "harts", index=index, stop_at_bound=False)
+        validate(fast, step, index)
+        assert fast.details["work_gap_to_bound"] >= 0
+        stopped += fast.details["dp_compact_tokens"] == fast.compact_tokens - fast.details["work_gap_to_bound"]
+        first, second = fast.to_dict(), full.to_dict()
+        first.pop("plan_seconds"), second.pop("plan_seconds")
+        assert first == second, f"seed {seed}"
+    assert stopped >= 6
 
 
 def _stage_inputs(seed: int):
