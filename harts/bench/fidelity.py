@@ -18,8 +18,9 @@ each metric per depth and path, and how far replay and no-replay exceed the reru
 (b) Logit fidelity. Per-position cosine of the full-vocabulary logits of replay vs baseline,
 beside rerun vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the step loss and
 gradient of the compact vs the baseline execution with and without per-layer recomputation
-(|Δloss|, gradient cosine), both on the compact plan's microbatches (the MoE losses depend on a
-microbatch's rows, so the comparison keeps them equal).
+(|Δloss|, gradient cosine), both on the same microbatches (the MoE losses depend on a
+microbatch's rows), planned by HARTS at the longest trajectory's length so that the baseline's
+rows stay near one trajectory.
 Logits are formed chunk by chunk from the stored hidden states (never S x V at once).
 """
 
@@ -259,9 +260,11 @@ def run(args: argparse.Namespace) -> int:
             "paper": PAPER,
         }
         if not args.no_gradients:
-            # The same microbatches for both executions: MoE losses depend on the microbatch's rows.
+            # The same microbatches for both executions (MoE losses depend on a microbatch's rows),
+            # planned at the longest trajectory's length so the baseline's rows stay near T.
+            grad_mbs = _plan_members(step, int(step.lengths.max()), "harts", index)
             results["loss_and_gradients"] = gradient_comparison(
-                model, step, {"baseline": compact_mbs, "compact": compact_mbs},
+                model, step, {"baseline": grad_mbs, "compact": grad_mbs},
                 {"baseline": configs["baseline"], "compact": configs["replay"]}, index)
         records = [make_record("fidelity", config, results)]
     except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
