@@ -10,8 +10,9 @@ and take medians. One record per step (config, environment, hardware) with:
 - per execution: forward, backward, gradient reduction (0 in one process), planning (the
   microbatch planner plus layout building, which includes the KDA call planning), peak memory;
 - fbg_speedup = baseline (F + B + G) / compact (F + B + G); core_speedup = the same with planning
-  added to both sides; compression = S / C; efficiency = fbg_speedup / compression;
-- breakdown of the compact time beyond the ideal (C / S) × baseline into terms, from op-level
+  added to both sides; compression = S / C; efficiency = fbg_speedup / compression
+  (`speedup_metrics`);
+- breakdown of the compact time beyond the ideal (C / S) × baseline into terms (`breakdown_terms`), from op-level
   measurements on each microbatch's real layout with random inputs of the model's shapes:
   replay (one call over the calls' rows with vs without the replay rows), boundary-state handoff
   and call launches (the planned calls vs one call over the same rows), other KDA (shorter
@@ -21,6 +22,25 @@ and take medians. One record per step (config, environment, hardware) with:
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
   over the measured time and the bf16 dense peak).
 A case that fails (an error, out of memory) is a record with an `error` field, never a gap.
+
+`--parallel NAME` (configs/parallel/NAME.yaml) runs both executions on the ranks of a parallel
+configuration (harts.parallel.launch: gloo on CPU, NCCL on CUDA), each planned for dp = the
+config's DP degree (K mod D = 0), with `run_parallel_step` on every rank (warm-up on the plan's
+first slot, then `--repeats` interleaved steps). Per execution and repeat, each rank's own
+seconds are kept (`samples`, one entry per rank); the record's figures are medians over repeats of:
+- forward_s, backward_s, layout_s: the maximum over ranks of each phase;
+- grad_reduction_s: the gradient reduction alone (TP partial sums, DP and expert-DP all-reduces,
+  once per step), timed again after a barrier so that no rank's wait for a slower one is counted,
+  maximum over ranks;
+- fbg_s: the step's critical path, the maximum over ranks of the rank's forward + backward +
+  in-step gradient reduction (which, on a rank that finished early, includes its wait for the
+  slowest replica or stage: imbalance is part of the step's time);
+- planning_s: the planner's time plus layout_s (each rank builds its own microbatches' layouts);
+- peak_memory_bytes: the maximum over ranks.
+The op-level breakdown is single-process only (it subtracts single-device op times from the
+measured F + B; under --parallel the remainder would mix in communication and pipeline waits):
+the record says so in `breakdown_skipped`. The baseline's MFU (on CUDA) divides by world size ×
+peak.
 """
 
 from __future__ import annotations
@@ -58,6 +78,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
+    parser.add_argument("--parallel", default=None, metavar="NAME",
+                        help="configs/parallel NAME or a YAML path: run both executions on its ranks (spawned here)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     parser.set_defaults(run=run)
@@ -229,6 +251,13 @@ def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) 
     return 3.0 * (per_token * semantic_tokens + attention)
 
 
+EXECUTIONS = ("baseline", "compact")
+PARALLEL_BREAKDOWN_SKIPPED = (
+    "--parallel: the op-level breakdown is single-process only (it subtracts single-device op times from the "
+    "measured F+B, which under --parallel also holds communication and pipeline waits)"
+)
+
+
 def _microbatches(step, plan) -> list:
     import numpy as np
 
@@ -236,29 +265,92 @@ def _microbatches(step, plan) -> list:
     return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in plan.microbatches]
 
 
-def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
-    import numpy as np
-    import torch
+def _step_configs(args, dtype_name: str) -> dict:
+    from harts.objective.step import StepConfig
 
-    from harts.objective.step import DTYPES, StepConfig, build_layout, run_step
+    cuda = args.device == "cuda"
+    return {
+        name: StepConfig(
+            execution=name, recompute=args.recompute, dtype=dtype_name,
+            attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
+            kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+        )
+        for name in EXECUTIONS
+    }
+
+
+def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tokens: int,
+                    compact_tokens: int) -> dict[str, float]:
+    """compression S / C, F/B/Grad and Core speedups and efficiency from the executions' fbg_s and planning_s."""
+    compression = semantic_tokens / compact_tokens
+    fbg_speedup = base["fbg_s"] / comp["fbg_s"]
+    core_speedup = (base["fbg_s"] + base["planning_s"]) / (comp["fbg_s"] + comp["planning_s"])
+    return {"compression": compression, "fbg_speedup": fbg_speedup, "core_speedup": core_speedup,
+            "efficiency": fbg_speedup / compression}
+
+
+def execution_times(samples: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Medians over repeats of one execution's phases; `samples[repeat][rank]` holds the rank's own seconds
+    (layout, forward, backward, grad_reduce in the step, grad_reduction_alone after a barrier)."""
+    per_repeat = [
+        {
+            "forward_s": max(r["forward"] for r in ranks),
+            "backward_s": max(r["backward"] for r in ranks),
+            "grad_reduction_s": max(r["grad_reduction_alone"] for r in ranks),
+            "layout_s": max(r["layout"] for r in ranks),
+            "fbg_s": max(r["forward"] + r["backward"] + r["grad_reduce"] for r in ranks),
+        }
+        for ranks in samples
+    ]
+    return {key: statistics.median(p[key] for p in per_repeat) for key in per_repeat[0]}
+
+
+def _execution(samples, plan_seconds: float, peak: int, infos: list[dict], microbatches) -> dict[str, Any]:
+    times = execution_times(samples)
+    return {
+        **times, "planning_s": plan_seconds + times["layout_s"], "peak_memory_bytes": int(peak),
+        "microbatches": len([m for m in microbatches if len(m)]),
+        "rows": int(sum(i["rows"] for i in infos)),
+        "attention_kv_rows": int(sum(i["attention_kv_rows"] for i in infos)),
+        "kda_calls": [i["kda_calls"] for i in infos],
+        "samples": samples,
+    }
+
+
+def _results(step, index, executions, compact_infos) -> dict[str, Any]:
+    base, comp = executions["baseline"], executions["compact"]
+    return {
+        "semantic_tokens": step.num_semantic_tokens,
+        "compact_tokens": comp["rows"],
+        "lower_bound_compact_tokens": index.segment_tree().num_compact_tokens,
+        "replay_rows": int(sum(i["replay_rows"] for i in compact_infos)),
+        **speedup_metrics(base, comp, step.num_semantic_tokens, comp["rows"]),
+        "baseline": base,
+        "compact": comp,
+    }
+
+
+def _mfu(model_config, step, base, num_devices: int) -> dict[str, float]:
+    pairs = int(sum(int(n) * (int(n) + 1) // 2 for n in step.lengths))
+    flops = estimate_model_flops(model_config, step.num_semantic_tokens, pairs)
+    return {"baseline_model_flops": flops,
+            "baseline_mfu": flops / base["fbg_s"] / (num_devices * H200_BF16_PEAK_FLOPS)}
+
+
+def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
+    from harts.objective.step import DTYPES, run_step
     from harts.planning.microbatch import plan
+    from harts.trees.io import check_vocabulary
     from harts.trees.trie import PrefixIndex
 
+    check_vocabulary(step, model.config.vocab_size)
     plans = {
         "baseline": plan(step, args.capacity, 1, planner="per-trajectory"),
         "compact": plan(step, args.capacity, 1, planner=args.planner),
     }
     microbatches = {name: _microbatches(step, p) for name, p in plans.items()}
     index = PrefixIndex.from_step(step)
-    cuda = device.type == "cuda"
-    configs = {
-        name: StepConfig(
-            execution=name, recompute=args.recompute, dtype=dtype_name,
-            attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
-            kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
-        )
-        for name in ("baseline", "compact")
-    }
+    configs = _step_configs(args, dtype_name)
     for name in configs:
         _warm(model, step, microbatches[name], configs[name])
 
@@ -266,55 +358,122 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     peaks = {"baseline": 0, "compact": 0}
     infos: dict[str, list] = {}
     for _ in range(args.repeats):
-        for name in ("baseline", "compact"):
+        for name in EXECUTIONS:
             with PeakMemory(device) as memory:
                 result = run_step(model, step, microbatches[name], configs[name], index=index)
             model.zero_grad(set_to_none=True)
-            samples[name].append(result.seconds)
+            # One process: one rank, and no gradient reduction.
+            samples[name].append([{**result.seconds, "grad_reduce": 0.0, "grad_reduction_alone": 0.0}])
             peaks[name] = max(peaks[name], memory.peak)
             infos[name] = result.layout_info
 
-    def median(name, key):
-        return statistics.median(s[key] for s in samples[name])
-
-    executions = {}
-    for name in ("baseline", "compact"):
-        forward, backward, layout = median(name, "forward"), median(name, "backward"), median(name, "layout")
-        executions[name] = {
-            "forward_s": forward, "backward_s": backward, "grad_reduction_s": 0.0,
-            "layout_s": layout, "planning_s": plans[name].plan_seconds + layout,
-            "fbg_s": forward + backward, "peak_memory_bytes": int(peaks[name]),
-            "microbatches": len([m for m in microbatches[name] if len(m)]),
-            "rows": int(sum(i["rows"] for i in infos[name])),
-            "attention_kv_rows": int(sum(i["attention_kv_rows"] for i in infos[name])),
-            "kda_calls": [i["kda_calls"] for i in infos[name]],
-            "samples": samples[name],
-        }
-    base, comp = executions["baseline"], executions["compact"]
-    semantic = step.num_semantic_tokens
-    compact_rows = comp["rows"]
-    fbg_speedup = base["fbg_s"] / comp["fbg_s"]
-    core_speedup = (base["fbg_s"] + base["planning_s"]) / (comp["fbg_s"] + comp["planning_s"])
-    results: dict[str, Any] = {
-        "semantic_tokens": semantic,
-        "compact_tokens": compact_rows,
-        "lower_bound_compact_tokens": index.segment_tree().num_compact_tokens,
-        "compression": semantic / compact_rows,
-        "replay_rows": int(sum(i["replay_rows"] for i in infos["compact"])),
-        "fbg_speedup": fbg_speedup,
-        "core_speedup": core_speedup,
-        "efficiency": fbg_speedup / (semantic / compact_rows),
-        "baseline": base,
-        "compact": comp,
+    executions = {
+        name: _execution(samples[name], plans[name].plan_seconds, peaks[name], infos[name], microbatches[name])
+        for name in EXECUTIONS
     }
-    if cuda:
-        pairs = int(sum(int(n) * (int(n) + 1) // 2 for n in step.lengths))
-        flops = estimate_model_flops(model.config, semantic, pairs)
-        results["baseline_model_flops"] = flops
-        results["baseline_mfu"] = flops / base["fbg_s"] / H200_BF16_PEAK_FLOPS
-    if not args.no_breakdown:
-        results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name], base, comp,
-                                         semantic / compact_rows)
+    results = _results(step, index, executions, infos["compact"])
+    if device.type == "cuda":
+        results.update(_mfu(model.config, step, executions["baseline"], 1))
+    if args.no_breakdown:
+        results["breakdown_skipped"] = "--no-breakdown"
+    else:
+        results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name],
+                                         executions["baseline"], executions["compact"], results["compression"])
+    return results
+
+
+def first_slot(step, microbatches: list, dp: int) -> tuple[Any, list]:
+    """The step restricted to the plan's first slot (its first dp microbatches), and those microbatches in it."""
+    import numpy as np
+
+    members = microbatches[:dp]
+    sizes = np.cumsum([0] + [len(m) for m in members])
+    sub = step.subset(np.concatenate(members))
+    return sub, [np.arange(sizes[i], sizes[i + 1], dtype=np.int64) for i in range(len(members))]
+
+
+def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: dict, configs: dict,
+                    repeats: int) -> dict[str, Any] | None:
+    """Rank program of `--parallel`: warm-up on the first slot, then `repeats` interleaved timed steps of
+    both executions. On global rank 0: per execution the per-repeat, per-rank seconds (`samples`), the
+    peak memory (maximum over ranks) and the layouts' info of every microbatch; None on other ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from harts.model.model import HybridModel
+    from harts.objective.step import build_layout
+    from harts.parallel.model import parallelize
+    from harts.parallel.step import run_parallel_step
+    from harts.trees.trie import PrefixIndex
+
+    device = groups.device
+    model = HybridModel(model_config).to(device)
+    model.init_weights(model_seed)
+    pmodel = parallelize(model, groups)
+    index = PrefixIndex.from_step(step)
+    dp = groups.config.dp
+    for name in EXECUTIONS:
+        run_parallel_step(pmodel, *first_slot(step, microbatches[name], dp), configs[name])
+        model.zero_grad(set_to_none=True)
+    samples: dict[str, list] = {name: [] for name in EXECUTIONS}
+    peaks = dict.fromkeys(EXECUTIONS, 0)
+    for _ in range(repeats):
+        for name in EXECUTIONS:
+            dist.barrier()
+            with PeakMemory(device) as memory:
+                result = run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+            seconds = dict(result.rank_seconds)
+            # The reduction again, alone: the same collectives on gradients of the same sizes.
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            pmodel.reduce_gradients()
+            _sync(device)
+            seconds["grad_reduction_alone"] = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(seconds, gathered, dst=0)
+            samples[name].append(gathered)
+            peaks[name] = max(peaks[name], memory.peak)
+    peak = torch.tensor([peaks[name] for name in EXECUTIONS], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return None
+    infos = {
+        name: [build_layout(step, m, model, configs[name], index).info for m in microbatches[name]]
+        for name in EXECUTIONS
+    }
+    return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos}
+
+
+def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dict[str, Any]:
+    from harts.parallel.launch import launch
+    from harts.parallel.step import check_microbatches
+    from harts.planning.microbatch import plan
+    from harts.trees.io import check_vocabulary
+    from harts.trees.trie import PrefixIndex
+
+    check_vocabulary(step, model_config.vocab_size)
+    parallel.check_model(model_config)
+    plans = {
+        "baseline": plan(step, args.capacity, parallel.dp, planner="per-trajectory"),
+        "compact": plan(step, args.capacity, parallel.dp, planner=args.planner),
+    }
+    microbatches = {name: _microbatches(step, p) for name, p in plans.items()}
+    for name in EXECUTIONS:
+        check_microbatches(step, microbatches[name], parallel.dp)
+    measured = launch(speedup_on_rank, parallel, model_config, args.model_seed, step, microbatches,
+                      _step_configs(args, dtype_name), args.repeats, device=args.device)
+    executions = {
+        name: _execution(measured["samples"][name], plans[name].plan_seconds, measured["peak_memory_bytes"][name],
+                         measured["layout_info"][name], microbatches[name])
+        for name in EXECUTIONS
+    }
+    results = _results(step, PrefixIndex.from_step(step), executions, measured["layout_info"]["compact"])
+    results["world_size"] = parallel.world_size
+    if args.device == "cuda":
+        results.update(_mfu(model_config, step, executions["baseline"], parallel.world_size))
+    results["breakdown_skipped"] = PARALLEL_BREAKDOWN_SKIPPED
     return results
 
 
@@ -338,7 +497,7 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
     num_mla = config.num_layers - num_kda
     totals: dict[str, dict[str, float]] = {}
     sampled: dict[str, float] = {}
-    for name in ("baseline", "compact"):
+    for name in EXECUTIONS:
         sums: dict[str, float] = {}
         nonempty = [m for m in microbatches[name] if len(m)]
         # Op times are measured on evenly spaced microbatches and scaled by rows to the whole step.
@@ -352,7 +511,17 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
                 sums[key] = sums.get(key, 0.0) + value
         sampled[name] = len(picks) / len(nonempty)
         totals[name] = {key: value * rows_all / rows_picked for key, value in sums.items()}
-    b, c = totals["baseline"], totals["compact"]
+    return {
+        **breakdown_terms(totals["baseline"], totals["compact"], num_kda, num_mla, base, comp, compression),
+        "sampled_microbatch_fraction": sampled,
+    }
+
+
+def breakdown_terms(b: dict[str, float], c: dict[str, float], num_kda: int, num_mla: int, base: dict[str, float],
+                    comp: dict[str, float], compression: float) -> dict[str, Any]:
+    """The breakdown's arithmetic: per-layer op seconds of the step (`b` baseline, `c` compact: kda,
+    kda_one_call, kda_one_call_no_replay on compact, mla, lm_head) and the executions' fbg_s and layout_s
+    into terms that sum to the compact time beyond (1 / compression) × the baseline's."""
     ratio = 1.0 / compression
     base_ops = {"kda": num_kda * b["kda"], "mla": num_mla * b["mla"], "lm_head": b["lm_head"]}
     comp_ops = {"kda": num_kda * c["kda"], "mla": num_mla * c["mla"], "lm_head": c["lm_head"]}
@@ -373,7 +542,6 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
         "terms_s": terms,
         "layout_materialisation_s": comp["layout_s"] - base["layout_s"],
         "op_seconds": {"baseline": b, "compact": c},
-        "sampled_microbatch_fraction": sampled,
         "method": "op-level fwd+bwd on real microbatch layouts (evenly spaced sample, scaled by semantic rows) with "
                   "random inputs; per_row_other = measured F+B minus the measured ops; terms sum to excess_s",
     }
@@ -387,6 +555,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
+    from harts.parallel.config import load_parallel_config
 
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
@@ -395,20 +564,28 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     model_config = load_model_config(args.model)
-    model = HybridModel(model_config).to(device)
-    model.init_weights(args.model_seed)
-    out = Path(args.out or f"reports/raw/speedup/{model_config.name}.json")
+    parallel = load_parallel_config(args.parallel) if args.parallel else None
+    if parallel is None:
+        model = HybridModel(model_config).to(device)
+        model.init_weights(args.model_seed)
+    suffix = f"-{parallel.name}" if parallel else ""
+    out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
     records = []
     for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
         config = {
             "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
             "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-            "recompute": args.recompute, "repeats": args.repeats, "parallel": "single",
+            "recompute": args.recompute, "repeats": args.repeats,
+            "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
+            "parallel_config": config_to_dict(parallel) if parallel else None,
             "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
         }
         print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...", file=sys.stderr)
         try:
-            results = measure_step(args, model, step, device, dtype_name)
+            if parallel is None:
+                results = measure_step(args, model, step, device, dtype_name)
+            else:
+                results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
             records.append(make_record("speedup", config, results))
         except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
             if device.type == "cuda":
@@ -426,31 +603,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in records) else 1
 
 
+HEADLINE_KEYS = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedup", "core_speedup", "efficiency")
+
+
 def headline(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedup", "core_speedup", "efficiency")
-    summary = {"step": record["config"].get("step"), "model": record["config"]["model"]}
+    config = record["config"]
+    summary = {"step": config.get("step"), "model": config["model"], "parallel": config.get("parallel")}
     if "error" in record:
-        return {**summary, **{k: None for k in keys}, "error": record["error"]}
-    return {**summary, **{k: record["results"][k] for k in keys}}
+        return {**summary, **{k: None for k in HEADLINE_KEYS}, "error": record["error"]}
+    return {**summary, **{k: record["results"][k] for k in HEADLINE_KEYS}}
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
     lines = [
-        "| step | S | C | S/C | baseline F+B s | compact F+B s | F/B/Grad speedup | Core speedup | efficiency |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step | parallel | S | C | S/C | baseline F+B+G s | compact F+B+G s | F/B/Grad speedup | Core speedup | "
+        "efficiency |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in records:
-        step = record["config"].get("step")
+        step, parallel = record["config"].get("step"), record["config"].get("parallel")
         if "error" in record:
-            lines.append(f"| {step} | error: {record['error']} | | | | | | | |")
+            lines.append(f"| {step} | {parallel} | error: {record['error']} | | | | | | | |")
             continue
         r = record["results"]
         lines.append(
-            f"| {step} | {r['semantic_tokens']:,} | {r['compact_tokens']:,} | {r['compression']:.2f} | "
+            f"| {step} | {parallel} | {r['semantic_tokens']:,} | {r['compact_tokens']:,} | {r['compression']:.2f} | "
             f"{r['baseline']['fbg_s']:.2f} | {r['compact']['fbg_s']:.2f} | {r['fbg_speedup']:.2f}x | "
             f"{r['core_speedup']:.2f}x | {r['efficiency']:.2f} |"
         )
     lines.append(
-        f"| paper | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | {PAPER['efficiency']:.2f} |"
+        f"| paper | 8 GPUs | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | {PAPER['efficiency']:.2f} |"
     )
     return "\n".join(lines)

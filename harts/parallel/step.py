@@ -68,6 +68,8 @@ class ParallelStepResult:
     num_semantic_tokens: int
     seconds: dict[str, float]
     """Per phase, the maximum over ranks (forward/backward summed over this rank's microbatches)."""
+    rank_seconds: dict[str, float]
+    """Per phase, this rank's own seconds (the step's critical path is the maximum over ranks of their sum)."""
     tokens_per_expert: list[torch.Tensor]
     """Per MoE layer of the model, q-weighted routed assignments summed over the step."""
     logprobs: torch.Tensor | None = None
@@ -230,7 +232,8 @@ def _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, log
     result = ParallelStepResult(
         loss=policy + moe, policy_loss=policy, moe_loss=moe, clip_fraction=clip / num_microbatches,
         num_rows=int(rows), num_semantic_tokens=step.num_semantic_tokens,
-        seconds=dict(zip(SECONDS, times.tolist())), tokens_per_expert=list(all_counts.cpu()),
+        seconds=dict(zip(SECONDS, times.tolist())), rank_seconds=dict(seconds),
+        tokens_per_expert=list(all_counts.cpu()),
     )
     if collect:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
