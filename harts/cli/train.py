@@ -60,7 +60,8 @@ def _setup(args: argparse.Namespace):
     if args.on_policy:
         step = replace(step, old_logprobs=None)
     index = PrefixIndex.from_step(step)
-    model = HybridModel(config).to(args.device)
+    with torch.device(args.device):
+        model = HybridModel(config)
     model.init_weights(args.seed)
     return model, step, index
 

@@ -87,14 +87,13 @@ class KDALayer(nn.Module):
 
     @torch.no_grad()
     def reset_kda_parameters(self, generator: torch.Generator) -> None:
-        """Conv, decay and dt initialisation from a CPU generator (values copied to the device)."""
+        """Conv, decay and dt initialisation in place, from a generator on the parameters' device."""
         for conv in (self.q_conv, self.k_conv, self.v_conv):
             bound = 1.0 / math.sqrt(conv.shape[1])
-            conv.copy_(torch.empty(conv.shape).uniform_(-bound, bound, generator=generator))
-        self.A_log.copy_(torch.empty(self.A_log.shape).uniform_(1, 16, generator=generator).log())
+            conv.uniform_(-bound, bound, generator=generator)
+        self.A_log.uniform_(1, 16, generator=generator).log_()
         # dt in [1e-3, 1e-1] log-uniformly, stored as its softplus inverse.
-        log_dt = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
-        dt = log_dt.exp()
+        dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -59,12 +59,14 @@ class HybridModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation: normal(0, init_std) for matrices, layer-specific for KDA."""
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        """Initialisation in place on the model's device: normal(0, init_std) for matrices,
+        layer-specific for KDA. Deterministic for a seed and a device type (the CPU and CUDA
+        generators draw different streams)."""
+        device = next(self.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
         for name, parameter in self.named_parameters():
             if parameter.dim() >= 2:
-                values = torch.empty(parameter.shape).normal_(0.0, self.config.init_std, generator=generator)
-                parameter.copy_(values)
+                parameter.normal_(0.0, self.config.init_std, generator=generator)
             elif name.endswith(".bias"):
                 parameter.zero_()
             elif name.endswith("norm.weight") or name.endswith(".weight"):
