@@ -22,6 +22,17 @@ gradient of the compact vs the baseline execution with and without per-layer rec
 microbatch's rows), planned by HARTS at the longest trajectory's length so that the baseline's
 rows stay near one trajectory.
 Logits are formed chunk by chunk from the stored hidden states (never S x V at once).
+
+`--parallel NAME` (configs/parallel/NAME.yaml) measures (b) per parallel configuration instead:
+both executions, with and without recomputation, run on the configuration's ranks
+(`harts.parallel.verify.verify_on_rank`, spawned by harts.parallel.launch) and are compared with
+the single-process baseline execution (no recomputation) on the same microbatches: per-position
+full-vocabulary logit cosine (min, mean), |Δloss| and the relative loss difference, the largest
+relative gradient difference over parameters (after the parallel reduction, reassembled), and
+the agreement of the reduced gradient's copies across ranks. The microbatches are planned by
+HARTS for dp = the config's DP degree at the longest trajectory's length (as the single-process
+gradient comparison). The replay ablation (a) is about the KDA schedule, not parallelism, and
+stays single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
 """
 
 from __future__ import annotations
@@ -56,6 +67,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
+    parser.add_argument("--parallel", default=None, metavar="NAME",
+                        help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- recomputation "
+                             "on its ranks vs the single-process baseline (no replay ablation)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
     parser.set_defaults(run=run)
 
@@ -75,15 +89,16 @@ def _first_trees(step, max_trees: int | None):
     return step.subset(np.asarray(keep))
 
 
-def _plan_members(step, capacity: int, planner: str, index=None):
+def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
+    """Member indices of the planned microbatches; for dp > 1 all K of them in (slot, replica) order."""
     import numpy as np
 
     from harts.planning.microbatch import plan
 
     position = {t: k for k, t in enumerate(step.ids)}
-    result = plan(step, capacity, 1, planner=planner, index=index)
+    result = plan(step, capacity, dp, planner=planner, index=index)
     return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
-            if mb.trajectory_ids]
+            if mb.trajectory_ids or dp > 1]
 
 
 def path_hidden(model, step, microbatches, config, index, device, dtype):
@@ -159,13 +174,14 @@ def ablation_table(per_path: dict[str, dict], depth, has_target) -> dict[str, An
             }
         for path in ("replay", "no-replay"):
             for metric in ("symkl", "abs_dnll"):
-                noise = row["rerun"][metric]
-                value = row[path][metric]
-                row[path][f"{metric}_excess_over_rerun"] = (
-                    value / noise - 1.0 if noise and value is not None else None
-                )
+                row[path][f"{metric}_excess_over_rerun"] = excess_over_rerun(row[path][metric], row["rerun"][metric])
         table[str(d)] = row
     return table
+
+
+def excess_over_rerun(value: float | None, noise: float | None) -> float | None:
+    """value / noise - 1; None when either is missing or the rerun noise is 0 (no floor to exceed)."""
+    return value / noise - 1.0 if noise and value is not None else None
 
 
 def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, Any]:
@@ -192,6 +208,115 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
     return rows
 
 
+def single_process_results(args, model, step, common: dict, device, store_dtype) -> dict[str, Any]:
+    """(a) the replay ablation and (b) logit fidelity, loss and gradients in one process."""
+    import numpy as np
+    import torch
+
+    from harts.objective.step import StepConfig
+    from harts.objective.targets import semantic_targets_from_step
+    from harts.trees.trie import PrefixIndex
+
+    configs = {
+        "baseline": StepConfig(execution="baseline", **common),
+        "replay": StepConfig(execution="compact", **common),
+        "no-replay": StepConfig(execution="compact", replay=False, **common),
+    }
+    index = PrefixIndex.from_step(step)
+    base_mbs = _plan_members(step, args.capacity, "per-trajectory")
+    compact_mbs = _plan_members(step, args.capacity, "harts", index)
+    reverse = np.arange(step.num_trajectories)[::-1].copy()
+    rerun_step = step.subset(reverse)
+    print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
+    hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype)[0]}
+    rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
+                                  configs["baseline"], None, device, store_dtype)
+    # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
+    back = torch.from_numpy(np.concatenate([
+        np.arange(rerun_step.offsets[j], rerun_step.offsets[j + 1]) for j in np.argsort(reverse)
+    ])).to(device)
+    hidden["rerun"] = rerun_hidden[back]
+    hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype)
+    hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
+                                             store_dtype)
+    targets = semantic_targets_from_step(step)
+    next_token = torch.from_numpy(targets.targets).to(device)
+    has_target = torch.ones(step.num_semantic_tokens, dtype=torch.bool)
+    has_target[torch.from_numpy(step.offsets[1:] - 1)] = False
+    per_path = {path: compare(model.lm_head.weight, hidden["baseline"], hidden[path], next_token, has_target)
+                for path in PATHS}
+    cosine = {path: {"min": float(m["cosine"].min()), "mean": float(m["cosine"].mean()),
+                     "p001": float(m["cosine"].quantile(0.001))} for path, m in per_path.items()}
+    results: dict[str, Any] = {
+        "semantic_tokens": step.num_semantic_tokens,
+        "trajectories": step.num_trajectories,
+        "ablation": ablation_table(per_path, depth, has_target),
+        "logit_cosine": cosine,
+        "paper": PAPER,
+    }
+    if not args.no_gradients:
+        # The same microbatches for both executions (MoE losses depend on a microbatch's rows),
+        # planned at the longest trajectory's length so the baseline's rows stay near T.
+        grad_mbs = _plan_members(step, int(step.lengths.max()), "harts", index)
+        results["loss_and_gradients"] = gradient_comparison(
+            model, step, {"baseline": grad_mbs, "compact": grad_mbs},
+            {"baseline": configs["baseline"], "compact": configs["replay"]}, index)
+    return results
+
+
+def parallel_results(args, parallel, model_config, step, common: dict) -> dict[str, Any]:
+    """(b) under a parallel configuration: both executions +/- recomputation vs the single-process baseline."""
+    from harts.objective.step import StepConfig
+    from harts.parallel.launch import launch
+    from harts.parallel.step import check_microbatches
+    from harts.parallel.verify import verify_on_rank
+    from harts.trees.trie import PrefixIndex
+
+    parallel.check_model(model_config)
+    capacity = int(step.lengths.max())
+    microbatches = _plan_members(step, capacity, "harts", PrefixIndex.from_step(step), dp=parallel.dp)
+    check_microbatches(step, microbatches, parallel.dp)
+    candidates = [StepConfig(execution=execution, recompute=recompute, **common)
+                  for execution in ("baseline", "compact") for recompute in (False, True)]
+    print(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
+          f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on {parallel.world_size} ranks",
+          file=sys.stderr)
+    reports = launch(verify_on_rank, parallel, model_config, args.model_seed, step, microbatches, candidates,
+                     device=args.device)
+    return {
+        "semantic_tokens": step.num_semantic_tokens,
+        "trajectories": step.num_trajectories,
+        "world_size": parallel.world_size,
+        "microbatches": len(microbatches),
+        "microbatch_capacity": capacity,
+        "parallel_fidelity": parallel_fidelity_rows(reports),
+        "paper": PAPER,
+    }
+
+
+def parallel_fidelity_rows(reports: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """execution -> "no-recompute"/"recompute" -> figures, from `verify_on_rank`'s reports (|Δloss| recovered
+    from its relative difference and reference loss)."""
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    for report in reports:
+        reference = report["loss"]
+        rows.setdefault(report["execution"], {})["recompute" if report["recompute"] else "no-recompute"] = {
+            "logit_cosine_min": report["logit_cosine_min"],
+            "logit_cosine_mean": report["logit_cosine_mean"],
+            "loss_reference": reference,
+            "abs_dloss": report["loss_rel_diff"] * max(abs(reference), 1e-30),
+            "loss_rel_diff": report["loss_rel_diff"],
+            "max_abs_logprob_diff": report["max_abs_logprob_diff"],
+            "moe_loss_abs_diff": report["moe_loss_abs_diff"],
+            "grad_rel_diff": report["grad_rel_diff"],
+            "replica_grad_max_rel_diff": report["replica_grad_max_rel_diff"],
+            "tokens_per_expert_max_abs_diff": report["tokens_per_expert_max_abs_diff"],
+            "reference_rows": report["reference_rows"],
+            "candidate_rows": report["candidate_rows"],
+        }
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -200,72 +325,38 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
-    from harts.objective.step import StepConfig
-    from harts.objective.targets import semantic_targets_from_step
-    from harts.trees.trie import PrefixIndex
+    from harts.parallel.config import load_parallel_config
+    from harts.trees.io import check_vocabulary
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    parallel = load_parallel_config(args.parallel) if args.parallel else None
+    if parallel is not None and args.no_gradients:
+        raise ValueError("--no-gradients: the --parallel comparison always includes the loss and gradients")
     model_config = load_model_config(args.model)
-    model = HybridModel(model_config).to(device)
-    model.init_weights(args.model_seed)
+    if parallel is None:
+        with device:
+            model = HybridModel(model_config)
+        model.init_weights(args.model_seed)
     store_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cuda = device.type == "cuda"
     (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
     step = _first_trees(full_step, args.max_trees)
     config = {"model": model_config.name, "model_config": config_to_dict(model_config), **meta,
-              "max_trees": args.max_trees, "capacity": args.capacity, "device": args.device, "dtype": args.dtype}
-    out = Path(args.out or f"reports/raw/fidelity/{model_config.name}.json")
+              "max_trees": args.max_trees, "capacity": args.capacity, "device": args.device, "dtype": args.dtype,
+              "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
+              "parallel_config": config_to_dict(parallel) if parallel else None}
+    suffix = f"-{parallel.name}" if parallel else ""
+    out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
     try:
+        check_vocabulary(step, model_config.vocab_size)
         common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
                       kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
-        configs = {
-            "baseline": StepConfig(execution="baseline", **common),
-            "replay": StepConfig(execution="compact", **common),
-            "no-replay": StepConfig(execution="compact", replay=False, **common),
-        }
-        index = PrefixIndex.from_step(step)
-        base_mbs = _plan_members(step, args.capacity, "per-trajectory")
-        compact_mbs = _plan_members(step, args.capacity, "harts", index)
-        import numpy as np
-
-        reverse = np.arange(step.num_trajectories)[::-1].copy()
-        rerun_step = step.subset(reverse)
-        print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
-        hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype)[0]}
-        rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
-                                      configs["baseline"], None, device, store_dtype)
-        # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
-        back = torch.from_numpy(np.concatenate([
-            np.arange(rerun_step.offsets[j], rerun_step.offsets[j + 1]) for j in np.argsort(reverse)
-        ])).to(device)
-        hidden["rerun"] = rerun_hidden[back]
-        hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype)
-        hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
-                                                 store_dtype)
-        targets = semantic_targets_from_step(step)
-        next_token = torch.from_numpy(targets.targets).to(device)
-        has_target = torch.ones(step.num_semantic_tokens, dtype=torch.bool)
-        has_target[torch.from_numpy(step.offsets[1:] - 1)] = False
-        per_path = {path: compare(model.lm_head.weight, hidden["baseline"], hidden[path], next_token, has_target)
-                    for path in PATHS}
-        cosine = {path: {"min": float(m["cosine"].min()), "mean": float(m["cosine"].mean()),
-                         "p001": float(m["cosine"].quantile(0.001))} for path, m in per_path.items()}
-        results: dict[str, Any] = {
-            "semantic_tokens": step.num_semantic_tokens,
-            "trajectories": step.num_trajectories,
-            "ablation": ablation_table(per_path, depth, has_target),
-            "logit_cosine": cosine,
-            "paper": PAPER,
-        }
-        if not args.no_gradients:
-            # The same microbatches for both executions (MoE losses depend on a microbatch's rows),
-            # planned at the longest trajectory's length so the baseline's rows stay near T.
-            grad_mbs = _plan_members(step, int(step.lengths.max()), "harts", index)
-            results["loss_and_gradients"] = gradient_comparison(
-                model, step, {"baseline": grad_mbs, "compact": grad_mbs},
-                {"baseline": configs["baseline"], "compact": configs["replay"]}, index)
+        if parallel is None:
+            results = single_process_results(args, model, step, common, device, store_dtype)
+        else:
+            results = parallel_results(args, parallel, model_config, step, common)
         records = [make_record("fidelity", config, results)]
     except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -279,6 +370,8 @@ def format_fidelity(record: dict[str, Any]) -> str:
     if "error" in record:
         return f"fidelity: error: {record['error']}"
     r = record["results"]
+    if "parallel_fidelity" in r:
+        return _format_parallel(record["config"]["parallel"], r["parallel_fidelity"])
     lines = ["| handoff depth | positions | rerun SymKL | replay SymKL (excess) | no-replay SymKL (excess) | "
              "rerun abs dNLL | replay abs dNLL (excess) | no-replay abs dNLL (excess) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -301,4 +394,15 @@ def format_fidelity(record: dict[str, Any]) -> str:
                  f"no-replay min {cos['no-replay']['min']:.6f}")
     for setting, row in r.get("loss_and_gradients", {}).items():
         lines.append(f"{setting}: |dloss| {row['abs_dloss']:.3g}, gradient cosine {row['grad_cosine']:.6f}")
+    return "\n".join(lines)
+
+
+def _format_parallel(name: str, rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [f"| {name} vs single-process baseline | logit cosine min | mean | abs dloss | grad rel diff | "
+             "replica grad rel diff |", "| --- | --- | --- | --- | --- | --- |"]
+    for execution, settings in rows.items():
+        for setting, row in settings.items():
+            lines.append(f"| {execution}, {setting} | {row['logit_cosine_min']:.6f} | {row['logit_cosine_mean']:.6f} | "
+                         f"{row['abs_dloss']:.3g} | {row['grad_rel_diff']:.3g} | {row['replica_grad_max_rel_diff']:.3g} |")
+    lines.append(f"| paper | > {PAPER['cosine_min']} | | < {PAPER['abs_dloss']:g} | | |")
     return "\n".join(lines)
