@@ -68,8 +68,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
     parser.add_argument("--parallel", default=None, metavar="NAME",
-                        help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- recomputation "
-                             "on its ranks vs the single-process baseline (no replay ablation)")
+                        help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- "
+                             "recomputation on its ranks vs the single-process baseline (no replay ablation)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
     parser.set_defaults(run=run)
 
@@ -403,6 +403,7 @@ def _format_parallel(name: str, rows: dict[str, dict[str, dict[str, Any]]]) -> s
     for execution, settings in rows.items():
         for setting, row in settings.items():
             lines.append(f"| {execution}, {setting} | {row['logit_cosine_min']:.6f} | {row['logit_cosine_mean']:.6f} | "
-                         f"{row['abs_dloss']:.3g} | {row['grad_rel_diff']:.3g} | {row['replica_grad_max_rel_diff']:.3g} |")
+                         f"{row['abs_dloss']:.3g} | {row['grad_rel_diff']:.3g} | "
+                         f"{row['replica_grad_max_rel_diff']:.3g} |")
     lines.append(f"| paper | > {PAPER['cosine_min']} | | < {PAPER['abs_dloss']:g} | | |")
     return "\n".join(lines)

@@ -407,7 +407,8 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
     from harts.trees.trie import PrefixIndex
 
     device = groups.device
-    model = HybridModel(model_config).to(device)
+    with device:
+        model = HybridModel(model_config)
     model.init_weights(model_seed)
     pmodel = parallelize(model, groups)
     index = PrefixIndex.from_step(step)
@@ -632,6 +633,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{r['core_speedup']:.2f}x | {r['efficiency']:.2f} |"
         )
     lines.append(
-        f"| paper | 8 GPUs | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | {PAPER['efficiency']:.2f} |"
+        f"| paper | 8 GPUs | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | "
+        f"{PAPER['efficiency']:.2f} |"
     )
     return "\n".join(lines)

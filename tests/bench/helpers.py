@@ -1,0 +1,15 @@
+"""Inputs shared by the benchmark harness tests."""
+
+from pathlib import Path
+
+from harts.model.config import CONFIG_DIR
+
+
+def tiny_with_vocab(directory: Path, vocab_size: int) -> str:
+    """Path of a copy of the tiny model config with a smaller vocabulary (tokens beyond it are bad input)."""
+    text = (CONFIG_DIR / "tiny.yaml").read_text()
+    assert "vocab_size: 256" in text and "name: tiny\n" in text
+    path = directory / "tiny-small-vocab.yaml"
+    path.write_text(text.replace("vocab_size: 256", f"vocab_size: {vocab_size}").replace("name: tiny\n",
+                                                                                        "name: tiny-small-vocab\n"))
+    return str(path)

@@ -1,0 +1,217 @@
+"""The fidelity benchmark's harness: ablation and excess arithmetic from known per-position metrics, the
+metrics themselves on hand-computed logits, parallel rows from known reports, error rows, and records.
+
+`harts bench fidelity` end to end on a small tree step with the tiny model in fp32: in one process (the
+ablation's depth bins cover every position, replay matches the baseline), and with `--parallel dp2`
+(one record of both executions +/- recomputation against the single-process baseline, within the
+thresholds of tests/parallel/test_verify.py). A failing case is an error row. tp2-sp, pp2 and ep2 are slow.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from harts.bench.fidelity import (
+    ablation_table,
+    compare,
+    excess_over_rerun,
+    parallel_fidelity_rows,
+)
+from harts.cli.main import main
+from harts.parallel.launch import RankFailed
+from tests.bench.helpers import tiny_with_vocab
+
+
+@pytest.mark.parametrize(
+    "value, noise, expected",
+    [
+        pytest.param(2.0, 1.0, 1.0, id="double"),
+        pytest.param(1.3, 1.0, 0.3, id="plus-30pct"),
+        pytest.param(0.0, 0.5, -1.0, id="zero-value"),
+        pytest.param(1.0, 0.0, None, id="zero-noise"),
+        pytest.param(None, 1.0, None, id="no-value"),
+        pytest.param(1.0, None, None, id="no-noise"),
+    ],
+)
+def test_excess_over_rerun(value, noise, expected):
+    result = excess_over_rerun(value, noise)
+    assert result == (None if expected is None else pytest.approx(expected, rel=1e-12))
+
+
+def _metrics(symkl, dnll):
+    return {"symkl": torch.tensor(symkl, dtype=torch.float64), "abs_dnll": torch.tensor(dnll, dtype=torch.float64)}
+
+
+def test_ablation_table_from_known_metrics():
+    nan = math.nan
+    depth = torch.tensor([0, 0, 1, 1, 1, 3])
+    # Position 4 is a trajectory's last token (no target): its |dNLL| is NaN and is left out.
+    has_target = torch.tensor([True, True, True, True, False, False])
+    per_path = {
+        "rerun": _metrics([0.0, 0.0, 1.0, 3.0, 5.0, 2.0], [0.0, 0.0, 0.2, 0.4, nan, nan]),
+        "replay": _metrics([0.0, 0.0, 1.0, 3.0, 2.0, 2.0], [0.0, 0.0, 0.3, 0.3, nan, nan]),
+        "no-replay": _metrics([1.0, 3.0, 6.0, 6.0, 6.0, 5.0], [0.1, 0.3, 0.6, 0.6, nan, nan]),
+    }
+    table = ablation_table(per_path, depth, has_target)
+    assert list(table) == ["0", "1", "3"]
+    assert [table[d]["positions"] for d in table] == [2, 3, 1]
+
+    zero = table["0"]  # the rerun noise is 0: no excess, and no division error
+    assert zero["rerun"] == {"symkl": 0.0, "abs_dnll": 0.0}
+    assert zero["no-replay"]["symkl"] == pytest.approx(2.0) and zero["no-replay"]["abs_dnll"] == pytest.approx(0.2)
+    for path in ("replay", "no-replay"):
+        assert zero[path]["symkl_excess_over_rerun"] is None and zero[path]["abs_dnll_excess_over_rerun"] is None
+
+    one = table["1"]  # rerun: SymKL mean 3, |dNLL| mean over targets 0.3
+    assert one["rerun"] == {"symkl": pytest.approx(3.0), "abs_dnll": pytest.approx(0.3)}
+    assert one["replay"]["symkl"] == pytest.approx(2.0)
+    assert one["replay"]["symkl_excess_over_rerun"] == pytest.approx(2.0 / 3.0 - 1.0)
+    assert one["replay"]["abs_dnll_excess_over_rerun"] == pytest.approx(0.0, abs=1e-12)
+    assert one["no-replay"]["symkl_excess_over_rerun"] == pytest.approx(1.0)
+    assert one["no-replay"]["abs_dnll_excess_over_rerun"] == pytest.approx(1.0)
+
+    three = table["3"]  # no position with a target at this depth
+    assert three["no-replay"]["symkl_excess_over_rerun"] == pytest.approx(1.5)
+    for path in ("rerun", "replay", "no-replay"):
+        assert three[path]["abs_dnll"] is None
+    assert three["no-replay"]["abs_dnll_excess_over_rerun"] is None
+
+
+def test_compare_on_hand_computed_logits():
+    # Vocabulary 2 and an identity LM head: the hidden states are the logits. Reference [1, 1] gives
+    # p = (1/2, 1/2); candidate [1 + ln 3, 1] gives q = (3/4, 1/4).
+    weight = torch.eye(2)
+    reference = torch.tensor([[1.0, 1.0], [0.5, -2.0], [1.0, 1.0]])
+    candidate = torch.tensor([[1.0 + math.log(3.0), 1.0], [0.5, -2.0], [1.0 + math.log(3.0), 1.0]])
+    targets = torch.tensor([0, 1, 1])
+    has_target = torch.tensor([True, True, False])
+    result = compare(weight, reference, candidate, targets, has_target, chunk=2)
+    symkl = -0.25 * math.log(0.5 / 0.75) + 0.25 * math.log(0.5 / 0.25)
+    cosine = (2.0 + math.log(3.0)) / (math.sqrt(2.0) * math.hypot(1.0 + math.log(3.0), 1.0))
+    assert result["symkl"].tolist() == pytest.approx([symkl, 0.0, symkl], abs=1e-6)
+    assert result["abs_dnll"][:2].tolist() == pytest.approx([math.log(1.5), 0.0], abs=1e-6)
+    assert math.isnan(result["abs_dnll"][2])
+    assert result["cosine"].tolist() == pytest.approx([cosine, 1.0, cosine], abs=1e-6)
+
+
+def _report(execution, recompute, loss, rel):
+    return {
+        "execution": execution, "recompute": recompute, "loss": loss, "loss_rel_diff": rel,
+        "logit_cosine_min": 0.9999, "logit_cosine_mean": 0.99999, "max_abs_logprob_diff": 1e-6,
+        "moe_loss_abs_diff": 0.0, "grad_rel_diff": 2e-5, "replica_grad_max_rel_diff": 0.0,
+        "tokens_per_expert_max_abs_diff": 0.0, "reference_rows": 100, "candidate_rows": 80,
+        "seconds": {"forward": 1.0},
+    }
+
+
+def test_parallel_fidelity_rows_from_known_reports():
+    reports = [_report("baseline", False, -2.0, 1e-3), _report("baseline", True, 4.0, 0.0),
+               _report("compact", False, 0.5, 2e-6), _report("compact", True, 0.0, 1e-3)]
+    rows = parallel_fidelity_rows(reports)
+    assert list(rows) == ["baseline", "compact"]
+    assert list(rows["baseline"]) == ["no-recompute", "recompute"]
+    assert rows["baseline"]["no-recompute"]["abs_dloss"] == pytest.approx(2e-3)
+    assert rows["baseline"]["recompute"]["abs_dloss"] == 0.0
+    assert rows["compact"]["no-recompute"]["abs_dloss"] == pytest.approx(1e-6)
+    # A zero reference loss: verify's relative difference is over max(|loss|, 1e-30).
+    assert rows["compact"]["recompute"]["abs_dloss"] == pytest.approx(1e-33)
+    assert rows["compact"]["no-recompute"]["loss_reference"] == 0.5
+    assert "seconds" not in rows["compact"]["recompute"]
+
+
+def _fidelity(args, tmp_path, capsys):
+    out = tmp_path / "fidelity.json"
+    code = main(["bench", "fidelity", "--model", "tiny", "--dtype", "fp32", *args, "--out", str(out)])
+    printed = capsys.readouterr().out
+    return code, json.loads(out.read_text()), printed
+
+
+@pytest.mark.parametrize("parallel", [[], ["--parallel", "dp2"]], ids=["single", "dp2"])
+def test_vocabulary_smaller_than_the_tokens_is_an_error_row(parallel, tree_step_path, tmp_path, capsys):
+    path, _ = tree_step_path
+    code, records, printed = _fidelity(["--model", tiny_with_vocab(tmp_path, 4), "--trees", path, *parallel],
+                                       tmp_path, capsys)
+    (record,) = records
+    assert code == 1 and "results" not in record and "vocabulary size 4" in record["error"]
+    assert record["config"]["parallel"] == ("dp2" if parallel else "single")
+    assert printed.startswith("fidelity: error: ")
+
+
+def test_parallel_failures_are_error_rows(tree_step_path, tmp_path, capsys, monkeypatch):
+    path, step = tree_step_path
+    one = tmp_path / "one.jsonl"
+    from harts.trees.io import write_step
+
+    write_step(step.subset(np.array([0])), one)
+    code, records, _ = _fidelity(["--trees", str(one), "--parallel", "dp2"], tmp_path, capsys)
+    assert code == 1 and "empty microbatch" in records[0]["error"], records[0]
+
+    def failed_rank(*args, **kwargs):
+        raise RankFailed("rank 0: RuntimeError: lost on purpose")
+
+    monkeypatch.setattr("harts.parallel.launch.launch", failed_rank)
+    code, records, _ = _fidelity(["--trees", path, "--parallel", "dp2"], tmp_path, capsys)
+    assert code == 1 and records[0]["error"] == "RankFailed: rank 0: RuntimeError: lost on purpose"
+
+
+def test_no_gradients_with_parallel_is_bad_input(tree_step_path, tmp_path, capsys):
+    path, _ = tree_step_path
+    assert main(["bench", "fidelity", "--model", "tiny", "--trees", path, "--parallel", "dp2", "--no-gradients",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "--no-gradients" in capsys.readouterr().err
+
+
+def test_single_process_record(tree_step_path, tmp_path, capsys):
+    path, step = tree_step_path
+    code, records, printed = _fidelity(["--trees", path, "--capacity", "80"], tmp_path, capsys)
+    (record,) = records
+    assert code == 0, record
+    config, results = record["config"], record["results"]
+    assert config["parallel"] == "single" and config["world_size"] == 1
+    assert results["semantic_tokens"] == step.num_semantic_tokens
+    assert sum(row["positions"] for row in results["ablation"].values()) == step.num_semantic_tokens
+    assert results["logit_cosine"]["replay"]["min"] >= 0.99999
+    for row in results["loss_and_gradients"].values():
+        assert row["abs_dloss"] <= 1e-6 * abs(row["loss_baseline"]) and row["grad_cosine"] >= 0.99999
+    assert "parallel_fidelity" not in results and "logit cosine vs baseline" in printed
+
+
+def _parallel_record(name, tree_step_path, tmp_path, capsys):
+    from harts.parallel.config import load_parallel_config
+
+    path, step = tree_step_path
+    code, records, printed = _fidelity(["--trees", path, "--parallel", name], tmp_path, capsys)
+    (record,) = records
+    assert code == 0, record
+    parallel = load_parallel_config(name)
+    assert record["config"]["parallel"] == name and record["config"]["world_size"] == parallel.world_size
+    results = record["results"]
+    assert "ablation" not in results and results["microbatches"] % parallel.dp == 0
+    assert results["microbatch_capacity"] == int(step.lengths.max())
+    rows = results["parallel_fidelity"]
+    assert {(e, s) for e in rows for s in rows[e]} == {
+        (e, s) for e in ("baseline", "compact") for s in ("no-recompute", "recompute")
+    }
+    for execution, settings in rows.items():
+        for setting, row in settings.items():
+            where = f"{name} {execution} {setting}"
+            assert row["logit_cosine_min"] >= 0.99999, where
+            assert row["abs_dloss"] <= 1e-6 * abs(row["loss_reference"]), where
+            assert row["grad_rel_diff"] <= 1e-4 and row["replica_grad_max_rel_diff"] <= 1e-6, where
+            assert row["reference_rows"] == step.num_semantic_tokens
+    assert rows["baseline"]["no-recompute"]["candidate_rows"] == step.num_semantic_tokens
+    assert rows["compact"]["no-recompute"]["candidate_rows"] < step.num_semantic_tokens
+    assert f"| {name} vs single-process baseline" in printed
+
+
+def test_parallel_dp2_record(tree_step_path, tmp_path, capsys):
+    _parallel_record("dp2", tree_step_path, tmp_path, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2-sp", "pp2", "ep2"])
+def test_parallel_record_slow(name, tree_step_path, tmp_path, capsys):
+    _parallel_record(name, tree_step_path, tmp_path, capsys)

@@ -1,0 +1,257 @@
+"""The speedup benchmark's harness: metrics and breakdown from known timings, per-rank aggregation, error rows.
+
+Pure arithmetic first (`speedup_metrics`, `execution_times`, `breakdown_terms`, `first_slot`), checked
+against figures worked out by hand; then `harts bench speedup` itself on a small tree step with the tiny
+model: the records' figures agree with each other (F + B = F/B/Grad time in one process, compression =
+S / C, the breakdown's terms sum to the excess), a failing case is an error row (capacity below the longest
+trajectory, a vocabulary smaller than the tokens, a parallel config the model cannot be split by, a rank
+that fails) and `--json` prints the headline keys. `--parallel` runs dp2, tp2-sp, pp2 and ep2.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from harts.bench.speedup import (
+    HEADLINE_KEYS,
+    breakdown_terms,
+    execution_times,
+    first_slot,
+    headline,
+    speedup_metrics,
+)
+from harts.cli.main import main
+from harts.parallel.launch import RankFailed
+from harts.trees.trie import PrefixIndex
+from tests.bench.helpers import tiny_with_vocab
+
+
+@pytest.mark.parametrize(
+    "base, comp, semantic, compact, expected",
+    [
+        pytest.param({"fbg_s": 10.0, "planning_s": 1.0}, {"fbg_s": 4.0, "planning_s": 2.0}, 1000, 400,
+                     {"compression": 2.5, "fbg_speedup": 2.5, "core_speedup": 11 / 6, "efficiency": 1.0},
+                     id="speedup-equals-compression"),
+        pytest.param({"fbg_s": 9.0, "planning_s": 0.0}, {"fbg_s": 3.0, "planning_s": 0.5}, 600, 100,
+                     {"compression": 6.0, "fbg_speedup": 3.0, "core_speedup": 9 / 3.5, "efficiency": 0.5},
+                     id="half-efficient"),
+        pytest.param({"fbg_s": 2.0, "planning_s": 0.1}, {"fbg_s": 4.0, "planning_s": 0.1}, 50, 50,
+                     {"compression": 1.0, "fbg_speedup": 0.5, "core_speedup": 2.1 / 4.1, "efficiency": 0.5},
+                     id="no-sharing-slower"),
+    ],
+)
+def test_speedup_metrics_from_known_timings(base, comp, semantic, compact, expected):
+    metrics = speedup_metrics(base, comp, semantic, compact)
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-12), key
+
+
+def _rank(forward, backward, grad_reduce, alone, layout=0.01):
+    return {"layout": layout, "forward": forward, "backward": backward, "grad_reduce": grad_reduce,
+            "grad_reduction_alone": alone}
+
+
+def test_execution_times_critical_path_and_medians():
+    # Repeat 1: rank 0 finishes early and waits 2.5 s inside its reduction; rank 1 is the critical path.
+    # Repeat 2: rank 0 is slower in forward, rank 1 in backward: the maxima come from different ranks.
+    # Repeat 3: an outlier the median ignores.
+    samples = [
+        [_rank(1.0, 2.0, 3.0, 0.5, layout=0.2), _rank(2.0, 3.5, 0.4, 0.6, layout=0.1)],
+        [_rank(3.0, 1.0, 0.5, 0.3), _rank(1.0, 2.5, 0.1, 0.4, layout=0.3)],
+        [_rank(30.0, 20.0, 9.0, 5.0, layout=4.0), _rank(30.0, 20.0, 9.0, 5.0)],
+    ]
+    times = execution_times(samples)
+    # Per repeat: forward max 2, 3, 30; backward 3.5, 2.5, 20; alone 0.6, 0.4, 5; layout 0.2, 0.3, 4;
+    # critical path max(1+2+3, 2+3.5+0.4) = 6, max(3+1+0.5, 1+2.5+0.1) = 4.5, 59.
+    assert times == pytest.approx(
+        {"forward_s": 3.0, "backward_s": 3.5, "grad_reduction_s": 0.6, "layout_s": 0.3, "fbg_s": 6.0}, rel=1e-12
+    )
+
+
+def test_execution_times_single_process_is_forward_plus_backward():
+    samples = [[_rank(1.5, 2.5, 0.0, 0.0)], [_rank(1.0, 2.0, 0.0, 0.0)], [_rank(2.0, 4.0, 0.0, 0.0)]]
+    times = execution_times(samples)
+    assert times["fbg_s"] == pytest.approx(4.0) and times["grad_reduction_s"] == 0.0
+    assert times["forward_s"] == 1.5 and times["backward_s"] == 2.5
+
+
+def test_breakdown_terms_from_known_op_times():
+    # Per layer and step: baseline KDA 1.0 s, MLA 2.0 s, LM head 1.0 s; compact KDA 0.8 s (one call over the
+    # same rows 0.6 s, 0.5 s without the replay rows), MLA 1.5 s, LM head 0.4 s. 3 KDA + 1 MLA layers.
+    b = {"kda": 1.0, "mla": 2.0, "lm_head": 1.0}
+    c = {"kda": 0.8, "kda_one_call": 0.6, "kda_one_call_no_replay": 0.5, "mla": 1.5, "lm_head": 0.4}
+    base = {"fbg_s": 10.0, "layout_s": 0.1}
+    comp = {"fbg_s": 6.0, "layout_s": 0.35}
+    result = breakdown_terms(b, c, 3, 1, base, comp, compression=2.0)
+    # Ideal: 10 / 2 = 5; excess 1. Baseline ops 3 + 2 + 1 = 6, rest 4; compact ops 2.4 + 1.5 + 0.4 = 4.3, rest 1.7.
+    expected = {
+        "replay": 3 * 0.1,
+        "boundary_handoff_and_calls": 3 * 0.2,
+        "kda_other": 1.5 - 0.5 * 3.0,
+        "ancestor_kv_attention": 1.5 - 0.5 * 2.0,
+        "lm_head": 0.4 - 0.5 * 1.0,
+        "per_row_other": 1.7 - 0.5 * 4.0,
+    }
+    assert result["ideal_compact_fbg_s"] == pytest.approx(5.0)
+    assert result["excess_s"] == pytest.approx(1.0)
+    assert result["terms_s"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert result["terms_s"][key] == pytest.approx(value, abs=1e-12), key
+    assert sum(result["terms_s"].values()) == pytest.approx(result["excess_s"], abs=1e-12)
+    assert result["layout_materialisation_s"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_breakdown_terms_always_sum_to_the_excess(seed):
+    rng = np.random.default_rng(42 + seed)
+    b = {key: float(rng.random()) for key in ("kda", "mla", "lm_head")}
+    c = {key: float(rng.random()) for key in ("kda", "kda_one_call", "kda_one_call_no_replay", "mla", "lm_head")}
+    base = {"fbg_s": float(rng.random() * 20), "layout_s": 0.0}
+    comp = {"fbg_s": float(rng.random() * 20), "layout_s": 0.0}
+    result = breakdown_terms(b, c, int(rng.integers(1, 8)), int(rng.integers(1, 4)), base, comp,
+                             compression=float(1 + rng.random() * 5))
+    assert sum(result["terms_s"].values()) == pytest.approx(result["excess_s"], abs=1e-9)
+
+
+def test_first_slot(tree_step_path):
+    _, step = tree_step_path
+    microbatches = [np.array([3, 1]), np.array([0]), np.array([2, 4, 5]), np.array([6, 7])]
+    sub, members = first_slot(step, microbatches, dp=2)
+    assert sub.ids == tuple(step.ids[k] for k in (3, 1, 0))
+    assert [m.tolist() for m in members] == [[0, 1], [2]]
+    assert np.array_equal(sub.trajectory_tokens(2), step.trajectory_tokens(0))
+
+
+def _record(results=None, error=None, parallel="dp2"):
+    record = {"config": {"step": 3, "model": "tiny", "parallel": parallel}}
+    if error is not None:
+        record["error"] = error
+    else:
+        record["results"] = results
+    return record
+
+
+def test_headline_of_results_and_error_rows():
+    results = {key: float(i + 1) for i, key in enumerate(HEADLINE_KEYS)}
+    assert headline(_record(results)) == {"step": 3, "model": "tiny", "parallel": "dp2", **results}
+    row = headline(_record(error="ValueError: boom"))
+    assert row == {"step": 3, "model": "tiny", "parallel": "dp2", **dict.fromkeys(HEADLINE_KEYS),
+                   "error": "ValueError: boom"}
+
+
+def _speedup(args, tmp_path, capsys):
+    out = tmp_path / "speedup.json"
+    code = main(["bench", "speedup", "--model", "tiny", *args, "--out", str(out), "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return code, json.loads(out.read_text()), printed
+
+
+@pytest.mark.parametrize("parallel", [[], ["--parallel", "dp2"]], ids=["single", "dp2"])
+@pytest.mark.parametrize("case", ["capacity", "vocabulary"])
+def test_failing_case_is_an_error_row(case, parallel, tree_step_path, tmp_path, capsys):
+    path, step = tree_step_path
+    args = ["--trees", path, "--capacity", "1000", "--repeats", "1", *parallel]
+    if case == "capacity":
+        args[args.index("--capacity") + 1] = str(int(step.lengths.max()) - 1)
+        expected = "more than the capacity"
+    else:
+        args = ["--model", tiny_with_vocab(tmp_path, 4), *args]
+        expected = "vocabulary size 4"
+    code, records, printed = _speedup(args, tmp_path, capsys)
+    assert code == 1 and len(records) == 1 and "results" not in records[0]
+    assert expected in records[0]["error"], records[0]["error"]
+    assert records[0]["config"]["parallel"] == ("dp2" if parallel else "single")
+    assert printed == [{"step": 0, "model": records[0]["config"]["model"], "parallel": records[0]["config"]["parallel"],
+                        **dict.fromkeys(HEADLINE_KEYS), "error": records[0]["error"]}]
+
+
+def test_unsplittable_model_and_failed_rank_are_error_rows(tree_step_path, tmp_path, capsys, monkeypatch):
+    path, _ = tree_step_path
+    too_wide = tmp_path / "tp4.yaml"
+    too_wide.write_text("name: tp4\ntp: 4\n")
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--parallel", str(too_wide)], tmp_path, capsys)
+    assert code == 1 and "not divisible by tp (4)" in records[0]["error"]
+    assert records[0]["config"]["world_size"] == 4
+
+    def failed_rank(*args, **kwargs):
+        raise RankFailed("rank 1: RuntimeError: lost on purpose")
+
+    monkeypatch.setattr("harts.parallel.launch.launch", failed_rank)
+    code, records, printed = _speedup(["--trees", path, "--capacity", "80", "--parallel", "dp2"], tmp_path, capsys)
+    assert code == 1 and records[0]["error"] == "RankFailed: rank 1: RuntimeError: lost on purpose"
+    assert printed[0]["error"] == records[0]["error"]
+
+
+def _check_record(record, step, parallel: str, world_size: int):
+    config, results = record["config"], record["results"]
+    assert config["parallel"] == parallel and config["world_size"] == world_size
+    semantic = step.num_semantic_tokens
+    assert results["semantic_tokens"] == semantic
+    base, comp = results["baseline"], results["compact"]
+    assert base["rows"] == semantic and base["attention_kv_rows"] == semantic
+    assert results["compact_tokens"] == comp["rows"] >= results["lower_bound_compact_tokens"]
+    assert results["lower_bound_compact_tokens"] == PrefixIndex.from_step(step).segment_tree().num_compact_tokens
+    assert results["compression"] == pytest.approx(semantic / comp["rows"])
+    for name, execution in (("baseline", base), ("compact", comp)):
+        assert len(execution["samples"]) == 1 and len(execution["samples"][0]) == world_size, name
+        assert execution_times(execution["samples"]) == {k: execution[k] for k in execution_times(execution["samples"])}
+        assert execution["planning_s"] >= execution["layout_s"] > 0
+        assert execution["fbg_s"] >= max(execution["forward_s"], execution["backward_s"]) > 0
+        assert execution["peak_memory_bytes"] > 0
+    assert results["fbg_speedup"] == pytest.approx(base["fbg_s"] / comp["fbg_s"])
+    assert results["efficiency"] == pytest.approx(results["fbg_speedup"] / results["compression"])
+
+
+def test_single_process_record(tree_step_path, tmp_path, capsys):
+    path, step = tree_step_path
+    code, records, printed = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1"], tmp_path, capsys)
+    assert code == 0, records
+    (record,) = records
+    _check_record(record, step, "single", 1)
+    results = record["results"]
+    for name in ("baseline", "compact"):
+        execution = results[name]
+        assert execution["grad_reduction_s"] == 0.0
+        assert execution["fbg_s"] == pytest.approx(execution["forward_s"] + execution["backward_s"])
+    breakdown = results["breakdown"]
+    assert breakdown["ideal_compact_fbg_s"] == pytest.approx(results["baseline"]["fbg_s"] / results["compression"])
+    assert sum(breakdown["terms_s"].values()) == pytest.approx(breakdown["excess_s"], abs=1e-9)
+    assert printed == [{"step": 0, "model": "tiny", "parallel": "single",
+                        **{key: results[key] for key in HEADLINE_KEYS}}]
+
+
+def _parallel_record(name, tree_step_path, tmp_path, capsys):
+    from harts.parallel.config import load_parallel_config
+
+    path, step = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--parallel", name],
+                                tmp_path, capsys)
+    assert code == 0, records
+    (record,) = records
+    parallel = load_parallel_config(name)
+    _check_record(record, step, name, parallel.world_size)
+    results = record["results"]
+    assert results["world_size"] == parallel.world_size and "breakdown" not in results
+    assert results["breakdown_skipped"].startswith("--parallel")
+    for name in ("baseline", "compact"):
+        assert results[name]["microbatches"] % parallel.dp == 0
+        assert len(results[name]["kda_calls"]) == results[name]["microbatches"]
+    return record
+
+
+def test_parallel_dp2_record(tree_step_path, tmp_path, capsys):
+    record = _parallel_record("dp2", tree_step_path, tmp_path, capsys)
+    for name in ("baseline", "compact"):
+        execution = record["results"][name]
+        assert execution["grad_reduction_s"] > 0
+        (ranks,) = execution["samples"]
+        assert execution["fbg_s"] == pytest.approx(max(r["forward"] + r["backward"] + r["grad_reduce"] for r in ranks))
+        assert all(math.isfinite(r["grad_reduction_alone"]) and r["grad_reduction_alone"] > 0 for r in ranks)
+
+
+@pytest.mark.parametrize("name", ["tp2-sp", "pp2", "ep2"])
+def test_parallel_record_other_configs(name, tree_step_path, tmp_path, capsys):
+    _parallel_record(name, tree_step_path, tmp_path, capsys)
