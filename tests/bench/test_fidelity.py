@@ -215,3 +215,20 @@ def test_parallel_dp2_record(tree_step_path, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["tp2-sp", "pp2", "ep2"])
 def test_parallel_record_slow(name, tree_step_path, tmp_path, capsys):
     _parallel_record(name, tree_step_path, tmp_path, capsys)
+
+
+@pytest.mark.gpu
+def test_parallel_dp2_record_cuda(tree_step_path, tmp_path, capsys):
+    """NCCL ranks in bf16 with the GPU kernels: every row present; replicas hold one reduced gradient."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path, _ = tree_step_path
+    out = tmp_path / "fidelity.json"
+    assert main(["bench", "fidelity", "--model", "tiny", "--trees", path, "--parallel", "dp2", "--device", "cuda",
+                 "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    rows = record["results"]["parallel_fidelity"]
+    assert record["config"]["dtype"] == "bf16" and len(rows["baseline"]) == len(rows["compact"]) == 2
+    for settings in rows.values():
+        for row in settings.values():
+            assert row["logit_cosine_min"] >= 0.999 and row["replica_grad_max_rel_diff"] <= 1e-6, row

@@ -255,3 +255,25 @@ def test_parallel_dp2_record(tree_step_path, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["tp2-sp", "pp2", "ep2"])
 def test_parallel_record_other_configs(name, tree_step_path, tmp_path, capsys):
     _parallel_record(name, tree_step_path, tmp_path, capsys)
+
+
+@pytest.mark.gpu
+def test_parallel_dp2_record_cuda(tree_step_path, tmp_path, capsys):
+    """NCCL ranks, CUDA allocator peaks and bf16 with the GPU kernels (fla KDA, varlen attention)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path, step = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "2", "--parallel", "dp2",
+                                 "--device", "cuda"], tmp_path, capsys)
+    (record,) = records
+    assert code == 0, record
+    assert record["config"]["dtype"] == "bf16"
+    results = record["results"]
+    for name in ("baseline", "compact"):
+        execution = results[name]
+        assert len(execution["samples"]) == 2 and all(len(ranks) == 2 for ranks in execution["samples"])
+        assert execution_times(execution["samples"]) == {k: execution[k] for k in execution_times(execution["samples"])}
+        assert execution["grad_reduction_s"] > 0 and execution["peak_memory_bytes"] > 0
+    assert 0 < results["baseline_mfu"] < 1
