@@ -567,7 +567,8 @@ def run(args: argparse.Namespace) -> int:
     model_config = load_model_config(args.model)
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     if parallel is None:
-        model = HybridModel(model_config).to(device)
+        with device:
+            model = HybridModel(model_config)
         model.init_weights(args.model_seed)
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
