@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
     from harts.ops.attention.groups import group_attention, naive_group_attention
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 records.append(make_record("attention", config, error=message))
                 print(f"{execution:8} {backend:7} failed: {message}", file=sys.stderr)
             write_records(records, Path(args.out))
+    log_records(records)
     return 0 if all("error" not in r for r in records) else 1
 
 

@@ -321,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
@@ -363,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         records = [make_record("fidelity", config, error=message)]
     write_records(records, out)
     print(format_fidelity(records[0]))
+    log_records(records)
     return 0 if "error" not in records[0] else 1
 
 

@@ -151,6 +151,7 @@ def _time_mode(tree: SegmentTree, chunk: int, replay: bool, repeats: int) -> dic
 
 def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
 
     if min(args.repeats, args.segments, args.chunk) < 1 or (args.max_length is not None and args.max_length < 1):
         raise ValueError("--repeats, --segments, --chunk and --max-length must be >= 1")
@@ -190,4 +191,5 @@ def run(args: argparse.Namespace) -> int:
         )
     write_records(records, Path(args.out))
     print(f"wrote {args.out} ({records[0]['environment']['hardware']['cpu']})")
+    log_records(records)
     return 0 if all("error" not in r for r in records) else 1

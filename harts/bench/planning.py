@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
     from harts.config import config_to_dict, load_config
     from harts.planning.microbatch import plan, plan_metrics, validate
     from harts.trees.synth import SynthConfig
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     for record in failed:
         print(f"error: step {record['config']['step']} {record['config']['planner']}: {record['error']}",
               file=sys.stderr)
+    log_records(records)
     return 1 if failed else 0
 
 

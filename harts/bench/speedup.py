@@ -552,6 +552,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
@@ -602,6 +603,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps([headline(r) for r in records]))
+    log_records(records)
     return 0 if all("error" not in r for r in records) else 1
 
 

@@ -41,6 +41,7 @@ def build(step):
 
 def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
+    from harts.bench.wandb_log import log_records
     from harts.config import config_to_dict, load_config
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
@@ -89,4 +90,5 @@ def run(args: argparse.Namespace) -> int:
         f"{peak / 2**20:,.0f} MiB = {results['peak_over_token_array']:.2f}x the token array "
         f"({step.tokens.nbytes / 2**20:,.0f} MiB) on {record['environment']['hardware']['cpu']}; wrote {args.out}"
     )
+    log_records([record])
     return 0
