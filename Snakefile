@@ -1,0 +1,47 @@
+# HARTS pipeline: synthetic or ingested steps -> planning, speedup and fidelity records (reports/raw/, written by
+# the `harts` CLI) -> PDF/CSV reports and reports/summary.md. The workflow holds no logic of its own: rules call
+# `harts ...` or thin scripts (workflows/scripts/) that import harts.report.
+#   snakemake --cores all reports/speedup.pdf                              the default profile (CPU, small)
+#   snakemake --cores all --workflow-profile profiles/h200 reports/summary.md   one GPU
+# Sizes: configs/pipeline*.yaml (schema: workflows/schemas/pipeline.schema.yaml); profiles: profiles/*/.
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "configs/pipeline.yaml"
+
+
+validate(config, "workflows/schemas/pipeline.schema.yaml")
+
+
+envvars:
+    "PATH",
+
+
+include: "workflows/common.smk"
+
+
+wildcard_constraints:
+    dataset=NAME,
+    step=r"\d{3}",
+    model=NAME,
+    parallel=NAME,
+    planner=alternatives(["harts", "treetrain-ortools", "greedy-trie", "per-trajectory"]),
+
+
+include: "workflows/trees.smk"
+include: "workflows/planning.smk"
+include: "workflows/speedup.smk"
+include: "workflows/fidelity.smk"
+include: "workflows/reports.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "reports/summary.md",
+        multiext("reports/speedup", ".pdf", ".csv"),
+        multiext("reports/planning", ".pdf", ".csv"),
+        multiext("reports/fidelity", ".pdf", ".csv"),

@@ -1,0 +1,298 @@
+"""Speedup report: `reports/speedup.pdf` and `.csv` from `harts bench speedup` records (DESIGN §6).
+
+Input: speedup records (one per step and configuration: model, parallel configuration, planner,
+device, dtype, recomputation). Output:
+- CSV, one row per record plus the paper's row, columns `SPEEDUP_COLUMNS`: `source` (`ours` or
+  `paper`), the configuration, step, S, C, the trie lower bound, compression S/C, baseline and
+  compact F+B+Grad and planning seconds, F/B/Grad speedup, Core speedup, efficiency
+  (F/B/Grad speedup / compression), peak memory of both executions, and `error` (the record's
+  error message). A cell the record does not hold says `not measured`; a failed case says `error`
+  in every figure; a figure the paper does not give says `not reported`.
+- PDF: (1) compression beside F/B/Grad and Core speedup per configuration (median over steps,
+  range as error bars) with the paper's 5.62x rows / 4.81x measured beside them; (2) each
+  execution's step time split into forward, backward, gradient reduction and planning,
+  relative to the baseline's, and the efficiency against the paper's 0.86; (3) where it exists,
+  the op-level breakdown of the compact time beyond (C/S) x baseline; then the table.
+Every figure is read from the records; nothing is estimated here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from harts.report.records import ERROR, NOT_MEASURED, NOT_REPORTED, get, is_number, load_records, provenance_lines
+from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
+
+SPEEDUP_COLUMNS = [
+    "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "trees", "step",
+    "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
+    "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
+    "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "error",
+]
+_RESULT_KEYS = {
+    "semantic_tokens": ("semantic_tokens",), "compact_tokens": ("compact_tokens",),
+    "lower_bound_compact_tokens": ("lower_bound_compact_tokens",), "compression": ("compression",),
+    "baseline_fbg_s": ("baseline", "fbg_s"), "compact_fbg_s": ("compact", "fbg_s"),
+    "baseline_planning_s": ("baseline", "planning_s"), "compact_planning_s": ("compact", "planning_s"),
+    "fbg_speedup": ("fbg_speedup",), "core_speedup": ("core_speedup",), "efficiency": ("efficiency",),
+    "baseline_peak_memory_bytes": ("baseline", "peak_memory_bytes"),
+    "compact_peak_memory_bytes": ("compact", "peak_memory_bytes"),
+}
+PAPER_SETUP = "Ling-3.0-tiny, 8 GPUs, BF16, T = 65,536, full recomputation"
+
+
+def paper_figures() -> dict[str, float]:
+    from harts.bench.speedup import PAPER
+
+    return dict(PAPER)
+
+
+def configuration(record: dict[str, Any]) -> tuple:
+    c = record["config"]
+    return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
+            bool(c.get("recompute")))
+
+
+def configuration_label(key: tuple) -> str:
+    model, parallel, planner, device, dtype, recompute = key
+    return f"{model} / {parallel} / {planner}\n{device} {dtype}{', recompute' if recompute else ''}"
+
+
+def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """CSV rows (SPEEDUP_COLUMNS), the records' rows first, then the paper's."""
+    rows = []
+    for record in records:
+        c = record["config"]
+        row = {"source": "ours", "model": c.get("model"), "parallel": c.get("parallel", "single"),
+               "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
+               "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")), "trees": c.get("trees"),
+               "step": c.get("step"), "error": record.get("error", "")}
+        for column, keys in _RESULT_KEYS.items():
+            if "error" in record:
+                row[column] = ERROR
+            else:
+                value = get(record["results"], *keys)
+                row[column] = value if is_number(value) else NOT_MEASURED
+        rows.append(row)
+    paper = paper_figures()
+    row = {column: NOT_REPORTED for column in SPEEDUP_COLUMNS}
+    row.update({"source": "paper", "model": "Ling-3.0-tiny", "parallel": "8 GPUs", "planner": "harts",
+                "world_size": 8, "device": "cuda", "dtype": "bf16", "recompute": True, "trees": "paper workload",
+                "step": "all", "compression": paper["compression"], "fbg_speedup": paper["speedup"],
+                "efficiency": paper["efficiency"], "error": ""})
+    rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str, unit: str = "") -> str:
+    return format(value, spec) + unit if is_number(value) else str(value)
+
+
+def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["source", "model", "parallel", "planner", "device / dtype", "step", "S", "C", "S/C",
+              "baseline F+B+G s", "compact F+B+G s", "F/B/Grad speedup", "Core speedup", "efficiency", "note"]
+    table = []
+    for r in rows:
+        dtype = f"{r['device']} {r['dtype']}" + (" rc" if r["recompute"] is True else "")
+        table.append([
+            r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
+            _fmt(r["semantic_tokens"], ","), _fmt(r["compact_tokens"], ","), _fmt(r["compression"], ".2f"),
+            _fmt(r["baseline_fbg_s"], ".3g"), _fmt(r["compact_fbg_s"], ".3g"), _fmt(r["fbg_speedup"], ".2f", "x"),
+            _fmt(r["core_speedup"], ".2f", "x"), _fmt(r["efficiency"], ".2f"), _short(r["error"]),
+        ])
+    return header, table
+
+
+def _short(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration: median and range over its measured steps of each headline figure."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(configuration(record), []).append(record)
+    summaries = []
+    for key, group in groups.items():
+        done = [r["results"] for r in group if "error" not in r]
+        summary: dict[str, Any] = {"key": key, "label": configuration_label(key), "steps": len(group),
+                                   "errors": [r["error"] for r in group if "error" in r]}
+        for name in ("compression", "fbg_speedup", "core_speedup", "efficiency"):
+            values = [r[name] for r in done if is_number(r.get(name))]
+            summary[name] = (statistics.median(values), min(values), max(values)) if values else None
+        parts = {}
+        for execution in ("baseline", "compact"):
+            phases = {}
+            for phase in ("forward_s", "backward_s", "grad_reduction_s", "planning_s"):
+                values = [get(r, execution, phase) for r in done]
+                values = [v for v in values if is_number(v)]
+                phases[phase] = statistics.median(values) if values else None
+            parts[execution] = phases
+        summary["phases"] = parts
+        terms = [get(r, "breakdown", "terms_s") for r in done]
+        terms = [t for t in terms if isinstance(t, dict)]
+        summary["terms"] = ({name: statistics.median(t[name] for t in terms) for name in terms[0]}
+                            if terms else None)
+        summary["ideal_s"] = statistics.median([get(r, "breakdown", "ideal_compact_fbg_s") for r in done
+                                                if is_number(get(r, "breakdown", "ideal_compact_fbg_s"))] or [0.0])
+        summaries.append(summary)
+    return summaries
+
+
+def _speedup_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
+    import numpy as np
+
+    paper = paper_figures()
+    fig = page("Speedup of compact execution over the per-trajectory baseline",
+               f"ours: median over steps, bars span min-max; paper: {PAPER_SETUP}")
+    ax = fig.add_axes((0.07, 0.2, 0.9, 0.65))
+    metrics = [("compression", "rows S/C (compression)", "#9ecae1"), ("fbg_speedup", "F/B/Grad speedup", "#3182bd"),
+               ("core_speedup", "Core speedup (planning included)", "#08519c")]
+    labels = [s["label"] for s in summaries] + ["paper\nLing-3.0-tiny, 8 GPUs"]
+    x = np.arange(len(labels))
+    width = 0.26
+    top = max([paper["compression"]] + [s[m][2] for s in summaries for m, _, _ in metrics if s[m]])
+    for j, (name, legend, color) in enumerate(metrics):
+        offset = (j - 1) * width
+        labelled = False
+        for i, s in enumerate(summaries):
+            value = s[name]
+            if value is None:
+                text = ERROR if s["errors"] else NOT_MEASURED
+                ax.text(x[i] + offset, 0.02 * top, text, rotation=90, ha="center", va="bottom", fontsize=8,
+                        color="firebrick")
+                continue
+            median, low, high = value
+            ax.bar(x[i] + offset, median, width, color=color, label=None if labelled else legend,
+                   yerr=[[median - low], [high - median]] if high > low else None, capsize=3)
+            labelled = True
+            ax.text(x[i] + offset, high + 0.01 * top, f"{median:.2f}x", ha="center", va="bottom", fontsize=8)
+        paper_value = {"compression": paper["compression"], "fbg_speedup": paper["speedup"]}.get(name)
+        xp = x[-1] + offset
+        if paper_value is None:
+            ax.text(xp, 0.02 * top, NOT_REPORTED, rotation=90, ha="center", va="bottom", fontsize=8, color="0.4")
+        else:
+            ax.bar(xp, paper_value, width, color=color, hatch="//", edgecolor="white",
+                   label=None if labelled else legend)
+            ax.text(xp, paper_value + 0.01 * top, f"{paper_value:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle="--")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("x over the per-trajectory baseline")
+    ax.set_ylim(0, top * 1.1)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    footer(fig, footer_lines)
+    return fig
+
+
+def _time_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
+    import numpy as np
+
+    paper = paper_figures()
+    fig = page("Step time by phase and efficiency",
+               "left: median step time of each execution relative to the baseline's F+B+Grad+planning; "
+               "right: F/B/Grad speedup / compression")
+    ax = fig.add_axes((0.25, 0.2, 0.38, 0.65))
+    phases = [("forward_s", "forward", "#6baed6"), ("backward_s", "backward", "#2171b5"),
+              ("grad_reduction_s", "gradient reduction", "#fd8d3c"), ("planning_s", "planning + layout", "#74c476")]
+    labels, positions, labelled = [], [], set()
+    for i, s in enumerate(summaries):
+        base = s["phases"]["baseline"]
+        total = sum(v for v in base.values() if is_number(v))
+        for j, execution in enumerate(("baseline", "compact")):
+            y = 2.6 * i + j
+            positions.append(y)
+            labels.append(f"{s['label'].splitlines()[0]}: {execution}")
+            left = 0.0
+            values = s["phases"][execution]
+            if not total or all(v is None for v in values.values()):
+                ax.text(0.01, y, ERROR if s["errors"] else NOT_MEASURED, va="center", fontsize=8, color="firebrick")
+                continue
+            for name, legend, color in phases:
+                value = values[name]
+                if not is_number(value):
+                    continue
+                ax.barh(y, value / total, left=left, color=color, label=None if name in labelled else legend)
+                labelled.add(name)
+                left += value / total
+            seconds = sum(v for v in values.values() if is_number(v))
+            ax.text(left + 0.01, y, f"{seconds:.3g} s", va="center", fontsize=8)
+    ax.set_yticks(positions, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("fraction of the baseline's step time")
+    ax.set_xlim(0, 1.25)
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+
+    ax2 = fig.add_axes((0.82, 0.2, 0.15, 0.65))
+    names = [s["label"].splitlines()[0] for s in summaries] + ["paper"]
+    values = [s["efficiency"][0] if s["efficiency"] else None for s in summaries] + [paper["efficiency"]]
+    for i, value in enumerate(values):
+        if value is None:
+            ax2.text(0.02, i, NOT_MEASURED, va="center", fontsize=8, color="firebrick")
+        else:
+            ax2.barh(i, value, color="0.55" if i == len(values) - 1 else "#3182bd")
+            ax2.text(value, i, f" {value:.2f}", va="center", fontsize=8)
+    ax2.axvline(1.0, color="0.3", linewidth=0.8, linestyle="--")
+    ax2.set_yticks(range(len(names)), names)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("efficiency")
+    ax2.set_xlim(0, max([1.2] + [v * 1.25 for v in values if v is not None]))
+    footer(fig, footer_lines)
+    return fig
+
+
+def _breakdown_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
+    import numpy as np
+
+    with_terms = [s for s in summaries if s["terms"]]
+    fig = page("Compact step time beyond the ideal (C/S) x baseline",
+               "op-level fwd+bwd on real microbatch layouts (harts bench speedup breakdown), median over steps; "
+               "terms sum to the excess, negative = faster than ideal")
+    ax = fig.add_axes((0.2, 0.2, 0.77, 0.65))
+    names = list(with_terms[0]["terms"])
+    height = 0.8 / len(with_terms)
+    for j, s in enumerate(with_terms):
+        y = np.arange(len(names)) + (j - (len(with_terms) - 1) / 2) * height
+        values = [s["terms"][n] for n in names]
+        ax.barh(y, values, height, label=f"{s['label'].splitlines()[0]} (ideal {s['ideal_s']:.3g} s)")
+    ax.axvline(0.0, color="0.3", linewidth=0.8)
+    ax.set_yticks(range(len(names)), [n.replace("_", " ") for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    footer(fig, footer_lines)
+    return fig
+
+
+def write_speedup_report(record_paths: list[str | Path], pdf: str | Path, csv: str | Path) -> list[dict[str, Any]]:
+    """Write the PDF and CSV; return the CSV rows."""
+    records = load_records(record_paths, "speedup")
+    if not records:
+        raise ValueError("speedup report: no records given")
+    rows = speedup_rows(records)
+    write_csv(csv, SPEEDUP_COLUMNS, rows)
+    lines = provenance_lines(records)
+    summaries = _summaries(records)
+    figures = [_speedup_figure(summaries, lines), _time_figure(summaries, lines)]
+    if any(s["terms"] for s in summaries):
+        figures.append(_breakdown_figure(summaries, lines))
+    header, table = display_table(rows)
+    notes = [
+        "F/B/Grad speedup = baseline (forward + backward + gradient reduction) / compact; Core speedup adds "
+        "planning (microbatch planner + layout building) to both sides; efficiency = F/B/Grad speedup / (S/C).",
+        "Baseline: each trajectory its own sequence, packed to capacity T; same model, kernels, recomputation and "
+        "parallel configuration. Records: " + ", ".join(str(p) for p in record_paths),
+    ]
+    figures += table_pages("Speedup per step", wrap_header(header, 10), table, notes, lines)
+    save_pdf(figures, pdf)
+    return rows
+
+
+def speedup_markdown(record_paths: list[str | Path]) -> str:
+    records = load_records(record_paths, "speedup")
+    header, table = display_table(speedup_rows(records))
+    return markdown_table(header, table)

@@ -1,0 +1,107 @@
+# Helpers only (no rules): config lookups, the files each target needs, and checks of the names in the
+# config that the JSON schema cannot make (model and parallel configuration files, dataset references).
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from harts.parallel.config import load_parallel_config
+
+# Jobs run `harts` of the environment Snakemake runs in (where harts is installed), also when Snakemake
+# was started as .venv/bin/snakemake without activating the environment.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+NAME = r"[A-Za-z0-9_-]+"
+
+
+def alternatives(names):
+    """A regex matching exactly these names (or nothing)."""
+    return "|".join(re.escape(n) for n in sorted(names)) or "(?!x)x"
+
+
+SYNTH_DATASETS = [name for name, spec in config["datasets"].items() if "synth" in spec]
+INGEST_DATASETS = [name for name, spec in config["datasets"].items() if "ingest" in spec]
+
+
+def _check_config():
+    datasets = config["datasets"]
+    for section in ("speedup", "fidelity"):
+        if config[section]["dataset"] not in datasets:
+            raise ValueError(f"pipeline config: {section}.dataset {config[section]['dataset']!r} is not in datasets")
+        for model in config[section]["models"]:
+            if not Path(f"configs/models/{model}.yaml").is_file():
+                raise ValueError(f"pipeline config: {section}.models: no file configs/models/{model}.yaml")
+        for name in config[section]["parallel"]:
+            load_parallel_config(name)  # a missing or invalid configs/parallel/NAME.yaml is a ValueError
+    for name in config["planning"]["datasets"]:
+        if name not in SYNTH_DATASETS:
+            raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
+    for name in INGEST_DATASETS:
+        for section, steps in (("speedup", config["speedup"]["steps"]), ("fidelity", [config["fidelity"]["step"]])):
+            if config[section]["dataset"] == name and steps != [0]:
+                raise ValueError(f"pipeline config: {section}: an ingested dataset ({name}) has step 0 only")
+
+
+_check_config()
+
+
+def synth_config(wildcards):
+    return config["datasets"][wildcards.dataset]["synth"]
+
+
+def ingest_spec(dataset):
+    return config["datasets"][dataset]["ingest"]
+
+
+def step_file(dataset, step):
+    return f"data/trees/{dataset}/step_{int(step):03d}.npz"
+
+
+def world_size(parallel):
+    return load_parallel_config(parallel).world_size
+
+
+def parallel_flag(wildcards):
+    """`single` runs in the bench's own process (no --parallel); others spawn the config's ranks."""
+    return "" if wildcards.parallel == "single" else f"--parallel {wildcards.parallel}"
+
+
+def gpus(section, wildcards):
+    return world_size(wildcards.parallel) if config[section]["device"] == "cuda" else 0
+
+
+def speedup_step_records(model, parallel):
+    s = config["speedup"]
+    return [f"reports/raw/speedup/{model}/{parallel}/{planner}/step_{step:03d}.json"
+            for planner in s["planners"] for step in s["steps"]]
+
+
+def speedup_records():
+    s = config["speedup"]
+    return [f"reports/raw/speedup/{model}/{parallel}.json" for model in s["models"] for parallel in s["parallel"]]
+
+
+def fidelity_records():
+    f = config["fidelity"]
+    return [f"reports/raw/fidelity/{model}/{parallel}.json" for model in f["models"] for parallel in f["parallel"]]
+
+
+def planning_records():
+    return [f"reports/raw/planning/{dataset}.json" for dataset in config["planning"]["datasets"]]
+
+
+def used_steps():
+    """(dataset, step) of every step some measurement reads, and step 0 of every ingested dataset."""
+    used = {(name, 0) for name in INGEST_DATASETS}
+    used |= {(config["speedup"]["dataset"], step) for step in config["speedup"]["steps"]}
+    used.add((config["fidelity"]["dataset"], config["fidelity"]["step"]))
+    used |= {(dataset, step) for dataset in config["planning"]["datasets"] for step in config["planning"]["steps"]}
+    return sorted(used)
+
+
+def trees_records():
+    return [f"reports/raw/trees/{dataset}/step_{step:03d}.json" for dataset, step in used_steps()]
+
+
+def comma(values):
+    return ",".join(str(v) for v in values)

@@ -1,0 +1,28 @@
+# Fidelity per (model, parallel configuration): `single` gives the replay ablation by handoff depth, the
+# logit cosine of each path and |dloss| / gradients +- recomputation; another configuration gives the
+# logit fidelity, loss and gradients of both executions on its ranks against the single-process baseline.
+
+
+rule fidelity:
+    input:
+        step_file(config["fidelity"]["dataset"], config["fidelity"]["step"]),
+    output:
+        "reports/raw/fidelity/{model}/{parallel}.json",
+    params:
+        parallel=parallel_flag,
+        max_trees=f"--max-trees {config['fidelity']['max_trees']}" if "max_trees" in config["fidelity"] else "",
+        capacity=config["fidelity"]["capacity"],
+        device=config["fidelity"]["device"],
+        dtype=config["fidelity"]["dtype"],
+    threads: workflow.cores
+    resources:
+        torch_threads=lambda wildcards, threads: threads,
+        gpu=lambda wildcards: gpus("fidelity", wildcards),
+    log:
+        "reports/logs/fidelity/{model}/{parallel}.log",
+    benchmark:
+        "reports/benchmarks/fidelity/{model}/{parallel}.tsv"
+    shell:
+        "OMP_NUM_THREADS={resources.torch_threads} harts bench fidelity --model {wildcards.model} --trees {input} {params.parallel}"
+        " {params.max_trees} --capacity {params.capacity} --device {params.device} --dtype {params.dtype}"
+        " --out {output} 2>&1 | tee {log} || [ $? -eq 1 ]"
