@@ -81,6 +81,9 @@ class SynthConfig:
     """Trajectories per task at most (samples, side branches and compaction branches)."""
     max_tree_tokens: int | None = None
     """Compact tokens of a task's tree at most (prompt included); None = no budget."""
+    tree_budget_ratio: float | None = None
+    """A tree's compact budget = prompt + ratio × its longest sample's own tokens (capped by
+    max_tree_tokens); None = max_tree_tokens alone."""
     fork_position_skew: float = 1.0
     """>= 1: side branches fork at boundary index ⌊n·u^(1/skew)⌋ of their parent (larger = later)."""
     nested_fork_probability: float = 0.0
@@ -100,6 +103,8 @@ class SynthConfig:
             raise ValueError("vocab_size must leave at least 16 usable token ids")
         if not 0 <= self.nested_fork_probability <= 1:
             raise ValueError("nested_fork_probability must be in [0, 1]")
+        if self.tree_budget_ratio is not None and self.tree_budget_ratio < 1:
+            raise ValueError("tree_budget_ratio must be >= 1 (a tree holds at least its sample)")
         if self.fork_position_skew < 1:
             raise ValueError("fork_position_skew must be >= 1")
         if self.max_tree_tokens is not None and self.max_tree_tokens < self.system_prompt_tokens + self.issue_tokens.max:
@@ -181,7 +186,13 @@ def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: floa
     rng = _task_rng(seed, step, task, 0)
     issue = config.issue_tokens.sample(rng)
     prompt = config.system_prompt_tokens + issue
+    targets = [prompt + config.trajectory_tokens.sample(rng) for _ in range(config.samples_per_task)]
     budget = config.max_tree_tokens if config.max_tree_tokens is not None else math.inf
+    if config.tree_budget_ratio is not None:
+        # A task's tree grows in proportion to its longest sample, so tree sizes spread like
+        # trajectory lengths and small trees can share a microbatch.
+        longest = min(max(targets), config.max_tokens) - prompt
+        budget = min(budget, prompt + config.tree_budget_ratio * longest)
     used = prompt
     branches: list[_Branch] = []
 
@@ -200,9 +211,8 @@ def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: floa
                         turns=[(SUMMARY, summary)]), stream + 1000)
         return True
 
-    for sample in range(config.samples_per_task):
-        add(_Branch(parent=-1, fork=prompt, depth=0, target=prompt + config.trajectory_tokens.sample(rng), turns=[]),
-            1 + sample)
+    for sample, target in enumerate(targets):
+        add(_Branch(parent=-1, fork=prompt, depth=0, target=target, turns=[]), 1 + sample)
     attempt = 0
     while len(branches) < config.max_branches_per_task and used < budget:
         attempt += 1
