@@ -6,6 +6,8 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
 from harts.parallel.config import load_parallel_config
 
 # Jobs run `harts` of the environment Snakemake runs in (where harts is installed), also when Snakemake
@@ -29,10 +31,17 @@ def _check_config():
         if config[section]["dataset"] not in datasets:
             raise ValueError(f"pipeline config: {section}.dataset {config[section]['dataset']!r} is not in datasets")
         for model in config[section]["models"]:
-            if not Path(f"configs/models/{model}.yaml").is_file():
-                raise ValueError(f"pipeline config: {section}.models: no file configs/models/{model}.yaml")
+            path = Path(f"configs/models/{model}.yaml")
+            if not path.is_file():
+                raise ValueError(f"pipeline config: {section}.models: no file {path}")
+            if yaml.safe_load(path.read_text(encoding="utf-8")).get("name") != model:
+                raise ValueError(f"{path}: its `name` must be {model!r} (records are labelled by it)")
         for name in config[section]["parallel"]:
-            load_parallel_config(name)  # a missing or invalid configs/parallel/NAME.yaml is a ValueError
+            path = Path(f"configs/parallel/{name}.yaml")
+            if not path.is_file():
+                raise ValueError(f"pipeline config: {section}.parallel: no file {path}")
+            if load_parallel_config(str(path)).name != name:
+                raise ValueError(f"{path}: its `name` must be {name!r} (records are labelled by it)")
     for name in config["planning"]["datasets"]:
         if name not in SYNTH_DATASETS:
             raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
@@ -58,12 +67,12 @@ def step_file(dataset, step):
 
 
 def world_size(parallel):
-    return load_parallel_config(parallel).world_size
+    return load_parallel_config(f"configs/parallel/{parallel}.yaml").world_size
 
 
 def parallel_flag(wildcards):
     """`single` runs in the bench's own process (no --parallel); others spawn the config's ranks."""
-    return "" if wildcards.parallel == "single" else f"--parallel {wildcards.parallel}"
+    return "" if wildcards.parallel == "single" else f"--parallel configs/parallel/{wildcards.parallel}.yaml"
 
 
 def gpus(section, wildcards):

@@ -5,7 +5,9 @@
 
 rule fidelity:
     input:
-        step_file(config["fidelity"]["dataset"], config["fidelity"]["step"]),
+        step=step_file(config["fidelity"]["dataset"], config["fidelity"]["step"]),
+        model="configs/models/{model}.yaml",
+        parallel="configs/parallel/{parallel}.yaml",
     output:
         "reports/raw/fidelity/{model}/{parallel}.json",
     params:
@@ -23,6 +25,6 @@ rule fidelity:
     benchmark:
         "reports/benchmarks/fidelity/{model}/{parallel}.tsv"
     shell:
-        "OMP_NUM_THREADS={resources.torch_threads} harts bench fidelity --model {wildcards.model} --trees {input} {params.parallel}"
+        "OMP_NUM_THREADS={resources.torch_threads} harts bench fidelity --model {input.model} --trees {input.step} {params.parallel}"
         " {params.max_trees} --capacity {params.capacity} --device {params.device} --dtype {params.dtype}"
         " --out {output} 2>&1 | tee {log} || [ $? -eq 1 ]"

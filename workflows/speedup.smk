@@ -7,7 +7,9 @@
 
 rule speedup_step:
     input:
-        lambda wildcards: step_file(config["speedup"]["dataset"], wildcards.step),
+        step=lambda wildcards: step_file(config["speedup"]["dataset"], wildcards.step),
+        model="configs/models/{model}.yaml",
+        parallel="configs/parallel/{parallel}.yaml",
     output:
         "reports/raw/speedup/{model}/{parallel}/{planner}/step_{step}.json",
     params:
@@ -27,7 +29,7 @@ rule speedup_step:
     benchmark:
         "reports/benchmarks/speedup/{model}/{parallel}/{planner}/step_{step}.tsv"
     shell:
-        "OMP_NUM_THREADS={resources.torch_threads} harts bench speedup --model {wildcards.model} --trees {input} {params.parallel}"
+        "OMP_NUM_THREADS={resources.torch_threads} harts bench speedup --model {input.model} --trees {input.step} {params.parallel}"
         " --planner {wildcards.planner} --capacity {params.capacity} --device {params.device} --dtype {params.dtype}"
         " {params.recompute} --repeats {params.repeats} {params.breakdown} --out {output}"
         " 2>&1 | tee {log} || [ $? -eq 1 ]"
