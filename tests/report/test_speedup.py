@@ -1,0 +1,68 @@
+"""harts.report.speedup: CSV rows from speedup records, and the PDF (parsed back with pypdf)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from harts.report.records import ERROR, NOT_MEASURED, NOT_REPORTED
+from harts.report.speedup import SPEEDUP_COLUMNS, speedup_rows, write_speedup_report
+
+from .helpers import pdf_text, speedup_record, write
+
+
+def test_rows_carry_the_records_figures_and_the_papers():
+    record = speedup_record(semantic=4000, compact=1000, base_fbg=8.0, comp_fbg=2.5)
+    rows = speedup_rows([record])
+    assert [r["source"] for r in rows] == ["ours", "paper"]
+    ours, paper = rows
+    assert ours["compression"] == 4.0 and ours["fbg_speedup"] == pytest.approx(3.2)
+    assert ours["efficiency"] == pytest.approx(0.8) and ours["baseline_fbg_s"] == 8.0
+    assert ours["core_speedup"] == pytest.approx(8.1 / 2.7)
+    assert (paper["compression"], paper["fbg_speedup"]) == (5.62, 4.81)
+    assert paper["efficiency"] == pytest.approx(4.81 / 5.62) and paper["core_speedup"] == NOT_REPORTED
+    assert set(ours) == set(SPEEDUP_COLUMNS) == set(paper)
+
+
+def test_error_and_missing_cells_say_so():
+    failed = speedup_record(step=1, error="OutOfMemoryError: CUDA out of memory")
+    partial = speedup_record(step=2)
+    del partial["results"]["core_speedup"]
+    rows = speedup_rows([failed, partial])
+    assert rows[0]["fbg_speedup"] == ERROR and rows[0]["error"].startswith("OutOfMemoryError")
+    assert rows[1]["core_speedup"] == NOT_MEASURED and rows[1]["fbg_speedup"] == pytest.approx(3.2)
+
+
+def test_report_files(tmp_path):
+    single = write(tmp_path, "single.json", [speedup_record(step=0), speedup_record(step=1, base_fbg=9.0)])
+    dp2 = write(tmp_path, "dp2.json", [speedup_record(parallel="dp2", breakdown=False),
+                                       speedup_record(parallel="dp2", step=1, error="RuntimeError: rank 1 failed")])
+    pdf, table = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([single, dp2], pdf, table)
+    with open(table, newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert reader.fieldnames == SPEEDUP_COLUMNS
+    assert [(r["source"], r["parallel"], r["step"]) for r in rows] == [
+        ("ours", "single", "0"), ("ours", "single", "1"), ("ours", "dp2", "0"), ("ours", "dp2", "1"),
+        ("paper", "8 GPUs", "all")]
+    assert float(rows[1]["fbg_speedup"]) == pytest.approx(3.6) and rows[3]["fbg_speedup"] == ERROR
+    pages, text = pdf_text(pdf)
+    assert pages == 4  # speedup, step time, breakdown, table
+    for expected in ("Speedup of compact execution", "5.62x", "4.81x", "tiny / single / harts", "tiny / dp2 / harts",
+                     "Step time by phase", "beyond the ideal", "Speedup per step", "RuntimeError: rank 1 failed",
+                     "not reported"):
+        assert expected in text, expected
+
+
+def test_same_records_same_pdf(tmp_path):
+    records = write(tmp_path, "r.json", [speedup_record()])
+    write_speedup_report([records], tmp_path / "a.pdf", tmp_path / "a.csv")
+    write_speedup_report([records], tmp_path / "b.pdf", tmp_path / "b.csv")
+    assert (tmp_path / "a.pdf").read_bytes() == (tmp_path / "b.pdf").read_bytes()
+
+
+def test_no_records_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no records"):
+        write_speedup_report([write(tmp_path, "empty.json", [])], tmp_path / "x.pdf", tmp_path / "x.csv")
