@@ -2,7 +2,11 @@
 
 `PrefixIndex.from_step(step)` sorts the N trajectories lexicographically (stable) and stores the
 adjacent-LCP array with a sparse table, so the LCP of any two trajectories (and the sorted order
-and adjacent LCPs of any subset) is answered without touching the tokens again.
+and adjacent LCPs of any subset) is answered without touching the tokens again. The sort
+(`sort_with_lcp`) is a multikey partition around pivots that compares token runs with numpy and
+never rereads a token it has proven shared, so it costs about one pass over the Σ adjacent-LCP
+shared tokens; `naive_sort_with_lcp` (Python's sort on big-endian byte strings, then one
+comparison per adjacent pair) is its reference.
 
 `SegmentTree` is the compressed trie of a set of trajectories ("members": the whole step or a
 microbatch). A segment is a maximal run of compact tokens with no fork and no trajectory end
@@ -34,6 +38,89 @@ def _adjacent_lcp(a: np.ndarray, b: np.ndarray) -> int:
     return first if n and differ[first] else n
 
 
+def naive_sort_with_lcp(step: Step) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp) by Python's stable sort on big-endian byte strings: the reference of `sort_with_lcp`."""
+    # Big-endian bytes compare like the token sequences, and a proper prefix sorts first.
+    keys = [step.trajectory_tokens(k).astype(">u4").tobytes() for k in range(step.num_trajectories)]
+    order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+    del keys
+    lcp = np.zeros(len(order), dtype=np.int64)
+    for r in range(1, len(order)):
+        lcp[r] = _adjacent_lcp(step.trajectory_tokens(order[r - 1]), step.trajectory_tokens(order[r]))
+    return order, lcp
+
+
+def _first_difference(tokens: np.ndarray, a: int, b: int, start: int, stop: int) -> int:
+    """The first i in [start, stop) with tokens[a + i] != tokens[b + i], else stop."""
+    # Growing windows: a difference near `start` (another tree) costs one short comparison,
+    # a long shared run costs about its own length.
+    width = 4096
+    while start < stop:
+        end = min(stop, start + width)
+        differ = tokens[a + start : a + end] != tokens[b + start : b + end]
+        first = int(differ.argmax())
+        if differ[first]:
+            return start + first
+        start = end
+        width *= 4
+    return stop
+
+
+def sort_with_lcp(step: Step) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp): the stable lexicographic order of the trajectories and its adjacent LCPs.
+
+    A group of trajectories known to share their first `depth` tokens is split around its
+    lowest-index member p: every other member x is compared with p from `depth` on, giving
+    l = LCP(x, p) and the tokens of x and p at l (-1 past the end, so a proper prefix sorts
+    first). Members with the same (l, token of x) share l + 1 tokens and form a subgroup;
+    subgroups sort below p by (l, token) and above p by (-l, token), copies of p follow it in
+    index order, and two neighbouring subgroups share min(l, l') tokens. Subgroups are split
+    the same way, depth first, so the output comes out in order.
+    """
+    tokens = step.tokens
+    offsets = step.offsets[:-1].tolist()
+    lengths = step.lengths.tolist()
+    order: list[int] = []
+    lcp: list[int] = []
+    # (members in index order, shared depth, LCP with the previous trajectory of the output)
+    stack: list[tuple[list[int], int, int]] = [(list(range(step.num_trajectories)), 0, 0)]
+    while stack:
+        members, depth, before = stack.pop()
+        pivot = members[0]
+        if len(members) == 1:
+            order.append(pivot)
+            lcp.append(before)
+            continue
+        start, length = offsets[pivot], lengths[pivot]
+        below: dict[tuple[int, int], list[int]] = {}
+        above: dict[tuple[int, int], list[int]] = {}
+        copies: list[int] = []
+        for x in members[1:]:
+            shared = _first_difference(tokens, offsets[x], start, depth, min(lengths[x], length))
+            token_x = int(tokens[offsets[x] + shared]) if shared < lengths[x] else -1
+            token_p = int(tokens[start + shared]) if shared < length else -1
+            if token_x == token_p:
+                copies.append(x)
+            elif token_x < token_p:
+                below.setdefault((shared, token_x), []).append(x)
+            else:
+                above.setdefault((-shared, token_x), []).append(x)
+        groups: list[tuple[list[int], int, int]] = []
+        previous = before
+        for shared, token in sorted(below):
+            # A subgroup that ended at `shared` (token -1) is a set of copies: nothing left to compare.
+            groups.append((below[shared, token], shared + (token >= 0), previous))
+            previous = shared
+        groups.append(([pivot], length, previous))
+        groups.extend(([x], length, length) for x in copies)
+        previous = length
+        for negative, token in sorted(above):
+            groups.append((above[negative, token], -negative + 1, min(previous, -negative)))
+            previous = -negative
+        stack.extend(reversed(groups))
+    return np.asarray(order, dtype=np.int64), np.asarray(lcp, dtype=np.int64)
+
+
 class PrefixIndex:
     """Lexicographic order and adjacent LCPs of a step's trajectories, with O(1) range-min."""
 
@@ -56,13 +143,7 @@ class PrefixIndex:
 
     @classmethod
     def from_step(cls, step: Step) -> PrefixIndex:
-        # Big-endian bytes compare like the token sequences, and a proper prefix sorts first.
-        keys = [step.trajectory_tokens(k).astype(">u4").tobytes() for k in range(step.num_trajectories)]
-        order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
-        del keys
-        lcp = np.zeros(len(order), dtype=np.int64)
-        for r in range(1, len(order)):
-            lcp[r] = _adjacent_lcp(step.trajectory_tokens(order[r - 1]), step.trajectory_tokens(order[r]))
+        order, lcp = sort_with_lcp(step)
         return cls(step.lengths, order, lcp)
 
     def range_min(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
