@@ -277,25 +277,25 @@ def _logits_figure(rows: list[dict[str, Any]], footer_lines: list[str]):
     for column, (key, title, threshold) in enumerate((
             ("one_minus_cosine", "1 - min per-position logit cosine", 1.0 - paper["cosine_min"]),
             ("abs_dloss", "|dloss| of the step", paper["abs_dloss"]))):
-        ax = fig.add_axes((0.3 + 0.36 * column, 0.14, 0.3, 0.72))
+        ax = fig.add_axes((0.3 + 0.36 * column, 0.14, 0.3, 0.68))
         values = [points[label].get(key, NOT_MEASURED) for label in labels]
         measured = [v for v in values if is_number(v)]
         floor = min([v for v in measured if v > 0] + [threshold]) / 10
         for i, value in enumerate(values):
             if is_number(value):
                 ax.plot(max(value, floor), y[i], "o", color="#3182bd")
-                ax.text(max(value, floor), y[i] + 0.25, f"{value:.2g}" if value else "0 (exact)", fontsize=7,
-                        ha="center")
+                ax.annotate(f"{value:.2g}" if value else "0 (exact)", (max(value, floor), y[i]), xytext=(0, -11),
+                            textcoords="offset points", ha="center", va="top", fontsize=7,
+                            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
             else:
                 ax.text(floor, y[i], "-" if value == NOT_MEASURED else str(value), va="center", fontsize=7,
                         color="0.4")
-        ax.axvline(threshold, color="#e6550d", linestyle="--", label=f"paper bound {threshold:.1g}")
+        ax.axvline(threshold, color="#e6550d", linestyle="--")
         ax.set_xscale("log")
         ax.set_xlim(floor / 2, max(measured + [threshold]) * 20)
-        ax.set_title(title)
+        ax.set_title(f"{title}\n(dashed: the paper's bound {threshold:.1g})")
         ax.set_yticks(y, labels if column == 0 else [""] * len(labels))
-        ax.invert_yaxis()
-        ax.legend(loc="lower right", fontsize=7)
+        ax.set_ylim(len(labels) - 0.4, -0.6)
         ax.grid(axis="x", alpha=0.3)
     fig.text(0.3, 0.07, "points at the left edge: exactly 0 (drawn at the axis floor); '-': the comparison does "
              "not produce that figure", fontsize=8, color="0.3")

@@ -234,7 +234,8 @@ def _time_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
             ax2.text(0.02, i, NOT_MEASURED, va="center", fontsize=8, color="firebrick")
         else:
             ax2.barh(i, value, color="0.55" if i == len(values) - 1 else "#3182bd")
-            ax2.text(value, i, f" {value:.2f}", va="center", fontsize=8)
+            ax2.text(value, i, f" {value:.2f}", va="center", fontsize=8,
+                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     ax2.axvline(1.0, color="0.3", linewidth=0.8, linestyle="--")
     ax2.set_yticks(range(len(names)), names)
     ax2.invert_yaxis()
