@@ -15,17 +15,32 @@ Search tiers, by size:
 1. "exact" (N <= `exact_max_trajectories`): branch and bound over all set partitions of the
    ranks (restricted-growth assignment in rank order, capacity and W-bound pruning), scoring
    complete partitions with the full objective. Optimal; tested against brute force.
-2. "dp" (DP over cut points): f[k][j] = min W of the first j ranks in k contiguous runs, each
+2. "cluster-packing" (refinement on, every cluster fits T): clusters are the maximal runs of the
+   sorted order sharing more than g0, the prefix of the whole step (RL steps: one per task
+   tree, under the shared system prompt). Whole clusters in K microbatches cost exactly
+   W = C + (K - 1)·g0, the least W of any plan with K or more microbatches (bound of
+   `harts.planning.bounds`). K starts at the first-fit-decreasing count rounded up to D and
+   drops by D while splitting a few clusters at their cheapest cuts costs less than the D·g0
+   it saves. The search is then for the critical path: a best-fit start (and the repacking
+   that lowered K), each balanced by the priced moves and swaps of
+   `harts.planning.cluster_packing.balance`, the better kept. A trajectory-level move out of
+   a whole cluster raises W by at least its cut cost, so the trajectory-level refinement below
+   runs on this plan only when some cluster cuts for less than `refine_packed_split_ratio`·g0
+   ("cluster-packing+refine").
+3. "dp" (DP over cut points): f[k][j] = min W of the first j ranks in k contiguous runs, each
    <= T: f[k][j] = min_{lo(j) <= i < j} f[k-1][i] + cost(i, j), where lo(j) is the first start
    whose run fits (monotone, found by binary search on prefix sums). Counts k run upward until
    the bound C + (k - 1 smallest adjacent LCPs) exceeds the best W found at a multiple of D;
    every k ≡ 0 mod D reaching that W is rebuilt and scored by the full objective. Exact among
-   contiguous partitions (tested against enumeration of all cut sets).
-3. "restricted-dp" (when N² · window, the full table's cells, exceeds `dp_max_cells`): the same
+   contiguous partitions (tested against enumeration of all cut sets). Skipped when no
+   contiguous partition can reach the W of the cluster packing: C plus the k - 1 smallest
+   adjacent LCPs, k the fewest fitting runs rounded up to D, already exceeds it.
+4. "restricted-dp" (when N² · window, the full table's cells, exceeds `dp_max_cells`): the same
    recursion keeping, for each prefix j, only counts within `count_band` of the fewest runs
    that can cover it.
+The plan with the smallest objective among the tiers that ran is returned (`details["tier"]`).
 
-Refinement (tiers 2 and 3), each change accepted only when it lowers the objective it targets:
+Refinement of the DP plan (tiers 3 and 4), each change accepted only when it lowers the objective it targets:
 - boundary moves and sparse repair: move one trajectory to the microbatch of one of its sorted
   neighbours (crossing a cut) or to one of the microbatches with the most room (pairing
   leftovers of different trees, which share only the common prefix), or swap it with a sorted
@@ -62,6 +77,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from harts.planning import cluster_packing
 from harts.planning.bounds import plan_bounds
 from harts.planning.microbatch import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork, no_plan_error, pad_to_dp, split_to_multiple
@@ -80,7 +96,14 @@ class HartsConfig:
     count_band: int = 64
     """Restricted tier: counts kept per prefix beyond the fewest runs that cover it (>= D)."""
     refine: bool = True
-    """Run the moves, swaps and balancing after the DP."""
+    """Search beyond the DP: the cluster packing, and the moves, swaps and balancing after the DP."""
+    pack_clusters: bool = True
+    """Try the cluster-packing tier (with `refine`)."""
+    refine_packed_split_ratio: float = 0.5
+    """Refine a cluster-packing plan at trajectory level when some cluster can be cut for less
+    than this fraction of g0: cuts that cheap can pay for the microbatches they empty (the
+    paper's trees cut for >= 0.83·g0, and the trajectory-level search gained nothing there in
+    0.3-0.9 s per step)."""
     neighbor_window: int = 12
     """Boundary moves and swaps look this many ranks either side of a trajectory."""
     room_candidates: int = 16
@@ -93,12 +116,16 @@ class HartsConfig:
     """Upper bound on accepted balancing changes."""
     stop_at_bound: bool = True
     """Skip the W-lowering refinement when the DP's W equals the plan lower bound (only balancing runs)."""
+    balance_rounds: int = 100
+    """Cluster packing: most rounds of priced moves and swaps per start (a round that takes nothing ends it)."""
+    balance_batch: int = 128
+    """Cluster packing: best priced candidates tried per round, each checked against the exact critical path."""
 
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
             raise ValueError("exact_max_trajectories >= 0, neighbor_window >= 1, room_candidates >= 0")
-        if self.count_band < 1 or self.max_passes < 0 or self.max_balance_moves < 0:
-            raise ValueError("count_band >= 1, max_passes >= 0 and max_balance_moves >= 0")
+        if self.count_band < 1 or self.max_passes < 0 or self.max_balance_moves < 0 or self.balance_rounds < 0 or self.balance_batch < 1:
+            raise ValueError("count_band >= 1, max_passes >= 0, max_balance_moves >= 0, balance_rounds >= 0, balance_batch >= 1")
 
 
 def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,
@@ -109,26 +136,188 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
     index = index or PrefixIndex.from_step(step)
     rw = RankWork(index)
     details: dict[str, object] = {}
+    bound = plan_bounds(rw, capacity, dp).compact_tokens
     if rw.num <= config.exact_max_trajectories:
         bins = exact_partition(rw, capacity, dp)
+        works = np.asarray([rw.trie(b) for b in bins], dtype=np.int64)
         details["tier"] = "exact"
     else:
-        band = None
-        window = _window(rw, capacity)
-        if rw.num * window * rw.num > config.dp_max_cells:
-            band = max(config.count_band, dp)
-        bins = cut_point_dp(rw, capacity, dp, band=band)
-        details["tier"] = "dp" if band is None else "restricted-dp"
-        details["dp_compact_tokens"] = sum(rw.trie(b) for b in bins)
-    bound = plan_bounds(rw, capacity, dp).compact_tokens
-    if details["tier"] != "exact" and config.refine and rw.num >= dp:
-        optimal = config.stop_at_bound and details["dp_compact_tokens"] == bound
-        bins = refine(rw, bins, capacity, dp, config, work_optimal=optimal)
-    works = np.asarray([rw.trie(b) for b in bins], dtype=np.int64)
+        refining = config.refine and rw.num >= dp
+        # (objective, tier, bins, works) of each candidate plan; the smallest objective wins.
+        candidates: list[tuple[tuple[int, int, int], str, list[list[int]], np.ndarray]] = []
+        packed = whole_cluster_plan(rw, capacity, dp, config) if refining and config.pack_clusters else None
+        if packed is not None:
+            candidates.append((objective(packed[1], dp), "cluster-packing", *packed))
+            if _cheap_split(rw, config.refine_packed_split_ratio):
+                refined = refine(rw, packed[0], capacity, dp, config)
+                refined_works = np.asarray([rw.trie(b) for b in refined], dtype=np.int64)
+                candidates.append((objective(refined_works, dp), "cluster-packing+refine", refined, refined_works))
+        # The DP cannot win when its least possible W exceeds the packing's (or it has no plan).
+        floor = _contiguous_floor(rw, capacity, dp)
+        if packed is None or (floor is not None and floor <= int(packed[1].sum())):
+            band = None
+            if rw.num * _window(rw, capacity) * rw.num > config.dp_max_cells:
+                band = max(config.count_band, dp)
+            cut = cut_point_dp(rw, capacity, dp, band=band)
+            details["dp_compact_tokens"] = sum(rw.trie(b) for b in cut)
+            if refining:
+                optimal = config.stop_at_bound and details["dp_compact_tokens"] == bound
+                cut = refine(rw, cut, capacity, dp, config, work_optimal=optimal)
+            cut_works = np.asarray([rw.trie(b) for b in cut], dtype=np.int64)
+            candidates.append((objective(cut_works, dp), "dp" if band is None else "restricted-dp", cut, cut_works))
+        _, details["tier"], bins, works = min(candidates, key=lambda candidate: candidate[0])
     details["work_gap_to_bound"] = int(works.sum()) - bound
     groups = [rw.order[np.asarray(b, dtype=np.int64)] for b in bins]
     return build_plan(step, groups, works, planner="harts", capacity=capacity, dp=dp,
                       started=started, details=details)
+
+
+def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
+                       config: HartsConfig) -> tuple[list[list[int]], np.ndarray] | None:
+    """(bins, works): clusters packed into the fewest multiple-of-D microbatches, balanced; None
+    when a cluster exceeds T or there are fewer clusters than that count.
+
+    K starts at the first-fit-decreasing count rounded up to D (W = C + (K - 1)·g0). While
+    `_fewer_microbatches` finds K - D microbatches whose cluster splits cost less than the D·g0
+    they save, K drops by D and the split pieces become items (pieces of one cluster never
+    share a microbatch, so works stay additive). Starts: that packing if any, and best-fit
+    decreasing; each is balanced by `cluster_packing.balance` and the lowest objective is kept.
+    """
+    g0 = rw.common_prefix
+    starts = np.concatenate([[0], np.flatnonzero(rw.lcp_adjacent[1:] == g0) + 1]).astype(np.int64)
+    ends = np.concatenate([starts[1:], [rw.num]])
+    sizes = (rw.cum_len[ends] - rw.cum_len[starts]) - (rw.cum_lcp[ends] - rw.cum_lcp[starts + 1]) - g0
+    room = capacity - g0
+    if sizes.max() > room:
+        return None
+    count = -(-cluster_packing.first_fit_count(sizes, room) // dp) * dp
+    pieces = list(zip(starts.tolist(), ends.tolist(), range(len(starts))))
+    repacked = None
+    while count > dp:
+        fewer = _fewer_microbatches(rw, pieces, count - dp, room, max_extra=dp * g0)
+        if fewer is None:
+            break
+        pieces, repacked = fewer
+        count -= dp
+    sizes = np.asarray([rw.run_cost(a, b) - g0 for a, b, _ in pieces], dtype=np.int64)
+    groups = np.asarray([c for _, _, c in pieces], dtype=np.int64) if repacked is not None else None
+    best = None
+    for start in (repacked, cluster_packing.pack_best_fit(sizes, room, count, groups)):
+        if start is None:
+            continue
+        bin_of = cluster_packing.balance(sizes, start, count, dp, base=g0, capacity=capacity, groups=groups,
+                                         max_rounds=config.balance_rounds, batch=config.balance_batch)
+        works = g0 + np.bincount(bin_of, weights=sizes, minlength=count).astype(np.int64)
+        key = objective(works, dp)
+        if best is None or key < best[0]:
+            best = (key, bin_of, works)
+    if best is None:
+        return None
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for (a, b, _), k in sorted(zip(pieces, best[1].tolist())):
+        bins[k].extend(range(a, b))
+    return bins, best[2]
+
+
+def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count: int, room: int, *,
+                        max_extra: int) -> tuple[list[tuple[int, int, int]], np.ndarray] | None:
+    """Pieces (rank ranges [a, b) with their cluster) in `count` microbatches, splitting the ones
+    that do not fit for less than `max_extra` extra work in all; (pieces, bin of each) or None.
+
+    Best-fit decreasing places what fits; each leftover, largest first, is cut into two or
+    three pieces at the cheapest cuts (a cut at rank c costs lcp[c] - g0, the prefix its two
+    sides no longer share) whose parts fit, best fit, in distinct microbatches holding nothing
+    of its cluster.
+    """
+    g0 = rw.common_prefix
+    sizes = [rw.run_cost(a, b) - g0 for a, b, _ in pieces]
+    loads = np.zeros(count, dtype=np.int64)
+    holds = np.zeros((max(c for *_, c in pieces) + 1, count), dtype=bool)
+    placed: list[tuple[int, int, int, int]] = []
+    leftovers = []
+    for i in sorted(range(len(pieces)), key=lambda i: (-sizes[i], i)):
+        a, b, cluster = pieces[i]
+        k = _best_fit(loads, holds[cluster], room, sizes[i])
+        if k < 0:
+            leftovers.append(pieces[i])
+            continue
+        loads[k] += sizes[i]
+        holds[cluster, k] = True
+        placed.append((a, b, cluster, k))
+    # Every leftover needs a cut: give up early when the shallowest cuts already cost too much.
+    floor = sum(int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0 for a, b, _ in leftovers)
+    if floor >= max_extra:
+        return None
+    extra = 0
+    for a, b, cluster in leftovers:
+        split = _cheapest_split(rw, a, b, loads, holds[cluster], room)
+        if split is None:
+            return None
+        cost, parts = split
+        extra += cost
+        if extra >= max_extra:
+            return None
+        for lo, hi, k in parts:
+            loads[k] += rw.run_cost(lo, hi) - g0
+            holds[cluster, k] = True
+            placed.append((lo, hi, cluster, k))
+    if not holds.any(axis=0).all():
+        return None
+    placed.sort()
+    return [(a, b, c) for a, b, c, _ in placed], np.asarray([k for *_, k in placed], dtype=np.int64)
+
+
+def _best_fit(loads: np.ndarray, blocked: np.ndarray, room: int, size: int) -> int:
+    """The fullest microbatch (ties: lowest) with room for `size` and not `blocked`; -1 if none."""
+    fullest = np.where((loads <= room - size) & ~blocked, loads, -1)
+    k = int(np.argmax(fullest))
+    return k if fullest[k] >= 0 else -1
+
+
+def _cheapest_split(rw: RankWork, a: int, b: int, loads: np.ndarray, blocked: np.ndarray, room: int,
+                    max_cuts: int = 16) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """(cost, [(lo, hi, microbatch)]): ranks [a, b) cut once or twice, among its `max_cuts`
+    shallowest cuts, at the least cost whose parts fit in distinct microbatches not `blocked`
+    (largest part placed first, best fit); None if no such cut exists."""
+    g0 = rw.common_prefix
+    depth = rw.lcp_adjacent
+    cuts = sorted((a + 1 + np.argsort(depth[a + 1 : b], kind="stable")[:max_cuts]).tolist())
+    options = [(c,) for c in cuts] + [(c, d) for i, c in enumerate(cuts) for d in cuts[i + 1:]]
+    for option in sorted(options, key=lambda o: (sum(int(depth[c]) for c in o), o)):
+        bounds = (a, *option, b)
+        parts = sorted(((rw.run_cost(lo, hi) - g0, lo, hi) for lo, hi in zip(bounds, bounds[1:])), reverse=True)
+        taken = blocked.copy()
+        chosen: list[tuple[int, int, int]] = []
+        for size, lo, hi in parts:
+            k = _best_fit(loads, taken, room, size)
+            if k < 0:
+                break
+            taken[k] = True
+            chosen.append((lo, hi, k))
+        else:
+            # Options come cheapest first: the first that fits is the cheapest.
+            return sum(int(depth[c]) - g0 for c in option), chosen
+    return None
+
+
+def _cheap_split(rw: RankWork, ratio: float) -> bool:
+    """Whether some cluster can be cut for less than `ratio`·g0 (a cut at rank c costs lcp[c] - g0)."""
+    inner = rw.lcp_adjacent[1:][rw.lcp_adjacent[1:] > rw.common_prefix]
+    return len(inner) > 0 and int(inner.min()) - rw.common_prefix < ratio * rw.common_prefix
+
+
+def _contiguous_floor(rw: RankWork, capacity: int, dp: int) -> int | None:
+    """No contiguous partition (the DP's plans) has less W: C + the smallest (k - 1) adjacent
+    LCPs, k the fewest runs that fit rounded up to a multiple of D. None: the DP has no plan."""
+    lo = _run_starts(rw, capacity).tolist()
+    fewest = [0] * (rw.num + 1)
+    for j in range(1, rw.num + 1):
+        fewest[j] = 1 + fewest[lo[j]]
+    step = dp if rw.num >= dp else 1
+    count = -(-fewest[rw.num] // step) * step
+    if count > rw.num:
+        return None
+    return rw.run_cost(0, rw.num) + int(np.sort(rw.lcp_adjacent[1:])[: count - 1].sum())
 
 
 def _configure(config: HartsConfig | None, options: dict) -> HartsConfig:

@@ -21,6 +21,7 @@ Tested against `PrefixIndex.segment_tree(members).num_compact_tokens` on random 
 from __future__ import annotations
 
 import bisect
+import functools
 
 import numpy as np
 
@@ -42,15 +43,20 @@ class RankWork:
         """Σ L[:j] at j."""
         self.cum_lcp = np.concatenate([[0], np.cumsum(self.lcp_adjacent)])
         """Σ lcp[:j] at j."""
-        # Python lists: the refinement queries single pairs, where list indexing beats numpy.
-        self._table: list[list[int]] = [self.lcp_adjacent.tolist()]
-        span = 1
-        while 2 * span <= self.num:
-            previous = self._table[-1]
-            self._table.append([min(a, b) for a, b in zip(previous[:-span], previous[span:])])
-            span *= 2
         self.common_prefix = int(self.lcp_adjacent[1:].min()) if self.num > 1 else 0
         """g0: the prefix every trajectory shares (0 when the step is a forest)."""
+
+    @functools.cached_property
+    def _table(self) -> list[list[int]]:
+        # Python lists: the refinement queries single pairs, where list indexing beats numpy.
+        # Built on first use: whole-cluster packing never queries a pair.
+        table = [self.lcp_adjacent.tolist()]
+        span = 1
+        while 2 * span <= self.num:
+            previous = table[-1]
+            table.append([min(a, b) for a, b in zip(previous[:-span], previous[span:])])
+            span *= 2
+        return table
 
     def lcp(self, a: int, b: int) -> int:
         if a > b:

@@ -123,10 +123,10 @@ def test_refinement_never_worsens_and_sometimes_helps():
     assert improved >= 5
 
 
-def _tree_sized(seed: int):
+def _tree_sized(seed: int, num_tasks: int = 6):
     """The paper's shape: trees under a shared prefix, T just above the largest tree's trie."""
     rng = np.random.default_rng([42, seed])
-    step = rollout_step(rng, num_tasks=6, branches=(3, 8), shared=40, prompt=(5, 20), continuation=(20, 60))
+    step = rollout_step(rng, num_tasks=num_tasks, branches=(3, 8), shared=40, prompt=(5, 20), continuation=(20, 60))
     index = PrefixIndex.from_step(step)
     trees: dict[str, list[int]] = {}
     for trajectory, tree in enumerate(step.trees):
@@ -140,8 +140,8 @@ def test_stopping_at_the_bound_gives_the_full_refinement():
     stopped = 0
     for seed in range(12):
         step, index, capacity, dp = _tree_sized(seed)
-        fast = plan(step, capacity, dp, "harts", index=index)
-        full = plan(step, capacity, dp, "harts", index=index, stop_at_bound=False)
+        fast = plan(step, capacity, dp, "harts", index=index, pack_clusters=False)
+        full = plan(step, capacity, dp, "harts", index=index, pack_clusters=False, stop_at_bound=False)
         validate(fast, step, index)
         assert fast.details["work_gap_to_bound"] >= 0
         stopped += fast.details["dp_compact_tokens"] == fast.compact_tokens - fast.details["work_gap_to_bound"]
@@ -275,3 +275,41 @@ def test_elimination_uses_an_ejection_chain():
     assert hp._eliminate(state, hp.HartsConfig(), dp=1, snapshots=[])
     assert sorted(state.nonempty()) == [[0, 1], [2, 3]]
     assert sorted(state.works) == [0, 34, 42]
+
+
+def test_cluster_packing_tier():
+    """Trees under a shared prefix that each fit T: whole trees, W = C + (K - 1)·g0, never worse
+    than the DP tier with its refinement."""
+    packed = better = 0
+    for seed in range(12):
+        step, index, capacity, dp = _tree_sized(seed, num_tasks=24)
+        rw = RankWork(index)
+        result = plan(step, capacity, dp, "harts", index=index)
+        validate(result, step, index)
+        without = plan(step, capacity, dp, "harts", index=index, pack_clusters=False)
+        assert plan_key(result) <= plan_key(without), f"seed {seed}"
+        if not result.details["tier"].startswith("cluster-packing"):
+            continue
+        packed += 1
+        better += plan_key(result) < plan_key(without)
+        if result.details["tier"] != "cluster-packing":
+            continue
+        compact = index.segment_tree().num_compact_tokens
+        assert result.compact_tokens == compact + (result.num_microbatches - 1) * rw.common_prefix
+        trees = {step.trees[step.ids.index(t)] for mb in result.microbatches for t in mb.trajectory_ids}
+        assert len(trees) == len(set(step.trees))
+        for mb in result.microbatches:
+            for tree in {step.trees[step.ids.index(t)] for t in mb.trajectory_ids}:
+                assert all(step.trees[step.ids.index(t)] != tree for other in result.microbatches
+                           if other is not mb for t in other.trajectory_ids), "a tree is split"
+    assert packed >= 8 and better >= 5
+
+
+def test_cluster_packing_needs_every_cluster_to_fit():
+    """A tree larger than T is cut by the DP tier; the packing tier steps aside."""
+    shared = [9] * 10
+    sequences = [shared + [1] * 30, shared + [1] * 20 + [2] * 10, shared + [3] * 5, shared + [4] * 5]
+    step = make_step(sequences)
+    result = plan(step, 45, 2, "harts", exact_max_trajectories=0)
+    validate(result, step)
+    assert result.details["tier"] == "dp"
