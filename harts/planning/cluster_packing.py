@@ -217,7 +217,8 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
             allowed &= ~holding[groups[items], targets]
         items, targets = items[allowed], targets[allowed]
         sources = bin_of[items]
-        move_change = pricing.price_known(works[sources], sizes[items], works[targets], one_at[sources], zero_at[targets])
+        move_change = pricing.price_known(works[sources], sizes[items], works[targets],
+                                          one_at[sources], zero_at[targets])
         # Swaps: x's bin falls by sizes[x] - sizes[y] > its threshold, y's bin rises by as much;
         # the partners of x are a range of the items by size.
         lowest = np.searchsorted(ascending_sizes, sizes - (capacity - works.min()), side="left")

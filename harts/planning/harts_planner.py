@@ -124,8 +124,10 @@ class HartsConfig:
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
             raise ValueError("exact_max_trajectories >= 0, neighbor_window >= 1, room_candidates >= 0")
-        if self.count_band < 1 or self.max_passes < 0 or self.max_balance_moves < 0 or self.balance_rounds < 0 or self.balance_batch < 1:
-            raise ValueError("count_band >= 1, max_passes >= 0, max_balance_moves >= 0, balance_rounds >= 0, balance_batch >= 1")
+        if min(self.count_band, self.balance_batch) < 1 or min(self.max_passes, self.max_balance_moves,
+                                                                 self.balance_rounds) < 0:
+            raise ValueError("count_band >= 1, balance_batch >= 1, max_passes >= 0, max_balance_moves >= 0, "
+                             "balance_rounds >= 0")
 
 
 def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,
