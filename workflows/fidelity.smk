@@ -13,6 +13,8 @@ rule fidelity:
     params:
         parallel=parallel_flag,
         max_trees=f"--max-trees {config['fidelity']['max_trees']}" if "max_trees" in config["fidelity"] else "",
+        grad_max_tokens=(f"--grad-max-tokens {config['fidelity']['grad_max_tokens']}"
+                         if "grad_max_tokens" in config["fidelity"] else ""),
         capacity=config["fidelity"]["capacity"],
         device=config["fidelity"]["device"],
         dtype=config["fidelity"]["dtype"],
@@ -26,5 +28,5 @@ rule fidelity:
         "reports/benchmarks/fidelity/{model}/{parallel}.tsv"
     shell:
         "OMP_NUM_THREADS={resources.torch_threads} harts bench fidelity --model {input.model} --trees {input.step} {params.parallel}"
-        " {params.max_trees} --capacity {params.capacity} --device {params.device} --dtype {params.dtype}"
+        " {params.max_trees} {params.grad_max_tokens} --capacity {params.capacity} --device {params.device} --dtype {params.dtype}"
         " --out {output} 2>&1 | tee {log} || [ $? -eq 1 ]"

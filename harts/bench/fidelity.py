@@ -20,7 +20,10 @@ beside rerun vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the s
 gradient of the compact vs the baseline execution with and without per-layer recomputation
 (|Δloss|, gradient cosine), both on the same microbatches (the MoE losses depend on a
 microbatch's rows), planned by HARTS at the longest trajectory's length so that the baseline's
-rows stay near one trajectory.
+rows stay near one trajectory. Without recomputation a microbatch keeps every layer's
+activations (the h200 model ran out of the H200's 140 GB on a microbatch near 62K rows), so
+`--grad-max-tokens N` restricts this comparison to trajectories of at most N tokens (the record's
+`gradient_inputs` says which; under `--parallel` the whole comparison runs on them).
 Logits are formed chunk by chunk from the stored hidden states (never S x V at once).
 
 `--parallel NAME` (configs/parallel/NAME.yaml) measures (b) per parallel configuration instead:
@@ -38,7 +41,9 @@ stays single-process: a `--parallel` record (config.parallel = NAME) holds (b) o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,6 +72,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
+    parser.add_argument("--grad-max-tokens", type=int, default=None,
+                        help="compare loss and gradients on the trajectories of at most this many tokens (memory "
+                             "without recomputation grows with the microbatch)")
     parser.add_argument("--parallel", default=None, metavar="NAME",
                         help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- "
                              "recomputation on its ranks vs the single-process baseline (no replay ablation)")
@@ -208,7 +216,26 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
     return rows
 
 
-def single_process_results(args, model, step, common: dict, device, store_dtype) -> dict[str, Any]:
+def _phase(progress: dict[str, str], name: str) -> None:
+    progress["phase"] = name
+    print(f"fidelity: {name} ...", file=sys.stderr)
+
+
+def gradient_subset(step, max_tokens: int | None):
+    """The step restricted to trajectories of at most `max_tokens` tokens (all when None)."""
+    import numpy as np
+
+    if max_tokens is None:
+        return step
+    keep = np.flatnonzero(step.lengths <= max_tokens)
+    if not len(keep):
+        raise ValueError(f"--grad-max-tokens {max_tokens}: no trajectory is that short "
+                         f"(shortest {int(step.lengths.min()):,})")
+    return step.subset(keep)
+
+
+def single_process_results(args, model, step, common: dict, device, store_dtype,
+                           progress: dict[str, str]) -> dict[str, Any]:
     """(a) the replay ablation and (b) logit fidelity, loss and gradients in one process."""
     import numpy as np
     import torch
@@ -228,7 +255,9 @@ def single_process_results(args, model, step, common: dict, device, store_dtype)
     reverse = np.arange(step.num_trajectories)[::-1].copy()
     rerun_step = step.subset(reverse)
     print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
+    _phase(progress, "baseline forward")
     hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype)[0]}
+    _phase(progress, "rerun forward")
     rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
                                   configs["baseline"], None, device, store_dtype)
     # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
@@ -236,6 +265,7 @@ def single_process_results(args, model, step, common: dict, device, store_dtype)
         np.arange(rerun_step.offsets[j], rerun_step.offsets[j + 1]) for j in np.argsort(reverse)
     ])).to(device)
     hidden["rerun"] = rerun_hidden[back]
+    _phase(progress, "compact forward with and without replay")
     hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype)
     hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
                                              store_dtype)
@@ -243,6 +273,7 @@ def single_process_results(args, model, step, common: dict, device, store_dtype)
     next_token = torch.from_numpy(targets.targets).to(device)
     has_target = torch.ones(step.num_semantic_tokens, dtype=torch.bool)
     has_target[torch.from_numpy(step.offsets[1:] - 1)] = False
+    _phase(progress, "logit comparison")
     per_path = {path: compare(model.lm_head.weight, hidden["baseline"], hidden[path], next_token, has_target)
                 for path in PATHS}
     cosine = {path: {"min": float(m["cosine"].min()), "mean": float(m["cosine"].mean()),
@@ -257,10 +288,15 @@ def single_process_results(args, model, step, common: dict, device, store_dtype)
     if not args.no_gradients:
         # The same microbatches for both executions (MoE losses depend on a microbatch's rows),
         # planned at the longest trajectory's length so the baseline's rows stay near T.
-        grad_mbs = _plan_members(step, int(step.lengths.max()), "harts", index)
+        _phase(progress, "loss and gradients")
+        grad_step = gradient_subset(step, args.grad_max_tokens)
+        grad_index = PrefixIndex.from_step(grad_step)
+        grad_mbs = _plan_members(grad_step, int(grad_step.lengths.max()), "harts", grad_index)
         results["loss_and_gradients"] = gradient_comparison(
-            model, step, {"baseline": grad_mbs, "compact": grad_mbs},
-            {"baseline": configs["baseline"], "compact": configs["replay"]}, index)
+            model, grad_step, {"baseline": grad_mbs, "compact": grad_mbs},
+            {"baseline": configs["baseline"], "compact": configs["replay"]}, grad_index)
+        results["gradient_inputs"] = {"trajectories": grad_step.num_trajectories, "max_tokens": args.grad_max_tokens,
+                                      "semantic_tokens": grad_step.num_semantic_tokens}
     return results
 
 
@@ -273,6 +309,7 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     from harts.trees.trie import PrefixIndex
 
     parallel.check_model(model_config)
+    step = gradient_subset(step, args.grad_max_tokens)
     capacity = int(step.lengths.max())
     microbatches = _plan_members(step, capacity, "harts", PrefixIndex.from_step(step), dp=parallel.dp)
     check_microbatches(step, microbatches, parallel.dp)
@@ -289,6 +326,8 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
         "world_size": parallel.world_size,
         "microbatches": len(microbatches),
         "microbatch_capacity": capacity,
+        "gradient_inputs": {"trajectories": step.num_trajectories, "max_tokens": args.grad_max_tokens,
+                            "semantic_tokens": step.num_semantic_tokens},
         "parallel_fidelity": parallel_fidelity_rows(reports),
         "paper": PAPER,
     }
@@ -350,17 +389,22 @@ def run(args: argparse.Namespace) -> int:
               "parallel_config": config_to_dict(parallel) if parallel else None}
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
+    progress = {"phase": "setup"}  # the single-process phase an error row names
     try:
         check_vocabulary(step, model_config.vocab_size)
         common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
                       kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
         if parallel is None:
-            results = single_process_results(args, model, step, common, device, store_dtype)
+            results = single_process_results(args, model, step, common, device, store_dtype, progress)
         else:
             results = parallel_results(args, parallel, model_config, step, common)
         records = [make_record("fidelity", config, results)]
     except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if progress["phase"] != "setup":
+            message = f"{progress['phase']}: {message}"
+        if os.environ.get("HARTS_DEBUG"):
+            traceback.print_exc()
         records = [make_record("fidelity", config, error=message)]
     write_records(records, out)
     print(format_fidelity(records[0]))

@@ -3,7 +3,8 @@
 For each step: plan the baseline's microbatches (`per-trajectory`: each trajectory its own
 sequence, first-fit-decreasing to capacity T in semantic tokens) and the compact execution's
 (`--planner`, default HARTS, capacity T in compact tokens); run both on the same weights with the
-same kernels and recomputation setting, `--repeats` times each (interleaved, after a warm-up),
+same kernels and recomputation setting, `--repeats` times each (interleaved, after a warm-up: on
+CUDA a whole untimed step of each execution, since Triton autotunes per sequence length),
 and take medians. One record per step (config, environment, hardware) with:
 - sizes: S, the plan's compact rows C, the trie lower bound, replay rows, attention KV rows of
   each execution (ancestor KV views of the compact groups), KDA calls per microbatch;
@@ -352,7 +353,7 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     index = PrefixIndex.from_step(step)
     configs = _step_configs(args, dtype_name)
     for name in configs:
-        _warm(model, step, microbatches[name], configs[name])
+        _warm(model, step, microbatches[name], configs[name], index)
 
     samples: dict[str, list] = {"baseline": [], "compact": []}
     peaks = {"baseline": 0, "compact": 0}
@@ -394,7 +395,7 @@ def first_slot(step, microbatches: list, dp: int) -> tuple[Any, list]:
 
 def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: dict, configs: dict,
                     repeats: int) -> dict[str, Any] | None:
-    """Rank program of `--parallel`: warm-up on the first slot, then `repeats` interleaved timed steps of
+    """Rank program of `--parallel`: warm-up (a whole step on CUDA, the first slot on CPU), then `repeats` interleaved timed steps of
     both executions. On global rank 0: per execution the per-repeat, per-rank seconds (`samples`), the
     peak memory (maximum over ranks) and the layouts' info of every microbatch; None on other ranks."""
     import torch
@@ -414,7 +415,11 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
     index = PrefixIndex.from_step(step)
     dp = groups.config.dp
     for name in EXECUTIONS:
-        run_parallel_step(pmodel, *first_slot(step, microbatches[name], dp), configs[name])
+        # On CUDA a whole step (Triton autotunes per sequence length); on CPU the first slot.
+        if device.type == "cuda":
+            run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+        else:
+            run_parallel_step(pmodel, *first_slot(step, microbatches[name], dp), configs[name])
         model.zero_grad(set_to_none=True)
     samples: dict[str, list] = {name: [] for name in EXECUTIONS}
     peaks = dict.fromkeys(EXECUTIONS, 0)
@@ -478,14 +483,19 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
     return results
 
 
-def _warm(model, step, microbatches, config) -> None:
-    """Run the first microbatch once (as a step of its own) so kernels compile outside the timings."""
+def _warm(model, step, microbatches, config, index) -> None:
+    """Run the microbatches once so kernels compile and autotune outside the timings: every one on
+    CUDA (Triton autotune keys include sequence lengths, so a new length tunes again inside a timed
+    step), the first one (as a step of its own) on CPU."""
     import numpy as np
 
     from harts.objective.step import run_step
 
-    first = next(m for m in microbatches if len(m))
-    run_step(model, step.subset(first), [np.arange(len(first))], config)
+    if next(model.parameters()).device.type == "cuda":
+        run_step(model, step, microbatches, config, index=index)
+    else:
+        first = next(m for m in microbatches if len(m))
+        run_step(model, step.subset(first), [np.arange(len(first))], config)
     model.zero_grad(set_to_none=True)
 
 

@@ -179,6 +179,24 @@ def test_single_process_record(tree_step_path, tmp_path, capsys):
     assert "parallel_fidelity" not in results and "logit cosine vs baseline" in printed
 
 
+def test_gradient_comparison_on_the_short_trajectories(tree_step_path, tmp_path, capsys):
+    path, step = tree_step_path
+    limit = int(np.median(step.lengths))
+    code, records, _ = _fidelity(["--trees", path, "--capacity", "80", "--grad-max-tokens", str(limit)],
+                                 tmp_path, capsys)
+    results = records[0]["results"]
+    assert code == 0 and results["semantic_tokens"] == step.num_semantic_tokens
+    short = step.lengths <= limit
+    assert results["gradient_inputs"] == {"trajectories": int(short.sum()), "max_tokens": limit,
+                                          "semantic_tokens": int(step.lengths[short].sum())}
+    assert 0 < int(short.sum()) < step.num_trajectories
+    for row in results["loss_and_gradients"].values():
+        assert row["abs_dloss"] <= 1e-6 * abs(row["loss_baseline"]) and row["grad_cosine"] >= 0.99999
+
+    code, records, _ = _fidelity(["--trees", path, "--capacity", "80", "--grad-max-tokens", "1"], tmp_path, capsys)
+    assert code == 1 and records[0]["error"].startswith("loss and gradients: ValueError: --grad-max-tokens 1")
+
+
 def _parallel_record(name, tree_step_path, tmp_path, capsys):
     from harts.parallel.config import load_parallel_config
 
