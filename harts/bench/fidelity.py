@@ -112,13 +112,14 @@ def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
 def path_hidden(model, step, microbatches, config, index, device, dtype):
     """Final hidden states [S, D] of every semantic position (batch order), and the row depth."""
     import torch
+    from tqdm import tqdm
 
     from harts.objective.step import autocast_context, build_layout, semantic_index
 
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
     depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
     with torch.no_grad():
-        for members in microbatches:
+        for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
             layout = build_layout(step, members, model, config, index).to(device)
             with autocast_context(device, config):
                 h, _ = model(layout.input_ids, layout)

@@ -358,10 +358,11 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     samples: dict[str, list] = {"baseline": [], "compact": []}
     peaks = {"baseline": 0, "compact": 0}
     infos: dict[str, list] = {}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name in EXECUTIONS:
             with PeakMemory(device) as memory:
-                result = run_step(model, step, microbatches[name], configs[name], index=index)
+                result = run_step(model, step, microbatches[name], configs[name], index=index,
+                                  progress=f"{name} {repeat + 1}/{args.repeats}")
             model.zero_grad(set_to_none=True)
             # One process: one rank, and no gradient reduction.
             samples[name].append([{**result.seconds, "grad_reduce": 0.0, "grad_reduction_alone": 0.0}])
@@ -492,7 +493,7 @@ def _warm(model, step, microbatches, config, index) -> None:
     from harts.objective.step import run_step
 
     if next(model.parameters()).device.type == "cuda":
-        run_step(model, step, microbatches, config, index=index)
+        run_step(model, step, microbatches, config, index=index, progress=f"{config.execution} warm-up")
     else:
         first = next(m for m in microbatches if len(m))
         run_step(model, step.subset(first), [np.arange(len(first))], config)

@@ -14,12 +14,14 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from harts.model.model import HybridModel
 from harts.objective.logprobs import compact_logprobs
@@ -157,8 +159,10 @@ def run_step(
     index: PrefixIndex | None = None,
     backward: bool = True,
     collect_logprobs: bool = False,
+    progress: str | None = None,
 ) -> StepResult:
-    """Forward (+ backward, accumulating into .grad) of `step` split into `microbatches`."""
+    """Forward (+ backward, accumulating into .grad) of `step` split into `microbatches`; with
+    `progress`, a progress bar of that name over the microbatches (stderr)."""
     device = next(model.parameters()).device
     if config.execution == "compact" and index is None:
         index = PrefixIndex.from_step(step)
@@ -173,7 +177,7 @@ def run_step(
     rows = 0
     infos, tokens_per_expert, clip_fractions = [], [], []
     logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
-    for members in microbatches:
+    for members in tqdm(microbatches, desc=progress, disable=progress is None, file=sys.stderr, leave=False):
         members = np.asarray(members, dtype=np.int64)
         if not len(members):
             continue
