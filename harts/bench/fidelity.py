@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from dataclasses import replace
@@ -360,7 +361,7 @@ def parallel_fidelity_rows(reports: list[dict[str, Any]]) -> dict[str, dict[str,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.records import make_record, write_records
+    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
     from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
@@ -392,21 +393,25 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
     progress = {"phase": "setup"}  # the single-process phase an error row names
     try:
-        check_vocabulary(step, model_config.vocab_size)
-        common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
-                      kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
-        if parallel is None:
-            results = single_process_results(args, model, step, common, device, store_dtype, progress)
-        else:
-            results = parallel_results(args, parallel, model_config, step, common)
+        with sigterm_raises():
+            check_vocabulary(step, model_config.vocab_size)
+            common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
+                          kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
+            if parallel is None:
+                results = single_process_results(args, model, step, common, device, store_dtype, progress)
+            else:
+                results = parallel_results(args, parallel, model_config, step, common)
         records = [make_record("fidelity", config, results)]
-    except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
+    except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if progress["phase"] != "setup":
             message = f"{progress['phase']}: {message}"
         if os.environ.get("HARTS_DEBUG"):
             traceback.print_exc()
         records = [make_record("fidelity", config, error=message)]
+        if isinstance(error, Terminated):
+            write_records(records, out)
+            return 128 + signal.SIGTERM
     write_records(records, out)
     print(format_fidelity(records[0]))
     log_records(records)

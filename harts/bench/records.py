@@ -4,14 +4,18 @@
 API keys or tokens): git sha and dirty flag, Python/numpy/torch/triton/fla/megatron versions
 where importable *and already imported* (a record never imports torch by itself), CPU model and
 count, GPU names, hostname, UTC time. `write_records` appends to a JSONL file or writes a JSON
-list. A failed case is a record with an `error` field, never a missing one.
+list. A failed case is a record with an `error` field, never a missing one; `sigterm_raises`
+turns a SIGTERM (`timeout`, a scheduler) into the `Terminated` exception so that a stopped run
+still writes its error row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -117,3 +121,22 @@ def write_records(records: list[dict[str, Any]], path: str | Path) -> None:
             json.dump(records, handle, indent=2)
             handle.write("\n")
     tmp.replace(path)
+
+
+class Terminated(Exception):
+    """SIGTERM arrived during a measurement (`sigterm_raises`)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated("SIGTERM")
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within the block SIGTERM raises `Terminated`, so that a run stopped by `timeout` or a
+    scheduler still writes its records (an error row naming the phase it reached)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

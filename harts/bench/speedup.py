@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -338,7 +339,9 @@ def _mfu(model_config, step, base, num_devices: int) -> dict[str, float]:
             "baseline_mfu": flops / base["fbg_s"] / (num_devices * H200_BF16_PEAK_FLOPS)}
 
 
-def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
+def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]) -> dict[str, Any]:
+    """The single-process record of one step; `progress` holds the current phase and the seconds of
+    every finished step (kept in the error row if the run fails or is terminated)."""
     from harts.objective.step import DTYPES, run_step
     from harts.planning.microbatch import plan
     from harts.trees.io import check_vocabulary
@@ -353,16 +356,19 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     index = PrefixIndex.from_step(step)
     configs = _step_configs(args, dtype_name)
     for name in configs:
-        _warm(model, step, microbatches[name], configs[name], index)
+        progress["phase"] = f"{name} warm-up"
+        _warm(model, step, microbatches[name], configs[name], index, progress)
 
     samples: dict[str, list] = {"baseline": [], "compact": []}
     peaks = {"baseline": 0, "compact": 0}
     infos: dict[str, list] = {}
     for repeat in range(args.repeats):
         for name in EXECUTIONS:
+            progress["phase"] = f"{name} {repeat + 1}/{args.repeats}"
             with PeakMemory(device) as memory:
                 result = run_step(model, step, microbatches[name], configs[name], index=index,
-                                  progress=f"{name} {repeat + 1}/{args.repeats}")
+                                  progress=progress["phase"])
+            progress["finished"].append({"phase": progress["phase"], **result.seconds})
             model.zero_grad(set_to_none=True)
             # One process: one rank, and no gradient reduction.
             samples[name].append([{**result.seconds, "grad_reduce": 0.0, "grad_reduction_alone": 0.0}])
@@ -379,6 +385,7 @@ def measure_step(args, model, step, device, dtype_name) -> dict[str, Any]:
     if args.no_breakdown:
         results["breakdown_skipped"] = "--no-breakdown"
     else:
+        progress["phase"] = "breakdown"
         results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name],
                                          executions["baseline"], executions["compact"], results["compression"])
     return results
@@ -484,7 +491,7 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
     return results
 
 
-def _warm(model, step, microbatches, config, index) -> None:
+def _warm(model, step, microbatches, config, index, progress: dict[str, Any]) -> None:
     """Run the microbatches once so kernels compile and autotune outside the timings: every one on
     CUDA (Triton autotune keys include sequence lengths, so a new length tunes again inside a timed
     step), the first one (as a step of its own) on CPU."""
@@ -493,10 +500,11 @@ def _warm(model, step, microbatches, config, index) -> None:
     from harts.objective.step import run_step
 
     if next(model.parameters()).device.type == "cuda":
-        run_step(model, step, microbatches, config, index=index, progress=f"{config.execution} warm-up")
+        result = run_step(model, step, microbatches, config, index=index, progress=progress["phase"])
     else:
         first = next(m for m in microbatches if len(m))
-        run_step(model, step.subset(first), [np.arange(len(first))], config)
+        result = run_step(model, step.subset(first), [np.arange(len(first))], config)
+    progress["finished"].append({"phase": progress["phase"], **result.seconds})
     model.zero_grad(set_to_none=True)
 
 
@@ -562,7 +570,7 @@ def breakdown_terms(b: dict[str, float], c: dict[str, float], num_kda: int, num_
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.records import make_record, write_records
+    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
     from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
@@ -585,36 +593,52 @@ def run(args: argparse.Namespace) -> int:
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
     records = []
-    for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
-        config = {
-            "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
-            "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-            "recompute": args.recompute, "repeats": args.repeats,
-            "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
-            "parallel_config": config_to_dict(parallel) if parallel else None,
-            "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
-        }
-        print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...", file=sys.stderr)
-        try:
-            if parallel is None:
-                results = measure_step(args, model, step, device, dtype_name)
-            else:
-                results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
-            records.append(make_record("speedup", config, results))
-        except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            print(f"step {index}: failed: {message}", file=sys.stderr)
-            if os.environ.get("HARTS_DEBUG"):
-                traceback.print_exc()
-            records.append(make_record("speedup", config, error=message))
-        write_records(records, out)
+    # `timeout` and schedulers stop a long run with SIGTERM: end it as an error row that keeps the
+    # phase it reached and the seconds of every step it finished.
+    terminated = False
+    with sigterm_raises():
+        for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
+            config = {
+                "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
+                "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
+                "recompute": args.recompute, "repeats": args.repeats,
+                "parallel": parallel.name if parallel else "single",
+                "world_size": parallel.world_size if parallel else 1,
+                "parallel_config": config_to_dict(parallel) if parallel else None,
+                "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
+            }
+            print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
+                  file=sys.stderr)
+            progress: dict[str, Any] = {"phase": "planning", "finished": []}
+            try:
+                if parallel is None:
+                    results = measure_step(args, model, step, device, dtype_name, progress)
+                else:
+                    progress["phase"] = f"--parallel {parallel.name}"
+                    results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
+                records.append(make_record("speedup", config, results))
+            except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                message = f"{progress['phase']}: {type(error).__name__}: {first_line}"
+                print(f"step {index}: failed: {message}", file=sys.stderr)
+                if os.environ.get("HARTS_DEBUG"):
+                    traceback.print_exc()
+                records.append({**make_record("speedup", config, error=message),
+                                "finished_steps": progress["finished"]})
+                terminated = isinstance(error, Terminated)
+            finally:
+                write_records(records, out)
+            if terminated:
+                break
     print(format_table(records))
     print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps([headline(r) for r in records]))
     log_records(records)
+    if terminated:
+        return 128 + signal.SIGTERM
     return 0 if all("error" not in r for r in records) else 1
 
 

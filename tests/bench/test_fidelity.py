@@ -197,6 +197,27 @@ def test_gradient_comparison_on_the_short_trajectories(tree_step_path, tmp_path,
     assert code == 1 and records[0]["error"].startswith("loss and gradients: ValueError: --grad-max-tokens 1")
 
 
+def test_sigterm_writes_an_error_row_naming_the_phase(tree_step_path, tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import harts.bench.fidelity as fidelity
+
+    path, _ = tree_step_path
+    path_hidden = fidelity.path_hidden
+    calls = []
+
+    def terminated_on_the_second_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return path_hidden(*args, **kwargs)
+
+    monkeypatch.setattr(fidelity, "path_hidden", terminated_on_the_second_forward)
+    code, records, _ = _fidelity(["--trees", path, "--capacity", "80"], tmp_path, capsys)
+    assert code == 128 + signal.SIGTERM and records[0]["error"] == "rerun forward: Terminated: SIGTERM"
+
+
 def _parallel_record(name, tree_step_path, tmp_path, capsys):
     from harts.parallel.config import load_parallel_config
 

@@ -181,8 +181,35 @@ def test_unsplittable_model_and_failed_rank_are_error_rows(tree_step_path, tmp_p
 
     monkeypatch.setattr("harts.parallel.launch.launch", failed_rank)
     code, records, printed = _speedup(["--trees", path, "--capacity", "80", "--parallel", "dp2"], tmp_path, capsys)
-    assert code == 1 and records[0]["error"] == "RankFailed: rank 1: RuntimeError: lost on purpose"
+    assert code == 1 and records[0]["error"] == "--parallel dp2: RankFailed: rank 1: RuntimeError: lost on purpose"
     assert printed[0]["error"] == records[0]["error"]
+
+
+def test_sigterm_ends_the_run_with_an_error_row_keeping_the_finished_steps(tree_step_path, tmp_path, capsys,
+                                                                          monkeypatch):
+    import os
+    import signal
+
+    import harts.objective.step as step_module
+
+    path, _ = tree_step_path
+    run_step = step_module.run_step
+    calls = []
+
+    def terminated_on_the_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "run_step", terminated_on_the_second_step)
+    before = signal.getsignal(signal.SIGTERM)
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1"], tmp_path, capsys)
+    assert code == 128 + signal.SIGTERM and len(records) == 1
+    assert records[0]["error"] == "compact warm-up: Terminated: SIGTERM"
+    (finished,) = records[0]["finished_steps"]
+    assert finished["phase"] == "baseline warm-up" and finished["forward"] > 0 and finished["backward"] > 0
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def _check_record(record, step, parallel: str, world_size: int):
