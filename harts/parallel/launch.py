@@ -13,7 +13,9 @@ Failures: an exception in any rank stops every rank (torch.multiprocessing termi
 others) and `launch` raises `RankFailed` with one line, "rank i: Type: message", naming the
 rank that failed first (each failing rank records the time of its error: the peers of a crashed
 rank fail later, on the lost connection); a collective waiting on a dead or diverged rank
-fails after the configured timeout instead of hanging.
+fails after the configured timeout instead of hanging. If the caller is interrupted while the
+ranks run (Ctrl-C, or SIGTERM raised by `harts.bench.records.sigterm_raises`), the ranks are
+terminated before the exception propagates.
 On CPU each rank uses cpu_count // world_size intra-op threads, so ranks do not oversubscribe.
 """
 
@@ -89,6 +91,29 @@ def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, 
         dist.destroy_process_group()
 
 
+def _join(world_size, config, backend, device, fn, args, directory) -> None:
+    """Spawn the ranks and wait for them; if this process is interrupted meanwhile (Ctrl-C, SIGTERM
+    raised as an exception), stop them first: the ranks must not outlive the caller."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _spawned_rank, args=(world_size, _free_port(), config, backend, device, fn, args, directory),
+        nprocs=world_size, join=False, start_method="spawn",
+    )
+    try:
+        while not context.join():
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        raise
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(10)
+        raise
+
+
 def _spawned_rank(rank: int, world_size: int, port: int, config: ParallelConfig, backend: str, device_type: str,
                   fn: Callable, args: tuple, directory: str) -> None:
     import torch
@@ -142,10 +167,7 @@ def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu"
         )
     with tempfile.TemporaryDirectory(prefix="harts-parallel-") as directory:
         try:
-            mp.start_processes(
-                _spawned_rank, args=(world_size, _free_port(), config, backend, device, fn, args, directory),
-                nprocs=world_size, join=True, start_method="spawn",
-            )
+            _join(world_size, config, backend, device, fn, args, directory)
         except mp.ProcessRaisedException:
             raise RankFailed(_first_failure(directory)) from None
         except mp.ProcessExitedException as error:

@@ -52,6 +52,33 @@ def test_dead_rank_is_reported():
         launch(_exit_on_rank_one, TWO_RANKS)
 
 
+def _write_pid_and_sleep(groups, directory):
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_interrupted_caller_stops_its_ranks(tmp_path):
+    import threading
+
+    from harts.bench.records import Terminated, sigterm_raises
+
+    def terminate_when_both_ranks_run():
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_both_ranks_run, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(Terminated), sigterm_raises():
+        launch(_write_pid_and_sleep, ParallelConfig(name="dp2", dp=2), str(tmp_path))
+    assert time.monotonic() - started < 120
+    for path in tmp_path.glob("*.pid"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(path.read_text()), 0)
+
+
 def test_backend_resolution():
     assert resolve_backend(load_parallel_config("dp2"), "cpu") == "gloo"
     assert resolve_backend(load_parallel_config("dp2"), "cuda") == "nccl"
