@@ -1,12 +1,13 @@
 """`harts bench planning`: planning quality and time per step, HARTS vs the OR-Tools planner (DESIGN §2).
 
 For each step (generated from `--trees CONFIG` with `--seed`, or read from `--data DIR`, file
-`step_NNN.*`) and each planner of `--planners`: plan (wall time measured by the planner, its
-prefix index included), validate (coverage, capacity, K mod D, works recomputed from the trie)
-and compute DESIGN §2's metrics; the records also hold the process CPU time of the planning
+`step_NNN.*`) and each planner of `--planners`: plan `--repeats` times, the planners interleaved
+(wall time measured by the planner, its prefix index included; the median is reported, every
+repeat kept in `plan_seconds_each`), validate the first plan (coverage, capacity, K mod D,
+works recomputed from the trie) and compute DESIGN §2's metrics of it; the records also hold the process CPU time of the planning
 call (all threads, so CP-SAT's workers count), which shows how much of a wall time was lost to
-other load on the machine, and `index_seconds`, the time to build the step's prefix index alone
-(part of every planner's time). CP-SAT is imported before any timing. One record per
+other load on the machine, `index_seconds`, the time to build the step's prefix index alone
+(part of every planner's time), and `identical_plans` (whether every repeat returned the same plan). CP-SAT is imported before any timing. One record per
 (step, planner), written with
 `harts.bench.records`; a planner that fails or whose plan does not validate gives a record
 with an `error` field.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,6 +55,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_index_list, default=None, help="comma-separated step indices (default: all)")
     parser.add_argument("--capacity", type=int, default=None, help="T (default: the config's max_tokens)")
     parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="plan each step this many times per planner (interleaved); seconds are medians")
     parser.add_argument("--planners", type=_planner_list(PLANNER_NAMES), default=["harts", "treetrain-ortools"],
                         help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
     parser.add_argument("--time-limit", type=float, default=None,
@@ -114,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     capacity = args.capacity if args.capacity is not None else synth.max_tokens
     if capacity < 1 or args.dp < 1:
         raise ValueError("--capacity and --dp must be >= 1")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     if args.time_limit is not None and args.time_limit <= 0:
         raise ValueError("--time-limit must be > 0")
 
@@ -122,30 +128,46 @@ def run(args: argparse.Namespace) -> int:
         from ortools.sat.python import cp_model  # noqa: F401
 
     records = []
-    progress = tqdm(total=len(steps) * len(args.planners), desc="bench planning", unit="plan",
+    progress = tqdm(total=len(steps) * len(args.planners) * args.repeats, desc="bench planning", unit="plan",
                     file=sys.stderr, disable=None)
     for step_index in steps:
         step = _load_step(args, synth, step_index)
-        index_started = time.perf_counter()
-        index = PrefixIndex.from_step(step)
-        index_seconds = time.perf_counter() - index_started
+        index_times = []
+        for _ in range(args.repeats):
+            index_started = time.perf_counter()
+            index = PrefixIndex.from_step(step)
+            index_times.append(time.perf_counter() - index_started)
         lower_bound = index.segment_tree().num_compact_tokens
+        options = {name: {"time_limit_s": args.time_limit} if name == "treetrain-ortools" and args.time_limit else {}
+                   for name in args.planners}
+        # Repeats interleave the planners, so that a slow spell of the machine hits both.
+        runs: dict[str, list] = {name: [] for name in args.planners}
+        errors: dict[str, str] = {}
+        for _ in range(args.repeats):
+            for name in args.planners:
+                progress.set_postfix_str(f"step {step_index} {name}")
+                progress.update()
+                if name in errors:
+                    continue
+                try:
+                    cpu_started = time.process_time()
+                    result = plan(step, capacity, args.dp, name, **options[name])
+                    cpu_seconds = time.process_time() - cpu_started
+                    validate(result, step, index)
+                except ValueError as error:
+                    errors[name] = str(error)
+                    continue
+                runs[name].append((result, cpu_seconds))
         for name in args.planners:
-            options = {"time_limit_s": args.time_limit} if name == "treetrain-ortools" and args.time_limit else {}
             config = {
                 "trees": str(args.trees), "synth": config_to_dict(synth), "data": args.data, "seed": args.seed,
-                "step": step_index, "capacity": capacity, "dp": args.dp, "planner": name, "options": options,
+                "step": step_index, "capacity": capacity, "dp": args.dp, "planner": name, "options": options[name],
+                "repeats": args.repeats,
             }
-            progress.set_postfix_str(f"step {step_index} {name}")
-            try:
-                cpu_started = time.process_time()
-                result = plan(step, capacity, args.dp, name, **options)
-                cpu_seconds = time.process_time() - cpu_started
-                validate(result, step, index)
-            except ValueError as error:
-                records.append(make_record("planning", config, error=str(error)))
-                progress.update()
+            if name in errors:
+                records.append(make_record("planning", config, error=errors[name]))
                 continue
+            result = runs[name][0][0]
             metrics = plan_metrics(result, lower_bound, step.num_semantic_tokens)
             results = {
                 "trajectories": step.num_trajectories,
@@ -153,9 +175,10 @@ def run(args: argparse.Namespace) -> int:
                 "compact_tokens": metrics.compact_tokens,
                 "lower_bound_compact_tokens": metrics.lower_bound_compact_tokens,
                 "microbatches": metrics.num_microbatches,
-                "plan_seconds": metrics.plan_seconds,
-                "plan_cpu_seconds": cpu_seconds,
-                "index_seconds": index_seconds,
+                "plan_seconds": statistics.median(r.plan_seconds for r, _ in runs[name]),
+                "plan_seconds_each": [r.plan_seconds for r, _ in runs[name]],
+                "plan_cpu_seconds": statistics.median(cpu for _, cpu in runs[name]),
+                "index_seconds": statistics.median(index_times),
                 "p95_slot_imbalance": metrics.p95_slot_imbalance,
                 "max_slot_imbalance": metrics.max_slot_imbalance,
                 "step_imbalance": metrics.step_imbalance,
@@ -163,9 +186,10 @@ def run(args: argparse.Namespace) -> int:
                 "max_replica_work": metrics.max_replica_work,
                 "slot_imbalance": metrics.slot_imbalance,
                 "details": result.details,
+                # CP-SAT stopped by its time limit may return another plan on a repeat.
+                "identical_plans": all(other.microbatches == result.microbatches for other, _ in runs[name][1:]),
             }
             records.append(make_record("planning", config, results))
-            progress.update()
     progress.close()
 
     out = Path(args.out)

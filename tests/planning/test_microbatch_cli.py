@@ -80,7 +80,11 @@ def test_bench_planning_writes_records_and_table(tmp_path, capsys):
         assert results["microbatches"] % 2 == 0
         assert len(results["slot_imbalance"]) == results["microbatches"] // 2
         assert record["config"]["capacity"] == 512
-        assert results["index_seconds"] > 0
+        assert results["index_seconds"] > 0 and record["config"]["repeats"] == 3
+        assert len(results["plan_seconds_each"]) == 3
+        assert sorted(results["plan_seconds_each"])[1] == results["plan_seconds"]
+        if record["config"]["planner"] != "treetrain-ortools":
+            assert results["identical_plans"]
         if record["config"]["planner"] == "harts":
             assert results["details"]["work_gap_to_bound"] >= 0
     gaps = [r["results"]["details"]["work_gap_to_bound"] for r in records if r["config"]["planner"] == "harts"]
