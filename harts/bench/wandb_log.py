@@ -115,6 +115,19 @@ def _log(records: list[dict[str, Any]], mode: str, project: str, directory: Path
         x_disable_machine_info=True, disable_git=True, disable_code=True, save_code=False,
     )
     run_dirs = []
+    try:
+        _log_runs(wandb, records, mode, project, directory, settings, run_dirs)
+    finally:
+        # finish() returns before the service has written the run's transaction log: shut the
+        # service down so that every offline run is complete on disk when this returns.
+        wandb.teardown()
+    if mode == "offline" and run_dirs:
+        print(f"wandb: {len(run_dirs)} offline run(s) in {directory / 'wandb'}; upload with "
+              f"`wandb sync {directory / 'wandb'}/offline-run-*`", file=sys.stderr)
+    return run_dirs
+
+
+def _log_runs(wandb, records, mode: str, project: str, directory: Path, settings, run_dirs: list[str]) -> None:
     for identity, members in group_runs(records):
         first = members[0]
         config = {**first["config"], "environment": {k: v for k, v in first["environment"].items() if k != "utc"}}
@@ -133,7 +146,3 @@ def _log(records: list[dict[str, Any]], mode: str, project: str, directory: Path
             run_dirs.append(str(Path(run.dir).parent))
         finally:
             run.finish(exit_code=1 if any("error" in r for r in members) else 0)
-    if mode == "offline" and run_dirs:
-        print(f"wandb: {len(run_dirs)} offline run(s) in {directory / 'wandb'}; upload with "
-              f"`wandb sync {directory / 'wandb'}/offline-run-*`", file=sys.stderr)
-    return run_dirs

@@ -84,6 +84,7 @@ def fake_wandb(calls: list, fail: BaseException | None = None):
         return run
 
     module.init = init
+    module.teardown = lambda: calls.append(("teardown",))
     return module
 
 
@@ -93,7 +94,8 @@ def test_one_run_per_configuration(clean_env, monkeypatch, tmp_path):
     records = [speedup(0), speedup(1, error="RuntimeError: out of memory"), speedup(0, parallel="dp2")]
     dirs = log_records(records, directory=tmp_path)
     assert len(dirs) == 2
-    (_, first), _, (_, second), _ = calls
+    (_, first), _, (_, second), _, teardown = calls
+    assert teardown == ("teardown",), "the service is shut down (runs flushed) before log_records returns"
     assert first.kwargs["mode"] == "offline" and first.kwargs["project"] == "harts"
     assert first.kwargs["group"] == "speedup/tiny/single" and first.kwargs["job_type"] == "speedup"
     assert first.kwargs["config"]["model"] == "tiny" and "git" in first.kwargs["config"]["environment"]
