@@ -32,9 +32,11 @@ Search tiers, by size:
    whose run fits (monotone, found by binary search on prefix sums). Counts k run upward until
    the bound C + (k - 1 smallest adjacent LCPs) exceeds the best W found at a multiple of D;
    every k ≡ 0 mod D reaching that W is rebuilt and scored by the full objective. Exact among
-   contiguous partitions (tested against enumeration of all cut sets). Skipped when no
-   contiguous partition can reach the W of the cluster packing: C plus the k - 1 smallest
-   adjacent LCPs, k the fewest fitting runs rounded up to D, already exceeds it.
+   contiguous partitions (tested against enumeration of all cut sets). Skipped (with
+   `skip_dp_above_floor`, the default) when no contiguous partition can reach the W of the
+   cluster packing: C plus the k - 1 smallest adjacent LCPs, k the fewest fitting runs rounded up
+   to D, already exceeds it. This is a heuristic: the refined DP plan is not contiguous and can
+   still beat the packing (rarely; see the field's note).
 4. "restricted-dp" (when N² · window, the full table's cells, exceeds `dp_max_cells`): the same
    recursion keeping, for each prefix j, only counts within `count_band` of the fewest runs
    that can cover it.
@@ -116,6 +118,12 @@ class HartsConfig:
     """Upper bound on accepted balancing changes."""
     stop_at_bound: bool = True
     """Skip the W-lowering refinement when the DP's W equals the plan lower bound (only balancing runs)."""
+    skip_dp_above_floor: bool = True
+    """Skip the DP tier (and its refinement) when a cluster-packing plan exists and no contiguous
+    partition can reach its W. Saves the DP's 0.4-0.6 s per paper step (the plan then takes 15-22 ms
+    given the prefix index; with the DP the ten paper steps get the same tier and W); the refined
+    DP plan, which is not contiguous, can still be better: in a fuzz of ~1,400 small random steps
+    it was in 4 (once on W, by 1.2%; three times on the critical path)."""
     balance_rounds: int = 100
     """Cluster packing: most rounds of priced moves and swaps per start (a round that takes nothing ends it)."""
     balance_batch: int = 128
@@ -149,14 +157,17 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
         candidates: list[tuple[tuple[int, int, int], str, list[list[int]], np.ndarray]] = []
         packed = whole_cluster_plan(rw, capacity, dp, config) if refining and config.pack_clusters else None
         if packed is not None:
-            candidates.append((objective(packed[1], dp), "cluster-packing", *packed))
+            details["clusters_split"] = packed[2]
+            candidates.append((objective(packed[1], dp), "cluster-packing", packed[0], packed[1]))
             if _cheap_split(rw, config.refine_packed_split_ratio):
                 refined = refine(rw, packed[0], capacity, dp, config)
                 refined_works = np.asarray([rw.trie(b) for b in refined], dtype=np.int64)
                 candidates.append((objective(refined_works, dp), "cluster-packing+refine", refined, refined_works))
-        # The DP cannot win when its least possible W exceeds the packing's (or it has no plan).
+        # A time/quality trade-off (`skip_dp_above_floor`): no contiguous plan reaches the packing's W
+        # when the floor exceeds it, but the refinement of the DP's plan is not contiguous and can.
         floor = _contiguous_floor(rw, capacity, dp)
-        if packed is None or (floor is not None and floor <= int(packed[1].sum())):
+        if (packed is None or not config.skip_dp_above_floor
+                or (floor is not None and floor <= int(packed[1].sum()))):
             band = None
             if rw.num * _window(rw, capacity) * rw.num > config.dp_max_cells:
                 band = max(config.count_band, dp)
@@ -175,9 +186,10 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
 
 
 def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
-                       config: HartsConfig) -> tuple[list[list[int]], np.ndarray] | None:
-    """(bins, works): clusters packed into the fewest multiple-of-D microbatches, balanced; None
-    when a cluster exceeds T or there are fewer clusters than that count.
+                       config: HartsConfig) -> tuple[list[list[int]], np.ndarray, int] | None:
+    """(bins, works, clusters split): clusters packed into the fewest multiple-of-D microbatches,
+    balanced; None when a cluster exceeds T or there are fewer clusters than that count. With no
+    cluster split W = C + (K - 1)·g0; each split adds its cut cost.
 
     K starts at the first-fit-decreasing count rounded up to D (W = C + (K - 1)·g0). While
     `_fewer_microbatches` finds K - D microbatches whose cluster splits cost less than the D·g0
@@ -218,7 +230,7 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
     bins: list[list[int]] = [[] for _ in range(count)]
     for (a, b, _), k in sorted(zip(pieces, best[1].tolist())):
         bins[k].extend(range(a, b))
-    return bins, best[2]
+    return bins, best[2], len(pieces) - len(starts)
 
 
 def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count: int, room: int, *,

@@ -278,8 +278,8 @@ def test_elimination_uses_an_ejection_chain():
 
 
 def test_cluster_packing_tier():
-    """Trees under a shared prefix that each fit T: whole trees, W = C + (K - 1)·g0, never worse
-    than the DP tier with its refinement."""
+    """Trees under a shared prefix that each fit T: whole trees, W = C + (K - 1)·g0; on these steps
+    never worse than without the tier (the DP tier with its refinement), better on some."""
     packed = better = 0
     for seed in range(12):
         step, index, capacity, dp = _tree_sized(seed, num_tasks=24)
@@ -288,11 +288,14 @@ def test_cluster_packing_tier():
         validate(result, step, index)
         without = plan(step, capacity, dp, "harts", index=index, pack_clusters=False)
         assert plan_key(result) <= plan_key(without), f"seed {seed}"
+        # Without the skip both tiers run, so the packing can only help (on any step).
+        both = plan(step, capacity, dp, "harts", index=index, skip_dp_above_floor=False)
+        assert plan_key(both) <= min(plan_key(result), plan_key(without)), f"seed {seed}"
         if not result.details["tier"].startswith("cluster-packing"):
             continue
         packed += 1
         better += plan_key(result) < plan_key(without)
-        if result.details["tier"] != "cluster-packing":
+        if result.details["tier"] != "cluster-packing" or result.details["clusters_split"]:
             continue
         compact = index.segment_tree().num_compact_tokens
         assert result.compact_tokens == compact + (result.num_microbatches - 1) * rw.common_prefix
