@@ -127,16 +127,21 @@ class Terminated(Exception):
     """SIGTERM arrived during a measurement (`sigterm_raises`)."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated("SIGTERM")
-
-
 @contextlib.contextmanager
 def sigterm_raises():
-    """Within the block SIGTERM raises `Terminated`, so that a run stopped by `timeout` or a
-    scheduler still writes its records (an error row naming the phase it reached)."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    """Within the block the first SIGTERM raises `Terminated` (later ones are ignored, so that
+    writing the error row and the records is not interrupted), so that a run stopped by `timeout`
+    or a scheduler still writes its records."""
+    received = []
+
+    def handler(signum, frame) -> None:
+        if not received:
+            received.append(signum)
+            raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # None: the previous handler was not installed from Python; restore the default.
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -594,44 +594,45 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
     records = []
     # `timeout` and schedulers stop a long run with SIGTERM: end it as an error row that keeps the
-    # phase it reached and the seconds of every step it finished.
+    # phase it reached and the seconds of every step it finished, and write every record.
     terminated = False
+    current = None  # (config, progress) of the step being measured, until its row is written
     with sigterm_raises():
-        for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
-            config = {
-                "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
-                "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-                "recompute": args.recompute, "repeats": args.repeats,
-                "parallel": parallel.name if parallel else "single",
-                "world_size": parallel.world_size if parallel else 1,
-                "parallel_config": config_to_dict(parallel) if parallel else None,
-                "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
-            }
-            print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
-                  file=sys.stderr)
-            progress: dict[str, Any] = {"phase": "planning", "finished": []}
-            try:
-                if parallel is None:
-                    results = measure_step(args, model, step, device, dtype_name, progress)
-                else:
-                    progress["phase"] = f"--parallel {parallel.name}"
-                    results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
-                records.append(make_record("speedup", config, results))
-            except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                message = f"{progress['phase']}: {type(error).__name__}: {first_line}"
-                print(f"step {index}: failed: {message}", file=sys.stderr)
-                if os.environ.get("HARTS_DEBUG"):
-                    traceback.print_exc()
-                records.append({**make_record("speedup", config, error=message),
-                                "finished_steps": progress["finished"]})
-                terminated = isinstance(error, Terminated)
-            finally:
+        try:
+            for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
+                config = {
+                    "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
+                    "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
+                    "recompute": args.recompute, "repeats": args.repeats,
+                    "parallel": parallel.name if parallel else "single",
+                    "world_size": parallel.world_size if parallel else 1,
+                    "parallel_config": config_to_dict(parallel) if parallel else None,
+                    "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
+                }
+                print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
+                      file=sys.stderr)
+                progress: dict[str, Any] = {"phase": "planning", "finished": []}
+                current = (config, progress)
+                try:
+                    if parallel is None:
+                        results = measure_step(args, model, step, device, dtype_name, progress)
+                    else:
+                        progress["phase"] = f"--parallel {parallel.name}"
+                        results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
+                    records.append(make_record("speedup", config, results))
+                    current = None
+                except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
+                    if current is not None:
+                        records.append(_error_row(config, progress, error, device))
+                        current = None
+                    if isinstance(error, Terminated):
+                        raise
                 write_records(records, out)
-            if terminated:
-                break
+        except Terminated as error:
+            terminated = True
+            if current is not None:  # stopped while writing another error's row
+                records.append(_error_row(*current, error, device))
+        write_records(records, out)
     print(format_table(records))
     print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
     if args.json:
@@ -643,6 +644,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 HEADLINE_KEYS = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedup", "core_speedup", "efficiency")
+
+
+def _error_row(config: dict[str, Any], progress: dict[str, Any], error: BaseException, device) -> dict[str, Any]:
+    import torch
+
+    from harts.bench.records import make_record
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    message = f"{progress['phase']}: {type(error).__name__}: {first_line}"
+    print(f"failed: {message}", file=sys.stderr)
+    if os.environ.get("HARTS_DEBUG"):
+        traceback.print_exc()
+    return {**make_record("speedup", config, error=message), "finished_steps": progress["finished"]}
 
 
 def headline(record: dict[str, Any]) -> dict[str, Any]:

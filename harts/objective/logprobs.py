@@ -24,7 +24,7 @@ is ever built and no C×V tensor outlives its chunk. Vocabulary work: O(C·V·D)
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
 bf16 hidden states and weights give fp32 logits and fp32 log-probs; gradients are returned in
-the inputs' dtypes. For bf16/fp16 inputs on CUDA the fp32 matmuls run on TF32 tensor cores
+the inputs' dtypes. For bf16/fp16 hidden states and weight on CUDA the fp32 matmuls run on TF32 tensor cores
 (8x the fp32 rate of an H200): bf16 and fp16 values are exact in TF32, so the logits are the fp32
 products accumulated in fp32 as before; only the backward's fp32 logit gradients are rounded to
 TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head would use). fp32 and fp64
@@ -52,9 +52,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _tensor_cores(input_dtype: torch.dtype, device: torch.device):
-    """TF32 tensor cores for the fp32 matmuls of bf16/fp16 inputs on CUDA (see Precision)."""
-    if device.type != "cuda" or input_dtype not in (torch.bfloat16, torch.float16):
+def _tensor_cores(hidden_CD: torch.Tensor, weight_VD: torch.Tensor):
+    """TF32 tensor cores for the fp32 matmuls when hidden and weight are both bf16/fp16 on CUDA
+    (see Precision; an fp32 weight would be rounded)."""
+    reduced = (torch.bfloat16, torch.float16)
+    if hidden_CD.device.type != "cuda" or hidden_CD.dtype not in reduced or weight_VD.dtype not in reduced:
         yield
         return
     matmul = torch.backends.cuda.matmul
@@ -99,7 +101,7 @@ def _check_inputs(
 class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows):
-        with _tensor_cores(hidden_CD.dtype, hidden_CD.device):
+        with _tensor_cores(hidden_CD, weight_VD):
             return _CompactLogprobs._forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows)
 
     @staticmethod
@@ -135,8 +137,8 @@ class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_S):
-        hidden_CD = ctx.saved_tensors[0]
-        with _tensor_cores(hidden_CD.dtype, hidden_CD.device):
+        hidden_CD, weight_VD = ctx.saved_tensors[:2]
+        with _tensor_cores(hidden_CD, weight_VD):
             return _CompactLogprobs._backward(ctx, grad_S)
 
     @staticmethod

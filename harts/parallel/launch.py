@@ -111,6 +111,9 @@ def _join(world_size, config, backend, device, fn, args, directory) -> None:
                 process.terminate()
         for process in context.processes:
             process.join(10)
+            if process.is_alive():  # stuck in native code: SIGTERM was not enough
+                process.kill()
+                process.join()
         raise
 
 

@@ -212,6 +212,26 @@ def test_sigterm_ends_the_run_with_an_error_row_keeping_the_finished_steps(tree_
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterm_between_steps_keeps_the_finished_records(tree_step_path, tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import harts.bench.steps as steps_module
+
+    path, _ = tree_step_path
+    iter_steps = steps_module.iter_steps
+
+    def terminated_before_the_second_step(*args, **kwargs):
+        yield from iter_steps(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM must have been raised")
+
+    monkeypatch.setattr(steps_module, "iter_steps", terminated_before_the_second_step)
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1"], tmp_path, capsys)
+    assert code == 128 + signal.SIGTERM
+    assert len(records) == 1 and "error" not in records[0] and records[0]["results"]["fbg_speedup"] > 0
+
+
 def _check_record(record, step, parallel: str, world_size: int):
     config, results = record["config"], record["results"]
     assert config["parallel"] == parallel and config["world_size"] == world_size
