@@ -313,6 +313,12 @@ def _timing_note(records: list[dict[str, Any]]) -> str:
     if index:
         note += (f"\nEvery planner's seconds include building the step's prefix index "
                  f"({min(index):.2f}–{max(index):.2f} s per step when timed alone).")
+        alone: dict[str, list[float]] = {}
+        for r in done:
+            alone.setdefault(r["config"]["planner"], []).append(
+                r["results"]["plan_seconds"] - r["results"]["index_seconds"])
+        note += " Without it (planner seconds minus the index's, noisy at this scale): " + "; ".join(
+            f"{name} {1e3 * min(v):.0f}–{1e3 * max(v):.0f} ms" for name, v in alone.items()) + "."
     gaps = [r["results"]["details"]["work_gap_to_bound"] for r in done if r["config"]["planner"] == "harts"]
     if gaps:
         note += (f"\nHARTS's compact tokens equal the lower bound of harts.planning.bounds (W proven optimal) "

@@ -90,7 +90,7 @@ def test_bench_planning_writes_records_and_table(tmp_path, capsys):
     gaps = [r["results"]["details"]["work_gap_to_bound"] for r in records if r["config"]["planner"] == "harts"]
     table = out.with_suffix(".md").read_text()
     assert "| all |" in table and "| paper | 77,581,958 (-3.28%) | 80,213,867 |" in table
-    assert "seconds include building the step's prefix index" in table
+    assert "seconds include building the step's prefix index" in table and "Without it (planner seconds minus" in table
     assert f"(W proven optimal) on {sum(g == 0 for g in gaps)} of 2 steps" in table
     rows = out.with_suffix(".csv").read_text().splitlines()
     assert rows[0].startswith("step,HARTS tokens,OR-Tools tokens,compression") and len(rows) == 1 + 2 + 2
