@@ -20,6 +20,8 @@ and take medians. One record per step (config, environment, hardware) with:
   sequences, chunk padding), ancestor KV / masked blocks (MLA), LM head, the remaining per-row
   work (projections, MoE, norms), and layout materialisation (reported beside, since it is
   planning);
+- with `--profile`, the top ops by self device time (CPU: self CPU time) of the largest microbatch
+  of each execution (torch.profiler), to see where the time of both goes;
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
   over the measured time and the bf16 dense peak).
 A case that fails (an error, out of memory) is a record with an `error` field, never a gap.
@@ -80,6 +82,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the largest microbatch of each execution (torch.profiler): the top "
+                             "kernels by self device time (CPU: self CPU time) go into the record")
     parser.add_argument("--parallel", default=None, metavar="NAME",
                         help="configs/parallel NAME or a YAML path: run both executions on its ranks (spawned here)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
@@ -388,7 +393,43 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         progress["phase"] = "breakdown"
         results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name],
                                          executions["baseline"], executions["compact"], results["compression"])
+    if getattr(args, "profile", False):
+        progress["phase"] = "profile"
+        results["profile"] = {
+            name: profile_microbatch(model, step, max(microbatches[name], key=lambda m: int(step.lengths[m].sum())),
+                                     configs[name])
+            for name in EXECUTIONS
+        }
     return results
+
+
+PROFILE_TOP = 25
+
+
+def profile_microbatch(model, step, members, config) -> dict[str, Any]:
+    """Forward + backward of one microbatch under torch.profiler: its size and the top
+    `PROFILE_TOP` ops by self device time on CUDA (self CPU time on CPU), with their calls."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from harts.objective.step import run_step
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    subset = step.subset(np.asarray(members))
+    with profile(activities=activities) as prof:
+        run_step(model, subset, [np.arange(len(members))], config)
+    model.zero_grad(set_to_none=True)
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:PROFILE_TOP]
+    total = sum(getattr(e, key) for e in events)
+    return {
+        "trajectories": len(members), "semantic_tokens": subset.num_semantic_tokens,
+        "sorted_by": key, "total_self_ms": total / 1e3,
+        "top": [{"name": e.key[:160], "calls": e.count, "self_ms": getattr(e, key) / 1e3} for e in top],
+    }
 
 
 def first_slot(step, microbatches: list, dp: int) -> tuple[Any, list]:

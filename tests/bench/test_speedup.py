@@ -232,6 +232,21 @@ def test_sigterm_between_steps_keeps_the_finished_records(tree_step_path, tmp_pa
     assert len(records) == 1 and "error" not in records[0] and records[0]["results"]["fbg_speedup"] > 0
 
 
+def test_profile_of_the_largest_microbatch(tree_step_path, tmp_path, capsys):
+    path, step = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--profile"],
+                                tmp_path, capsys)
+    assert code == 0
+    profile = records[0]["results"]["profile"]
+    assert set(profile) == {"baseline", "compact"}
+    for name, entry in profile.items():
+        assert entry["sorted_by"] == "self_cpu_time_total" and entry["semantic_tokens"] > 0
+        assert 0 < len(entry["top"]) <= 25 and entry["total_self_ms"] > 0
+        times = [op["self_ms"] for op in entry["top"]]
+        assert times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in entry["top"])
+        assert any(op["name"] == "aten::mm" or op["name"] == "aten::addmm" for op in entry["top"]), name
+
+
 def _check_record(record, step, parallel: str, world_size: int):
     config, results = record["config"], record["results"]
     assert config["parallel"] == parallel and config["world_size"] == world_size
