@@ -79,6 +79,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--compact-attention-backend", default=None,
+                        help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
+                             "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
@@ -276,10 +279,11 @@ def _step_configs(args, dtype_name: str) -> dict:
     from harts.objective.step import StepConfig
 
     cuda = args.device == "cuda"
+    attention = args.attention_backend or ("varlen" if cuda else "sdpa")
+    backends = {"baseline": attention, "compact": getattr(args, "compact_attention_backend", None) or attention}
     return {
         name: StepConfig(
-            execution=name, recompute=args.recompute, dtype=dtype_name,
-            attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
+            execution=name, recompute=args.recompute, dtype=dtype_name, attention_backend=backends[name],
             kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
         )
         for name in EXECUTIONS
@@ -648,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
                     "parallel_config": config_to_dict(parallel) if parallel else None,
-                    "attention_backend": args.attention_backend, "kda_backend": args.kda_backend,
+                    "attention_backend": args.attention_backend,
+                    "compact_attention_backend": args.compact_attention_backend, "kda_backend": args.kda_backend,
                 }
                 print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
                       file=sys.stderr)

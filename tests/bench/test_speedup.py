@@ -247,6 +247,21 @@ def test_profile_of_the_largest_microbatch(tree_step_path, tmp_path, capsys):
         assert any(op["name"] == "aten::mm" or op["name"] == "aten::addmm" for op in entry["top"]), name
 
 
+def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_step_path, tmp_path, capsys):
+    import argparse
+
+    from harts.bench.speedup import _step_configs
+
+    args = argparse.Namespace(device="cpu", recompute=False, attention_backend=None, compact_attention_backend="naive",
+                              kda_backend=None)
+    configs = _step_configs(args, "fp32")
+    assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--compact-attention-backend", "naive"], tmp_path, capsys)
+    assert code == 0 and records[0]["config"]["compact_attention_backend"] == "naive"
+
+
 def _check_record(record, step, parallel: str, world_size: int):
     config, results = record["config"], record["results"]
     assert config["parallel"] == parallel and config["world_size"] == world_size
