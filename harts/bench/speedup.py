@@ -3,7 +3,8 @@
 For each step: plan the baseline's microbatches (`per-trajectory`: each trajectory its own
 sequence, first-fit-decreasing to capacity T in semantic tokens) and the compact execution's
 (`--planner`, default HARTS, capacity T in compact tokens); run both on the same weights with the
-same kernels and recomputation setting, `--repeats` times each (interleaved, after a warm-up: on
+same kernels and recomputation setting (`--compact-attention-backend` may give the compact execution
+its own MLA backend), `--repeats` times each (interleaved, after a warm-up: on
 CUDA a whole untimed step of each execution, since Triton autotunes per sequence length),
 and take medians. One record per step (config, environment, hardware) with:
 - sizes: S, the plan's compact rows C, the trie lower bound, replay rows, attention KV rows of
@@ -24,7 +25,9 @@ and take medians. One record per step (config, environment, hardware) with:
   of each execution (torch.profiler), to see where the time of both goes;
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
   over the measured time and the bf16 dense peak).
-A case that fails (an error, out of memory) is a record with an `error` field, never a gap.
+A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
+field naming the phase it reached (and, single-process, the seconds of every step it finished),
+never a gap.
 
 `--parallel NAME` (configs/parallel/NAME.yaml) runs both executions on the ranks of a parallel
 configuration (harts.parallel.launch: gloo on CPU, NCCL on CUDA), each planned for dp = the
