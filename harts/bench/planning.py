@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harts.cli.args import index_list
+
 # DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
 PAPER = {
     "compact_tokens": (77_581_958, 80_213_867),
@@ -52,7 +54,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (the steps' shape and count)")
     parser.add_argument("--data", help="read steps step_NNN.* from this directory instead of generating them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=_index_list, default=None, help="comma-separated step indices (default: all)")
+    parser.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
     parser.add_argument("--capacity", type=int, default=None, help="T (default: the config's max_tokens)")
     parser.add_argument("--dp", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3,
@@ -64,16 +66,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     parser.set_defaults(run=run)
-
-
-def _index_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative step indices, got {text!r}")
-    return values
 
 
 def _planner_list(names: tuple[str, ...]):

@@ -63,6 +63,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from harts.cli.args import index_list
+
 BREAKDOWN_MICROBATCHES = 4
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
 # NVIDIA's datasheet: H100/H200 SXM dense bf16 (the measured ceiling on KINDS.md is lower).
@@ -73,7 +75,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("speedup", help="compact vs per-trajectory execution: speedup records")
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (generate) or a step path")
-    parser.add_argument("--steps", type=_index_list, default=None, help="step indices of a trees config (default 0)")
+    parser.add_argument("--steps", type=index_list, default=None, help="step indices of a trees config (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="trees seed")
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--planner", default="harts")
@@ -96,16 +98,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     parser.set_defaults(run=run)
-
-
-def _index_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative indices, got {text!r}")
-    return values
 
 
 class PeakMemory:

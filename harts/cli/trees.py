@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from harts.cli.args import index_list
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     trees = commands.add_parser("trees", help="generate, ingest, validate and inspect rollout-tree steps")
@@ -15,7 +17,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     synth = sub.add_parser("synth", help="generate synthetic SWE-bench-shaped steps")
     synth.add_argument("--config", required=True, help="configs/trees/NAME.yaml")
     synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--steps", type=_index_list, default=None, help="comma-separated step indices (default: all)")
+    synth.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
     synth.add_argument("--out", required=True, help="output directory (one file per step)")
     synth.add_argument("--format", choices=("npz", "jsonl", "jsonl.gz"), default="npz")
     synth.set_defaults(run=run_synth)
@@ -37,16 +39,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     ingest.add_argument("input", help="a .traj/.json/.jsonl(.gz) file or a directory of them")
     ingest.add_argument("output", help="output step: .jsonl, .jsonl.gz or .npz")
     ingest.set_defaults(run=run_ingest)
-
-
-def _index_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative step indices, got {text!r}")
-    return values
 
 
 def run_synth(args: argparse.Namespace) -> int:
