@@ -32,6 +32,19 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def shipped_config_path(name_or_path: str, config_dir: Path, kind: str) -> Path:
+    """A YAML path as given, or `config_dir/NAME.yaml` for a bare name (an unknown name is a
+    ValueError listing the shipped ones; `kind` names them in the message)."""
+    path = Path(name_or_path)
+    if path.suffix:
+        return path
+    path = config_dir / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in config_dir.glob("*.yaml")))
+        raise ValueError(f"unknown {kind} {name_or_path!r} (known: {known}; or give a YAML path)")
+    return path
+
+
 def load_config(path: str | Path, cls: type[T], **overrides: Any) -> T:
     """Load `path` strictly into `cls`; `overrides` replace top-level keys."""
     data = load_yaml_mapping(path)

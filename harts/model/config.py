@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harts.config import load_config
+from harts.config import load_config, shipped_config_path
 from harts.model.moe import MoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -86,10 +86,4 @@ class ModelConfig:
 
 def load_model_config(name_or_path: str) -> ModelConfig:
     """A shipped config by name (`tiny`, `cpu-small`, `h200`, `ling3-tiny`) or a YAML path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"{name_or_path}.yaml"
-        if not path.exists():
-            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-            raise ValueError(f"unknown model {name_or_path!r} (known: {known}; or give a YAML path)")
-    return load_config(path, ModelConfig)
+    return load_config(shipped_config_path(name_or_path, CONFIG_DIR, "model"), ModelConfig)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harts.config import load_config
+from harts.config import load_config, shipped_config_path
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "parallel"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -108,10 +108,4 @@ class ParallelConfig:
 
 def load_parallel_config(name_or_path: str) -> ParallelConfig:
     """A shipped config by name (`single`, `dp2`, `tp2`, `tp2-sp`, `pp2`, `ep2`, `dp2-ep2`, ...) or a YAML path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"{name_or_path}.yaml"
-        if not path.exists():
-            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-            raise ValueError(f"unknown parallel config {name_or_path!r} (known: {known}; or give a YAML path)")
-    return load_config(path, ParallelConfig)
+    return load_config(shipped_config_path(name_or_path, CONFIG_DIR, "parallel config"), ParallelConfig)
