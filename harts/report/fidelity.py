@@ -24,7 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harts.report.records import ERROR, NOT_MEASURED, get, is_number, load_records, provenance_lines
+from harts.report.records import (
+    ERROR, NOT_MEASURED, format_value, get, is_number, load_records, provenance_lines,
+)
 from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
 
 FIDELITY_COLUMNS = ["source", "model", "parallel", "section", "depth", "path", "recompute", "metric", "value"]
@@ -108,9 +110,6 @@ def _recompute(setting: str) -> str:
     return "yes" if setting == "recompute" else "no"
 
 
-def _fmt(value: Any, spec: str = ".4g") -> str:
-    return format(value, spec) if is_number(value) else str(value)
-
 
 def _percent(value: Any) -> str:
     if isinstance(value, str) and value.count("-") == 1 and value.replace("-", "").replace(".", "").isdigit():
@@ -122,7 +121,7 @@ def _percent(value: Any) -> str:
 def _short(value: Any, spec: str = ".4g") -> str:
     if value == UNDEFINED:
         return "undef.*"
-    return _fmt(value, spec)
+    return format_value(value, spec)
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -137,7 +136,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str
             cells.setdefault(key, {})[(r["path"], r["metric"])] = r["value"]
     table = []
     for (source, model, _, depth), values in cells.items():
-        row = [source, str(model), str(depth), _fmt(values.get(("", "positions"), "-"), ",")]
+        row = [source, str(model), str(depth), format_value(values.get(("", "positions"), "-"), ",")]
         for metric in ("symkl", "abs_dnll"):
             excess = {path: values.get((path, f"{metric}_excess_over_rerun"), "-") for path in ("replay", "no-replay")}
             row += [_short(values.get(("rerun", metric), "-")), _short(values.get(("replay", metric), "-")),
@@ -171,14 +170,15 @@ def logits_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         else:
             what = f"{path} execution on the ranks"
         if "grad_cosine" in values:
-            gradient = f"cosine {_fmt(values['grad_cosine'], '.6f')}"
+            gradient = f"cosine {format_value(values['grad_cosine'], '.6f')}"
         elif "grad_rel_diff" in values:
-            gradient = f"rel. diff {_fmt(values['grad_rel_diff'], '.3g')}"
+            gradient = f"rel. diff {format_value(values['grad_rel_diff'], '.3g')}"
         else:
             gradient = "-"
         table.append([source, str(model), str(parallel), what, recompute or "-",
-                      _fmt(values.get("cosine_min", "-"), ".6f"), _fmt(values.get("cosine_mean", "-"), ".6f"),
-                      _fmt(values.get("abs_dloss", "-"), ".3g"), gradient])
+                      format_value(values.get("cosine_min", "-"), ".6f"),
+                      format_value(values.get("cosine_mean", "-"), ".6f"),
+                      format_value(values.get("abs_dloss", "-"), ".3g"), gradient])
     return header, table
 
 

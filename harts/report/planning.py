@@ -19,7 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harts.report.records import ERROR, NOT_MEASURED, NOT_REPORTED, is_number, load_records, provenance_lines
+from harts.report.records import (
+    ERROR, NOT_MEASURED, NOT_REPORTED, format_value, is_number, load_records, provenance_lines,
+)
 from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
 
 PLANNING_COLUMNS = [
@@ -146,9 +148,6 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
     return rows
 
 
-def _fmt(value: Any, spec: str, unit: str = "") -> str:
-    return format(value, spec) + unit if is_number(value) else str(value)
-
 
 def _percent(value: Any) -> str:
     return f"{100 * value:.2f}%" if is_number(value) else str(value)
@@ -163,12 +162,13 @@ def display_table(rows: list[dict[str, Any]], ours: str, baseline: str) -> tuple
     for r in rows:
         change = r["compact_token_change"]
         table.append([
-            r["source"], str(r["dataset"]), str(r["step"]), _fmt(r["ours_compact_tokens"], ","),
-            _fmt(r["baseline_compact_tokens"], ","), f"{100 * change:+.2f}%" if is_number(change) else str(change),
-            _fmt(r["compression"], ".3f", "x") if is_number(r["compression"]) else str(r["compression"]) + "x" * (
-                r["source"] == "paper"),
-            _fmt(r["ours_plan_seconds"], ".3g"), _fmt(r["baseline_plan_seconds"], ".3g"),
-            _fmt(r["planning_speedup"], ".2f", "x") if is_number(r["planning_speedup"])
+            r["source"], str(r["dataset"]), str(r["step"]), format_value(r["ours_compact_tokens"], ","),
+            format_value(r["baseline_compact_tokens"], ","),
+            f"{100 * change:+.2f}%" if is_number(change) else str(change),
+            (format_value(r["compression"], ".3f", "x") if is_number(r["compression"])
+             else str(r["compression"]) + "x" * (r["source"] == "paper")),
+            format_value(r["ours_plan_seconds"], ".3g"), format_value(r["baseline_plan_seconds"], ".3g"),
+            format_value(r["planning_speedup"], ".2f", "x") if is_number(r["planning_speedup"])
             else str(r["planning_speedup"]) + "x" * (r["source"] == "paper"),
             _percent(r["ours_p95_slot_imbalance"]), _percent(r["baseline_p95_slot_imbalance"]),
             _percent(r["ours_step_imbalance"]), _percent(r["baseline_step_imbalance"]),

@@ -121,3 +121,8 @@ def get(data: dict[str, Any] | None, *keys: str) -> Any:
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def format_value(value: Any, spec: str = ".4g", unit: str = "") -> str:
+    """A table cell: a finite number formatted with `spec` (and `unit`), anything else as text."""
+    return format(value, spec) + unit if is_number(value) else str(value)

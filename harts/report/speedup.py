@@ -22,7 +22,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harts.report.records import ERROR, NOT_MEASURED, NOT_REPORTED, get, is_number, load_records, provenance_lines
+from harts.report.records import (
+    ERROR, NOT_MEASURED, NOT_REPORTED, format_value, get, is_number, load_records, provenance_lines,
+)
 from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
 
 SPEEDUP_COLUMNS = [
@@ -86,9 +88,6 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: Any, spec: str, unit: str = "") -> str:
-    return format(value, spec) + unit if is_number(value) else str(value)
-
 
 def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     header = ["source", "model", "parallel", "planner", "device / dtype", "step", "S", "C", "S/C",
@@ -98,9 +97,11 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
         dtype = f"{r['device']} {r['dtype']}" + (" rc" if r["recompute"] is True else "")
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
-            _fmt(r["semantic_tokens"], ","), _fmt(r["compact_tokens"], ","), _fmt(r["compression"], ".2f"),
-            _fmt(r["baseline_fbg_s"], ".3g"), _fmt(r["compact_fbg_s"], ".3g"), _fmt(r["fbg_speedup"], ".2f", "x"),
-            _fmt(r["core_speedup"], ".2f", "x"), _fmt(r["efficiency"], ".2f"), _short(r["error"]),
+            format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),
+            format_value(r["compression"], ".2f"),
+            format_value(r["baseline_fbg_s"], ".3g"), format_value(r["compact_fbg_s"], ".3g"),
+            format_value(r["fbg_speedup"], ".2f", "x"),
+            format_value(r["core_speedup"], ".2f", "x"), format_value(r["efficiency"], ".2f"), _short(r["error"]),
         ])
     return header, table
 
