@@ -11,6 +11,8 @@ Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -80,13 +82,21 @@ class HybridModel(nn.Module):
     def forward(
         self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False
     ) -> tuple[torch.Tensor, list[MoEAux]]:
-        x_RD = self.embed(input_ids_R)
+        x_RD, auxes = self.run_blocks(self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute)
+        return self.final_norm(x_RD), auxes
+
+    def run_blocks(
+        self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False
+    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        """Blocks `indices` in order over the rows (each recomputed in backward with `recompute`);
+        the MoE aux of every MoE block. A pipeline stage runs its own range of them."""
         auxes: list[MoEAux] = []
-        for block in self.blocks:
+        for index in indices:
+            block = self.blocks[index]
             if recompute and torch.is_grad_enabled():
                 x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False)
             else:
                 x_RD, aux = block(x_RD, layout)
             if aux is not None:
                 auxes.append(aux)
-        return self.final_norm(x_RD), auxes
+        return x_RD, auxes

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from harts.model.layers import KDALayer, MLALayer
 from harts.model.model import HybridModel
@@ -107,15 +106,7 @@ class ParallelModel:
                 x = scatter_rows(pad_rows(x, self.tp * self.rows_on_rank(layout)), groups.tp)
         else:
             x = x_in
-        auxes: list[MoEAux] = []
-        for index in self.blocks:
-            block = model.blocks[index]
-            if recompute and torch.is_grad_enabled():
-                x, aux = checkpoint(block, x, layout, use_reentrant=False)
-            else:
-                x, aux = block(x, layout)
-            if aux is not None:
-                auxes.append(aux)
+        x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute)
         if groups.is_last_stage:
             x = model.final_norm(x)
             if self.sequence_parallel:
