@@ -150,6 +150,13 @@ def step_normalizer(targets: SemanticTargets, config: StepConfig) -> float:
     return float(len(np.unique(targets.trajectory_index[targets.loss_mask])))
 
 
+def check_partition(step: Step, microbatches: list[np.ndarray], caller: str) -> None:
+    """ValueError (naming `caller`) unless every trajectory of `step` is in exactly one microbatch."""
+    covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
+    if not np.array_equal(covered, np.arange(step.num_trajectories)):
+        raise ValueError(f"{caller}: microbatches must cover every trajectory of the step exactly once")
+
+
 def run_step(
     model: HybridModel,
     step: Step,
@@ -166,9 +173,7 @@ def run_step(
     device = next(model.parameters()).device
     if config.execution == "compact" and index is None:
         index = PrefixIndex.from_step(step)
-    covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
-    if not np.array_equal(covered, np.arange(step.num_trajectories)):
-        raise ValueError("run_step: microbatches must cover every trajectory of the step exactly once")
+    check_partition(step, microbatches, "run_step")
     targets = semantic_targets_from_step(step)
     normalizer = step_normalizer(targets, config)
     num_microbatches = len([m for m in microbatches if len(m)])

@@ -34,6 +34,7 @@ from harts.objective.step import (
     StepConfig,
     autocast_context,
     build_layout,
+    check_partition,
     microbatch_loss,
     semantic_index,
     step_normalizer,
@@ -90,9 +91,7 @@ def replica_microbatches(num_microbatches: int, dp: int, dp_rank: int) -> list[i
 
 def check_microbatches(step: Step, microbatches: list[np.ndarray], dp: int) -> None:
     """ValueError unless the microbatches partition the step and fill dp replicas (none empty)."""
-    covered = np.sort(np.concatenate([np.asarray(m, dtype=np.int64) for m in microbatches]))
-    if not np.array_equal(covered, np.arange(step.num_trajectories)):
-        raise ValueError("run_parallel_step: microbatches must cover every trajectory of the step exactly once")
+    check_partition(step, microbatches, "run_parallel_step")
     if len(microbatches) % dp:
         raise ValueError(f"run_parallel_step: {len(microbatches)} microbatches are not a multiple of dp = {dp}")
     if any(len(m) == 0 for m in microbatches):
