@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from harts.model.model import HybridModel
-from harts.objective.step import StepConfig, autocast_context, build_layout, run_step, semantic_index
+from harts.objective.step import StepConfig, StepResult, autocast_context, build_layout, run_step
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
@@ -48,13 +48,44 @@ def _semantic_logits_cosine(
             with autocast_context(device, config):
                 h, _ = model(layout.input_ids, layout)
             hidden.append((h.float(), layout.semantic_rows))
-        (h_ref, rows_ref), (h_cand, rows_cand) = hidden
-        num = len(semantic_index(step, members))
-        for lo in range(0, num, chunk):
+        cosines.append(logit_cosines([hidden[0]], [hidden[1]], weight, chunk))
+    return np.concatenate(cosines)
+
+
+@torch.no_grad()
+def logit_cosines(reference_hidden: list[tuple[torch.Tensor, torch.Tensor]],
+                  candidate_hidden: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
+                  chunk: int = 2048) -> np.ndarray:
+    """Per semantic position, the cosine of the two executions' full-vocabulary logits; each list
+    holds a microbatch's (final hidden rows, semantic rows) per entry. Chunk by chunk, never S x V."""
+    cosines = []
+    for (h_ref, rows_ref), (h_cand, rows_cand) in zip(reference_hidden, candidate_hidden):
+        for lo in range(0, len(rows_ref), chunk):
             a = h_ref[rows_ref[lo : lo + chunk]] @ weight.T
             b = h_cand[rows_cand[lo : lo + chunk]] @ weight.T
             cosines.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).cpu().numpy())
     return np.concatenate(cosines)
+
+
+def agreement(ref: StepResult, cand, ref_grads: dict[str, torch.Tensor], cand_grads: dict[str, torch.Tensor],
+              cosines: np.ndarray) -> dict[str, float | int]:
+    """The discrepancies of the module docstring between a reference step and a candidate (a
+    StepResult, or a ParallelStepResult of `harts.parallel.verify`: the same fields)."""
+    grad_rel = max(
+        float((cand_grads[n].float() - g.float()).norm() / g.float().norm().clamp(min=1e-30))
+        for n, g in ref_grads.items()
+    )
+    return {
+        "reference_rows": ref.num_rows,
+        "candidate_rows": cand.num_rows,
+        "max_abs_logprob_diff": float((cand.logprobs - ref.logprobs).abs().max()),
+        "loss": ref.loss,
+        "loss_rel_diff": abs(cand.loss - ref.loss) / max(abs(ref.loss), 1e-30),
+        "moe_loss_abs_diff": abs(cand.moe_loss - ref.moe_loss),
+        "grad_rel_diff": grad_rel,
+        "logit_cosine_min": float(cosines.min()),
+        "logit_cosine_mean": float(cosines.mean()),
+    }
 
 
 def compare_executions(
@@ -74,22 +105,11 @@ def compare_executions(
         results.append((result, _gradients(model)))
     model.zero_grad(set_to_none=True)
     (ref, ref_grads), (cand, cand_grads) = results
-    grad_rel = max(
-        float((cand_grads[n].float() - g.float()).norm() / g.float().norm().clamp(min=1e-30)) for n, g in ref_grads.items()
-    )
     cosines = _semantic_logits_cosine(model, step, microbatches, reference, candidate, index)
     return {
         "semantic_tokens": step.num_semantic_tokens,
-        "reference_rows": ref.num_rows,
-        "candidate_rows": cand.num_rows,
-        "max_abs_logprob_diff": float((cand.logprobs - ref.logprobs).abs().max()),
-        "loss": ref.loss,
-        "loss_rel_diff": abs(cand.loss - ref.loss) / max(abs(ref.loss), 1e-30),
-        "moe_loss_abs_diff": abs(cand.moe_loss - ref.moe_loss),
+        **agreement(ref, cand, ref_grads, cand_grads, cosines),
         "clip_fraction": ref.clip_fraction,
-        "grad_rel_diff": grad_rel,
-        "logit_cosine_min": float(cosines.min()),
-        "logit_cosine_mean": float(cosines.mean()),
     }
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from harts.model.config import ModelConfig
 from harts.model.model import HybridModel
 from harts.objective.step import StepConfig, autocast_context, build_layout, run_step
+from harts.objective.verify import agreement, logit_cosines
 from harts.parallel.groups import ParallelGroups
 from harts.parallel.model import ParallelModel, parallelize
 from harts.parallel.step import ParallelStepResult, run_parallel_step
@@ -101,16 +102,6 @@ def _final_hidden(model: HybridModel, step: Step, microbatches, config: StepConf
     return out
 
 
-def _logit_cosines(reference_hidden, candidate_hidden, weight: torch.Tensor, chunk: int = 2048) -> np.ndarray:
-    cosines = []
-    for (h_ref, rows_ref), (h_cand, rows_cand) in zip(reference_hidden, candidate_hidden):
-        for lo in range(0, len(rows_ref), chunk):
-            a = h_ref[rows_ref[lo : lo + chunk]] @ weight.T
-            b = h_cand[rows_cand[lo : lo + chunk]] @ weight.T
-            cosines.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).numpy())
-    return np.concatenate(cosines)
-
-
 def reference_config(candidate: StepConfig) -> StepConfig:
     """The single-process reference of a candidate: the baseline execution, same loss, no recomputation."""
     return replace(candidate, execution="baseline", recompute=False, replay=True)
@@ -148,10 +139,7 @@ def verify_on_rank(
             references[key] = _reference(model_config, seed, step, microbatches, reference_config(candidate), index,
                                          groups.device)
         ref, ref_grads, ref_hidden, weight = references[key]
-        grad_rel = max(
-            float((grads[name] - g).norm() / g.norm().clamp(min=1e-30)) for name, g in ref_grads.items()
-        )
-        cosines = _logit_cosines(ref_hidden, result.final_hidden, weight)
+        cosines = logit_cosines(ref_hidden, result.final_hidden, weight)
         counts_diff = max(
             (float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(result.tokens_per_expert, ref.tokens_per_expert)),
             default=0.0,
@@ -161,18 +149,10 @@ def verify_on_rank(
             "recompute": candidate.recompute,
             "loss_function": candidate.loss,
             "semantic_tokens": step.num_semantic_tokens,
-            "reference_rows": ref.num_rows,
-            "candidate_rows": result.num_rows,
-            "max_abs_logprob_diff": float((result.logprobs - ref.logprobs).abs().max()),
-            "loss": ref.loss,
-            "loss_rel_diff": abs(result.loss - ref.loss) / max(abs(ref.loss), 1e-30),
-            "moe_loss_abs_diff": abs(result.moe_loss - ref.moe_loss),
+            **agreement(ref, result, ref_grads, grads, cosines),
             "clip_fraction": result.clip_fraction,
-            "grad_rel_diff": grad_rel,
             "replica_grad_max_rel_diff": replica_diff,
             "tokens_per_expert_max_abs_diff": counts_diff,
-            "logit_cosine_min": float(cosines.min()),
-            "logit_cosine_mean": float(cosines.mean()),
             "seconds": result.seconds,
         })
     return reports
