@@ -66,7 +66,9 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"expected a comma-separated list of integers, got {text!r}") from None
 
 
-def _leaves(num_rows, num_seqs, heads, dim, seed, device, dtype):
+def random_kda_leaves(num_rows, num_seqs, heads, dim, seed, device, dtype):
+    """Seeded KDA inputs [1, rows, heads, dim] (q, k L2-normalised, v, log-space gate g in fp32,
+    β) in `dtype` and initial states [num_seqs, heads, dim, dim] in fp32, all requiring grad."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -174,7 +176,7 @@ def _check(args) -> dict:
     shrink = 1 if args.device.startswith("cuda") else 32
     lengths = np.maximum(np.array([1000, 64, 2500, 77, 33, 2048]) // shrink, 1)
     heads = min(4, args.heads)
-    leaves = _leaves(int(lengths.sum()), len(lengths), heads, args.dim, args.seed, args.device, _dtype(args))
+    leaves = random_kda_leaves(int(lengths.sum()), len(lengths), heads, args.dim, args.seed, args.device, _dtype(args))
     reference = [x.detach().float().requires_grad_() for x in leaves]
     rng = np.random.default_rng(args.seed)
     offsets, ptr = [], [0]
@@ -208,7 +210,7 @@ def _check(args) -> dict:
                 tokens=tokens, loss_mask=loss_mask, rewards=np.zeros(len(paths), dtype=np.float32),
                 advantage_per_trajectory=np.zeros(len(paths), dtype=np.float32))
     tree = PrefixIndex.from_step(step).segment_tree()
-    low = _leaves(tree.num_compact_tokens, 1, heads, args.dim, args.seed, args.device, _dtype(args))
+    low = random_kda_leaves(tree.num_compact_tokens, 1, heads, args.dim, args.seed, args.device, _dtype(args))
     compact = [x.detach()[0].requires_grad_() for x in low[:5]]
     fp32 = [x.detach().float().requires_grad_() for x in compact]
     index = torch.from_numpy(tree.compact_map()).to(args.device)
@@ -235,7 +237,7 @@ def _handoff_case(args, num_seqs: int, num_boundaries: int) -> dict:
 
     lengths = np.full(num_seqs, args.rows // num_seqs, dtype=np.int64)
     lengths[: args.rows % num_seqs] += 1
-    leaves = _leaves(int(lengths.sum()), num_seqs, args.heads, args.dim, args.seed, args.device, _dtype(args))
+    leaves = random_kda_leaves(int(lengths.sum()), num_seqs, args.heads, args.dim, args.seed, args.device, _dtype(args))
     offsets, ptr = _boundary_requests(lengths, num_boundaries, args.chunk, np.random.default_rng(args.seed))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(args.device)
     q, k, v, g, beta, h0 = leaves
@@ -304,7 +306,7 @@ def _tree_case(args) -> tuple[dict, dict]:
         raise ValueError(f"{args.trees}: the first trajectory is longer than --rows {args.rows}")
     tree = index.segment_tree(np.array(members))
     schedule = plan_kda_calls(tree, args.chunk)
-    low = _leaves(tree.num_compact_tokens, 1, args.heads, args.dim, args.seed, args.device, _dtype(args))
+    low = random_kda_leaves(tree.num_compact_tokens, 1, args.heads, args.dim, args.seed, args.device, _dtype(args))
     leaves = [x.detach()[0].requires_grad_() for x in low[:5]]
     m = torch.from_numpy(tree.compact_map()).to(args.device)
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(tree.member_lengths)])).to(args.device)

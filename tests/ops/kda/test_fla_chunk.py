@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from harts.bench.kda_handoff import random_kda_leaves
 from harts.ops.kda.chunk import chunk_kda_torch
 from harts.ops.kda.compact import compact_kda, l2norm
 from harts.planning.kda_calls import plan_kda_calls
@@ -57,16 +58,7 @@ BF16_TOLERANCE = {"o": 0.01, "final": 0.01, "states": 0.01, "dq": 0.015, "dk": 0
 
 
 def _bf16_leaves(num_rows, num_seqs, seed=42):
-    heads, dim = HEADS, DIM
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, num_rows, heads, dim, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(1, num_rows, heads, dim, generator=gen), dim=-1)
-    v = torch.randn(1, num_rows, heads, dim, generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, num_rows, heads, dim, generator=gen))
-    beta = torch.rand(1, num_rows, heads, generator=gen)
-    h0 = torch.randn(num_seqs, heads, dim, dim, generator=gen)
-    low = [x.to(DEVICE, LOW) for x in (q, k, v)] + [g.to(DEVICE), beta.to(DEVICE, LOW), h0.to(DEVICE)]
-    return [x.requires_grad_() for x in low]
+    return random_kda_leaves(num_rows, num_seqs, HEADS, DIM, seed, DEVICE, LOW)
 
 
 def _run_with_grads(run, leaves, weights, **kwargs):
