@@ -3,18 +3,10 @@ step on disk whose trajectories share prefixes (forks mid-chunk for the tiny mod
 
 import numpy as np
 import pytest
-import torch
 
 from harts.trees.io import write_step
+from tests.fixtures import one_thread  # noqa: F401  (autouse fixture)
 from tests.objective.helpers import random_tree_step
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from harts.bench.fidelity import (
 )
 from harts.cli.main import main
 from harts.parallel.launch import RankFailed
-from tests.bench.helpers import tiny_with_vocab
+from tests.bench.helpers import sigterm_on_call, tiny_with_vocab
 
 
 @pytest.mark.parametrize(
@@ -198,22 +198,12 @@ def test_gradient_comparison_on_the_short_trajectories(tree_step_path, tmp_path,
 
 
 def test_sigterm_writes_an_error_row_naming_the_phase(tree_step_path, tmp_path, capsys, monkeypatch):
-    import os
     import signal
 
     import harts.bench.fidelity as fidelity
 
     path, _ = tree_step_path
-    path_hidden = fidelity.path_hidden
-    calls = []
-
-    def terminated_on_the_second_forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return path_hidden(*args, **kwargs)
-
-    monkeypatch.setattr(fidelity, "path_hidden", terminated_on_the_second_forward)
+    monkeypatch.setattr(fidelity, "path_hidden", sigterm_on_call(fidelity.path_hidden, 2))
     code, records, _ = _fidelity(["--trees", path, "--capacity", "80"], tmp_path, capsys)
     assert code == 128 + signal.SIGTERM and records[0]["error"] == "rerun forward: Terminated: SIGTERM"
 

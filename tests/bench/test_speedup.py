@@ -25,7 +25,7 @@ from harts.bench.speedup import (
 from harts.cli.main import main
 from harts.parallel.launch import RankFailed
 from harts.trees.trie import PrefixIndex
-from tests.bench.helpers import tiny_with_vocab
+from tests.bench.helpers import sigterm_on_call, tiny_with_vocab
 
 
 @pytest.mark.parametrize(
@@ -187,22 +187,12 @@ def test_unsplittable_model_and_failed_rank_are_error_rows(tree_step_path, tmp_p
 
 def test_sigterm_ends_the_run_with_an_error_row_keeping_the_finished_steps(tree_step_path, tmp_path, capsys,
                                                                           monkeypatch):
-    import os
     import signal
 
     import harts.objective.step as step_module
 
     path, _ = tree_step_path
-    run_step = step_module.run_step
-    calls = []
-
-    def terminated_on_the_second_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return run_step(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "run_step", terminated_on_the_second_step)
+    monkeypatch.setattr(step_module, "run_step", sigterm_on_call(step_module.run_step, 2))
     before = signal.getsignal(signal.SIGTERM)
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1"], tmp_path, capsys)
     assert code == 128 + signal.SIGTERM and len(records) == 1
