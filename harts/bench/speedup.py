@@ -275,7 +275,7 @@ def _step_configs(args, dtype_name: str) -> dict:
 
     cuda = args.device == "cuda"
     attention = args.attention_backend or ("varlen" if cuda else "sdpa")
-    backends = {"baseline": attention, "compact": getattr(args, "compact_attention_backend", None) or attention}
+    backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     return {
         name: StepConfig(
             execution=name, recompute=args.recompute, dtype=dtype_name, attention_backend=backends[name],
@@ -392,7 +392,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         progress["phase"] = "breakdown"
         results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name],
                                          executions["baseline"], executions["compact"], results["compression"])
-    if getattr(args, "profile", False):
+    if args.profile:
         progress["phase"] = "profile"
         results["profile"] = {
             name: profile_microbatch(model, step, max(microbatches[name], key=lambda m: int(step.lengths[m].sum())),
