@@ -201,12 +201,13 @@ def op_times(model, layout, device, dtype) -> dict[str, float]:
                     pieces.append(sel)
                     lengths.append(len(sel))
             index = torch.from_numpy(np.concatenate(pieces)).to(device)
-            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(device)
+            cu_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+            cu = cu_cpu.to(device)
 
-            def one_call(index=index, cu=cu):
+            def one_call(index=index, cu=cu, cu_cpu=cu_cpu):
                 out = packed_kda(
                     q[index], k[index], v[index], g[index], beta[index], cu, chunk_size=layout.chunk_size,
-                    use_qk_l2norm=True, backend=layout.kda_backend,
+                    use_qk_l2norm=True, backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu,
                 )
                 backward(out)
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from harts.ops.attention.groups import AttentionGroups, group_attention
+from harts.ops.kda.compact import PreparedSchedule, prepare_schedule
 from harts.planning.kda_calls import compact_parent_row, plan_kda_calls
 from harts.planning.kda_schedule import KDASchedule
 from harts.trees.step import Step
@@ -51,8 +52,12 @@ class Layout:
     chunk_size: int
     kda_schedule: KDASchedule | None = None
     """The compact execution's call plan."""
+    kda_prepared: PreparedSchedule | None = None
+    """`kda_schedule` on the layout's device (set by `to`), reused by every KDA layer."""
     cu_seqlens: torch.Tensor | None = None
     """The baseline's packed sequences (one KDA call)."""
+    cu_seqlens_cpu: torch.Tensor | None = None
+    """Their host copy, so fla need not read them back from the device in every layer."""
     attention_backend: str = "sdpa"
     kda_backend: str = "torch"
     info: dict = field(default_factory=dict)
@@ -71,6 +76,9 @@ class Layout:
             input_ids=move(self.input_ids), positions=move(self.positions), predecessors=move(self.predecessors),
             semantic_rows=move(self.semantic_rows), groups=self.groups.to(device),
             multiplicity=move(self.multiplicity), cu_seqlens=move(self.cu_seqlens),
+            cu_seqlens_cpu=None if self.cu_seqlens is None else self.cu_seqlens.cpu(),
+            kda_prepared=None if self.kda_schedule is None else prepare_schedule(
+                self.kda_schedule, device, self.kda_backend),
         )
 
     def causal_conv(self, x_RC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
@@ -89,9 +97,11 @@ class Layout:
         from harts.ops.kda.packed import packed_kda
 
         if self.execution == "compact":
-            return compact_kda(q, k, v, g, beta, self.kda_schedule, use_qk_l2norm=True, backend=self.kda_backend)
+            schedule = self.kda_schedule if self.kda_prepared is None else self.kda_prepared
+            return compact_kda(q, k, v, g, beta, schedule, use_qk_l2norm=True, backend=self.kda_backend)
         return packed_kda(
-            q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend
+            q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend,
+            cu_seqlens_cpu=self.cu_seqlens_cpu,
         )
 
     def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
@@ -119,14 +129,17 @@ def _groups(q_rows: list[np.ndarray], kv_rows: list[np.ndarray], subtree_end: np
     np.cumsum([len(r) for r in q_rows], out=q_ptr[1:])
     kv_ptr = np.zeros(len(kv_rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in kv_rows], out=kv_ptr[1:])
+    q_index, kv_index = np.concatenate(q_rows), np.concatenate(kv_rows)
     return AttentionGroups(
-        q_index=torch.from_numpy(np.concatenate(q_rows)),
+        q_index=torch.from_numpy(q_index),
         q_ptr=torch.from_numpy(q_ptr),
-        kv_index=torch.from_numpy(np.concatenate(kv_rows)),
+        kv_index=torch.from_numpy(kv_index),
         kv_ptr=torch.from_numpy(kv_ptr),
         row_subtree_end=torch.from_numpy(subtree_end.astype(np.int64)),
         max_q=int(np.diff(q_ptr).max()),
         max_k=int(np.diff(kv_ptr).max()),
+        q_in_order=bool(np.array_equal(q_index, np.arange(len(q_index)))),
+        kv_in_order=bool(np.array_equal(kv_index, np.arange(len(kv_index)))),
     )
 
 

@@ -41,6 +41,10 @@ class AttentionGroups:
     """int64 [R] one past the last DFS-descendant row of each row."""
     max_q: int
     max_k: int
+    q_in_order: bool = False
+    """q_index is 0..R−1 (the varlen backend then skips the query gather and the output scatter)."""
+    kv_in_order: bool = False
+    """kv_index is 0..R−1 (no ancestors: the baseline's packed trajectories; no KV gather)."""
 
     @property
     def num_groups(self) -> int:
@@ -55,6 +59,7 @@ class AttentionGroups:
             q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
             kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
             row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
+            q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
         )
 
 
@@ -110,13 +115,15 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     if value_dim != q_RHE.shape[-1]:
         # Flash attention wants one head dim for q, k and v: pad v, slice the output.
         v_RHF = F.pad(v_RHF, (0, q_RHE.shape[-1] - value_dim))
+    q = q_RHE if groups.q_in_order else q_RHE[groups.q_index]
+    k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
     out = varlen_attn(
-        q_RHE[groups.q_index], k_RHE[groups.kv_index], v_RHF[groups.kv_index],
-        groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
+        q, k, v, groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
         scale=scale, window_size=(-1, 0),
     )
-    out_RHF = torch.empty_like(out).index_copy(0, groups.q_index, out)
-    return out_RHF[..., :value_dim]
+    if not groups.q_in_order:
+        out = torch.empty_like(out).index_copy(0, groups.q_index, out)
+    return out[..., :value_dim]
 
 
 _compiled_flex = None

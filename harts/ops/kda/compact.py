@@ -8,6 +8,11 @@ the boundary states the call must return, and writes the outputs of its computed
 rows to their compact rows. Every compact row is computed exactly once, so the result is a
 permutation of the calls' computed outputs; replay outputs are discarded.
 
+`prepare_schedule(schedule, device, backend)` puts the schedule's index tensors (and, for fla, each
+call's chunk indices) on the device once per microbatch; `compact_kda` then gathers all calls' rows
+with one gather per input and permutes the outputs with one gather, so a layer neither copies from
+the host nor waits for the device (a model layout prepares its schedule when moved to the device).
+
 The handed-off states are ordinary autograd values: their gradients flow back into the call that
 produced them (the torch backend through the graph of `chunk_kda_torch`; the fla backend through
 `chunk_kda_fla`, whose backward injects boundary-state gradients into its state recursion).
@@ -21,13 +26,17 @@ Legend: C compact rows, R rows of a call, n sequences of a call, H heads, K key 
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
-from harts.ops.kda.chunk import chunk_kda_torch
+from harts.ops.kda.chunk import check_requests, chunk_kda_torch
 from harts.planning.kda_schedule import KDASchedule
+
+if TYPE_CHECKING:
+    from harts.ops.kda.fla_chunk import FlaCall
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -37,14 +46,96 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (y * torch.rsqrt((y * y).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _backend(name: str) -> Callable:
-    if name == "torch":
-        return chunk_kda_torch
+def _check_backend(name: str, chunk_size: int) -> None:
+    if name not in ("torch", "fla"):
+        raise ValueError(f"compact_kda: unknown backend {name!r} (expected 'torch' or 'fla')")
     if name == "fla":
-        from harts.ops.kda.fla_chunk import chunk_kda_fla
+        from harts.ops.kda.fla_chunk import FLA_CHUNK_SIZES
 
-        return chunk_kda_fla
-    raise ValueError(f"compact_kda: unknown backend {name!r} (expected 'torch' or 'fla')")
+        if chunk_size not in FLA_CHUNK_SIZES:
+            raise ValueError(f"compact_kda: fla's KDA kernels take chunk_size 32 or 64, got {chunk_size}")
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedCall:
+    """One call of a prepared schedule: its slice of the gathered rows and its initial states."""
+
+    rows: slice
+    """The call's rows within the schedule's gathered rows."""
+    cu_seqlens: np.ndarray
+    state_offsets: np.ndarray
+    state_ptr: np.ndarray
+    initial: tuple[tuple[int, torch.Tensor], ...]
+    """(producer call, index into its returned states) for the sequences with a handed-off state."""
+    num_roots: int
+    """Sequences starting from the zero state."""
+    initial_order: torch.Tensor | None
+    """Sequence i's position among the picked states, then the zero states; None: all zero."""
+    fla: FlaCall | None = None
+    """The call's device plan on the fla backend."""
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedSchedule:
+    """A `KDASchedule` with its index tensors on the device, built once per microbatch and used by
+    every KDA layer and its recomputation, so a layer copies nothing from the host and never
+    synchronises: each such copy would stall the GPU between two kernels of the layer."""
+
+    schedule: KDASchedule
+    backend: str
+    device: torch.device
+    gather: torch.Tensor
+    """int64 [Σ R]: the compact row of every call row, calls back to back (replay rows repeat
+    their ancestors' rows)."""
+    output: torch.Tensor
+    """int64 [C]: each compact row's position among the calls' rows, where it is computed."""
+    calls: tuple[PreparedCall, ...]
+
+
+def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch") -> PreparedSchedule:
+    """The device form of `schedule` for `compact_kda` with `backend`."""
+    _check_backend(backend, schedule.chunk_size)
+    device = torch.device(device)
+
+    def on_device(index: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
+
+    calls, outputs, destinations, start = [], [], [], 0
+    for call in schedule.calls:
+        source = call.initial_source
+        handed = np.flatnonzero(source[:, 0] >= 0)
+        initial, owners = [], []
+        for producer in np.unique(source[handed, 0]):
+            mine = handed[source[handed, 0] == producer]
+            producer_call = schedule.calls[int(producer)]
+            initial.append((int(producer), on_device(producer_call.boundary_ptr[source[mine, 1]] + source[mine, 2])))
+            owners.append(mine)
+        roots = np.flatnonzero(source[:, 0] < 0)
+        owners.append(roots)
+        fla = None
+        if backend == "fla":
+            from harts.ops.kda.fla_chunk import FlaCall
+
+            requests = check_requests("compact_kda", call.boundary_offsets, call.boundary_ptr,
+                                      np.diff(call.cu_seqlens))
+            fla = FlaCall.build(np.diff(call.cu_seqlens), requests, schedule.chunk_size, device)
+        calls.append(PreparedCall(
+            rows=slice(start, start + call.num_rows), cu_seqlens=call.cu_seqlens, state_offsets=call.boundary_offsets,
+            state_ptr=call.boundary_ptr, initial=tuple(initial), num_roots=len(roots),
+            initial_order=on_device(np.argsort(np.concatenate(owners))) if len(handed) else None, fla=fla,
+        ))
+        computed = np.flatnonzero(~call.is_replay)
+        outputs.append(start + computed)
+        destinations.append(call.rows[computed])
+        start += call.num_rows
+    destination = np.concatenate(destinations) if destinations else np.zeros(0, dtype=np.int64)
+    assert len(destination) == schedule.num_compact_tokens, "the schedule computes every compact row exactly once"
+    output = np.empty(len(destination), dtype=np.int64)
+    output[destination] = np.concatenate(outputs) if outputs else destination
+    gather = np.concatenate([call.rows for call in schedule.calls]) if schedule.calls else destination
+    gather = on_device(gather)
+    return PreparedSchedule(schedule=schedule, backend=backend, device=gather.device, gather=gather,
+                            output=on_device(output), calls=tuple(calls))
 
 
 def compact_kda(
@@ -53,7 +144,7 @@ def compact_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    schedule: KDASchedule,
+    schedule: KDASchedule | PreparedSchedule,
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
@@ -63,8 +154,9 @@ def compact_kda(
 
     Args:
         q, k: ``[C, H, K]``. v: ``[C, H, V]``. g: ``[C, H, K]`` log-space decay. beta: ``[C, H]``.
-        schedule: the call plan of these C rows (`plan_kda_calls(tree, B, replay=...)`); its
-            chunk size is the B of every call.
+        schedule: the call plan of these C rows (`plan_kda_calls(tree, B, replay=...)`), or its
+            `prepare_schedule` form (then its backend and device are used); its chunk size is the
+            B of every call.
         scale: defaults to ``K ** -0.5``.
         use_qk_l2norm: L2-normalise q and k per row first (once per compact row).
         backend: ``"torch"`` (`chunk_kda_torch`, any device) or ``"fla"`` (`chunk_kda_fla`:
@@ -80,59 +172,51 @@ def compact_kda(
         >>> schedule = plan_kda_calls(tree, 64)  # doctest: +SKIP
         >>> o = compact_kda(q, k, v, g, beta, schedule, use_qk_l2norm=True)  # doctest: +SKIP
     """
-    num_rows = schedule.num_compact_tokens
+    prepared = schedule if isinstance(schedule, PreparedSchedule) else prepare_schedule(schedule, q.device, backend)
+    num_rows = prepared.schedule.num_compact_tokens
     if q.dim() != 3 or q.shape[0] != num_rows or k.shape != q.shape or g.shape != q.shape:
         shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, g))
         raise ValueError(f"compact_kda: q, k, g must be [C={num_rows}, H, K], got {shapes}")
     if v.dim() != 3 or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
         raise ValueError(f"compact_kda: v must be [C, H, V] and beta [C, H], got {tuple(v.shape)}, {tuple(beta.shape)}")
-    run = _backend(backend)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    device = q.device
+    if q.device != prepared.device:
+        raise ValueError(f"compact_kda: inputs on {q.device}, schedule prepared for {prepared.device}")
     heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
-    returned: list[torch.Tensor] = []
-    outputs, destinations = [], []
-    for call in schedule.calls:
-        rows = torch.from_numpy(call.rows).to(device)
-        inputs = [x.index_select(0, rows).unsqueeze(0) for x in (q, k, v, g, beta)]
-        initial = _initial_states(schedule, call.initial_source, returned, heads, key_dim, value_dim, device)
-        o, _, states = run(
-            *inputs,
-            scale=scale,
-            initial_state=initial,
-            cu_seqlens=torch.from_numpy(call.cu_seqlens).to(device),
-            chunk_size=schedule.chunk_size,
-            state_offsets=call.boundary_offsets,
-            state_ptr=call.boundary_ptr,
-        )
-        returned.append(states)
-        computed = np.flatnonzero(~call.is_replay)
-        outputs.append(o[0].index_select(0, torch.from_numpy(computed).to(device)))
-        destinations.append(call.rows[computed])
-    destination = np.concatenate(destinations) if destinations else np.zeros(0, dtype=np.int64)
-    assert len(destination) == num_rows, "the schedule computes every compact row exactly once"
-    order = torch.from_numpy(np.argsort(destination, kind="stable")).to(device)
-    if not outputs:
+    if not prepared.calls:
         return v.new_zeros(0, heads, value_dim)
-    return torch.cat(outputs).index_select(0, order)
+    if use_qk_l2norm:
+        normalise = _fla_l2norm if prepared.backend == "fla" else l2norm
+        q, k = normalise(q), normalise(k)
+    # All calls' rows in one gather per input (the calls only depend on each other through states).
+    rows_q, rows_k, rows_v, rows_g, rows_beta = (x.index_select(0, prepared.gather) for x in (q, k, v, g, beta))
+    returned: list[torch.Tensor] = []
+    outputs = []
+    for call in prepared.calls:
+        inputs = [x[call.rows].unsqueeze(0) for x in (rows_q, rows_k, rows_v, rows_g, rows_beta)]
+        initial = _initial_states(call, returned, heads, key_dim, value_dim)
+        if call.fla is not None:
+            o, _, states = call.fla.run(*inputs, scale=scale, initial_state=initial)
+        else:
+            o, _, states = chunk_kda_torch(
+                *inputs, scale=scale, initial_state=initial, cu_seqlens=call.cu_seqlens,
+                chunk_size=prepared.schedule.chunk_size, state_offsets=call.state_offsets, state_ptr=call.state_ptr,
+            )
+        returned.append(states)
+        outputs.append(o[0])
+    return torch.cat(outputs).index_select(0, prepared.output)
 
 
-def _initial_states(schedule, source, returned, heads, key_dim, value_dim, device) -> torch.Tensor | None:
+def _fla_l2norm(x: torch.Tensor) -> torch.Tensor:
+    from fla.modules.norm.l2norm import l2norm as fla_l2norm
+
+    return fla_l2norm(x)
+
+
+def _initial_states(call: PreparedCall, returned: list[torch.Tensor], heads, key_dim, value_dim) -> torch.Tensor | None:
     """[n, H, K, V] initial states of a call's sequences, or None when all start from zero."""
-    handed = np.flatnonzero(source[:, 0] >= 0)
-    if not len(handed):
+    if call.initial_order is None:
         return None
-    parts, owners = [], []
-    for producer in np.unique(source[handed, 0]):
-        mine = handed[source[handed, 0] == producer]
-        call = schedule.calls[int(producer)]
-        flat = call.boundary_ptr[source[mine, 1]] + source[mine, 2]
-        parts.append(returned[int(producer)].index_select(0, torch.from_numpy(flat).to(device)))
-        owners.append(mine)
-    roots = np.flatnonzero(source[:, 0] < 0)
-    if len(roots):
-        parts.append(parts[0].new_zeros(len(roots), heads, key_dim, value_dim))
-        owners.append(roots)
-    order = torch.from_numpy(np.argsort(np.concatenate(owners))).to(device)
-    return torch.cat(parts).index_select(0, order)
+    parts = [returned[producer].index_select(0, index) for producer, index in call.initial]
+    if call.num_roots:
+        parts.append(parts[0].new_zeros(call.num_roots, heads, key_dim, value_dim))
+    return torch.cat(parts).index_select(0, call.initial_order)

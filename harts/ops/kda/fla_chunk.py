@@ -51,9 +51,8 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
     @staticmethod
     @input_guard
     @autocast_custom_fwd
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_offsets, state_slot,
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
                 chunk_size, num_chunks, num_slots):
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
         g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                    chunk_indices=chunk_indices)
         w, u, _, kg, aqk, akk = chunk_kda_fwd_intra(
@@ -100,7 +99,7 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
                                 chunk_indices=chunk_indices)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def chunk_kda_fla(
@@ -137,62 +136,125 @@ def chunk_kda_fla(
     lengths = check_inputs(name, q, k, v, g, beta, cu_seqlens, initial_state)
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"{name}: fla's KDA kernels take chunk_size 32 or 64, got {chunk_size!r}")
-    batch, length, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    if key_dim > 256:
-        raise ValueError(f"{name}: fla's KDA kernels take K ≤ 256, got {key_dim}")
+    if q.shape[-1] > 256:
+        raise ValueError(f"{name}: fla's KDA kernels take K ≤ 256, got {q.shape[-1]}")
     requests = check_requests(name, state_offsets, state_ptr, lengths)
-    if scale is None:
-        scale = key_dim**-0.5
-    device = q.device
-    num_seqs = len(lengths)
-    row_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    chunk_offsets = np.concatenate([[0], np.cumsum(-(-lengths // chunk_size))]).astype(np.int64)
-    num_chunks = int(chunk_offsets[-1])
-
-    plan = _StatePlan.build(requests, lengths, chunk_offsets, chunk_size, num_chunks)
+    call = FlaCall.build(lengths, requests, chunk_size, q.device)
+    batch, length = q.shape[:2]
     rows = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    if initial_state is None:
-        initial = q.new_zeros(num_seqs, heads, key_dim, value_dim, dtype=torch.float32)
-    else:
-        initial = initial_state.float()
-    slot = torch.from_numpy(plan.state_slot).to(device) if plan.num_slots else None
-    o, final_state, slot_states = ChunkKDAStatesFunction.apply(
-        *rows, initial, scale, torch.from_numpy(row_start).to(device), torch.from_numpy(chunk_offsets).to(device),
-        slot, chunk_size, num_chunks, plan.num_slots,
-    )
-    states = None
-    if requests is not None:
-        states = plan.assemble(rows, initial, final_state, slot_states, row_start, scale, chunk_size)
-    o = o.reshape(batch, length, heads, value_dim)
-    return o, final_state if output_final_state else None, states
+    o, final_state, states = call.run(*rows, scale=scale, initial_state=initial_state)
+    return o.reshape(*v.shape[:3], v.shape[-1]), final_state if output_final_state else None, states
+
+
+@dataclass(frozen=True, eq=False)
+class FlaCall:
+    """Everything one varlen call needs besides its inputs, on the device, built once: the
+    compact execution runs the same calls in every KDA layer and again in recomputation, and
+    building these inside a layer would copy host arrays to the device and read device values
+    back (fla's chunk indices), each a synchronisation that stalls the GPU between kernels."""
+
+    lengths: np.ndarray
+    """int64 [N] sequence lengths (host)."""
+    chunk_size: int
+    num_chunks: int
+    row_start: torch.Tensor
+    """int64 [N + 1] cu_seqlens."""
+    chunk_offsets: torch.Tensor
+    """int64 [N + 1] first chunk of each sequence."""
+    chunk_indices: torch.Tensor
+    """[NT, 2] (sequence, chunk within it): fla's `prepare_chunk_indices`."""
+    state_slot: torch.Tensor | None
+    plan: _StatePlan
+
+    @classmethod
+    def build(cls, lengths: np.ndarray, requests: tuple[np.ndarray, np.ndarray] | None, chunk_size: int,
+              device: torch.device) -> FlaCall:
+        """`requests`: (sequence, offset) of each requested state (`check_requests`), or None."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        row_start = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        chunk_offsets = np.concatenate([[0], np.cumsum(-(-lengths // chunk_size))]).astype(np.int64)
+        num_chunks = int(chunk_offsets[-1])
+        plan = _StatePlan.build(requests, lengths, chunk_offsets, chunk_size, num_chunks, device)
+        return cls(
+            lengths=lengths, chunk_size=chunk_size, num_chunks=num_chunks, row_start=row_start.to(device),
+            chunk_offsets=torch.from_numpy(chunk_offsets).to(device),
+            chunk_indices=prepare_chunk_indices(row_start, chunk_size).to(device),
+            state_slot=torch.from_numpy(plan.state_slot).to(device) if plan.num_slots else None, plan=plan,
+        )
+
+    def run(self, q, k, v, g, beta, *, scale: float | None = None, initial_state: torch.Tensor | None = None):
+        """(o in q's dtype, final states fp32 [N, H, K, V], requested states fp32 or None) of
+        q, k, g ``[1, T, H, K]``, v ``[1, T, H, V]``, beta ``[1, T, H]`` and the fp32 initial
+        states ``[N, H, K, V]`` (None: zero)."""
+        _, _, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        assert q.shape[:2] == (1, int(self.lengths.sum())), "the inputs are the call's packed rows"
+        if scale is None:
+            scale = key_dim**-0.5
+        if initial_state is None:
+            initial = q.new_zeros(len(self.lengths), heads, key_dim, value_dim, dtype=torch.float32)
+        else:
+            initial = initial_state.float()
+        o, final_state, slot_states = ChunkKDAStatesFunction.apply(
+            q, k, v, g, beta, initial, scale, self.row_start, self.chunk_indices, self.chunk_offsets,
+            self.state_slot, self.chunk_size, self.num_chunks, self.plan.num_slots,
+        )
+        states = None
+        if self.plan.kind is not None:
+            states = self.plan.assemble((q, k, v, g, beta), initial, final_state, slot_states, scale,
+                                        self.chunk_size)
+        return o, final_state, states
 
 
 # Where a requested state comes from (`_StatePlan.kind`).
 _INITIAL, _FINAL, _SLOT, _PARTIAL = range(4)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class _PartialChunks:
+    """Requests inside a chunk (the no-replay ablation): each state is formed by `chunk_kda_torch`
+    over the first rows of its chunk, from the chunk's start state (the initial state or a slot)."""
+
+    requests: np.ndarray
+    """int64 [P] the requests formed this way."""
+    from_initial: torch.Tensor
+    """Sequences whose initial state starts a request's chunk (chunks at offset 0)."""
+    from_slot: torch.Tensor
+    """Slots that start the other requests' chunks."""
+    start_order: torch.Tensor
+    """Request p's position among [from_initial..., from_slot...]."""
+    rows: torch.Tensor
+    """The call rows of every partial chunk, back to back."""
+    cu_seqlens: np.ndarray
+    """int64 [P + 1] their boundaries."""
+
+
+@dataclass(frozen=True, eq=False)
 class _StatePlan:
     """Sources of the requested states: the initial state, the final state, a kernel slot (a chunk
-    start), or a partial chunk on top of the initial state or a slot."""
+    start), or a partial chunk on top of the initial state or a slot; the gather indices are on
+    the device (built once per call)."""
 
     state_slot: np.ndarray
     """int32 [NT] slot of each chunk start (−1: none)."""
     num_slots: int
-    seq: np.ndarray | None = None
-    offsets: np.ndarray | None = None
     kind: np.ndarray | None = None
-    slot_of_request: np.ndarray | None = None
-    """int64 [M] the slot a request reads (directly, or as its partial chunk's start), else −1."""
-    base: np.ndarray | None = None
-    """int64 [M] start of the request's chunk (⌊offset/B⌋·B)."""
+    """int64 [M] where each request's state comes from (`_INITIAL`, ...); None: no requests."""
+    picks: tuple[tuple[int, torch.Tensor], ...] = ()
+    """(kind, index into that kind's source tensor) for the initial, final and slot requests."""
+    partial: _PartialChunks | None = None
+    order: torch.Tensor | None = None
+    """Request m's position among the concatenated picks and partial states."""
 
     @classmethod
-    def build(cls, requests, lengths, chunk_offsets, chunk_size, num_chunks) -> _StatePlan:
+    def build(cls, requests, lengths, chunk_offsets, chunk_size, num_chunks, device) -> _StatePlan:
         state_slot = np.full(max(num_chunks, 1), -1, dtype=np.int32)
         if requests is None:
             return cls(state_slot=state_slot, num_slots=0)
+
+        def on_device(index: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
+
         seq, offsets = requests
         base = offsets // chunk_size * chunk_size
         kind = np.full(len(offsets), _PARTIAL, dtype=np.int64)
@@ -204,39 +266,42 @@ class _StatePlan:
         unique = np.unique(chunk[needs_slot])
         state_slot[unique] = np.arange(len(unique), dtype=np.int32)
         slot_of_request = np.where(needs_slot, state_slot[np.minimum(chunk, len(state_slot) - 1)], -1).astype(np.int64)
-        return cls(state_slot=state_slot, num_slots=len(unique), seq=seq, offsets=offsets, kind=kind,
-                   slot_of_request=slot_of_request, base=base)
-
-    def assemble(self, rows, initial, final_state, slot_states, row_start, scale, chunk_size) -> torch.Tensor:
-        device = initial.device
-
-        def pick(source: torch.Tensor, index: np.ndarray) -> torch.Tensor:
-            return source.index_select(0, torch.from_numpy(np.ascontiguousarray(index)).to(device))
-
-        parts, owners = [], []
-        for kind, source, index in ((_INITIAL, initial, self.seq), (_FINAL, final_state, self.seq),
-                                    (_SLOT, slot_states, self.slot_of_request)):
-            owner = np.flatnonzero(self.kind == kind)
+        picks, owners = [], []
+        for source_kind, index in ((_INITIAL, seq), (_FINAL, seq), (_SLOT, slot_of_request)):
+            owner = np.flatnonzero(kind == source_kind)
             if len(owner):
-                parts.append(pick(source, index[owner]))
+                picks.append((source_kind, on_device(index[owner])))
                 owners.append(owner)
-        partial = np.flatnonzero(self.kind == _PARTIAL)
-        if len(partial):
-            from_slot = self.slot_of_request[partial] >= 0
-            start = torch.cat([pick(initial, self.seq[partial[~from_slot]]),
-                               pick(slot_states, self.slot_of_request[partial[from_slot]])])
-            order = np.argsort(np.concatenate([np.flatnonzero(~from_slot), np.flatnonzero(from_slot)]))
-            start = pick(start, order)
-            first = row_start[self.seq[partial]] + self.base[partial]
-            count = self.offsets[partial] - self.base[partial]
-            index = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in zip(first, count)])).to(device)
-            piece = [x.index_select(1, index) for x in rows]
+        partial = None
+        mine = np.flatnonzero(kind == _PARTIAL)
+        if len(mine):
+            from_slot = slot_of_request[mine] >= 0
+            row_start = np.concatenate([[0], np.cumsum(lengths)])
+            first = row_start[seq[mine]] + base[mine]
+            count = offsets[mine] - base[mine]
+            partial = _PartialChunks(
+                requests=mine, from_initial=on_device(seq[mine[~from_slot]]),
+                from_slot=on_device(slot_of_request[mine[from_slot]]),
+                start_order=on_device(np.argsort(np.concatenate([np.flatnonzero(~from_slot), np.flatnonzero(from_slot)]))),
+                rows=on_device(np.concatenate([np.arange(a, a + n) for a, n in zip(first, count)])),
+                cu_seqlens=np.concatenate([[0], np.cumsum(count)]).astype(np.int64),
+            )
+            owners.append(mine)
+        return cls(state_slot=state_slot, num_slots=len(unique), kind=kind, picks=tuple(picks), partial=partial,
+                   order=on_device(np.argsort(np.concatenate(owners))) if owners else None)
+
+    def assemble(self, rows, initial, final_state, slot_states, scale, chunk_size) -> torch.Tensor:
+        sources = {_INITIAL: initial, _FINAL: final_state, _SLOT: slot_states}
+        parts = [sources[kind].index_select(0, index) for kind, index in self.picks]
+        if self.partial is not None:
+            p = self.partial
+            start = torch.cat([initial.index_select(0, p.from_initial), slot_states.index_select(0, p.from_slot)])
+            piece = [x.index_select(1, p.rows) for x in rows]
             _, ends, _ = chunk_kda_torch(
-                *piece, scale=scale, initial_state=start, output_final_state=True,
-                cu_seqlens=np.concatenate([[0], np.cumsum(count)]), chunk_size=chunk_size,
+                *piece, scale=scale, initial_state=start.index_select(0, p.start_order), output_final_state=True,
+                cu_seqlens=p.cu_seqlens, chunk_size=chunk_size,
             )
             parts.append(ends.float())
-            owners.append(partial)
         if not parts:
             return initial.new_zeros(0, *initial.shape[1:])
-        return pick(torch.cat(parts), np.argsort(np.concatenate(owners)))
+        return torch.cat(parts).index_select(0, self.order)

@@ -18,9 +18,10 @@ from harts.ops.kda.compact import l2norm
 def packed_kda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, *, chunk_size: int, scale: float | None = None, use_qk_l2norm: bool = False,
-    backend: str = "torch",
+    backend: str = "torch", cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """o [R, H, V] for q, k, g [R, H, K], v [R, H, V], beta [R, H] and cu_seqlens [N + 1]."""
+    """o [R, H, V] for q, k, g [R, H, K], v [R, H, V], beta [R, H] and cu_seqlens [N + 1]
+    (`cu_seqlens_cpu`: their host copy, which spares fla a device-to-host read)."""
     if backend == "fla":
         from fla.ops.kda import chunk_kda
 
@@ -29,6 +30,7 @@ def packed_kda(
         o, _ = chunk_kda(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long(),
+            cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
         )
         return o[0]
     if backend != "torch":

@@ -64,6 +64,18 @@ def test_sdpa_matches_naive(seed):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_in_order_flags():
+    """The baseline's groups read rows in place (no gathers); a compact tree's keys include ancestors."""
+    step = _random_step(3, num=16, max_len=200, vocab=3)
+    members = np.arange(step.num_trajectories)
+    baseline = baseline_layout(step, members, conv_size=4, chunk_size=8).groups
+    compact = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8).groups
+    assert baseline.q_in_order and baseline.kv_in_order
+    assert not compact.kv_in_order and compact.num_kv_rows > len(compact.q_index)
+    for groups in (baseline, compact):
+        assert groups.q_in_order == torch.equal(groups.q_index, torch.arange(len(groups.q_index)))
+
+
 def test_unknown_backend():
     step = _random_step(1)
     layout = baseline_layout(step, np.arange(step.num_trajectories), conv_size=4, chunk_size=8)
@@ -75,10 +87,15 @@ def test_unknown_backend():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
-def test_gpu_backends_match_naive(backend):
+def test_gpu_backends_match_naive(backend, execution):
     step = _random_step(3, num=16, max_len=200, vocab=3)
-    layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
+    members = np.arange(step.num_trajectories)
+    if execution == "baseline":
+        layout = baseline_layout(step, members, conv_size=4, chunk_size=64)
+    else:
+        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
     groups = layout.groups.to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, heads = layout.num_rows, 4

@@ -87,11 +87,12 @@ def case_states() -> dict[str, float]:
 
 
 def case_compact() -> dict[str, float]:
-    """compact_kda with the fla backend against the per-trajectory torch reference."""
+    """compact_kda with the fla backend (replay, no replay, and replay with fla's L2 norm of q and k)
+    against the per-trajectory torch reference."""
     import numpy as np
     import torch
 
-    from harts.ops.kda.compact import compact_kda
+    from harts.ops.kda.compact import compact_kda, l2norm
 
     from .helpers import per_trajectory, random_inputs, relative_error, segment_schedule, tree_from_shape
 
@@ -99,15 +100,15 @@ def case_compact() -> dict[str, float]:
     chunk = 32
     index = torch.from_numpy(tree.compact_map())
     errors = {}
-    for replay in (True, False):
+    for tag, replay, normalise in (("replay", True, False), ("no_replay", False, False), ("l2norm", True, True)):
         leaves = random_inputs(tree.num_compact_tokens, 2, 16, 16, torch.float32, seed=42)
-        expected = per_trajectory(leaves, tree, chunk)
+        reference = [l2norm(x) for x in leaves[:2]] + leaves[2:] if normalise else leaves
+        expected = per_trajectory(reference, tree, chunk)
         weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
         grads_expected = torch.autograd.grad((expected * weight).sum(), leaves)
-        o = compact_kda(*leaves, segment_schedule(tree, chunk, replay), backend="fla")
+        o = compact_kda(*leaves, segment_schedule(tree, chunk, replay), backend="fla", use_qk_l2norm=normalise)
         semantic = o.index_select(0, index)
         grads = torch.autograd.grad((semantic * weight).sum(), leaves)
-        tag = "replay" if replay else "no_replay"
         errors[f"{tag}.o"] = relative_error(semantic, expected)
         for name, actual, want in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, grads_expected):
             errors[f"{tag}.{name}"] = relative_error(actual, want)

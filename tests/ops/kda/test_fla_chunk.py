@@ -44,7 +44,7 @@ def test_interpreted_states_match_torch():
 @pytest.mark.slow
 def test_interpreted_compact_matches_per_trajectory():
     errors = _interpreted("compact")
-    assert len(errors) == 12
+    assert len(errors) == 18
     assert max(errors.values()) < 1e-5, errors
 
 
