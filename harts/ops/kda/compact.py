@@ -89,6 +89,10 @@ class PreparedSchedule:
     their ancestors' rows)."""
     output: torch.Tensor
     """int64 [C]: each compact row's position among the calls' rows, where it is computed."""
+    replay_positions: torch.Tensor
+    """int64: positions of the replay rows among the calls' rows ..."""
+    replay_rows: torch.Tensor
+    """... and the compact rows they repeat."""
     calls: tuple[PreparedCall, ...]
 
 
@@ -100,7 +104,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     def on_device(index: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
 
-    calls, outputs, destinations, start = [], [], [], 0
+    calls, outputs, destinations, replays, start = [], [], [], [], 0
     for call in schedule.calls:
         source = call.initial_source
         handed = np.flatnonzero(source[:, 0] >= 0)
@@ -127,15 +131,55 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
         computed = np.flatnonzero(~call.is_replay)
         outputs.append(start + computed)
         destinations.append(call.rows[computed])
+        replays.append(start + np.flatnonzero(call.is_replay))
         start += call.num_rows
     destination = np.concatenate(destinations) if destinations else np.zeros(0, dtype=np.int64)
     assert len(destination) == schedule.num_compact_tokens, "the schedule computes every compact row exactly once"
     output = np.empty(len(destination), dtype=np.int64)
     output[destination] = np.concatenate(outputs) if outputs else destination
     gather = np.concatenate([call.rows for call in schedule.calls]) if schedule.calls else destination
-    gather = on_device(gather)
-    return PreparedSchedule(schedule=schedule, backend=backend, device=gather.device, gather=gather,
-                            output=on_device(output), calls=tuple(calls))
+    replay_positions = np.concatenate(replays) if replays else destination
+    gather_device = on_device(gather)
+    return PreparedSchedule(
+        schedule=schedule, backend=backend, device=gather_device.device, gather=gather_device, output=on_device(output),
+        replay_positions=on_device(replay_positions), replay_rows=on_device(gather[replay_positions]),
+        calls=tuple(calls),
+    )
+
+
+class _GatherCallRows(torch.autograd.Function):
+    """Compact rows [C, ...] → the calls' rows [Σ R, ...]. Each compact row occurs once as a
+    computed row and maybe again as replay rows, so its gradient is one gather (from its computed
+    position) plus a scatter-add over the few replay rows — not the scatter-add over all rows of
+    `index_select`'s backward, whose atomics are the slow part of this gather."""
+
+    @staticmethod
+    def forward(ctx, x, prepared: PreparedSchedule):
+        ctx.prepared = prepared
+        return x.index_select(0, prepared.gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.prepared
+        dx = grad.index_select(0, p.output)
+        if p.replay_rows.numel():
+            dx.index_add_(0, p.replay_rows, grad.index_select(0, p.replay_positions))
+        return dx, None
+
+
+class _ComputedRows(torch.autograd.Function):
+    """The calls' outputs [Σ R, ...] → each compact row's computed output [C, ...]; the backward
+    writes each gradient to its one computed position (no accumulation) and zero to replay rows."""
+
+    @staticmethod
+    def forward(ctx, packed, prepared: PreparedSchedule):
+        ctx.prepared, ctx.num_packed = prepared, packed.shape[0]
+        return packed.index_select(0, prepared.output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dpacked = grad.new_zeros(ctx.num_packed, *grad.shape[1:])
+        return dpacked.index_copy_(0, ctx.prepared.output, grad), None
 
 
 def compact_kda(
@@ -188,7 +232,7 @@ def compact_kda(
         normalise = _fla_l2norm if prepared.backend == "fla" else l2norm
         q, k = normalise(q), normalise(k)
     # All calls' rows in one gather per input (the calls only depend on each other through states).
-    rows_q, rows_k, rows_v, rows_g, rows_beta = (x.index_select(0, prepared.gather) for x in (q, k, v, g, beta))
+    rows_q, rows_k, rows_v, rows_g, rows_beta = (_GatherCallRows.apply(x, prepared) for x in (q, k, v, g, beta))
     returned: list[torch.Tensor] = []
     outputs = []
     for call in prepared.calls:
@@ -203,7 +247,7 @@ def compact_kda(
             )
         returned.append(states)
         outputs.append(o[0])
-    return torch.cat(outputs).index_select(0, prepared.output)
+    return _ComputedRows.apply(torch.cat(outputs), prepared)
 
 
 def _fla_l2norm(x: torch.Tensor) -> torch.Tensor:
