@@ -288,12 +288,16 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
         "paper": PAPER,
     }
     if not args.no_gradients:
-        # The same microbatches for both executions (MoE losses depend on a microbatch's rows),
-        # planned at the longest trajectory's length so the baseline's rows stay near T.
+        # The same microbatches for both executions (MoE losses depend on a microbatch's rows):
+        # trajectories packed by semantic tokens up to the longest one's length, so the baseline,
+        # which keeps every activation without recomputation, holds at most that many rows.
+        del hidden, rerun_hidden, per_path
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         _phase(progress, "loss and gradients")
         grad_step = gradient_subset(step, args.grad_max_tokens)
         grad_index = PrefixIndex.from_step(grad_step)
-        grad_mbs = _plan_members(grad_step, int(grad_step.lengths.max()), "harts", grad_index)
+        grad_mbs = _plan_members(grad_step, int(grad_step.lengths.max()), "per-trajectory")
         results["loss_and_gradients"] = gradient_comparison(
             model, grad_step, {"baseline": grad_mbs, "compact": grad_mbs},
             {"baseline": configs["baseline"], "compact": configs["replay"]}, grad_index)
@@ -308,12 +312,12 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     from harts.parallel.launch import launch
     from harts.parallel.step import check_microbatches
     from harts.parallel.verify import verify_on_rank
-    from harts.trees.trie import PrefixIndex
 
     parallel.check_model(model_config)
     step = gradient_subset(step, args.grad_max_tokens)
     capacity = int(step.lengths.max())
-    microbatches = _plan_members(step, capacity, "harts", PrefixIndex.from_step(step), dp=parallel.dp)
+    # Packed by semantic tokens (as in the single-process comparison): the baseline holds at most T rows.
+    microbatches = _plan_members(step, capacity, "per-trajectory", dp=parallel.dp)
     check_microbatches(step, microbatches, parallel.dp)
     candidates = [StepConfig(execution=execution, recompute=recompute, **common)
                   for execution in ("baseline", "compact") for recompute in (False, True)]
