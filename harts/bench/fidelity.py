@@ -15,13 +15,20 @@ Positions are binned by handoff depth: the number of state handoffs on the chain
 the no-replay schedule that computed the position's row (0 = no handoff). Reported: the mean of
 each metric per depth and path, and how far replay and no-replay exceed the rerun noise
 (mean_path / mean_rerun - 1), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
+Where a path departs from the baseline: `block_distance`, per layer and depth, the mean relative
+distance ‖x − x_base‖ / ‖x_base‖ of each block's output (fp32) at the semantic positions. With
+replay the KDA layers before the first MLA layer match the baseline bit for bit (on CPU, where
+the kernels are deterministic per row); differences enter where a kernel sees another call shape
+(MLA over a segment's query group with its ancestors' keys vs a whole trajectory: the same math,
+other tiling) and grow through the later layers. The re-packed rerun keeps every sequence's
+call shape, so on varlen kernels its noise floor holds only the microbatch-composition effects.
 (b) Logit fidelity. Per-position cosine of the full-vocabulary logits of replay vs baseline,
 beside rerun vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the step loss and
 gradient of the compact vs the baseline execution with and without per-layer recomputation
 (|Δloss|, gradient cosine), both on the same microbatches (the MoE losses depend on a
-microbatch's rows), planned by HARTS at the longest trajectory's length so that the baseline's
-rows stay near one trajectory. Without recomputation a microbatch keeps every layer's
-activations (the h200 model ran out of the H200's 140 GB on a microbatch near 62K rows), so
+microbatch's rows), trajectories packed by semantic tokens up to the longest one's length so
+that the baseline holds at most that many rows. Without recomputation a microbatch keeps every
+layer's activations (the h200 model ran out of the H200's 140 GB on a microbatch near 62K rows), so
 `--grad-max-tokens N` restricts this comparison to trajectories of at most N tokens (the record's
 `gradient_inputs` says which; under `--parallel` the whole comparison runs on them).
 Logits are formed chunk by chunk from the stored hidden states (never S x V at once).
@@ -32,8 +39,8 @@ both executions, with and without recomputation, run on the configuration's rank
 the single-process baseline execution (no recomputation) on the same microbatches: per-position
 full-vocabulary logit cosine (min, mean), |Δloss| and the relative loss difference, the largest
 relative gradient difference over parameters (after the parallel reduction, reassembled), and
-the agreement of the reduced gradient's copies across ranks. The microbatches are planned by
-HARTS for dp = the config's DP degree at the longest trajectory's length (as the single-process
+the agreement of the reduced gradient's copies across ranks. The microbatches are packed for
+dp = the config's DP degree up to the longest trajectory's length (as the single-process
 gradient comparison). The replay ablation (a) is about the KDA schedule, not parallelism, and
 stays single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
 """
@@ -110,8 +117,48 @@ def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
             if mb.trajectory_ids or dp > 1]
 
 
-def path_hidden(model, step, microbatches, config, index, device, dtype):
-    """Final hidden states [S, D] of every semantic position (batch order), and the row depth."""
+class BlockOutputs:
+    """Every block's output at the semantic positions over one path's microbatches (forward hooks):
+    kept ([L, S, D] fp32, the baseline's) when `reference` is None, else compared with the
+    reference's kept ones as the relative distance ‖x − x_ref‖ / ‖x_ref‖ per layer and position
+    ([L, S] fp32), which shows at which layer a path first departs from the baseline. `order` maps
+    the path's positions to the reference's (the rerun's step is re-ordered)."""
+
+    def __init__(self, model, num_positions: int, device, reference: BlockOutputs | None = None,
+                 order=None) -> None:
+        import torch
+
+        self.blocks = model.blocks
+        shape = (len(self.blocks), num_positions)
+        self.kept = None if reference is not None else torch.empty(*shape, model.config.hidden_size, device=device)
+        self.reference, self.order = reference, order
+        self.distance = None if reference is None else torch.zeros(shape, device=device)
+        self.positions = self.rows = None
+
+    def hooks(self) -> list:
+        return [block.register_forward_hook(self._hook(i)) for i, block in enumerate(self.blocks)]
+
+    def microbatch(self, positions, rows) -> None:
+        """The path positions of the next microbatch and the layout rows that hold them."""
+        self.positions = positions if self.order is None else self.order[positions]
+        self.rows = rows
+
+    def _hook(self, layer: int):
+        def hook(module, inputs, output):
+            x = output[0][self.rows]
+            if self.kept is not None:
+                self.kept[layer, self.positions] = x.float()
+            else:
+                ref = self.reference.kept[layer, self.positions]
+                self.distance[layer, self.positions] = (
+                    (x.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30))
+
+        return hook
+
+
+def path_hidden(model, step, microbatches, config, index, device, dtype, blocks: BlockOutputs | None = None):
+    """Final hidden states [S, D] of every semantic position (batch order), and the row depth;
+    `blocks` also records every block's output at those positions."""
     import torch
     from tqdm import tqdm
 
@@ -119,16 +166,36 @@ def path_hidden(model, step, microbatches, config, index, device, dtype):
 
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
     depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
-    with torch.no_grad():
-        for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
-            layout = build_layout(step, members, model, config, index).to(device)
-            with autocast_context(device, config):
-                h, _ = model(layout.input_ids, layout)
-            sem = torch.from_numpy(semantic_index(step, members))
-            hidden[sem.to(device)] = h[layout.semantic_rows].to(dtype)
-            if layout.kda_schedule is not None:
-                depth[sem] = torch.from_numpy(row_handoff_depth(layout.kda_schedule))[layout.semantic_rows.cpu()]
+    hooks = blocks.hooks() if blocks is not None else []
+    try:
+        with torch.no_grad():
+            for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
+                layout = build_layout(step, members, model, config, index).to(device)
+                sem = torch.from_numpy(semantic_index(step, members))
+                if blocks is not None:
+                    blocks.microbatch(sem.to(device), layout.semantic_rows)
+                with autocast_context(device, config):
+                    h, _ = model(layout.input_ids, layout)
+                hidden[sem.to(device)] = h[layout.semantic_rows].to(dtype)
+                if layout.kda_schedule is not None:
+                    depth[sem] = torch.from_numpy(row_handoff_depth(layout.kda_schedule))[layout.semantic_rows.cpu()]
+    finally:
+        for hook in hooks:
+            hook.remove()
     return hidden, depth
+
+
+def layer_table(distance: dict[str, Any], depth, kinds: list[str]) -> dict[str, Any]:
+    """layer -> {"kind", depth -> path -> mean relative distance of the block output to the baseline's}."""
+    table: dict[str, Any] = {}
+    depths = sorted(set(depth.tolist()))
+    for layer, kind in enumerate(kinds):
+        row: dict[str, Any] = {"kind": kind}
+        for d in depths:
+            sel = depth == d
+            row[str(d)] = {path: float(values[layer].cpu()[sel].double().mean()) for path, values in distance.items()}
+        table[str(layer)] = row
+    return table
 
 
 def row_handoff_depth(schedule):
@@ -258,19 +325,25 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     rerun_step = step.subset(reverse)
     print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
     _phase(progress, "baseline forward")
-    hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype)[0]}
+    reference = BlockOutputs(model, step.num_semantic_tokens, device)
+    hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
+                                      reference)[0]}
     _phase(progress, "rerun forward")
-    rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
-                                  configs["baseline"], None, device, store_dtype)
     # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
     back = torch.from_numpy(np.concatenate([
         np.arange(rerun_step.offsets[j], rerun_step.offsets[j + 1]) for j in np.argsort(reverse)
     ])).to(device)
+    blocks = {path: BlockOutputs(model, step.num_semantic_tokens, device, reference,
+                                 order=torch.argsort(back) if path == "rerun" else None) for path in PATHS}
+    rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
+                                  configs["baseline"], None, device, store_dtype, blocks["rerun"])
     hidden["rerun"] = rerun_hidden[back]
     _phase(progress, "compact forward with and without replay")
-    hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype)
+    hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype,
+                                      blocks["replay"])
     hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
-                                             store_dtype)
+                                             store_dtype, blocks["no-replay"])
+    del reference
     targets = semantic_targets_from_step(step)
     next_token = torch.from_numpy(targets.targets).to(device)
     has_target = torch.ones(step.num_semantic_tokens, dtype=torch.bool)
@@ -284,6 +357,8 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
         "semantic_tokens": step.num_semantic_tokens,
         "trajectories": step.num_trajectories,
         "ablation": ablation_table(per_path, depth, has_target),
+        "block_distance": layer_table({path: b.distance for path, b in blocks.items()}, depth,
+                                      model.config.layer_kinds()),
         "logit_cosine": cosine,
         "paper": PAPER,
     }
@@ -443,6 +518,13 @@ def format_fidelity(record: dict[str, Any]) -> str:
         lines.append(f"| {depth} | {row['positions']:,} | {cell(row, 'rerun', 'symkl')} | {cell(row, 'replay', 'symkl')} | "
                      f"{cell(row, 'no-replay', 'symkl')} | {cell(row, 'rerun', 'abs_dnll')} | "
                      f"{cell(row, 'replay', 'abs_dnll')} | {cell(row, 'no-replay', 'abs_dnll')} |")
+    lines += ["", "| layer | kind | handoff depth | rerun block distance | replay | no-replay |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for layer, row in r.get("block_distance", {}).items():
+        for depth, paths in row.items():
+            if depth != "kind":
+                lines.append(f"| {layer} | {row['kind']} | {depth} | {paths['rerun']:.3g} | {paths['replay']:.3g} | "
+                             f"{paths['no-replay']:.3g} |")
     cos = r["logit_cosine"]
     lines.append("")
     lines.append(f"logit cosine vs baseline: replay min {cos['replay']['min']:.6f} mean {cos['replay']['mean']:.6f}; "

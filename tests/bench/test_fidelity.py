@@ -177,6 +177,27 @@ def test_single_process_record(tree_step_path, tmp_path, capsys):
     for row in results["loss_and_gradients"].values():
         assert row["abs_dloss"] <= 1e-6 * abs(row["loss_baseline"]) and row["grad_cosine"] >= 0.99999
     assert "parallel_fidelity" not in results and "logit cosine vs baseline" in printed
+    distance = results["block_distance"]
+    assert list(distance) == ["0", "1", "2", "3"] and [row["kind"] for row in distance.values()] == [
+        "kda", "kda", "kda", "mla"]
+    assert all(set(row) == {"kind", *results["ablation"]} for row in distance.values())
+
+
+def test_block_distance_locates_the_handoffs(tmp_path, capsys):
+    """On a step whose replay schedule hands states between calls, in one microbatch: the first layer
+    (KDA, where handoffs act first) equals the baseline bit for bit at every depth with replay, and
+    departs from it on side branches (depth >= 1) without replay."""
+    from harts.trees.io import write_step
+    from tests.objective.helpers import random_tree_step
+
+    path = tmp_path / "deep.jsonl"
+    write_step(random_tree_step(np.random.default_rng(1), num=8, max_len=120, vocab=5).step, path)
+    code, records, _ = _fidelity(["--trees", str(path), "--capacity", "1024", "--no-gradients"], tmp_path, capsys)
+    assert code == 0, records[0]
+    first = records[0]["results"]["block_distance"]["0"]
+    depths = [d for d in first if d != "kind"]
+    assert len(depths) >= 2 and all(first[d]["replay"] == 0.0 for d in depths), first
+    assert min(first[d]["no-replay"] for d in depths if d != "0") > 1e-8, first
 
 
 def test_gradient_comparison_on_the_short_trajectories(tree_step_path, tmp_path, capsys):
