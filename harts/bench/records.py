@@ -32,6 +32,11 @@ _PACKAGES = ("numpy", "torch", "triton", "fla", "megatron.core", "ortools", "pan
 
 
 def git_state(root: str | Path | None = None) -> dict[str, Any]:
+    """{"sha", "dirty"} of the checkout; `HARTS_SOURCE_SHA` overrides the sha for a copied working
+    tree whose .git is not its source's (a remote machine's copy): then dirty is unknown (None)."""
+    given = os.environ.get("HARTS_SOURCE_SHA")
+    if given:
+        return {"sha": given, "dirty": None, "from": "HARTS_SOURCE_SHA"}
     root = Path(root) if root else Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(

@@ -1,11 +1,13 @@
-"""harts.bench.records.sigterm_raises: SIGTERM as an exception, once, and the handler restored."""
+"""harts.bench.records: SIGTERM as an exception, once, and the handler restored (`sigterm_raises`);
+the git state of the checkout, or the source sha given for a copied working tree (`git_state`)."""
 
 import os
 import signal
+import subprocess
 
 import pytest
 
-from harts.bench.records import Terminated, sigterm_raises
+from harts.bench.records import Terminated, git_state, sigterm_raises
 
 
 def test_first_sigterm_raises_later_ones_are_ignored_and_the_handler_is_restored():
@@ -23,3 +25,19 @@ def test_handler_restored_after_an_exception():
     with pytest.raises(ValueError), sigterm_raises():
         raise ValueError("boom")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_git_state_of_a_checkout_or_the_given_source(monkeypatch, tmp_path):
+    monkeypatch.delenv("HARTS_SOURCE_SHA", raising=False)
+    assert git_state(tmp_path) == {"sha": None, "dirty": None}  # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("a")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    assert git_state(tmp_path) == {"sha": sha, "dirty": False}
+    (tmp_path / "f").write_text("b")
+    assert git_state(tmp_path) == {"sha": sha, "dirty": True}
+    monkeypatch.setenv("HARTS_SOURCE_SHA", "0a36d3d")
+    assert git_state(tmp_path) == {"sha": "0a36d3d", "dirty": None, "from": "HARTS_SOURCE_SHA"}
