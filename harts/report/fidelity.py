@@ -73,6 +73,13 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         excess = UNDEFINED if get(row, "rerun", metric) == 0 else NOT_MEASURED
                     rows.append({**base, "section": "ablation", "depth": depth, "path": path,
                                  "metric": f"{metric}_excess_over_rerun", "value": excess})
+        for layer, row in (r.get("block_distance") or {}).items():
+            for depth, paths in row.items():
+                if depth == "kind":
+                    continue
+                for path in PATHS:
+                    rows.append({**base, "section": "block_distance", "depth": depth, "path": path,
+                                 "metric": f"layer {layer} {row['kind']}", "value": _value(paths.get(path))})
         for path, cosine in (r.get("logit_cosine") or {}).items():
             for stat in ("min", "mean", "p001"):
                 rows.append({**base, "section": "logits", "path": path, "recompute": "no",
@@ -144,6 +151,20 @@ def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str
                     _short(values.get(("no-replay", metric), "-")),
                     "undef.*" if excess["no-replay"] == UNDEFINED else _percent(excess["no-replay"])]
         table.append(row)
+    return header, table
+
+
+def block_distance_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """One row per (record, layer, handoff depth): the mean relative distance of the block's output to the
+    baseline's, per path."""
+    header = ["source", "model", "layer", "handoff depth", "rerun", "replay", "no-replay"]
+    cells: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        if r["section"] == "block_distance":
+            key = (r["source"], r["model"], r["parallel"], r["metric"], r["depth"])
+            cells.setdefault(key, {})[r["path"]] = r["value"]
+    table = [[source, str(model), layer, str(depth), *(_short(values.get(path, "-"), ".3g") for path in PATHS)]
+             for (source, model, _, layer, depth), values in cells.items()]
     return header, table
 
 
@@ -321,6 +342,12 @@ def write_fidelity_report(record_paths: list[str | Path], pdf: str | Path, csv: 
              "Records: " + ", ".join(str(p) for p in record_paths)]
     header, table = ablation_table(rows)
     figures += table_pages("Replay ablation by handoff depth", wrap_header(header, 10), table, notes, lines)
+    header, table = block_distance_table(rows)
+    if table:
+        figures += table_pages(
+            "Where a path departs from the baseline: block outputs by layer", header, table,
+            ["mean over positions of |x - x_baseline| / |x_baseline| of each block's output (fp32), by the "
+             "position's handoff depth", notes[-1]], lines)
     header, table = logits_table(rows)
     figures += table_pages("Logit fidelity, loss and gradients per configuration", wrap_header(header, 16), table,
                            notes[-1:], lines)

@@ -49,8 +49,15 @@ def footer(fig, lines: list[str]) -> None:
 
 def table_pages(title: str, header: list[str], rows: list[list[str]], notes: list[str] | None = None,
                 footer_lines: list[str] | None = None) -> list:
-    """One or more pages holding the table (ROWS_PER_PAGE rows each), notes under the last one."""
-    chunks = [rows[i : i + ROWS_PER_PAGE] for i in range(0, len(rows), ROWS_PER_PAGE)] or [[]]
+    """One or more pages holding the table (ROWS_PER_PAGE rows each), notes under the last one (which
+    holds two rows fewer per note line, so that the table stays above them)."""
+    last_capacity = ROWS_PER_PAGE - 2 * (len(notes) + 1) if notes else ROWS_PER_PAGE
+    chunks, rest = [], list(rows)
+    while len(rest) > last_capacity:
+        take = ROWS_PER_PAGE if len(rest) > ROWS_PER_PAGE else len(rest) - last_capacity
+        chunks.append(rest[:take])
+        rest = rest[take:]
+    chunks.append(rest)
     widths = _column_widths(header, rows)
     figures = []
     for number, chunk in enumerate(chunks):

@@ -72,8 +72,12 @@ def fidelity_record(*, parallel="single", rerun_zero=False, error=None) -> dict[
     cosine = {path: {"min": 0.9998, "mean": 0.99999, "p001": 0.9999} for path in ("rerun", "replay", "no-replay")}
     losses = {setting: {"loss_baseline": 1.0, "loss_compact": 1.0, "abs_dloss": 0.0, "grad_cosine": 0.99998}
               for setting in ("no-recompute", "recompute")}
+    blocks = {str(layer): {"kind": kind, **{str(depth): {"rerun": 0.0, "replay": 1e-9 * layer * depth,
+                                                            "no-replay": 1e-3 * depth} for depth in range(3)}}
+              for layer, kind in enumerate(("kda", "mla"))}
     return make_record("fidelity", config, {"semantic_tokens": 303, "trajectories": 4, "ablation": ablation,
-                                            "logit_cosine": cosine, "loss_and_gradients": losses})
+                                            "block_distance": blocks, "logit_cosine": cosine,
+                                            "loss_and_gradients": losses})
 
 
 def write(tmp_path: Path, name: str, records: list[dict[str, Any]]) -> Path:

@@ -25,6 +25,9 @@ def test_single_process_rows():
     assert _value(rows, source="ours", section="ablation", depth="1", path="", metric="positions") == 101
     assert _value(rows, source="ours", section="logits", path="replay", metric="cosine_min") == 0.9998
     assert _value(rows, source="ours", section="loss", path="compact", recompute="yes", metric="grad_cosine") == 0.99998
+    assert _value(rows, source="ours", section="block_distance", depth="2", path="no-replay",
+                  metric="layer 1 mla") == pytest.approx(2e-3)
+    assert _value(rows, source="ours", section="block_distance", depth="0", path="replay", metric="layer 0 kda") == 0.0
     assert _value(rows, source="paper", metric="symkl_excess_over_rerun") == "0.324-0.361"
     assert _value(rows, source="paper", metric="abs_dloss") == "< 1e-08"
     assert all(set(r) == set(FIDELITY_COLUMNS) for r in rows)
@@ -53,7 +56,8 @@ def test_report_files(tmp_path):
         reader = csv.DictReader(handle)
         assert reader.fieldnames == FIDELITY_COLUMNS and len(list(reader)) == len(rows)
     pages, text = pdf_text(pdf)
-    assert pages == 4  # ablation, logit fidelity, two tables
+    assert pages == 5  # ablation, logit fidelity, three tables
     for expected in ("Replay ablation by handoff depth", "undefined at depth 0, 1, 2", "Logit fidelity per configuration",
+                     "Where a path departs from the baseline", "layer 1 mla",
                      "compact execution on the ranks", "+32.4-36.1%", "> 0.9997"):
         assert expected in text, expected
