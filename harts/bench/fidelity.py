@@ -1,10 +1,16 @@
 """`harts bench fidelity`: replay ablation and logit fidelity (DESIGN §6).
 
 Fixed weights (seeded) and inputs (one step, or its first `--max-trees` task trees), forward in
-`--dtype` (bf16 by default). Four paths compute the final hidden state of every semantic position:
+`--dtype` (bf16 by default). Five paths compute the final hidden state of every semantic position:
 - baseline: each trajectory its own sequence, packed to capacity (per-trajectory planner);
-- rerun: the same, with the trajectories packed in reverse order (same math, other packing and
-  kernel tiling): the noise floor;
+- rerun: the same, with the trajectories packed in reverse order (same math, other packing): a
+  noise floor. On varlen kernels every sequence keeps its call shape, so this floor holds only
+  the effects of another microbatch composition (exactly 0 on CPU);
+- split rerun: the baseline's microbatches with each trajectory's MLA queries split where the
+  compact execution's query groups start along its path, each part attending to all earlier
+  positions (`baseline_layout(attention_splits=...)`): the same math in the compact execution's
+  attention call shapes, KDA still one call per trajectory — the noise floor of "same math,
+  different kernel tiling" that the compact execution is held to;
 - replay: the compact execution (HARTS plan) with replay, as HARTS runs it;
 - no-replay: the compact execution where a side branch takes the state at its fork directly,
   ignoring the chunk phase.
@@ -13,17 +19,17 @@ Fixed weights (seeded) and inputs (one step, or its first `--max-trees` task tre
 distributions, KL(p‖q) + KL(q‖p) over the full vocabulary, and |ΔNLL| of the actual next token.
 Positions are binned by handoff depth: the number of state handoffs on the chain of sequences of
 the no-replay schedule that computed the position's row (0 = no handoff). Reported: the mean of
-each metric per depth and path, and how far replay and no-replay exceed the rerun noise
-(mean_path / mean_rerun - 1), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
+each metric per depth and path, and how far replay and no-replay exceed each noise floor
+(`{metric}_excess_over_rerun`, `..._over_split_rerun` = mean_path / mean_floor - 1; None where
+the floor is 0), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
 Where a path departs from the baseline: `block_distance`, per layer and depth, the mean relative
 distance ‖x − x_base‖ / ‖x_base‖ of each block's output (fp32) at the semantic positions. With
 replay the KDA layers before the first MLA layer match the baseline bit for bit (on CPU, where
 the kernels are deterministic per row); differences enter where a kernel sees another call shape
-(MLA over a segment's query group with its ancestors' keys vs a whole trajectory: the same math,
-other tiling) and grow through the later layers. The re-packed rerun keeps every sequence's
-call shape, so on varlen kernels its noise floor holds only the microbatch-composition effects.
+(MLA over a segment's query group with its ancestors' keys vs a whole trajectory) and grow
+through the later layers — as they do in the split rerun.
 (b) Logit fidelity. Per-position cosine of the full-vocabulary logits of replay vs baseline,
-beside rerun vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the step loss and
+beside both reruns vs baseline (the paper: > 0.9997, rerun 0.99972-0.99979); and the step loss and
 gradient of the compact vs the baseline execution with and without per-layer recomputation
 (|Δloss|, gradient cosine), both on the same microbatches (the MoE losses depend on a
 microbatch's rows), trajectories packed by semantic tokens up to the longest one's length so
@@ -63,7 +69,9 @@ PAPER = {
     "rerun_cosine": (0.99972, 0.99979),
     "abs_dloss": 1e-8,
 }
-PATHS = ("rerun", "replay", "no-replay")
+PATHS = ("rerun", "split-rerun", "replay", "no-replay")
+NOISE_FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
+"""Excess keys (`{metric}_excess_over_{key}`) and the path that gives each noise floor."""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -156,13 +164,46 @@ class BlockOutputs:
         return hook
 
 
-def path_hidden(model, step, microbatches, config, index, device, dtype, blocks: BlockOutputs | None = None):
+def compact_attention_splits(step, microbatches, model, config, index) -> list:
+    """Per trajectory of the step: the path positions (> 0) where the compact execution's MLA query
+    groups (`config`'s layouts of `microbatches`) start along its path."""
+    import numpy as np
+
+    from harts.objective.step import build_layout
+
+    splits: list = [None] * step.num_trajectories
+    for members in microbatches:
+        layout = build_layout(step, members, model, config, index)
+        groups = layout.groups
+        group_of_row = np.empty(layout.num_rows, dtype=np.int64)
+        group_of_row[groups.q_index.numpy()] = np.repeat(np.arange(groups.num_groups), np.diff(groups.q_ptr.numpy()))
+        along = group_of_row[layout.semantic_rows.numpy()]
+        offset = 0
+        for k in members.tolist():
+            path = along[offset : offset + int(step.lengths[k])]
+            splits[k] = np.flatnonzero(path[1:] != path[:-1]) + 1
+            offset += int(step.lengths[k])
+    return splits
+
+
+def path_hidden(model, step, microbatches, config, index, device, dtype, blocks: BlockOutputs | None = None,
+                attention_splits: list | None = None):
     """Final hidden states [S, D] of every semantic position (batch order), and the row depth;
-    `blocks` also records every block's output at those positions."""
+    `blocks` also records every block's output at those positions; `attention_splits` (per
+    trajectory, baseline execution) splits each trajectory's MLA queries there."""
     import torch
     from tqdm import tqdm
 
     from harts.objective.step import autocast_context, build_layout, semantic_index
+    from harts.runtime.layout import baseline_layout
+
+    def layout_of(members):
+        if attention_splits is None:
+            return build_layout(step, members, model, config, index)
+        kda = model.config.kda
+        return baseline_layout(step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
+                               attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+                               attention_splits=[attention_splits[k] for k in members.tolist()])
 
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
     depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
@@ -170,7 +211,7 @@ def path_hidden(model, step, microbatches, config, index, device, dtype, blocks:
     try:
         with torch.no_grad():
             for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
-                layout = build_layout(step, members, model, config, index).to(device)
+                layout = layout_of(members).to(device)
                 sem = torch.from_numpy(semantic_index(step, members))
                 if blocks is not None:
                     blocks.microbatch(sem.to(device), layout.semantic_rows)
@@ -251,7 +292,10 @@ def ablation_table(per_path: dict[str, dict], depth, has_target) -> dict[str, An
             }
         for path in ("replay", "no-replay"):
             for metric in ("symkl", "abs_dnll"):
-                row[path][f"{metric}_excess_over_rerun"] = excess_over_rerun(row[path][metric], row["rerun"][metric])
+                for key, floor in NOISE_FLOORS.items():
+                    if floor in row:
+                        row[path][f"{metric}_excess_over_{key}"] = excess_over_rerun(row[path][metric],
+                                                                                     row[floor][metric])
         table[str(d)] = row
     return table
 
@@ -338,6 +382,10 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
                                   configs["baseline"], None, device, store_dtype, blocks["rerun"])
     hidden["rerun"] = rerun_hidden[back]
+    _phase(progress, "rerun forward with the compact execution's attention groups")
+    splits = compact_attention_splits(step, compact_mbs, model, configs["replay"], index)
+    hidden["split-rerun"], _ = path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
+                                           blocks["split-rerun"], attention_splits=splits)
     _phase(progress, "compact forward with and without replay")
     hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype,
                                       blocks["replay"])
@@ -503,32 +551,34 @@ def format_fidelity(record: dict[str, Any]) -> str:
     r = record["results"]
     if "parallel_fidelity" in r:
         return _format_parallel(record["config"]["parallel"], r["parallel_fidelity"])
-    lines = ["| handoff depth | positions | rerun SymKL | replay SymKL (excess) | no-replay SymKL (excess) | "
-             "rerun abs dNLL | replay abs dNLL (excess) | no-replay abs dNLL (excess) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["excess = path mean / noise floor mean - 1, over the rerun and over the split rerun", "",
+             "| handoff depth | positions | metric | rerun | split rerun | replay (excess) | no-replay (excess) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(row, path, metric):
-        value = row[path][metric]
+        value = row.get(path, {}).get(metric)
         if value is None:
             return "n/a"
-        excess = row[path].get(f"{metric}_excess_over_rerun")
-        return f"{value:.3g}" + (f" ({excess:+.1%})" if excess is not None else "")
+        excess = [row[path].get(f"{metric}_excess_over_{key}") for key in NOISE_FLOORS]
+        shown = "; ".join("undef." if e is None else f"{e:+.1%}" for e in excess)
+        return f"{value:.3g}" + (f" ({shown})" if path in ("replay", "no-replay") else "")
 
     for depth, row in r["ablation"].items():
-        lines.append(f"| {depth} | {row['positions']:,} | {cell(row, 'rerun', 'symkl')} | {cell(row, 'replay', 'symkl')} | "
-                     f"{cell(row, 'no-replay', 'symkl')} | {cell(row, 'rerun', 'abs_dnll')} | "
-                     f"{cell(row, 'replay', 'abs_dnll')} | {cell(row, 'no-replay', 'abs_dnll')} |")
-    lines += ["", "| layer | kind | handoff depth | rerun block distance | replay | no-replay |",
-              "| --- | --- | --- | --- | --- | --- |"]
+        for metric, name in (("symkl", "SymKL"), ("abs_dnll", "abs dNLL")):
+            lines.append(f"| {depth} | {row['positions']:,} | {name} | "
+                         + " | ".join(cell(row, path, metric) for path in PATHS) + " |")
+    lines += ["", "| layer | kind | handoff depth | block distance: rerun | split rerun | replay | no-replay |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for layer, row in r.get("block_distance", {}).items():
         for depth, paths in row.items():
             if depth != "kind":
-                lines.append(f"| {layer} | {row['kind']} | {depth} | {paths['rerun']:.3g} | {paths['replay']:.3g} | "
-                             f"{paths['no-replay']:.3g} |")
+                lines.append(f"| {layer} | {row['kind']} | {depth} | "
+                             + " | ".join(f"{paths[path]:.3g}" for path in PATHS) + " |")
     cos = r["logit_cosine"]
     lines.append("")
     lines.append(f"logit cosine vs baseline: replay min {cos['replay']['min']:.6f} mean {cos['replay']['mean']:.6f}; "
                  f"rerun min {cos['rerun']['min']:.6f} mean {cos['rerun']['mean']:.6f}; "
+                 f"split rerun min {cos['split-rerun']['min']:.6f} mean {cos['split-rerun']['mean']:.6f}; "
                  f"no-replay min {cos['no-replay']['min']:.6f}")
     for setting, row in r.get("loss_and_gradients", {}).items():
         lines.append(f"{setting}: |dloss| {row['abs_dloss']:.3g}, gradient cosine {row['grad_cosine']:.6f}")

@@ -7,14 +7,17 @@ parallel configuration's ranks against the single-process baseline, ± recomputa
 Output:
 - CSV in long form, columns `FIDELITY_COLUMNS` (`source, model, parallel, section, depth, path,
   recompute, metric, value`): section `ablation` (per handoff depth and path: positions, symkl,
-  abs_dnll and, for replay / no-replay, `*_excess_over_rerun` = mean / rerun mean - 1),
+  abs_dnll and, for replay / no-replay, `*_excess_over_rerun` = mean / rerun mean - 1 and
+  `*_excess_over_split_rerun` over the split rerun, where the record has it), `block_distance`
+  (per depth and path, metric `layer L KIND`: the block output's mean relative distance),
   `logits` (cosine_min, cosine_mean, cosine_p001 of a path against the baseline) and `loss`
   (abs_dloss, grad_cosine or grad_rel_diff, ...), then the paper's rows (source `paper`, value
   as the paper states it, e.g. `0.324-0.361`). A value the record does not hold says
   `not measured`; an excess over a rerun noise of exactly 0 says `undefined (rerun noise is 0)`;
   a failed case has one row with metric `error`.
 - PDF: per single-process record, the ablation (mean SymKL and |ΔNLL| per handoff depth for the
-  rerun, replay and no-replay paths; the excess over the rerun noise against the paper's
+  rerun, split rerun, replay and no-replay paths; the excess over the split rerun's noise (the
+  rerun's for records without it) against the paper's
   depth-4-5 figures); then 1 - min logit cosine and |Δloss| per configuration against the
   paper's thresholds; then the tables.
 """
@@ -31,9 +34,11 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 FIDELITY_COLUMNS = ["source", "model", "parallel", "section", "depth", "path", "recompute", "metric", "value"]
 UNDEFINED = "undefined (rerun noise is 0)"
-PATHS = ("rerun", "replay", "no-replay")
-PATH_COLORS = {"rerun": "0.45", "replay": "#3182bd", "no-replay": "#e6550d"}
-PATH_MARKERS = {"rerun": "s", "replay": "o", "no-replay": "^"}
+PATHS = ("rerun", "split-rerun", "replay", "no-replay")
+FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
+"""Excess metric suffix (`{metric}_excess_over_{key}`) -> the path that is its noise floor."""
+PATH_COLORS = {"rerun": "0.45", "split-rerun": "0.15", "replay": "#3182bd", "no-replay": "#e6550d"}
+PATH_MARKERS = {"rerun": "s", "split-rerun": "D", "replay": "o", "no-replay": "^"}
 LOSS_METRICS_PARALLEL = ("abs_dloss", "loss_rel_diff", "grad_rel_diff", "replica_grad_max_rel_diff")
 
 
@@ -62,17 +67,22 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({**base, "section": "ablation", "depth": depth, "metric": "positions",
                          "value": _value(row.get("positions"))})
             for path in PATHS:
+                if path not in row:
+                    continue
                 for metric in ("symkl", "abs_dnll"):
                     rows.append({**base, "section": "ablation", "depth": depth, "path": path, "metric": metric,
                                  "value": _value(get(row, path, metric))})
-                if path == "rerun":
+                if path not in ("replay", "no-replay"):
                     continue
                 for metric in ("symkl", "abs_dnll"):
-                    excess = get(row, path, f"{metric}_excess_over_rerun")
-                    if not is_number(excess):
-                        excess = UNDEFINED if get(row, "rerun", metric) == 0 else NOT_MEASURED
-                    rows.append({**base, "section": "ablation", "depth": depth, "path": path,
-                                 "metric": f"{metric}_excess_over_rerun", "value": excess})
+                    for key, floor in FLOORS.items():
+                        if floor not in row:
+                            continue
+                        excess = get(row, path, f"{metric}_excess_over_{key}")
+                        if not is_number(excess):
+                            excess = UNDEFINED if get(row, floor, metric) == 0 else NOT_MEASURED
+                        rows.append({**base, "section": "ablation", "depth": depth, "path": path,
+                                     "metric": f"{metric}_excess_over_{key}", "value": excess})
         for layer, row in (r.get("block_distance") or {}).items():
             for depth, paths in row.items():
                 if depth == "kind":
@@ -132,24 +142,33 @@ def _short(value: Any, spec: str = ".4g") -> str:
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """PDF/markdown table; `undef.*` marks an excess over a rerun noise of exactly 0."""
+    """PDF/markdown table; excess cells give the excess over the rerun, then over the split rerun
+    (`undef.*`: that noise floor is exactly 0)."""
     header = ["source", "model", "handoff depth", "positions"]
     for metric in ("SymKL", "|dNLL|"):
-        header += [f"rerun {metric}", f"replay {metric}", "replay excess", f"no-replay {metric}", "no-replay excess"]
+        header += [f"rerun {metric}", f"split rerun {metric}", f"replay {metric}", "replay excess",
+                   f"no-replay {metric}", "no-replay excess"]
     cells: dict[tuple, dict[tuple, Any]] = {}
     for r in rows:
         if r["section"] == "ablation":
             key = (r["source"], r["model"], r["parallel"], r["depth"])
             cells.setdefault(key, {})[(r["path"], r["metric"])] = r["value"]
+
+    def excess(values, path, metric):
+        shown = []
+        for key in FLOORS:
+            value = values.get((path, f"{metric}_excess_over_{key}"))
+            if value is not None:
+                shown.append("undef.*" if value == UNDEFINED else _percent(value))
+        return " / ".join(shown) or "-"
+
     table = []
     for (source, model, _, depth), values in cells.items():
         row = [source, str(model), str(depth), format_value(values.get(("", "positions"), "-"), ",")]
         for metric in ("symkl", "abs_dnll"):
-            excess = {path: values.get((path, f"{metric}_excess_over_rerun"), "-") for path in ("replay", "no-replay")}
-            row += [_short(values.get(("rerun", metric), "-")), _short(values.get(("replay", metric), "-")),
-                    "undef.*" if excess["replay"] == UNDEFINED else _percent(excess["replay"]),
-                    _short(values.get(("no-replay", metric), "-")),
-                    "undef.*" if excess["no-replay"] == UNDEFINED else _percent(excess["no-replay"])]
+            row += [_short(values.get(("rerun", metric), "-")), _short(values.get(("split-rerun", metric), "-")),
+                    _short(values.get(("replay", metric), "-")), excess(values, "replay", metric),
+                    _short(values.get(("no-replay", metric), "-")), excess(values, "no-replay", metric)]
         table.append(row)
     return header, table
 
@@ -157,7 +176,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str
 def block_distance_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row per (record, layer, handoff depth): the mean relative distance of the block's output to the
     baseline's, per path."""
-    header = ["source", "model", "layer", "handoff depth", "rerun", "replay", "no-replay"]
+    header = ["source", "model", "layer", "handoff depth", *PATHS]
     cells: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         if r["section"] == "block_distance":
@@ -229,11 +248,14 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
         ax = fig.add_subplot(grid[0, column])
         plotted = []
         for path in PATHS:
+            if not any(path in ablation[d] for d in depths):
+                continue
             values = [get(ablation, d, path, metric) for d in depths]
             ys = [v if is_number(v) else np.nan for v in values]
             plotted += [v for v in values if is_number(v)]
-            ax.plot(x, ys, marker=PATH_MARKERS[path], markersize=7 if path == "rerun" else 5,
-                    linestyle="--" if path == "rerun" else "-", color=PATH_COLORS[path], label=path)
+            floor = path in FLOORS.values()
+            ax.plot(x, ys, marker=PATH_MARKERS[path], markersize=7 if floor else 5,
+                    linestyle="--" if floor else "-", color=PATH_COLORS[path], label=path)
         _scale(ax, plotted)
         ax.set_xlim(-0.6, ticks[-1] + 0.6)
         ax.set_title(f"{label} against the baseline")
@@ -244,21 +266,24 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
 
         ax = fig.add_subplot(grid[1, column])
         undefined, missing = [], []
+        # The split rerun (same math in the compact execution's call shapes) where the record has it.
+        key = "split_rerun" if any("split-rerun" in ablation[d] for d in depths) else "rerun"
+        floor = FLOORS[key]
         for path, offset in (("replay", -0.18), ("no-replay", 0.18)):
             for i, d in enumerate(depths):
-                excess = get(ablation, d, path, f"{metric}_excess_over_rerun")
+                excess = get(ablation, d, path, f"{metric}_excess_over_{key}")
                 if is_number(excess):
                     ax.bar(x[i] + offset, 100 * excess, 0.34, color=PATH_COLORS[path], label=path)
-                elif get(ablation, d, "rerun", metric) == 0:
+                elif get(ablation, d, floor, metric) == 0:
                     undefined.append(d)
                 else:
                     missing.append(d)
         ax.fill_between([3.5, 5.5], 100 * band[0], 100 * band[1], color="0.6", alpha=0.35,
                         label=f"paper no-replay, depth 4-5: +{100 * band[0]:.1f}-{100 * band[1]:.1f}%")
         ax.axhline(0, color="0.3", linewidth=0.8)
-        ax.set_title(f"{label}: excess over the rerun noise (mean / rerun mean - 1)")
+        ax.set_title(f"{label}: excess over the {floor.replace('-', ' ')} noise")
         ax.set_xlabel("handoff depth")
-        ax.set_ylabel("%")
+        ax.set_ylabel(f"% (mean / {floor} mean - 1)")
         ax.set_xticks(ticks)
         ax.set_xlim(-0.6, ticks[-1] + 0.6)
         handles, labels = ax.get_legend_handles_labels()
@@ -267,7 +292,8 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
         ax.grid(axis="y", alpha=0.3)
         notes = []
         if undefined:
-            notes.append(f"undefined at depth {', '.join(sorted(set(undefined), key=int))}: the rerun noise is exactly 0")
+            notes.append(f"undefined at depth {', '.join(sorted(set(undefined), key=int))}: the {floor} noise is "
+                         "exactly 0")
         if missing:
             notes.append(f"not measured at depth {', '.join(sorted(set(missing), key=int))}")
         if notes:
@@ -337,7 +363,8 @@ def write_fidelity_report(record_paths: list[str | Path], pdf: str | Path, csv: 
         figures.append(_logits_figure(rows, lines))
     notes = ["SymKL = KL(p||q) + KL(q||p) of the next-token distributions; |dNLL| of the actual next token; "
              "handoff depth = state handoffs on the no-replay schedule's chain of sequences that computed the row.",
-             "excess = path mean / rerun mean - 1; undef.*: the rerun noise is exactly 0 there, so no excess is "
+             "excess = path mean / noise-floor mean - 1, over the rerun / over the split rerun (same math in the "
+             "compact execution's attention call shapes); undef.*: that noise is exactly 0 there, so no excess is "
              "defined (deterministic kernels give bit-identical reruns).",
              "Records: " + ", ".join(str(p) for p in record_paths)]
     header, table = ablation_table(rows)

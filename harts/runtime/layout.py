@@ -146,8 +146,13 @@ def _groups(q_rows: list[np.ndarray], kv_rows: list[np.ndarray], subtree_end: np
 def baseline_layout(
     step: Step, members: np.ndarray, *, conv_size: int, chunk_size: int,
     attention_backend: str = "sdpa", kda_backend: str = "torch",
+    attention_splits: list[np.ndarray] | None = None,
 ) -> Layout:
-    """Each member trajectory its own packed sequence (rows = its semantic tokens)."""
+    """Each member trajectory its own packed sequence (rows = its semantic tokens).
+
+    `attention_splits[i]` (positions in (0, length) of member i, ascending) splits the member's MLA
+    queries into groups that start there, each attending to all of the member's earlier rows: the
+    same attention, computed in other call shapes (the fidelity benchmark's tiling noise floor)."""
     members = np.asarray(members, dtype=np.int64)
     lengths = step.lengths[members]
     starts = np.zeros(len(members) + 1, dtype=np.int64)
@@ -157,8 +162,17 @@ def baseline_layout(
     parent_row = rows - 1
     parent_row[starts[:-1]] = -1
     positions = rows - np.repeat(starts[:-1], lengths)
-    sequences = [rows[starts[i] : starts[i + 1]] for i in range(len(members))]
+    q_rows, kv_rows = [], []
+    for i in range(len(members)):
+        cuts = np.asarray(attention_splits[i] if attention_splits is not None else [], dtype=np.int64)
+        if len(cuts) and (cuts[0] <= 0 or cuts[-1] >= lengths[i] or (np.diff(cuts) <= 0).any()):
+            raise ValueError(f"baseline_layout: attention splits of member {i} must rise inside (0, {lengths[i]})")
+        bounds = np.concatenate([[0], cuts, [lengths[i]]]) + starts[i]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            q_rows.append(rows[lo:hi])
+            kv_rows.append(rows[starts[i] : hi])
     subtree_end = np.repeat(starts[1:], lengths)
+    groups = _groups(q_rows, kv_rows, subtree_end)
     return Layout(
         execution="baseline",
         members=members,
@@ -166,14 +180,14 @@ def baseline_layout(
         positions=torch.from_numpy(positions),
         predecessors=torch.from_numpy(_predecessors(parent_row, conv_size)),
         semantic_rows=torch.from_numpy(rows),
-        groups=_groups(sequences, sequences, subtree_end),
+        groups=groups,
         multiplicity=None,
         chunk_size=chunk_size,
         cu_seqlens=torch.from_numpy(starts),
         attention_backend=attention_backend,
         kda_backend=kda_backend,
         info={"rows": num_rows, "semantic_tokens": num_rows, "kda_calls": 1, "replay_rows": 0,
-              "attention_kv_rows": num_rows, "sequences": len(members)},
+              "attention_kv_rows": groups.num_kv_rows, "sequences": len(members)},
     )
 
 

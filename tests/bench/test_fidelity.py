@@ -16,6 +16,7 @@ import torch
 
 from harts.bench.fidelity import (
     ablation_table,
+    compact_attention_splits,
     compare,
     excess_over_rerun,
     parallel_fidelity_rows,
@@ -52,10 +53,18 @@ def test_ablation_table_from_known_metrics():
     has_target = torch.tensor([True, True, True, True, False, False])
     per_path = {
         "rerun": _metrics([0.0, 0.0, 1.0, 3.0, 5.0, 2.0], [0.0, 0.0, 0.2, 0.4, nan, nan]),
+        "split-rerun": _metrics([1.0, 1.0, 2.0, 2.0, 2.0, 4.0], [0.1, 0.1, 0.4, 0.4, nan, nan]),
         "replay": _metrics([0.0, 0.0, 1.0, 3.0, 2.0, 2.0], [0.0, 0.0, 0.3, 0.3, nan, nan]),
         "no-replay": _metrics([1.0, 3.0, 6.0, 6.0, 6.0, 5.0], [0.1, 0.3, 0.6, 0.6, nan, nan]),
     }
     table = ablation_table(per_path, depth, has_target)
+    # Over the split rerun (SymKL 1, |dNLL| 0.1 at depth 0; 2 and 0.4 at depth 1; 4 and none at depth 3).
+    assert table["0"]["replay"]["symkl_excess_over_split_rerun"] == pytest.approx(-1.0)
+    assert table["0"]["no-replay"]["abs_dnll_excess_over_split_rerun"] == pytest.approx(1.0)
+    assert table["1"]["no-replay"]["symkl_excess_over_split_rerun"] == pytest.approx(2.0)
+    assert table["1"]["replay"]["abs_dnll_excess_over_split_rerun"] == pytest.approx(-0.25)
+    assert table["3"]["no-replay"]["symkl_excess_over_split_rerun"] == pytest.approx(0.25)
+    assert table["3"]["no-replay"]["abs_dnll_excess_over_split_rerun"] is None
     assert list(table) == ["0", "1", "3"]
     assert [table[d]["positions"] for d in table] == [2, 3, 1]
 
@@ -174,6 +183,7 @@ def test_single_process_record(tree_step_path, tmp_path, capsys):
     assert results["semantic_tokens"] == step.num_semantic_tokens
     assert sum(row["positions"] for row in results["ablation"].values()) == step.num_semantic_tokens
     assert results["logit_cosine"]["replay"]["min"] >= 0.99999
+    assert set(results["logit_cosine"]) == {"rerun", "split-rerun", "replay", "no-replay"}
     for row in results["loss_and_gradients"].values():
         assert row["abs_dloss"] <= 1e-6 * abs(row["loss_baseline"]) and row["grad_cosine"] >= 0.99999
     assert "parallel_fidelity" not in results and "logit cosine vs baseline" in printed
@@ -282,3 +292,34 @@ def test_parallel_dp2_record_cuda(tree_step_path, tmp_path, capsys):
     for settings in rows.values():
         for row in settings.values():
             assert row["logit_cosine_min"] >= 0.999 and row["replica_grad_max_rel_diff"] <= 1e-6, row
+
+
+def test_compact_attention_splits_follow_the_query_groups():
+    """Each trajectory's splits are where the compact layout's query group changes along its path."""
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig, build_layout
+    from harts.trees.trie import PrefixIndex
+    from tests.objective.helpers import random_tree_step
+
+    step = random_tree_step(np.random.default_rng(1), num=8, max_len=120, vocab=5).step
+    model = HybridModel(load_model_config("tiny"))
+    index = PrefixIndex.from_step(step)
+    config = StepConfig(execution="compact")
+    microbatches = [np.arange(4), np.arange(4, 8)]
+    splits = compact_attention_splits(step, microbatches, model, config, index)
+    assert sum(len(c) for c in splits) > 0
+    for members in microbatches:
+        layout = build_layout(step, members, model, config, index)
+        groups = layout.groups
+        starts = set(groups.q_index[groups.q_ptr[:-1]].tolist())  # first row of every query group
+        rows = layout.semantic_rows.numpy()
+        offset = 0
+        for k in members.tolist():
+            path = rows[offset : offset + int(step.lengths[k])]
+            cuts = splits[k]
+            assert (np.diff(cuts) > 0).all() and (len(cuts) == 0 or 0 < cuts[0] and cuts[-1] < len(path))
+            # A group starts at each split; between splits the path stays in its group (no other group starts).
+            assert all(int(path[c]) in starts for c in cuts)
+            assert not [p for p in range(1, len(path)) if int(path[p]) in starts and p not in set(cuts.tolist())]
+            offset += int(step.lengths[k])

@@ -59,17 +59,24 @@ def fidelity_record(*, parallel="single", rerun_zero=False, error=None) -> dict[
     ablation = {}
     for depth in range(3):
         no_replay = 0.01 * (1 + 0.2 * depth)
+        split = 0.0 if rerun_zero else 0.02  # the split rerun's noise: replay at half of it, no-replay above
         ablation[str(depth)] = {
             "positions": 100 + depth,
             "rerun": {"symkl": noise, "abs_dnll": noise},
+            "split-rerun": {"symkl": split, "abs_dnll": split},
             "replay": {"symkl": noise, "abs_dnll": noise,
                        "symkl_excess_over_rerun": None if rerun_zero else 0.0,
-                       "abs_dnll_excess_over_rerun": None if rerun_zero else 0.0},
+                       "abs_dnll_excess_over_rerun": None if rerun_zero else 0.0,
+                       "symkl_excess_over_split_rerun": None if rerun_zero else noise / split - 1,
+                       "abs_dnll_excess_over_split_rerun": None if rerun_zero else noise / split - 1},
             "no-replay": {"symkl": no_replay, "abs_dnll": no_replay,
                           "symkl_excess_over_rerun": None if rerun_zero else no_replay / noise - 1,
-                          "abs_dnll_excess_over_rerun": None if rerun_zero else no_replay / noise - 1},
+                          "abs_dnll_excess_over_rerun": None if rerun_zero else no_replay / noise - 1,
+                          "symkl_excess_over_split_rerun": None if rerun_zero else no_replay / split - 1,
+                          "abs_dnll_excess_over_split_rerun": None if rerun_zero else no_replay / split - 1},
         }
-    cosine = {path: {"min": 0.9998, "mean": 0.99999, "p001": 0.9999} for path in ("rerun", "replay", "no-replay")}
+    cosine = {path: {"min": 0.9998, "mean": 0.99999, "p001": 0.9999}
+              for path in ("rerun", "split-rerun", "replay", "no-replay")}
     losses = {setting: {"loss_baseline": 1.0, "loss_compact": 1.0, "abs_dloss": 0.0, "grad_cosine": 0.99998}
               for setting in ("no-recompute", "recompute")}
     blocks = {str(layer): {"kind": kind, **{str(depth): {"rerun": 0.0, "replay": 1e-9 * layer * depth,

@@ -22,6 +22,9 @@ def test_single_process_rows():
     rows = fidelity_rows([fidelity_record()])
     assert _value(rows, source="ours", section="ablation", depth="2", path="no-replay",
                   metric="symkl_excess_over_rerun") == pytest.approx(0.4)
+    assert _value(rows, source="ours", section="ablation", depth="2", path="no-replay",
+                  metric="symkl_excess_over_split_rerun") == pytest.approx(-0.3)
+    assert _value(rows, source="ours", section="ablation", depth="0", path="split-rerun", metric="abs_dnll") == 0.02
     assert _value(rows, source="ours", section="ablation", depth="1", path="", metric="positions") == 101
     assert _value(rows, source="ours", section="logits", path="replay", metric="cosine_min") == 0.9998
     assert _value(rows, source="ours", section="loss", path="compact", recompute="yes", metric="grad_cosine") == 0.99998
@@ -36,6 +39,7 @@ def test_single_process_rows():
 def test_zero_rerun_noise_makes_the_excess_undefined():
     rows = fidelity_rows([fidelity_record(rerun_zero=True)])
     assert _value(rows, source="ours", depth="0", path="replay", metric="symkl_excess_over_rerun") == UNDEFINED
+    assert _value(rows, source="ours", depth="1", path="no-replay", metric="abs_dnll_excess_over_split_rerun") == UNDEFINED
 
 
 def test_parallel_and_error_records():

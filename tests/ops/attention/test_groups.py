@@ -28,7 +28,13 @@ def _ancestor_or_self(layout, step):
     return mask
 
 
-@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def _random_splits(step, members, seed):
+    rng = np.random.default_rng(seed)
+    return [np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False)) if n > 1 else np.zeros(0)
+            for n in step.lengths[members]]
+
+
+@pytest.mark.parametrize("execution", ["baseline", "baseline-split", "compact"])
 @pytest.mark.parametrize("seed", range(4))
 def test_groups_see_exactly_the_path(execution, seed):
     step = _random_step(42 + seed)
@@ -36,7 +42,10 @@ def test_groups_see_exactly_the_path(execution, seed):
     if execution == "compact":
         layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8)
     else:
-        layout = baseline_layout(step, members, conv_size=4, chunk_size=8)
+        splits = _random_splits(step, members, seed) if execution == "baseline-split" else None
+        layout = baseline_layout(step, members, conv_size=4, chunk_size=8, attention_splits=splits)
+        if splits is not None:
+            assert layout.groups.num_groups == len(members) + sum(len(c) for c in splits)
     expected = _ancestor_or_self(layout, step)
     assert (visibility_mask(layout.groups, layout.num_rows).numpy() == expected).all()
     # The DFS tree mask (flex backend) describes the same relation.
@@ -62,6 +71,14 @@ def test_sdpa_matches_naive(seed):
         outs.append((out, *grads))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cuts", [[0], [5, 5], [7, 3], [10**6]], ids=["zero", "repeated", "falling", "past-end"])
+def test_bad_attention_splits(cuts):
+    step = _random_step(3, num=1, max_len=40)
+    splits = [np.asarray(cuts)]
+    with pytest.raises(ValueError, match="attention splits of member 0 must rise inside"):
+        baseline_layout(step, np.arange(1), conv_size=4, chunk_size=8, attention_splits=splits)
 
 
 def test_in_order_flags():
