@@ -128,7 +128,8 @@ def test_tiny_profile_end_to_end(workdir):
     reports = workdir / "reports"
     for name, pages, expected in (("speedup", 4, ["5.62x", "4.81x", "tiny / single / harts", "tiny / dp2 / harts"]),
                                   ("planning", 2, ["Planning quality: HARTS vs OR-Tools", "77,581,958"]),
-                                  ("fidelity", 4, ["Replay ablation by handoff depth", "tiny / dp2"])):
+                                  ("fidelity", 5, ["Replay ablation by handoff depth", "split-rerun", "tiny / dp2",
+                                                   "Where a path departs from the baseline"])):
         count, text = _pdf_text(reports / f"{name}.pdf")
         assert count == pages, name
         for snippet in expected:
