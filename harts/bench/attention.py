@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from harts.bench.records import make_record, write_records
+    from harts.bench.records import error_message, make_record, write_records
     from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 records.append(make_record("attention", config, results))
                 print(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms  rows {rows:,}  kv rows {kv_rows:,}", file=sys.stderr)
             except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
-                message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                message = error_message(error)
                 records.append(make_record("attention", config, error=message))
                 print(f"{execution:8} {backend:7} failed: {message}", file=sys.stderr)
             write_records(records, Path(args.out))

@@ -213,11 +213,12 @@ def path_hidden(model, step, microbatches, config, index, device, dtype, blocks:
             for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
                 layout = layout_of(members).to(device)
                 sem = torch.from_numpy(semantic_index(step, members))
+                sem_device = sem.to(device)
                 if blocks is not None:
-                    blocks.microbatch(sem.to(device), layout.semantic_rows)
+                    blocks.microbatch(sem_device, layout.semantic_rows)
                 with autocast_context(device, config):
                     h, _ = model(layout.input_ids, layout)
-                hidden[sem.to(device)] = h[layout.semantic_rows].to(dtype)
+                hidden[sem_device] = h[layout.semantic_rows].to(dtype)
                 if layout.kda_schedule is not None:
                     depth[sem] = torch.from_numpy(row_handoff_depth(layout.kda_schedule))[layout.semantic_rows.cpu()]
     finally:
@@ -230,11 +231,12 @@ def layer_table(distance: dict[str, Any], depth, kinds: list[str]) -> dict[str, 
     """layer -> {"kind", depth -> path -> mean relative distance of the block output to the baseline's}."""
     table: dict[str, Any] = {}
     depths = sorted(set(depth.tolist()))
+    on_host = {path: values.cpu().double() for path, values in distance.items()}
     for layer, kind in enumerate(kinds):
         row: dict[str, Any] = {"kind": kind}
         for d in depths:
             sel = depth == d
-            row[str(d)] = {path: float(values[layer].cpu()[sel].double().mean()) for path, values in distance.items()}
+            row[str(d)] = {path: float(values[layer][sel].mean()) for path, values in on_host.items()}
         table[str(layer)] = row
     return table
 
@@ -488,7 +490,7 @@ def parallel_fidelity_rows(reports: list[dict[str, Any]]) -> dict[str, dict[str,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
+    from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
     from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
@@ -530,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
                 results = parallel_results(args, parallel, model_config, step, common)
         records = [make_record("fidelity", config, results)]
     except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
-        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        message = error_message(error)
         if progress["phase"] != "setup":
             message = f"{progress['phase']}: {message}"
         if os.environ.get("HARTS_DEBUG"):

@@ -128,6 +128,12 @@ def write_records(records: list[dict[str, Any]], path: str | Path) -> None:
     tmp.replace(path)
 
 
+def error_message(error: BaseException) -> str:
+    """An error row's message: the exception's type and the first line of its text."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class Terminated(Exception):
     """SIGTERM arrived during a measurement (`sigterm_raises`)."""
 

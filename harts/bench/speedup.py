@@ -691,12 +691,11 @@ HEADLINE_KEYS = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedu
 def _error_row(config: dict[str, Any], progress: dict[str, Any], error: BaseException, device) -> dict[str, Any]:
     import torch
 
-    from harts.bench.records import make_record
+    from harts.bench.records import error_message, make_record
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    first_line = str(error).splitlines()[0] if str(error) else ""
-    message = f"{progress['phase']}: {type(error).__name__}: {first_line}"
+    message = f"{progress['phase']}: {error_message(error)}"
     print(f"failed: {message}", file=sys.stderr)
     if os.environ.get("HARTS_DEBUG"):
         traceback.print_exc()

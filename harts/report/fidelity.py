@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harts.bench.fidelity import NOISE_FLOORS, PAPER, PATHS
 from harts.report.records import (
     ERROR, NOT_MEASURED, format_value, get, is_number, load_records, provenance_lines,
 )
@@ -34,17 +35,12 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 FIDELITY_COLUMNS = ["source", "model", "parallel", "section", "depth", "path", "recompute", "metric", "value"]
 UNDEFINED = "undefined (rerun noise is 0)"
-PATHS = ("rerun", "split-rerun", "replay", "no-replay")
-FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
-"""Excess metric suffix (`{metric}_excess_over_{key}`) -> the path that is its noise floor."""
 PATH_COLORS = {"rerun": "0.45", "split-rerun": "0.15", "replay": "#3182bd", "no-replay": "#e6550d"}
 PATH_MARKERS = {"rerun": "s", "split-rerun": "D", "replay": "o", "no-replay": "^"}
 LOSS_METRICS_PARALLEL = ("abs_dloss", "loss_rel_diff", "grad_rel_diff", "replica_grad_max_rel_diff")
 
 
 def paper_figures() -> dict[str, Any]:
-    from harts.bench.fidelity import PAPER
-
     return dict(PAPER)
 
 
@@ -75,7 +71,7 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if path not in ("replay", "no-replay"):
                     continue
                 for metric in ("symkl", "abs_dnll"):
-                    for key, floor in FLOORS.items():
+                    for key, floor in NOISE_FLOORS.items():
                         if floor not in row:
                             continue
                         excess = get(row, path, f"{metric}_excess_over_{key}")
@@ -127,7 +123,6 @@ def _recompute(setting: str) -> str:
     return "yes" if setting == "recompute" else "no"
 
 
-
 def _percent(value: Any) -> str:
     if isinstance(value, str) and value.count("-") == 1 and value.replace("-", "").replace(".", "").isdigit():
         low, high = (100 * float(part) for part in value.split("-"))
@@ -156,7 +151,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str
 
     def excess(values, path, metric):
         shown = []
-        for key in FLOORS:
+        for key in NOISE_FLOORS:
             value = values.get((path, f"{metric}_excess_over_{key}"))
             if value is not None:
                 shown.append("undef.*" if value == UNDEFINED else _percent(value))
@@ -253,7 +248,7 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
             values = [get(ablation, d, path, metric) for d in depths]
             ys = [v if is_number(v) else np.nan for v in values]
             plotted += [v for v in values if is_number(v)]
-            floor = path in FLOORS.values()
+            floor = path in NOISE_FLOORS.values()
             ax.plot(x, ys, marker=PATH_MARKERS[path], markersize=7 if floor else 5,
                     linestyle="--" if floor else "-", color=PATH_COLORS[path], label=path)
         _scale(ax, plotted)
@@ -268,7 +263,7 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
         undefined, missing = [], []
         # The split rerun (same math in the compact execution's call shapes) where the record has it.
         key = "split_rerun" if any("split-rerun" in ablation[d] for d in depths) else "rerun"
-        floor = FLOORS[key]
+        floor = NOISE_FLOORS[key]
         for path, offset in (("replay", -0.18), ("no-replay", 0.18)):
             for i, d in enumerate(depths):
                 excess = get(ablation, d, path, f"{metric}_excess_over_{key}")

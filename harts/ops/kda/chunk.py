@@ -241,6 +241,11 @@ def chunk_kda_torch(
     return o, final_state if output_final_state else None, states
 
 
+def index_tensor(index: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """int64 index array as a tensor on `device` (schedules and state plans build these once)."""
+    return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
+
+
 def check_requests(name: str, state_offsets, state_ptr, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(sequence, offset) of each requested state, or None; ValueError for a bad request."""
     if state_offsets is None and state_ptr is None:

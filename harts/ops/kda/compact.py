@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from harts.ops.kda.chunk import check_requests, chunk_kda_torch
+from harts.ops.kda.chunk import check_requests, chunk_kda_torch, index_tensor
 from harts.planning.kda_schedule import KDASchedule
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     device = torch.device(device)
 
     def on_device(index: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
+        return index_tensor(index, device)
 
     calls, outputs, destinations, replays, start = [], [], [], [], 0
     for call in schedule.calls:

@@ -38,7 +38,7 @@ from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
 from fla.ops.utils.constant import RCP_LN2
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
-from harts.ops.kda.chunk import check_inputs, check_requests, chunk_kda_torch
+from harts.ops.kda.chunk import check_inputs, check_requests, chunk_kda_torch, index_tensor
 from harts.ops.kda.triton_state import state_backward, state_forward
 
 FLA_CHUNK_SIZES = (32, 64)
@@ -215,8 +215,6 @@ class _PartialChunks:
     """Requests inside a chunk (the no-replay ablation): each state is formed by `chunk_kda_torch`
     over the first rows of its chunk, from the chunk's start state (the initial state or a slot)."""
 
-    requests: np.ndarray
-    """int64 [P] the requests formed this way."""
     from_initial: torch.Tensor
     """Sequences whose initial state starts a request's chunk (chunks at offset 0)."""
     from_slot: torch.Tensor
@@ -251,9 +249,8 @@ class _StatePlan:
         state_slot = np.full(max(num_chunks, 1), -1, dtype=np.int32)
         if requests is None:
             return cls(state_slot=state_slot, num_slots=0)
-
         def on_device(index: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(device)
+            return index_tensor(index, device)
 
         seq, offsets = requests
         base = offsets // chunk_size * chunk_size
@@ -280,7 +277,7 @@ class _StatePlan:
             first = row_start[seq[mine]] + base[mine]
             count = offsets[mine] - base[mine]
             partial = _PartialChunks(
-                requests=mine, from_initial=on_device(seq[mine[~from_slot]]),
+                from_initial=on_device(seq[mine[~from_slot]]),
                 from_slot=on_device(slot_of_request[mine[from_slot]]),
                 start_order=on_device(np.argsort(np.concatenate([np.flatnonzero(~from_slot), np.flatnonzero(from_slot)]))),
                 rows=on_device(np.concatenate([np.arange(a, a + n) for a, n in zip(first, count)])),
