@@ -2,7 +2,7 @@
 
 `launch(fn, config, *args, device=...)` spawns `config.world_size` processes
 (torch.multiprocessing, start method "spawn"), each of which joins a process group (gloo on
-CPU, NCCL on CUDA with one GPU per rank and NCCL_NVLS_ENABLE=0 in its environment) through a
+CPU, NCCL on CUDA with one GPU per rank and NVLink multicast off in its environment) through a
 free TCP port on 127.0.0.1 with the config's timeout, builds its `ParallelGroups` and calls
 `fn(groups, *args)`. Rank 0's return value is handed back to the caller (through a temporary
 file, so it may hold tensors). When the process was itself started by torchrun (RANK,
@@ -33,6 +33,8 @@ from typing import Any
 from harts.parallel.config import ParallelConfig
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# NVLink multicast (NVLS) can leave a shared host's GPUs unusable when a program using it fails: keep it off.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class RankFailed(RuntimeError):
@@ -69,7 +71,7 @@ def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, 
     from harts.parallel.groups import build_groups
 
     if backend == "nccl":
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        os.environ.update(NVLINK_MULTICAST_OFF)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
