@@ -47,7 +47,8 @@ full-vocabulary logit cosine (min, mean), |Δloss| and the relative loss differe
 relative gradient difference over parameters (after the parallel reduction, reassembled), and
 the agreement of the reduced gradient's copies across ranks. The microbatches are packed for
 dp = the config's DP degree up to the longest trajectory's length (as the single-process
-gradient comparison). The replay ablation (a) is about the KDA schedule, not parallelism, and
+gradient comparison), on the first ⌊n / dp⌋ · dp trajectories of at most N tokens (trajectories
+that each fill a microbatch form K mod dp = 0 microbatches only so; `gradient_inputs` counts them). The replay ablation (a) is about the KDA schedule, not parallelism, and
 stays single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
 """
 
@@ -336,17 +337,21 @@ def _phase(progress: dict[str, str], name: str) -> None:
     print(f"fidelity: {name} ...", file=sys.stderr)
 
 
-def gradient_subset(step, max_tokens: int | None):
-    """The step restricted to trajectories of at most `max_tokens` tokens (all when None)."""
+def gradient_subset(step, max_tokens: int | None, multiple_of: int = 1):
+    """The step restricted to trajectories of at most `max_tokens` tokens (all when None), and to the
+    first ⌊n / multiple_of⌋ · multiple_of of them (batch order): D data-parallel replicas need K mod D = 0
+    microbatches, which trajectories that each fill a microbatch can only form when n is a multiple of D."""
     import numpy as np
 
-    if max_tokens is None:
-        return step
-    keep = np.flatnonzero(step.lengths <= max_tokens)
-    if not len(keep):
+    keep = np.arange(step.num_trajectories) if max_tokens is None else np.flatnonzero(step.lengths <= max_tokens)
+    if not len(keep) and max_tokens is not None:
         raise ValueError(f"--grad-max-tokens {max_tokens}: no trajectory is that short "
                          f"(shortest {int(step.lengths.min()):,})")
-    return step.subset(keep)
+    if len(keep) < multiple_of:
+        raise ValueError(f"{len(keep)} trajectories for the gradient comparison: {multiple_of} data-parallel "
+                         f"replicas need at least {multiple_of}")
+    keep = keep[: len(keep) - len(keep) % multiple_of]
+    return step if len(keep) == step.num_trajectories else step.subset(keep)
 
 
 def single_process_results(args, model, step, common: dict, device, store_dtype,
@@ -439,7 +444,7 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     from harts.parallel.verify import verify_on_rank
 
     parallel.check_model(model_config)
-    step = gradient_subset(step, args.grad_max_tokens)
+    step = gradient_subset(step, args.grad_max_tokens, multiple_of=parallel.dp)
     capacity = int(step.lengths.max())
     # Packed by semantic tokens (as in the single-process comparison): the baseline holds at most T rows.
     microbatches = _plan_members(step, capacity, "per-trajectory", dp=parallel.dp)

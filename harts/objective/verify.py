@@ -57,12 +57,15 @@ def logit_cosines(reference_hidden: list[tuple[torch.Tensor, torch.Tensor]],
                   candidate_hidden: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor,
                   chunk: int = 2048) -> np.ndarray:
     """Per semantic position, the cosine of the two executions' full-vocabulary logits; each list
-    holds a microbatch's (final hidden rows, semantic rows) per entry. Chunk by chunk, never S x V."""
+    holds a microbatch's (final hidden rows, semantic rows) per entry. Chunk by chunk, never S x V,
+    on the weight's device (hidden rows kept on the host are moved there a chunk at a time: the
+    full-vocabulary products are far too slow on a CPU for a GPU-sized step)."""
+    device = weight.device
     cosines = []
     for (h_ref, rows_ref), (h_cand, rows_cand) in zip(reference_hidden, candidate_hidden):
         for lo in range(0, len(rows_ref), chunk):
-            a = h_ref[rows_ref[lo : lo + chunk]] @ weight.T
-            b = h_cand[rows_cand[lo : lo + chunk]] @ weight.T
+            a = h_ref[rows_ref[lo : lo + chunk]].to(device) @ weight.T
+            b = h_cand[rows_cand[lo : lo + chunk]].to(device) @ weight.T
             cosines.append(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).cpu().numpy())
     return np.concatenate(cosines)
 

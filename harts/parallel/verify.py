@@ -11,7 +11,7 @@ recomputation). For each candidate it reports, beside the figures of harts.objec
 - grad_rel_diff: max over parameters of ‖g_parallel − g_reference‖ / ‖g_reference‖, on the
   reassembled full gradients (after the TP/DP/expert-DP reduction);
 - logit_cosine_min / _mean: per semantic position, cosine of the full-vocabulary logits
-  (final hidden · W_lm_headᵀ, chunked) of the parallel run and of the reference;
+  (final hidden · W_lm_headᵀ, chunked, on rank 0's device) of the parallel run and of the reference;
 - tokens_per_expert_max_abs_diff: the expert-bias counts;
 - replica_grad_max_rel_diff: ranks holding the same parameter part (DP replicas, TP ranks of
   a whole parameter) must hold the same reduced gradient: the largest relative difference
@@ -114,7 +114,7 @@ def _reference(model_config: ModelConfig, seed: int, step: Step, microbatches, c
     result = run_step(model, step, microbatches, config, index=index, collect_logprobs=True)
     grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
     hidden = _final_hidden(model, step, microbatches, config, index)
-    return result, grads, hidden, model.lm_head.weight.detach().float().cpu()
+    return result, grads, hidden, model.lm_head.weight.detach().float()
 
 
 def verify_on_rank(

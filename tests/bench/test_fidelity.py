@@ -156,7 +156,7 @@ def test_parallel_failures_are_error_rows(tree_step_path, tmp_path, capsys, monk
 
     write_step(step.subset(np.array([0])), one)
     code, records, _ = _fidelity(["--trees", str(one), "--parallel", "dp2"], tmp_path, capsys)
-    assert code == 1 and "empty microbatch" in records[0]["error"], records[0]
+    assert code == 1 and "2 data-parallel replicas need at least 2" in records[0]["error"], records[0]
 
     def failed_rank(*args, **kwargs):
         raise RankFailed("rank 0: RuntimeError: lost on purpose")
@@ -323,3 +323,23 @@ def test_compact_attention_splits_follow_the_query_groups():
             assert all(int(path[c]) in starts for c in cuts)
             assert not [p for p in range(1, len(path)) if int(path[p]) in starts and p not in set(cuts.tolist())]
             offset += int(step.lengths[k])
+
+
+@pytest.mark.parametrize("multiple_of", [1, 2, 3], ids=lambda d: f"dp{d}")
+def test_gradient_subset_keeps_a_multiple_of_the_replicas(multiple_of):
+    """The short trajectories in batch order, cut to a multiple of D (trajectories that each fill a
+    microbatch must form K mod D = 0 microbatches)."""
+    from harts.bench.fidelity import gradient_subset
+    from tests.objective.helpers import random_tree_step
+
+    step = random_tree_step(np.random.default_rng(3), num=9, max_len=60, vocab=5).step
+    limit = int(np.sort(step.lengths)[6])
+    short = np.flatnonzero(step.lengths <= limit)
+    kept = short[: len(short) - len(short) % multiple_of]
+    subset = gradient_subset(step, limit, multiple_of=multiple_of)
+    assert subset.num_trajectories == len(kept) and subset.num_trajectories % multiple_of == 0
+    for j, k in enumerate(kept):
+        assert np.array_equal(subset.trajectory_tokens(j), step.trajectory_tokens(k))
+    assert gradient_subset(step, None) is step
+    with pytest.raises(ValueError, match="--grad-max-tokens 1: no trajectory is that short"):
+        gradient_subset(step, 1, multiple_of=multiple_of)
