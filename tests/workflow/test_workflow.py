@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["reports/speedup.pdf", "reports/speedup.csv", "reports/planning.pdf", "reports/planning.csv",
            "reports/fidelity.pdf", "reports/fidelity.csv", "reports/summary.md"]
 PROFILES = {"default": "configs/pipeline.yaml", "tiny": "configs/pipeline-tiny.yaml",
-            "h200": "configs/pipeline-h200.yaml", "paper": "configs/pipeline-paper.yaml"}
+            "h200": "configs/pipeline-h200.yaml", "h200x2": "configs/pipeline-h200x2.yaml",
+            "paper": "configs/pipeline-paper.yaml"}
 
 
 @pytest.fixture
