@@ -15,9 +15,10 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
   item for every still-empty bin (bins filled near the room form tight slots at the top);
 - `critical_path(works, dp)`: Σ over slots of the largest work under the sorted grouping of
   `harts.planning.microbatch.objective`;
-- `CriticalPathChange(works, dp).price(...)`: the exact change of the critical path when one
-  work falls by δ and another rises by δ, vectorised; `naive_critical_path_change` (sort and
-  sum) is its reference;
+- `CriticalPathChange(works, dp, ranks).price(...)`: the exact change of the critical path when
+  one work falls by δ and another rises by δ, vectorised; `naive_critical_path_change` (sort and
+  sum) is its reference; `rank_table(works, limit)` is the optional lookup that replaces its
+  binary searches (same prices, tested);
 - `balance(sizes, bin_of, count, dp, base, capacity, max_rounds)`: descent over moves of one
   item and swaps of two items that lowers the critical path; never raises it, never leaves a
   bin empty, never exceeds the capacity (tested on random instances).
@@ -26,14 +27,21 @@ Identity behind the pricing: with N(t) = #{k : work_k >= t}, slot s of the sorte
 its largest work >= t iff N(t) > s·D, so CP = Σ_{t >= 1} ⌈N(t)/D⌉. Lowering one work from u to
 u - δ lowers CP by #{t in (u - δ, u] : N(t) ≡ 1 mod D}; raising one from v to v + δ raises it
 by #{t in (v, v + δ] : N(t) ≡ 0 mod D}; where the two intervals overlap N is unchanged. Prefix
-sums of both counts over the sorted works price every candidate in O(log K).
+sums of both counts over the sorted works price every candidate in O(log K), or O(1) given the
+interval of each value (`rank_table`: #{works < x} for every x up to the capacity, which
+`balance` updates by two slices per accepted change instead of rebuilding).
 
 Legend: P items, K (`count`) bins, D replicas (`dp`).
 """
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
+
+# Largest capacity for which `balance` ranks priced values with a table (8 bytes per value).
+_RANK_TABLE_MAX = 1 << 20
 
 
 def first_fit_count(sizes: np.ndarray, room: int) -> int:
@@ -111,12 +119,20 @@ def naive_critical_path_change(works: np.ndarray, dp: int, lowered: int, delta_l
 
 
 class CriticalPathChange:
-    """Prices changes of two works against the current works (see the module docstring)."""
+    """Prices changes of two works against the current works (see the module docstring).
 
-    def __init__(self, works: np.ndarray, dp: int) -> None:
-        ascending = np.sort(np.asarray(works, dtype=np.int64))
+    `ranks`, when given, is kept by the caller: ranks[x] = #{works < x} for 0 <= x < len(ranks)
+    (`rank_table`), and every priced value lies in that range; a lookup then replaces the binary
+    search per value, which dominates when thousands of candidates are priced per round.
+    """
+
+    def __init__(self, works: np.ndarray, dp: int, ranks: np.ndarray | None = None) -> None:
+        works = np.asarray(works, dtype=np.int64)
+        ascending = np.sort(works)
         count = len(ascending)
+        self.works = works
         self.ascending = ascending
+        self._ranks = ranks
         # Interval k = (ascending[k - 1], ascending[k]] (ascending[-1] read as 0) has N = count - k;
         # interval `count` is everything above the largest work, N = 0.
         lower = np.concatenate([[0], ascending])
@@ -129,37 +145,66 @@ class CriticalPathChange:
             cumulative = np.concatenate([[0], np.cumsum(length * slope)[:-1]])
             self._base.append(cumulative - slope * lower)
             self._slope.append(slope)
+        # The highest t of an N ≡ 1 interval below interval k (-1: none), for `fall_thresholds`.
+        tops = np.where((self._slope[1][:count] > 0) & (length[:count] > 0), ascending, -1)
+        self._top_below = np.concatenate([[-1], np.maximum.accumulate(tops)]) if count else np.array([-1])
+        self._work_rank = self.rank(works)
+        self.zero_at = self._base[0][self._work_rank] + self._slope[0][self._work_rank] * works
+        """F_0 at each work."""
+        self.one_at = self._base[1][self._work_rank] + self._slope[1][self._work_rank] * works
+        """F_1 at each work."""
+
+    def rank(self, x: np.ndarray) -> np.ndarray:
+        """The interval k holding each x: #{works < x}."""
+        if self._ranks is not None:
+            return self._ranks[x]
+        return np.searchsorted(self.ascending, x, side="left")
 
     def counts(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(F_0(x), F_1(x)): #{t in [1, x] : N(t) ≡ 0}, and ≡ 1, mod D, for each x >= 0."""
-        k = np.searchsorted(self.ascending, x, side="left")
+        k = self.rank(x)
         return (self._base[0][k] + self._slope[0][k] * x, self._base[1][k] + self._slope[1][k] * x)
 
     def price(self, low: np.ndarray, delta: np.ndarray, high: np.ndarray) -> np.ndarray:
         """CP change when a work `low` falls by `delta` (>= 0) and another work `high` rises by `delta`."""
         zero_low, one_low = self.counts(low)
-        zero_high, _ = self.counts(high)
-        return self.price_known(low, delta, high, one_low, zero_high)
+        zero_high, one_high = self.counts(high)
+        return self._price(low, delta, high, zero_low, one_low, zero_high, one_high)
 
-    def price_known(self, low: np.ndarray, delta: np.ndarray, high: np.ndarray, one_low: np.ndarray,
-                    zero_high: np.ndarray) -> np.ndarray:
-        """`price` given F_1(low) and F_0(high) (for works, known once per round)."""
-        _, one_fallen = self.counts(low - delta)
-        zero_risen, _ = self.counts(high + delta)
-        return (zero_risen - zero_high) - (one_low - one_fallen) + self.overlap(low, delta, high)
+    def price_bins(self, source: np.ndarray, delta: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """`price` of works[source] falling by `delta` and works[target] rising by it."""
+        return self._price(self.works[source], delta, self.works[target], self.zero_at[source],
+                           self.one_at[source], self.zero_at[target], self.one_at[target])
 
-    def overlap(self, low: np.ndarray, delta: np.ndarray, high: np.ndarray) -> np.ndarray:
-        """The correction of the overlap of (low - delta, low] and (high, high + delta], where N
-        does not change: both counts there, undone."""
-        start = np.maximum(low - delta, high)
-        stop = np.minimum(low, high + delta)
-        fix = np.zeros(len(start), dtype=np.int64)
-        both = np.flatnonzero(stop > start)
-        if len(both):
-            zero_stop, one_stop = self.counts(stop[both])
-            zero_start, one_start = self.counts(start[both])
-            fix[both] = (one_stop - one_start) - (zero_stop - zero_start)
-        return fix
+    def _price(self, low: np.ndarray, delta: np.ndarray, high: np.ndarray, zero_low: np.ndarray,
+               one_low: np.ndarray, zero_high: np.ndarray, one_high: np.ndarray) -> np.ndarray:
+        fallen, risen = low - delta, high + delta
+        # N falls by one on (fallen, low] and rises by one on (high, risen], except on their
+        # overlap: (high, low] when fallen <= high < low, (fallen, risen] when high < fallen < risen.
+        # Price the rise and the fall outside it.
+        around = (fallen <= high) & (high < low)
+        inside = (high < fallen) & (fallen < risen)
+        rise_to = np.where(inside, fallen, risen)
+        fall_to = np.where(inside, risen, fallen)
+        k_rise, k_fall = self.rank(rise_to), self.rank(fall_to)
+        rise = self._base[0][k_rise] + self._slope[0][k_rise] * rise_to - np.where(around, zero_low, zero_high)
+        fall = np.where(around, one_high, one_low) - self._base[1][k_fall] - self._slope[1][k_fall] * fall_to
+        return rise - fall
+
+    def fall_thresholds(self) -> np.ndarray:
+        """`fall_thresholds` of the priced works."""
+        works, k = self.works, self._work_rank
+        # A work w >= 1 lies in interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
+        top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
+        return np.where(top >= 1, works - top, np.iinfo(np.int64).max // 4)
+
+
+def rank_table(works: np.ndarray, limit: int) -> np.ndarray:
+    """ranks[x] = #{works < x} for 0 <= x <= limit (works >= 0): `CriticalPathChange`'s lookup."""
+    ascending = np.sort(np.asarray(works, dtype=np.int64))
+    assert len(ascending) == 0 or ascending[0] >= 0
+    edges = np.concatenate([[-1], np.minimum(ascending, limit), [limit]])
+    return np.repeat(np.arange(len(ascending) + 1, dtype=np.int64), np.diff(edges))
 
 
 def fall_thresholds(works: np.ndarray, dp: int) -> np.ndarray:
@@ -169,15 +214,7 @@ def fall_thresholds(works: np.ndarray, dp: int) -> np.ndarray:
     With the works sorted descending s_0 >= s_1 >= ... (s_K read as 0), N(t) = j on (s_j, s_{j-1}],
     so N ≡ 1 on the levels (s_j, s_{j-1}] with j ≡ 1 mod D: slot leaders above their slot mates.
     """
-    works = np.asarray(works, dtype=np.int64)
-    descending = np.concatenate([np.sort(works)[::-1], [0]])
-    j = np.arange(1 % dp or dp, len(works) + 1, dp)
-    low, high = descending[j], descending[j - 1]
-    nonempty = low < high
-    low, high = low[nonempty], high[nonempty]
-    reach = low[None, :] < works[:, None]
-    top = np.where(reach, np.minimum(works[:, None], high[None, :]), -1).max(axis=1, initial=-1)
-    return np.where(top >= 0, works - top, np.iinfo(np.int64).max // 4)
+    return CriticalPathChange(works, dp).fall_thresholds()
 
 
 def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base: int, capacity: int,
@@ -201,11 +238,17 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
     if groups is not None:
         holding = np.zeros((int(groups.max()) + 1, count), dtype=bool)
         holding[groups, bin_of] = True
-    current = critical_path(works, dp)
+    # Every priced value lies in [0, capacity]; up to a size, a rank table (updated with the
+    # works) beats a binary search per value.
+    ranks = rank_table(works, capacity) if capacity <= _RANK_TABLE_MAX else None
+    # The works as a sorted list: the critical path of a trial is a slice of it, summed.
+    ordered = sorted(works.tolist())
+    lead = (count - 1) % dp
+    current = sum(ordered[lead::dp])
+    size_of = sizes.tolist()
     for _ in range(max_rounds if dp > 1 else 0):
-        pricing = CriticalPathChange(works, dp)
-        zero_at, one_at = pricing.counts(works)
-        threshold = fall_thresholds(works, dp)[bin_of]
+        pricing = CriticalPathChange(works, dp, ranks)
+        threshold = pricing.fall_thresholds()[bin_of]
         # Moves: an item whose removal crosses an N ≡ 1 level, to every bin it fits.
         movable = np.flatnonzero((sizes > threshold) & (members[bin_of] > 1))
         by_work = np.argsort(works, kind="stable")
@@ -216,9 +259,7 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         if groups is not None:
             allowed &= ~holding[groups[items], targets]
         items, targets = items[allowed], targets[allowed]
-        sources = bin_of[items]
-        move_change = pricing.price_known(works[sources], sizes[items], works[targets],
-                                          one_at[sources], zero_at[targets])
+        move_change = pricing.price_bins(bin_of[items], sizes[items], targets)
         # Swaps: x's bin falls by sizes[x] - sizes[y] > its threshold, y's bin rises by as much;
         # the partners of x are a range of the items by size.
         lowest = np.searchsorted(ascending_sizes, sizes - (capacity - works.min()), side="left")
@@ -235,51 +276,69 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         chosen = np.flatnonzero(allowed)
         swap_larger, swap_smaller = swap_larger[chosen], swap_smaller[chosen]
         left, right = left[chosen], right[chosen]
-        swap_change = pricing.price_known(works[left], step[chosen], works[right], one_at[left], zero_at[right])
+        swap_change = pricing.price_bins(left, step[chosen], right)
 
         changes = np.concatenate([move_change, swap_change])
         better = np.flatnonzero(changes < 0)
         if not len(better):
             break
+        best = better[np.argsort(changes[better], kind="stable")][:batch]
+        # Per candidate: the item x leaving its bin, and either a target bin (a move, y = -1)
+        # or the item y it swaps with (target = -1: y's bin).
+        xs = np.concatenate([items, swap_larger])[best].tolist()
+        ys = np.concatenate([np.full(len(items), -1), swap_smaller])[best].tolist()
+        ts = np.concatenate([targets, np.full(len(swap_larger), -1)])[best].tolist()
+        bin_list, work_list, member_list = bin_of.tolist(), works.tolist(), members.tolist()
         taken = 0
-        for c in better[np.argsort(changes[better], kind="stable")][:batch].tolist():
-            if c < len(items):
-                x, y = int(items[c]), -1
-                source, target = int(bin_of[x]), int(targets[c])
-                delta = int(sizes[x])
-                if source == target or members[source] < 2:
+        for x, y, target in zip(xs, ys, ts):
+            source = bin_list[x]
+            if y < 0:
+                delta = size_of[x]
+                if source == target or member_list[source] < 2:
                     continue
             else:
-                x, y = int(swap_larger[c - len(items)]), int(swap_smaller[c - len(items)])
-                source, target = int(bin_of[x]), int(bin_of[y])
-                delta = int(sizes[x] - sizes[y])
+                target = bin_list[y]
+                delta = size_of[x] - size_of[y]
                 if source == target:
                     continue
-            if works[target] + delta > capacity:
+            if work_list[target] + delta > capacity:
                 continue
             if groups is not None and (holding[groups[x], target] and (y < 0 or groups[y] != groups[x])
                                        or y >= 0 and groups[y] != groups[x] and holding[groups[y], source]):
                 continue
-            works[source] -= delta
-            works[target] += delta
-            trial = critical_path(works, dp)
-            if trial >= current:
-                works[source] += delta
-                works[target] -= delta
+            low, high = work_list[source], work_list[target]
+            trial = ordered.copy()
+            _replace(trial, low, low - delta)
+            _replace(trial, high, high + delta)
+            path = sum(trial[lead::dp])
+            if path >= current:
                 continue
-            current = trial
+            ordered, current = trial, path
             taken += 1
-            bin_of[x] = target
+            work_list[source], work_list[target] = low - delta, high + delta
+            if ranks is not None:
+                ranks[low - delta + 1 : low + 1] += 1
+                ranks[high + 1 : high + delta + 1] -= 1
+            bin_list[x] = target
             if groups is not None:
                 holding[groups[x], source], holding[groups[x], target] = False, True
             if y >= 0:
-                bin_of[y] = source
+                bin_list[y] = source
                 if groups is not None:
                     holding[groups[y], target], holding[groups[y], source] = False, True
                     holding[groups[x], target] = True
             else:
-                members[source] -= 1
-                members[target] += 1
+                member_list[source] -= 1
+                member_list[target] += 1
         if not taken:
             break
+        bin_of = np.asarray(bin_list, dtype=np.int64)
+        works = np.asarray(work_list, dtype=np.int64)
+        members = np.asarray(member_list, dtype=np.int64)
     return bin_of
+
+
+def _replace(ordered: list[int], old: int, new: int) -> None:
+    """Replace one copy of `old` by `new` in the sorted list `ordered`."""
+    del ordered[bisect.bisect_left(ordered, old)]
+    bisect.insort(ordered, new)
