@@ -49,8 +49,8 @@ def first_fit_count(sizes: np.ndarray, room: int) -> int:
     loads = np.zeros(len(sizes), dtype=np.int64)
     used = 0
     for size in np.sort(np.asarray(sizes, dtype=np.int64))[::-1].tolist():
-        fits = np.flatnonzero(loads[:used] <= room - size)
-        k = int(fits[0]) if len(fits) else used
+        # Bin `used` is empty, so the first bin that fits is among the first used + 1.
+        k = int(np.argmax(loads[: used + 1] <= room - size))
         used += k == used
         loads[k] += size
     return used
@@ -68,16 +68,17 @@ def pack_best_fit(sizes: np.ndarray, room: int, count: int,
     held = _Held(groups, count)
     left = len(sizes)
     empty = count
+    size_of = np.asarray(sizes, dtype=np.int64).tolist()
     for i in np.argsort(-sizes, kind="stable").tolist():
-        fits = held.free(i, loads) <= room - sizes[i]
+        fits = held.free(i, loads) <= room - size_of[i]
         if left <= empty:
             fits &= members == 0
-        candidates = np.flatnonzero(fits)
-        if not len(candidates):
+        fullest = np.where(fits, loads, -1)
+        k = int(np.argmax(fullest))
+        if fullest[k] < 0:
             return None
-        k = int(candidates[np.argmax(loads[candidates])])
-        empty -= members[k] == 0
-        loads[k] += sizes[i]
+        empty -= int(members[k] == 0)
+        loads[k] += size_of[i]
         members[k] += 1
         bin_of[i] = k
         held.add(i, k)
@@ -136,15 +137,12 @@ class CriticalPathChange:
         # Interval k = (ascending[k - 1], ascending[k]] (ascending[-1] read as 0) has N = count - k;
         # interval `count` is everything above the largest work, N = 0.
         lower = np.concatenate([[0], ascending])
-        length = np.diff(np.concatenate([lower, [lower[-1]]]))
+        length = np.diff(lower, append=lower[-1])
         level = (count - np.arange(count + 1)) % dp
-        # F_r(x) = #{t in [1, x] : N(t) ≡ r} = base_r[k] + slope_r[k]·x on interval k, r = 0 and 1 mod D.
-        self._base, self._slope = [], []
-        for residue in (0, 1 % dp):
-            slope = (level == residue).astype(np.int64)
-            cumulative = np.concatenate([[0], np.cumsum(length * slope)[:-1]])
-            self._base.append(cumulative - slope * lower)
-            self._slope.append(slope)
+        # F_r(x) = #{t in [1, x] : N(t) ≡ r} = base_r[k] + slope_r[k]·x on interval k; rows r = 0 and 1 mod D.
+        self._slope = (level == np.array([[0], [1 % dp]])).astype(np.int64)
+        covered = length * self._slope
+        self._base = np.cumsum(covered, axis=1) - covered - self._slope * lower
         # The highest t of an N ≡ 1 interval below interval k (-1: none), for `fall_thresholds`.
         tops = np.where((self._slope[1][:count] > 0) & (length[:count] > 0), ascending, -1)
         self._top_below = np.concatenate([[-1], np.maximum.accumulate(tops)]) if count else np.array([-1])
@@ -285,9 +283,12 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         best = better[np.argsort(changes[better], kind="stable")][:batch]
         # Per candidate: the item x leaving its bin, and either a target bin (a move, y = -1)
         # or the item y it swaps with (target = -1: y's bin).
-        xs = np.concatenate([items, swap_larger])[best].tolist()
-        ys = np.concatenate([np.full(len(items), -1), swap_smaller])[best].tolist()
-        ts = np.concatenate([targets, np.full(len(swap_larger), -1)])[best].tolist()
+        move = best < len(items)
+        swap = best[~move] - len(items)
+        xs, ys, ts = np.full((3, len(best)), -1, dtype=np.int64)
+        xs[move], ts[move] = items[best[move]], targets[best[move]]
+        xs[~move], ys[~move] = swap_larger[swap], swap_smaller[swap]
+        xs, ys, ts = xs.tolist(), ys.tolist(), ts.tolist()
         bin_list, work_list, member_list = bin_of.tolist(), works.tolist(), members.tolist()
         taken = 0
         for x, y, target in zip(xs, ys, ts):

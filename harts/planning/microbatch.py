@@ -239,7 +239,7 @@ def build_plan(
     order = np.lexsort((replica, slot))
     microbatches = [
         Microbatch(
-            trajectory_ids=tuple(step.ids[i] for i in np.sort(groups[k])),
+            trajectory_ids=tuple(map(step.ids.__getitem__, np.sort(groups[k]).tolist())),
             work=int(works[k]), slot=int(slot[k]), replica=int(replica[k]),
         )
         for k in order
