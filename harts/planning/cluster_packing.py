@@ -233,6 +233,8 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
     members = np.bincount(bin_of, minlength=count)
     by_size = np.argsort(sizes, kind="stable")
     ascending_sizes = sizes[by_size]
+    # The first size position of a strictly larger item, for each size position.
+    above = np.searchsorted(ascending_sizes, ascending_sizes, side="right")
     if groups is not None:
         holding = np.zeros((int(groups.max()) + 1, count), dtype=bool)
         holding[groups, bin_of] = True
@@ -258,36 +260,39 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
             allowed &= ~holding[groups[items], targets]
         items, targets = items[allowed], targets[allowed]
         move_change = pricing.price_bins(bin_of[items], sizes[items], targets)
-        # Swaps: x's bin falls by sizes[x] - sizes[y] > its threshold, y's bin rises by as much;
-        # the partners of x are a range of the items by size.
-        lowest = np.searchsorted(ascending_sizes, sizes - (capacity - works.min()), side="left")
-        highest = np.maximum(np.searchsorted(ascending_sizes, sizes - threshold, side="left"), lowest)
-        spans = highest - lowest
-        swap_larger = np.repeat(np.arange(len(sizes)), spans)
-        swap_smaller = by_size[np.arange(len(swap_larger)) - np.repeat(np.cumsum(spans) - spans - lowest, spans)]
-        left, right = bin_of[swap_larger], bin_of[swap_smaller]
-        step = sizes[swap_larger] - sizes[swap_smaller]
-        allowed = (left != right) & (works[right] <= capacity - step)
+        # Swaps: x's bin falls by sizes[x] - sizes[y] > its threshold, y's bin rises by as much.
+        # In size order, the larger partners x that y's bin can take are a range.
+        bin_by_size = bin_of[by_size]
+        within = np.searchsorted(ascending_sizes, ascending_sizes + (capacity - works[bin_by_size]), side="right")
+        spans = within - above
+        smaller = np.repeat(np.arange(len(sizes)), spans)
+        larger = np.arange(len(smaller)) - np.repeat(np.cumsum(spans) - spans - above, spans)
+        step = ascending_sizes[larger] - ascending_sizes[smaller]
+        left, right = bin_by_size[larger], bin_by_size[smaller]
+        allowed = (step > threshold[by_size][larger]) & (left != right)
         if groups is not None:
-            first, second = groups[swap_larger], groups[swap_smaller]
+            first, second = groups[by_size[larger]], groups[by_size[smaller]]
             allowed &= (first == second) | ~(holding[first, right] | holding[second, left])
         chosen = np.flatnonzero(allowed)
-        swap_larger, swap_smaller = swap_larger[chosen], swap_smaller[chosen]
-        left, right = left[chosen], right[chosen]
-        swap_change = pricing.price_bins(left, step[chosen], right)
+        larger, smaller = larger[chosen], smaller[chosen]
+        swap_change = pricing.price_bins(left[chosen], step[chosen], right[chosen])
 
         changes = np.concatenate([move_change, swap_change])
         better = np.flatnonzero(changes < 0)
         if not len(better):
             break
-        best = better[np.argsort(changes[better], kind="stable")][:batch]
+        # Ties go to the earlier candidate: moves, then swaps by x and by y's size position.
+        swap = better[better >= len(items)] - len(items)
+        position = better.copy()
+        position[better >= len(items)] = len(items) + by_size[larger[swap]] * len(sizes) + smaller[swap]
+        best = better[np.lexsort((position, changes[better]))][:batch]
         # Per candidate: the item x leaving its bin, and either a target bin (a move, y = -1)
         # or the item y it swaps with (target = -1: y's bin).
         move = best < len(items)
         swap = best[~move] - len(items)
         xs, ys, ts = np.full((3, len(best)), -1, dtype=np.int64)
         xs[move], ts[move] = items[best[move]], targets[best[move]]
-        xs[~move], ys[~move] = swap_larger[swap], swap_smaller[swap]
+        xs[~move], ys[~move] = by_size[larger[swap]], by_size[smaller[swap]]
         xs, ys, ts = xs.tolist(), ys.tolist(), ts.tolist()
         bin_list, work_list, member_list = bin_of.tolist(), works.tolist(), members.tolist()
         taken = 0
