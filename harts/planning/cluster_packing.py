@@ -13,6 +13,7 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
 - `first_fit_count(sizes, room)`: bins used by first-fit-decreasing (K is it rounded up to D);
 - `pack_best_fit(sizes, room, count)`: largest first to the fullest bin it fits, keeping one
   item for every still-empty bin (bins filled near the room form tight slots at the top);
+  `BestFit`, the ordered loads it (and `harts_planner`'s repacking) finds that bin with;
 - `critical_path(works, dp)`: Σ over slots of the largest work under the sorted grouping of
   `harts.planning.microbatch.objective`;
 - `CriticalPathChange(works, dp, ranks).price(...)`: the exact change of the critical path when
@@ -62,47 +63,57 @@ def pack_best_fit(sizes: np.ndarray, room: int, count: int,
     only empty bins once the items left are as many as the empty bins. None if an item fits nowhere."""
     if count > len(sizes):
         return None
-    loads = np.zeros(count, dtype=np.int64)
-    members = np.zeros(count, dtype=np.int64)
+    fit = BestFit(count)
+    members = [0] * count
+    empties = list(range(count))
     bin_of = np.empty(len(sizes), dtype=np.int64)
-    held = _Held(groups, count)
-    left = len(sizes)
-    empty = count
+    holding = np.zeros((int(groups.max()) + 1, count), dtype=bool) if groups is not None else None
     size_of = np.asarray(sizes, dtype=np.int64).tolist()
+    left = len(sizes)
     for i in np.argsort(-sizes, kind="stable").tolist():
-        fits = held.free(i, loads) <= room - size_of[i]
-        if left <= empty:
-            fits &= members == 0
-        fullest = np.where(fits, loads, -1)
-        k = int(np.argmax(fullest))
-        if fullest[k] < 0:
+        blocked = holding[groups[i]] if holding is not None else None
+        if left <= len(empties):
+            # Every empty bin has load 0: the lowest one not blocked.
+            k = next((e for e in empties if blocked is None or not blocked[e]), -1) if size_of[i] <= room else -1
+        else:
+            k = fit.find(room - size_of[i], blocked)
+        if k < 0:
             return None
-        empty -= int(members[k] == 0)
-        loads[k] += size_of[i]
+        if not members[k]:
+            empties.remove(k)
+        fit.add(k, size_of[i])
         members[k] += 1
         bin_of[i] = k
-        held.add(i, k)
+        if holding is not None:
+            holding[groups[i], k] = True
         left -= 1
     return bin_of
 
 
-class _Held:
-    """Which bins hold an item of each group (pieces of one cluster never share a bin)."""
+class BestFit:
+    """Bin loads kept in order for best fit: the fullest bin with load <= a limit (ties: the
+    lowest bin), skipping blocked bins, in O(log K) plus the blocked bins passed over."""
 
-    def __init__(self, groups: np.ndarray | None, count: int) -> None:
-        self.groups = groups
-        if groups is not None:
-            self.holding = np.zeros((int(groups.max()) + 1, count), dtype=bool)
+    def __init__(self, count: int) -> None:
+        self.loads = [0] * count
+        # (load, -bin) ascending: the last key at or below (limit, 0) is the answer.
+        self._keys = [(0, -k) for k in range(count - 1, -1, -1)]
 
-    def free(self, item: int, loads: np.ndarray) -> np.ndarray:
-        """The loads, with bins holding the item's group made full."""
-        if self.groups is None:
-            return loads
-        return np.where(self.holding[self.groups[item]], np.iinfo(np.int64).max // 4, loads)
+    def find(self, limit: int, blocked: np.ndarray | None = None) -> int:
+        """The fullest bin with load <= limit and not blocked[bin]; -1 if none."""
+        at = bisect.bisect_right(self._keys, (limit, 0))
+        while at:
+            at -= 1
+            k = -self._keys[at][1]
+            if blocked is None or not blocked[k]:
+                return k
+        return -1
 
-    def add(self, item: int, k: int) -> None:
-        if self.groups is not None:
-            self.holding[self.groups[item], k] = True
+    def add(self, k: int, size: int) -> None:
+        load = self.loads[k]
+        del self._keys[bisect.bisect_left(self._keys, (load, -k))]
+        self.loads[k] = load + size
+        bisect.insort(self._keys, (load + size, -k))
 
 
 def critical_path(works: np.ndarray, dp: int) -> int:

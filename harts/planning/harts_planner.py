@@ -245,19 +245,20 @@ def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count:
     """
     g0 = rw.common_prefix
     sizes = [rw.run_cost(a, b) - g0 for a, b, _ in pieces]
-    loads = np.zeros(count, dtype=np.int64)
+    fit = cluster_packing.BestFit(count)
     holds = np.zeros((max(c for *_, c in pieces) + 1, count), dtype=bool)
     placed: list[tuple[int, int, int, int]] = []
     leftovers = []
     for i in sorted(range(len(pieces)), key=lambda i: (-sizes[i], i)):
         a, b, cluster = pieces[i]
-        k = _best_fit(loads, holds[cluster], room, sizes[i])
+        k = fit.find(room - sizes[i], holds[cluster])
         if k < 0:
             leftovers.append(pieces[i])
             continue
-        loads[k] += sizes[i]
+        fit.add(k, sizes[i])
         holds[cluster, k] = True
         placed.append((a, b, cluster, k))
+    loads = np.asarray(fit.loads, dtype=np.int64)
     # Every leftover needs a cut: give up early when the shallowest cuts already cost too much.
     floor = sum(int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0 for a, b, _ in leftovers)
     if floor >= max_extra:

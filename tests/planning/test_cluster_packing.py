@@ -95,6 +95,24 @@ def test_packings(seed):
         assert cp.pack_best_fit(sizes, room, len(sizes) + 1) is None
 
 
+def test_best_fit_matches_argmax():
+    """The fullest unblocked bin within the limit (ties: lowest), as a masked argmax finds it."""
+    rng = np.random.default_rng(42)
+    for _ in range(50):
+        count = int(rng.integers(1, 12))
+        fit, loads = cp.BestFit(count), np.zeros(count, dtype=np.int64)
+        for _ in range(30):
+            limit = int(rng.integers(-2, 40))
+            blocked = rng.random(count) < 0.3 if rng.random() < 0.5 else None
+            allowed = (loads <= limit) & (~blocked if blocked is not None else True)
+            expected = int(np.argmax(np.where(allowed, loads, -1))) if allowed.any() else -1
+            assert fit.find(limit, blocked) == expected
+            k, size = int(rng.integers(count)), int(rng.integers(0, 6))
+            fit.add(k, size)
+            loads[k] += size
+        assert fit.loads == loads.tolist()
+
+
 def _least_loaded(sizes: np.ndarray, room: int, count: int) -> np.ndarray | None:
     """Largest first to the least-loaded bin: a loosely balanced start for `balance`."""
     loads = np.zeros(count, dtype=np.int64)
