@@ -50,6 +50,11 @@ def first_fit_count(sizes: np.ndarray, room: int) -> int:
     loads = np.zeros(len(sizes), dtype=np.int64)
     used = 0
     for size in np.sort(np.asarray(sizes, dtype=np.int64))[::-1].tolist():
+        if 2 * size > room:
+            # Every used bin holds an item >= size, so more than room - size: only a new bin fits.
+            loads[used] = size
+            used += 1
+            continue
         # Bin `used` is empty, so the first bin that fits is among the first used + 1.
         k = int(np.argmax(loads[: used + 1] <= room - size))
         used += k == used
@@ -292,6 +297,9 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         better = np.flatnonzero(changes < 0)
         if not len(better):
             break
+        if len(better) > batch:
+            # Only changes up to the batch-th smallest (ties included) can be among the best.
+            better = better[changes[better] <= np.partition(changes[better], batch - 1)[batch - 1]]
         # Ties go to the earlier candidate: moves, then swaps by x and by y's size position.
         swap = better[better >= len(items)] - len(items)
         position = better.copy()
@@ -325,8 +333,10 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
                 continue
             low, high = work_list[source], work_list[target]
             trial = ordered.copy()
-            _replace(trial, low, low - delta)
-            _replace(trial, high, high + delta)
+            del trial[bisect.bisect_left(trial, low)]
+            bisect.insort(trial, low - delta)
+            del trial[bisect.bisect_left(trial, high)]
+            bisect.insort(trial, high + delta)
             path = sum(trial[lead::dp])
             if path >= current:
                 continue
@@ -353,9 +363,3 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         works = np.asarray(work_list, dtype=np.int64)
         members = np.asarray(member_list, dtype=np.int64)
     return bin_of
-
-
-def _replace(ordered: list[int], old: int, new: int) -> None:
-    """Replace one copy of `old` by `new` in the sorted list `ordered`."""
-    del ordered[bisect.bisect_left(ordered, old)]
-    bisect.insort(ordered, new)
