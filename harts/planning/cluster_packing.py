@@ -163,6 +163,10 @@ class CriticalPathChange:
         tops = np.where((self._slope[1][:count] > 0) & (length[:count] > 0), ascending, -1)
         self._top_below = np.concatenate([[-1], np.maximum.accumulate(tops)]) if count else np.array([-1])
         self._work_rank = self.rank(works)
+        k = self._work_rank
+        # The highest t <= w with N(t) ≡ 1 for each work w (-1: none). A work w >= 1 lies in
+        # interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
+        self._top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
         self.zero_at = self._base[0][self._work_rank] + self._slope[0][self._work_rank] * works
         """F_0 at each work."""
         self.one_at = self._base[1][self._work_rank] + self._slope[1][self._work_rank] * works
@@ -205,12 +209,20 @@ class CriticalPathChange:
         fall = np.where(around, one_high, one_low) - self._base[1][k_fall] - self._slope[1][k_fall] * fall_to
         return rise - fall
 
+    def can_lower(self, source: np.ndarray, delta: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """False where works[source] falling by `delta` and works[target] rising by it cannot lower
+        the critical path: outside their overlap, the fall crosses no N ≡ 1 level (saves nothing)."""
+        low, high = self.works[source], self.works[target]
+        fallen, risen = low - delta, high + delta
+        # Outside the overlap the fall is (fallen, high] when fallen <= high < low, (risen, low]
+        # when high < fallen < risen, else (fallen, low] (see `_price`).
+        around = (fallen <= high) & (high < low)
+        start = np.where((high < fallen) & (fallen < risen), risen, fallen)
+        return np.where(around, self._top[target], self._top[source]) > start
+
     def fall_thresholds(self) -> np.ndarray:
         """`fall_thresholds` of the priced works."""
-        works, k = self.works, self._work_rank
-        # A work w >= 1 lies in interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
-        top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
-        return np.where(top >= 1, works - top, np.iinfo(np.int64).max // 4)
+        return np.where(self._top >= 1, self.works - self._top, np.iinfo(np.int64).max // 4)
 
 
 def rank_table(works: np.ndarray, limit: int) -> np.ndarray:
@@ -271,13 +283,14 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         fits = np.searchsorted(works[by_work], capacity - sizes[movable], side="right")
         items = np.repeat(movable, fits)
         targets = by_work[np.arange(len(items)) - np.repeat(np.cumsum(fits) - fits, fits)]
-        allowed = targets != bin_of[items]
+        # Candidates that cannot lower the critical path are dropped before pricing (most are).
+        allowed = (targets != bin_of[items]) & pricing.can_lower(bin_of[items], sizes[items], targets)
         if groups is not None:
             allowed &= ~holding[groups[items], targets]
         items, targets = items[allowed], targets[allowed]
         move_change = pricing.price_bins(bin_of[items], sizes[items], targets)
-        # Swaps: x's bin falls by sizes[x] - sizes[y] > its threshold, y's bin rises by as much.
-        # In size order, the larger partners x that y's bin can take are a range.
+        # Swaps: x's bin falls by sizes[x] - sizes[y] (past its threshold), y's bin rises by as
+        # much. In size order, the larger partners x that y's bin can take are a range.
         bin_by_size = bin_of[by_size]
         within = np.searchsorted(ascending_sizes, ascending_sizes + (capacity - works[bin_by_size]), side="right")
         spans = within - above
@@ -285,7 +298,7 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         larger = np.arange(len(smaller)) - np.repeat(np.cumsum(spans) - spans - above, spans)
         step = ascending_sizes[larger] - ascending_sizes[smaller]
         left, right = bin_by_size[larger], bin_by_size[smaller]
-        allowed = (step > threshold[by_size][larger]) & (left != right)
+        allowed = (left != right) & pricing.can_lower(left, step, right)
         if groups is not None:
             first, second = groups[by_size[larger]], groups[by_size[smaller]]
             allowed &= (first == second) | ~(holding[first, right] | holding[second, left])

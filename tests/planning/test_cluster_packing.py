@@ -34,6 +34,8 @@ def test_price_matches_sorting(seed, table):
         got = pricing.price(works[[lowered]], np.array([delta]), works[[raised]])
         assert got.tolist() == [expected], (works.tolist(), dp, lowered, raised, delta)
         assert pricing.price_bins(np.array([lowered]), np.array([delta]), np.array([raised])).tolist() == [expected]
+        if not pricing.can_lower(np.array([lowered]), np.array([delta]), np.array([raised]))[0]:
+            assert expected >= 0, (works.tolist(), dp, lowered, raised, delta)
 
 
 def test_rank_table_matches_binary_search():
