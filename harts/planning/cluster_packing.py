@@ -38,6 +38,7 @@ Legend: P items, K (`count`) bins, D replicas (`dp`).
 from __future__ import annotations
 
 import bisect
+import functools
 
 import numpy as np
 
@@ -154,9 +155,8 @@ class CriticalPathChange:
         # interval `count` is everything above the largest work, N = 0.
         lower = np.concatenate([[0], ascending])
         length = np.diff(lower, append=lower[-1])
-        level = (count - np.arange(count + 1)) % dp
         # F_r(x) = #{t in [1, x] : N(t) ≡ r} = base_r[k] + slope_r[k]·x on interval k; rows r = 0 and 1 mod D.
-        self._slope = (level == np.array([[0], [1 % dp]])).astype(np.int64)
+        self._slope = _slopes(count, dp)
         covered = length * self._slope
         self._base = np.cumsum(covered, axis=1) - covered - self._slope * lower
         # The highest t of an N ≡ 1 interval below interval k (-1: none), for `fall_thresholds`.
@@ -167,10 +167,8 @@ class CriticalPathChange:
         # The highest t <= w with N(t) ≡ 1 for each work w (-1: none). A work w >= 1 lies in
         # interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
         self._top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
-        self.zero_at = self._base[0][self._work_rank] + self._slope[0][self._work_rank] * works
-        """F_0 at each work."""
-        self.one_at = self._base[1][self._work_rank] + self._slope[1][self._work_rank] * works
-        """F_1 at each work."""
+        self.zero_at, self.one_at = self._base[:, k] + self._slope[:, k] * works
+        """F_0 and F_1 at each work."""
 
     def rank(self, x: np.ndarray) -> np.ndarray:
         """The interval k holding each x: #{works < x}."""
@@ -223,6 +221,15 @@ class CriticalPathChange:
     def fall_thresholds(self) -> np.ndarray:
         """`fall_thresholds` of the priced works."""
         return np.where(self._top >= 1, self.works - self._top, np.iinfo(np.int64).max // 4)
+
+
+@functools.lru_cache(maxsize=64)
+def _slopes(count: int, dp: int) -> np.ndarray:
+    """[2, count + 1]: whether N = count - k ≡ 0 (row 0), and ≡ 1 (row 1), mod D on interval k."""
+    level = (count - np.arange(count + 1)) % dp
+    slopes = (level == np.array([[0], [1 % dp]])).astype(np.int64)
+    slopes.flags.writeable = False
+    return slopes
 
 
 def rank_table(works: np.ndarray, limit: int) -> np.ndarray:
@@ -283,12 +290,6 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         fits = np.searchsorted(works[by_work], capacity - sizes[movable], side="right")
         items = np.repeat(movable, fits)
         targets = by_work[np.arange(len(items)) - np.repeat(np.cumsum(fits) - fits, fits)]
-        # Candidates that cannot lower the critical path are dropped before pricing (most are).
-        allowed = (targets != bin_of[items]) & pricing.can_lower(bin_of[items], sizes[items], targets)
-        if groups is not None:
-            allowed &= ~holding[groups[items], targets]
-        items, targets = items[allowed], targets[allowed]
-        move_change = pricing.price_bins(bin_of[items], sizes[items], targets)
         # Swaps: x's bin falls by sizes[x] - sizes[y] (past its threshold), y's bin rises by as
         # much. In size order, the larger partners x that y's bin can take are a range.
         bin_by_size = bin_of[by_size]
@@ -296,17 +297,20 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         spans = within - above
         smaller = np.repeat(np.arange(len(sizes)), spans)
         larger = np.arange(len(smaller)) - np.repeat(np.cumsum(spans) - spans - above, spans)
-        step = ascending_sizes[larger] - ascending_sizes[smaller]
-        left, right = bin_by_size[larger], bin_by_size[smaller]
-        allowed = (left != right) & pricing.can_lower(left, step, right)
+        # Candidate c: a move (c < len(items)), then a swap of by_size[larger] with by_size[smaller];
+        # those that cannot lower the critical path are dropped before pricing (most are).
+        source = np.concatenate([bin_of[items], bin_by_size[larger]])
+        delta = np.concatenate([sizes[items], ascending_sizes[larger] - ascending_sizes[smaller]])
+        target = np.concatenate([targets, bin_by_size[smaller]])
+        allowed = (source != target) & pricing.can_lower(source, delta, target)
         if groups is not None:
-            first, second = groups[by_size[larger]], groups[by_size[smaller]]
-            allowed &= (first == second) | ~(holding[first, right] | holding[second, left])
+            first = np.concatenate([groups[items], groups[by_size[larger]]])
+            second = np.concatenate([np.full(len(items), -1), groups[by_size[smaller]]])
+            # A move must not join its group; a swap of two groups must not join either.
+            allowed &= ((first == second) | ~holding[first, target]) & ((second < 0) | (first == second)
+                                                                        | ~holding[second, source])
         chosen = np.flatnonzero(allowed)
-        larger, smaller = larger[chosen], smaller[chosen]
-        swap_change = pricing.price_bins(left[chosen], step[chosen], right[chosen])
-
-        changes = np.concatenate([move_change, swap_change])
+        changes = pricing.price_bins(source[chosen], delta[chosen], target[chosen])
         better = np.flatnonzero(changes < 0)
         if not len(better):
             break
@@ -314,10 +318,12 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
             # Only changes up to the batch-th smallest (ties included) can be among the best.
             better = better[changes[better] <= np.partition(changes[better], batch - 1)[batch - 1]]
         # Ties go to the earlier candidate: moves, then swaps by x and by y's size position.
-        swap = better[better >= len(items)] - len(items)
-        position = better.copy()
-        position[better >= len(items)] = len(items) + by_size[larger[swap]] * len(sizes) + smaller[swap]
-        best = better[np.lexsort((position, changes[better]))][:batch]
+        candidate = chosen[better]
+        move = candidate < len(items)
+        swap = candidate[~move] - len(items)
+        position = candidate.copy()
+        position[~move] = len(items) + by_size[larger[swap]] * len(sizes) + smaller[swap]
+        best = candidate[np.lexsort((position, changes[better]))][:batch]
         # Per candidate: the item x leaving its bin, and either a target bin (a move, y = -1)
         # or the item y it swaps with (target = -1: y's bin).
         move = best < len(items)

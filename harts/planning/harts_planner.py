@@ -200,7 +200,7 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
     g0 = rw.common_prefix
     starts = np.concatenate([[0], np.flatnonzero(rw.lcp_adjacent[1:] == g0) + 1]).astype(np.int64)
     ends = np.concatenate([starts[1:], [rw.num]])
-    sizes = (rw.cum_len[ends] - rw.cum_len[starts]) - (rw.cum_lcp[ends] - rw.cum_lcp[starts + 1]) - g0
+    sizes = rw.run_costs(starts, ends) - g0
     room = capacity - g0
     if sizes.max() > room:
         return None
@@ -213,7 +213,8 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
             break
         pieces, repacked = fewer
         count -= dp
-    sizes = np.asarray([rw.run_cost(a, b) - g0 for a, b, _ in pieces], dtype=np.int64)
+    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
+    sizes = rw.run_costs(runs[:, 0], runs[:, 1]) - g0
     groups = np.asarray([c for _, _, c in pieces], dtype=np.int64) if repacked is not None else None
     best = None
     for start in (repacked, cluster_packing.pack_best_fit(sizes, room, count, groups)):
@@ -244,7 +245,8 @@ def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count:
     of its cluster.
     """
     g0 = rw.common_prefix
-    sizes = [rw.run_cost(a, b) - g0 for a, b, _ in pieces]
+    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
+    sizes = (rw.run_costs(runs[:, 0], runs[:, 1]) - g0).tolist()
     fit = cluster_packing.BestFit(count)
     holds = np.zeros((max(c for *_, c in pieces) + 1, count), dtype=bool)
     placed: list[tuple[int, int, int, int]] = []
