@@ -251,20 +251,21 @@ def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count:
     holds = np.zeros((max(c for *_, c in pieces) + 1, count), dtype=bool)
     placed: list[tuple[int, int, int, int]] = []
     leftovers = []
+    # Every leftover needs a cut: give up as soon as the shallowest cuts already cost too much.
+    floor = 0
     for i in sorted(range(len(pieces)), key=lambda i: (-sizes[i], i)):
         a, b, cluster = pieces[i]
         k = fit.find(room - sizes[i], holds[cluster])
         if k < 0:
             leftovers.append(pieces[i])
+            floor += int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0
+            if floor >= max_extra:
+                return None
             continue
         fit.add(k, sizes[i])
         holds[cluster, k] = True
         placed.append((a, b, cluster, k))
     loads = np.asarray(fit.loads, dtype=np.int64)
-    # Every leftover needs a cut: give up early when the shallowest cuts already cost too much.
-    floor = sum(int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0 for a, b, _ in leftovers)
-    if floor >= max_extra:
-        return None
     extra = 0
     for a, b, cluster in leftovers:
         split = _cheapest_split(rw, a, b, loads, holds[cluster], room)
