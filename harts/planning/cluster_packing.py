@@ -22,7 +22,9 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
   binary searches (same prices, tested);
 - `balance(sizes, bin_of, count, dp, base, capacity, max_rounds)`: descent over moves of one
   item and swaps of two items that lowers the critical path; never raises it, never leaves a
-  bin empty, never exceeds the capacity (tested on random instances).
+  bin empty, never exceeds the capacity (tested on random instances). Per round it prices
+  only the candidates that `CriticalPathChange.can_lower` keeps, checks each taken one
+  exactly on the sorted works, and updates the rank table by slices.
 
 Identity behind the pricing: with N(t) = #{k : work_k >= t}, slot s of the sorted grouping has
 its largest work >= t iff N(t) > s·D, so CP = Σ_{t >= 1} ⌈N(t)/D⌉. Lowering one work from u to
@@ -256,11 +258,12 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
 
     Each round prices every move (an item to another bin it fits, its own bin keeping an item)
     and every swap of a larger with a smaller item of another bin whose bin can take the
-    difference, except those whose lowered work crosses no N ≡ 1 level (they cannot lower CP;
-    `fall_thresholds`) and those that would put two items of one group in a bin; then takes
-    the `batch` best priced candidates in order, each only if it is still valid and the
-    recomputed critical path drops. Stops when a round takes nothing or after `max_rounds`.
-    Deterministic. Returns the new `bin_of` (the input is not modified).
+    difference, except those whose lowered work crosses no N ≡ 1 level outside the overlap with
+    the raised one (they cannot lower CP; `fall_thresholds`, `CriticalPathChange.can_lower`) and
+    those that would put two items of one group in a bin; then takes the `batch` best priced
+    candidates (ties: moves before swaps, each in enumeration order), each only if it is still
+    valid and the recomputed critical path drops. Stops when a round takes nothing or after
+    `max_rounds`. Deterministic. Returns the new `bin_of` (the input is not modified).
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     bin_of = np.asarray(bin_of, dtype=np.int64).copy()
