@@ -302,18 +302,18 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
         larger = np.arange(len(smaller)) - np.repeat(np.cumsum(spans) - spans - above, spans)
         # Candidate c: a move (c < len(items)), then a swap of by_size[larger] with by_size[smaller];
         # those that cannot lower the critical path are dropped before pricing (most are).
-        source = np.concatenate([bin_of[items], bin_by_size[larger]])
-        delta = np.concatenate([sizes[items], ascending_sizes[larger] - ascending_sizes[smaller]])
-        target = np.concatenate([targets, bin_by_size[smaller]])
-        allowed = (source != target) & pricing.can_lower(source, delta, target)
+        source_bins = np.concatenate([bin_of[items], bin_by_size[larger]])
+        deltas = np.concatenate([sizes[items], ascending_sizes[larger] - ascending_sizes[smaller]])
+        target_bins = np.concatenate([targets, bin_by_size[smaller]])
+        allowed = (source_bins != target_bins) & pricing.can_lower(source_bins, deltas, target_bins)
         if groups is not None:
             first = np.concatenate([groups[items], groups[by_size[larger]]])
             second = np.concatenate([np.full(len(items), -1), groups[by_size[smaller]]])
             # A move must not join its group; a swap of two groups must not join either.
-            allowed &= ((first == second) | ~holding[first, target]) & ((second < 0) | (first == second)
-                                                                        | ~holding[second, source])
+            allowed &= ((first == second) | ~holding[first, target_bins]) & ((second < 0) | (first == second)
+                                                                             | ~holding[second, source_bins])
         chosen = np.flatnonzero(allowed)
-        changes = pricing.price_bins(source[chosen], delta[chosen], target[chosen])
+        changes = pricing.price_bins(source_bins[chosen], deltas[chosen], target_bins[chosen])
         better = np.flatnonzero(changes < 0)
         if not len(better):
             break
