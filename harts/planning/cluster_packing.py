@@ -156,7 +156,7 @@ class CriticalPathChange:
         # Interval k = (ascending[k - 1], ascending[k]] (ascending[-1] read as 0) has N = count - k;
         # interval `count` is everything above the largest work, N = 0.
         lower = np.concatenate([[0], ascending])
-        length = np.diff(lower, append=lower[-1])
+        length = np.concatenate([ascending - lower[:-1], [0]])
         # F_r(x) = #{t in [1, x] : N(t) ≡ r} = base_r[k] + slope_r[k]·x on interval k; rows r = 0 and 1 mod D.
         self._slope = _slopes(count, dp)
         covered = length * self._slope
@@ -169,8 +169,10 @@ class CriticalPathChange:
         # The highest t <= w with N(t) ≡ 1 for each work w (-1: none). A work w >= 1 lies in
         # interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
         self._top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
-        self.zero_at, self.one_at = self._base[:, k] + self._slope[:, k] * works
-        """F_0 and F_1 at each work."""
+        self.zero_at = self._base[0][k] + self._slope[0][k] * works
+        """F_0 at each work."""
+        self.one_at = self._base[1][k] + self._slope[1][k] * works
+        """F_1 at each work."""
 
     def rank(self, x: np.ndarray) -> np.ndarray:
         """The interval k holding each x: #{works < x}."""
