@@ -7,17 +7,21 @@ repeat kept in `plan_seconds_each`), validate the first plan (coverage, capacity
 works recomputed from the trie) and compute DESIGN §2's metrics of it; the records also hold the process CPU time of the planning
 call (all threads, so CP-SAT's workers count), which shows how much of a wall time was lost to
 other load on the machine, `index_seconds`, the time to build the step's prefix index alone
-(part of every planner's time), and `identical_plans` (whether every repeat returned the same plan). CP-SAT is imported before any timing. One record per
+(part of every planner's time), `plan_seconds_without_index` (median; every repeat in
+`plan_seconds_without_index_each`), the planner's time given that index, built once per step
+outside the planners as the runtime shares it (each repeat plans once more with it), and
+`identical_plans` (whether every repeat returned the same plan). CP-SAT is imported before any timing. One record per
 (step, planner), written with
 `harts.bench.records`; a planner that fails or whose plan does not validate gives a record
 with an `error` field.
 
 The table compares the first planner with the second in the paper's form: per step and over
 all steps, compact tokens, compression (second / first), planning seconds and speedup
-(second / first), P95 slot imbalance and step imbalance; the paper's figures sit in the last
-row. Over all steps: Σ compact tokens (and the change), Σ seconds, the range of per-step
-compression and speedup, the P95 over the slots of every step (nearest rank) and the largest
-step imbalance.
+(second / first), both with the prefix index inside each planner's time and excluding it
+("excl. index": `plan_seconds_without_index`), P95 slot imbalance and step imbalance; the
+paper's figures sit in the last row. Over all steps: Σ compact tokens (and the change), Σ
+seconds, the range of per-step compression and speedups, the P95 over the slots of every step
+(nearest rank) and the largest step imbalance.
 The table is printed and written beside the records as `.md` and `.csv`; the note under it names
 the machine, the index build time and on how many steps HARTS's W equals the lower bound of
 `harts.planning.bounds` (proven optimal).
@@ -146,10 +150,11 @@ def run(args: argparse.Namespace) -> int:
                     result = plan(step, capacity, args.dp, name, **options[name])
                     cpu_seconds = time.process_time() - cpu_started
                     validate(result, step, index)
+                    given_index = plan(step, capacity, args.dp, name, index=index, **options[name])
                 except ValueError as error:
                     errors[name] = str(error)
                     continue
-                runs[name].append((result, cpu_seconds))
+                runs[name].append((result, cpu_seconds, given_index.plan_seconds))
         for name in args.planners:
             config = {
                 "trees": str(args.trees), "synth": config_to_dict(synth), "data": args.data, "seed": args.seed,
@@ -167,10 +172,12 @@ def run(args: argparse.Namespace) -> int:
                 "compact_tokens": metrics.compact_tokens,
                 "lower_bound_compact_tokens": metrics.lower_bound_compact_tokens,
                 "microbatches": metrics.num_microbatches,
-                "plan_seconds": statistics.median(r.plan_seconds for r, _ in runs[name]),
-                "plan_seconds_each": [r.plan_seconds for r, _ in runs[name]],
-                "plan_cpu_seconds": statistics.median(cpu for _, cpu in runs[name]),
+                "plan_seconds": statistics.median(r.plan_seconds for r, _, _ in runs[name]),
+                "plan_seconds_each": [r.plan_seconds for r, _, _ in runs[name]],
+                "plan_cpu_seconds": statistics.median(cpu for _, cpu, _ in runs[name]),
                 "index_seconds": statistics.median(index_times),
+                "plan_seconds_without_index": statistics.median(alone for _, _, alone in runs[name]),
+                "plan_seconds_without_index_each": [alone for _, _, alone in runs[name]],
                 "p95_slot_imbalance": metrics.p95_slot_imbalance,
                 "max_slot_imbalance": metrics.max_slot_imbalance,
                 "step_imbalance": metrics.step_imbalance,
@@ -179,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
                 "slot_imbalance": metrics.slot_imbalance,
                 "details": result.details,
                 # CP-SAT stopped by its time limit may return another plan on a repeat.
-                "identical_plans": all(other.microbatches == result.microbatches for other, _ in runs[name][1:]),
+                "identical_plans": all(other.microbatches == result.microbatches for other, _, _ in runs[name][1:]),
             }
             records.append(make_record("planning", config, results))
     progress.close()
@@ -225,6 +232,9 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
     header += [f"{a} s"]
     if other:
         header += [f"{b} s", "speedup"]
+    header += [f"{a} s excl. index"]
+    if other:
+        header += [f"{b} s excl. index", "speedup excl. index"]
     header += [f"{a} P95 slot imb."] + ([f"{b} P95 slot imb."] if other else [])
     header += [f"{a} step imb."] + ([f"{b} step imb."] if other else [])
 
@@ -237,10 +247,11 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
 
     rows = []
     totals = {ours: [], other: []}
-    compression, speedup = [], []
+    compression, speedup, speedup_alone = [], [], []
     slots = {ours: [], other: []}
     step_imb = {ours: [], other: []}
     seconds = {ours: [], other: []}
+    seconds_alone = {ours: [], other: []}
     for s in steps:
         mine, theirs = by_key.get((s, ours)), by_key.get((s, other)) if other else None
         row = [str(s), cell(mine, "compact_tokens", ",")]
@@ -255,6 +266,13 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
             if both:
                 compression.append(ratio)
                 speedup.append(fast)
+        row += [cell(mine, "plan_seconds_without_index", ".3f")]
+        if other:
+            alone = (theirs["results"]["plan_seconds_without_index"] / mine["results"]["plan_seconds_without_index"]
+                     if both else None)
+            row += [cell(theirs, "plan_seconds_without_index", ".3f"), f"{alone:.1f}x" if alone else "-"]
+            if both:
+                speedup_alone.append(alone)
         for key in ("p95_slot_imbalance", "step_imbalance"):
             row += [_percent(mine, key)] + ([_percent(theirs, key)] if other else [])
         rows.append(row)
@@ -264,6 +282,7 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
                 slots[name].extend(record["results"]["slot_imbalance"])
                 step_imb[name].append(record["results"]["step_imbalance"])
                 seconds[name].append(record["results"]["plan_seconds"])
+                seconds_alone[name].append(record["results"]["plan_seconds_without_index"])
 
     def over(name: str | None) -> dict[str, str]:
         return {
@@ -271,6 +290,7 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
             "p95": f"{100 * nearest_rank(np.asarray(slots[name]), 95):.2f}%" if slots[name] else "-",
             "step": f"{100 * max(step_imb[name]):.2f}%" if step_imb[name] else "-",
             "seconds": f"{sum(seconds[name]):.1f}" if seconds[name] else "-",
+            "seconds_alone": f"{sum(seconds_alone[name]):.2f}" if seconds_alone[name] else "-",
         }
 
     mine_all, theirs_all = over(ours), over(other) if other else None
@@ -283,6 +303,9 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
     row += [mine_all["seconds"]]
     if other:
         row += [theirs_all["seconds"], _range(speedup, "x", 1)]
+    row += [mine_all["seconds_alone"]]
+    if other:
+        row += [theirs_all["seconds_alone"], _range(speedup_alone, "x", 1)]
     row += [mine_all["p95"]] + ([theirs_all["p95"]] if other else [])
     row += [mine_all["step"]] + ([theirs_all["step"]] if other else [])
     rows.append(row)
@@ -290,7 +313,7 @@ def planning_table(records: list[dict[str, Any]], planners: list[str]) -> tuple[
         ours_tokens, theirs_tokens = PAPER["compact_tokens"]
         rows.append([
             "paper", f"{ours_tokens:,} ({100 * (ours_tokens / theirs_tokens - 1):+.2f}%)", f"{theirs_tokens:,}",
-            _range(list(PAPER["compression"]), "x", 3), "-", "-", _range(list(PAPER["speedup"]), "x", 2),
+            _range(list(PAPER["compression"]), "x", 3), "-", "-", _range(list(PAPER["speedup"]), "x", 2), "-", "-", "-",
             *(f"{100 * v:.2f}%" for v in PAPER["p95_slot_imbalance"]),
             *(f"{100 * v:.2f}%" for v in PAPER["max_step_imbalance"]),
         ])
@@ -307,10 +330,10 @@ def _timing_note(records: list[dict[str, Any]]) -> str:
                  f"({min(index):.2f}–{max(index):.2f} s per step when timed alone).")
         alone: dict[str, list[float]] = {}
         for r in done:
-            alone.setdefault(r["config"]["planner"], []).append(
-                r["results"]["plan_seconds"] - r["results"]["index_seconds"])
-        note += " Without it (planner seconds minus the index's, noisy at this scale): " + "; ".join(
-            f"{name} {1e3 * min(v):.0f}–{1e3 * max(v):.0f} ms" for name, v in alone.items()) + "."
+            alone.setdefault(r["config"]["planner"], []).append(r["results"]["plan_seconds_without_index"])
+        note += (" The excl. index seconds time each planner given that index, built once per step outside "
+                 "the planners (the runtime shares it): " + "; ".join(
+                     f"{name} {1e3 * min(v):.1f}–{1e3 * max(v):.1f} ms" for name, v in alone.items()) + ".")
     gaps = [r["results"]["details"]["work_gap_to_bound"] for r in done if r["config"]["planner"] == "harts"]
     if gaps:
         note += (f"\nHARTS's compact tokens equal the lower bound of harts.planning.bounds (W proven optimal) "

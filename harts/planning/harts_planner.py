@@ -200,7 +200,7 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
     g0 = rw.common_prefix
     starts = np.concatenate([[0], np.flatnonzero(rw.lcp_adjacent[1:] == g0) + 1]).astype(np.int64)
     ends = np.concatenate([starts[1:], [rw.num]])
-    sizes = (rw.cum_len[ends] - rw.cum_len[starts]) - (rw.cum_lcp[ends] - rw.cum_lcp[starts + 1]) - g0
+    sizes = rw.run_costs(starts, ends) - g0
     room = capacity - g0
     if sizes.max() > room:
         return None
@@ -213,7 +213,8 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
             break
         pieces, repacked = fewer
         count -= dp
-    sizes = np.asarray([rw.run_cost(a, b) - g0 for a, b, _ in pieces], dtype=np.int64)
+    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
+    sizes = rw.run_costs(runs[:, 0], runs[:, 1]) - g0
     groups = np.asarray([c for _, _, c in pieces], dtype=np.int64) if repacked is not None else None
     best = None
     for start in (repacked, cluster_packing.pack_best_fit(sizes, room, count, groups)):
@@ -244,24 +245,27 @@ def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count:
     of its cluster.
     """
     g0 = rw.common_prefix
-    sizes = [rw.run_cost(a, b) - g0 for a, b, _ in pieces]
-    loads = np.zeros(count, dtype=np.int64)
+    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
+    sizes = (rw.run_costs(runs[:, 0], runs[:, 1]) - g0).tolist()
+    fit = cluster_packing.BestFit(count)
     holds = np.zeros((max(c for *_, c in pieces) + 1, count), dtype=bool)
     placed: list[tuple[int, int, int, int]] = []
     leftovers = []
+    # Every leftover needs a cut: give up as soon as the shallowest cuts already cost too much.
+    floor = 0
     for i in sorted(range(len(pieces)), key=lambda i: (-sizes[i], i)):
         a, b, cluster = pieces[i]
-        k = _best_fit(loads, holds[cluster], room, sizes[i])
+        k = fit.find(room - sizes[i], holds[cluster])
         if k < 0:
             leftovers.append(pieces[i])
+            floor += int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0
+            if floor >= max_extra:
+                return None
             continue
-        loads[k] += sizes[i]
+        fit.add(k, sizes[i])
         holds[cluster, k] = True
         placed.append((a, b, cluster, k))
-    # Every leftover needs a cut: give up early when the shallowest cuts already cost too much.
-    floor = sum(int(rw.lcp_adjacent[a + 1 : b].min(initial=np.iinfo(np.int64).max // 4)) - g0 for a, b, _ in leftovers)
-    if floor >= max_extra:
-        return None
+    loads = np.asarray(fit.loads, dtype=np.int64)
     extra = 0
     for a, b, cluster in leftovers:
         split = _cheapest_split(rw, a, b, loads, holds[cluster], room)

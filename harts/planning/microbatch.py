@@ -237,12 +237,19 @@ def build_plan(
         slot, replica = greedy_assignment(works, dp)
     assert replica is not None
     order = np.lexsort((replica, slot))
+    # Every group's members in batch order with one sort: by (group, trajectory index).
+    sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
+    members = members[np.lexsort((members, np.repeat(np.arange(len(groups)), sizes)))]
+    ids = list(map(step.ids.__getitem__, members.tolist()))
+    ends = np.cumsum(sizes).tolist()
+    starts = [0] + ends[:-1]
     microbatches = [
         Microbatch(
-            trajectory_ids=tuple(step.ids[i] for i in np.sort(groups[k])),
+            trajectory_ids=tuple(ids[starts[k] : ends[k]]),
             work=int(works[k]), slot=int(slot[k]), replica=int(replica[k]),
         )
-        for k in order
+        for k in order.tolist()
     ]
     return Plan(
         planner=planner, capacity=capacity, dp=dp, microbatches=microbatches,

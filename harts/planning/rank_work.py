@@ -3,7 +3,8 @@
 `RankWork(index)` renames trajectories by their lexicographic rank r (0 <= r < N) and answers,
 without touching tokens:
 - `lcp(a, b)`: LCP of ranks a != b = min(lcp[min+1 .. max]) (sparse table, O(1));
-- `run_cost(i, j)`: trie size of the contiguous run i..j-1 = Σ len - Σ adjacent LCP (prefix sums);
+- `run_cost(i, j)`: trie size of the contiguous run i..j-1 = Σ len - Σ adjacent LCP (prefix sums;
+  `run_costs` for arrays of runs);
 - `trie(ranks)`: trie size of any sorted rank list = Σ len - Σ LCP of consecutive members (the
   trie of a set is the trie of its sorted sequence, so this holds for non-contiguous sets too);
 - `share(ranks, x, skip)`: the longest prefix x shares with a sorted set (its sorted neighbours
@@ -70,6 +71,10 @@ class RankWork:
     def run_cost(self, i: int, j: int) -> int:
         """Trie size of ranks i .. j - 1 (i < j)."""
         return int(self.cum_len[j] - self.cum_len[i] - (self.cum_lcp[j] - self.cum_lcp[i + 1]))
+
+    def run_costs(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """`run_cost` of each pair of i[k] < j[k], vectorised."""
+        return (self.cum_len[j] - self.cum_len[i]) - (self.cum_lcp[j] - self.cum_lcp[i + 1])
 
     def trie(self, ranks: list[int]) -> int:
         """Trie size of a sorted list of distinct ranks."""

@@ -18,19 +18,33 @@ def _random_works(rng: np.random.Generator) -> tuple[np.ndarray, int]:
     return rng.integers(0, int(rng.choice([8, 60])), count).astype(np.int64), dp
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["search", "table"])
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
-def test_price_matches_sorting(seed):
+def test_price_matches_sorting(seed, table):
     rng = np.random.default_rng([42, seed])
     for _ in range(300):
         works, dp = _random_works(rng)
         if len(works) < 2:
             continue
-        pricing = cp.CriticalPathChange(works, dp)
+        ranks = cp.rank_table(works, 2 * int(works.max())) if table else None
+        pricing = cp.CriticalPathChange(works, dp, ranks)
         lowered, raised = rng.choice(len(works), 2, replace=False)
         delta = int(rng.integers(0, works[lowered] + 1))
         expected = cp.naive_critical_path_change(works, dp, lowered, delta, raised, delta)
         got = pricing.price(works[[lowered]], np.array([delta]), works[[raised]])
         assert got.tolist() == [expected], (works.tolist(), dp, lowered, raised, delta)
+        assert pricing.price_bins(np.array([lowered]), np.array([delta]), np.array([raised])).tolist() == [expected]
+        if not pricing.can_lower(np.array([lowered]), np.array([delta]), np.array([raised]))[0]:
+            assert expected >= 0, (works.tolist(), dp, lowered, raised, delta)
+
+
+def test_rank_table_matches_binary_search():
+    rng = np.random.default_rng(42)
+    for _ in range(100):
+        works, _ = _random_works(rng)
+        limit = int(works.max()) + int(rng.integers(0, 5))
+        values = np.arange(limit + 1)
+        assert cp.rank_table(works, limit).tolist() == np.searchsorted(np.sort(works), values).tolist()
 
 
 def test_critical_path_is_the_objectives_second_term():
@@ -81,6 +95,24 @@ def test_packings(seed):
             assert bin_of is None or _bins_valid(sizes, bin_of, count, room)
             assert _bins_valid(sizes, cp.pack_best_fit(sizes, room, count), count, room)
         assert cp.pack_best_fit(sizes, room, len(sizes) + 1) is None
+
+
+def test_best_fit_matches_argmax():
+    """The fullest unblocked bin within the limit (ties: lowest), as a masked argmax finds it."""
+    rng = np.random.default_rng(42)
+    for _ in range(50):
+        count = int(rng.integers(1, 12))
+        fit, loads = cp.BestFit(count), np.zeros(count, dtype=np.int64)
+        for _ in range(30):
+            limit = int(rng.integers(-2, 40))
+            blocked = rng.random(count) < 0.3 if rng.random() < 0.5 else None
+            allowed = (loads <= limit) & (~blocked if blocked is not None else True)
+            expected = int(np.argmax(np.where(allowed, loads, -1))) if allowed.any() else -1
+            assert fit.find(limit, blocked) == expected
+            k, size = int(rng.integers(count)), int(rng.integers(0, 6))
+            fit.add(k, size)
+            loads[k] += size
+        assert fit.loads == loads.tolist()
 
 
 def _least_loaded(sizes: np.ndarray, room: int, count: int) -> np.ndarray | None:
@@ -148,6 +180,21 @@ def test_balance_never_raises_the_critical_path_and_ends_at_a_local_optimum():
             if _bins_valid(sizes, changed, count, room):
                 assert path(changed) >= best
     assert improved >= 10
+
+
+def test_balance_with_and_without_the_rank_table(monkeypatch):
+    """Above `_RANK_TABLE_MAX` the pricing searches instead of looking up: the same moves."""
+    rng = np.random.default_rng(42)
+    for _ in range(25):
+        sizes, count, dp, base, capacity = _instance(rng)
+        start = cp.pack_best_fit(sizes, capacity - base, count)
+        if start is None:
+            continue
+        with_table = cp.balance(sizes, start, count, dp, base=base, capacity=capacity, max_rounds=100)
+        monkeypatch.setattr(cp, "_RANK_TABLE_MAX", 0)
+        searched = cp.balance(sizes, start, count, dp, base=base, capacity=capacity, max_rounds=100)
+        monkeypatch.undo()
+        assert (with_table == searched).all()
 
 
 def test_balance_is_deterministic():

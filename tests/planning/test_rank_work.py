@@ -62,6 +62,9 @@ def test_lcp_and_run_cost(setting):
         assert rw.lcp(a, b) == index.lcp_of(int(rw.order[a]), int(rw.order[b]))
         assert rw.lcp(b, a) == rw.lcp(a, b)
         assert rw.run_cost(a, b + 1) == _trie(index, rw, range(a, b + 1))
+    starts = rng.integers(0, rw.num, 50)
+    ends = starts + 1 + rng.integers(0, rw.num - starts)
+    assert rw.run_costs(starts, ends).tolist() == [rw.run_cost(i, j) for i, j in zip(starts.tolist(), ends.tolist())]
     assert rw.common_prefix == min(index.lcp_of(int(rw.order[0]), int(rw.order[r])) for r in range(1, rw.num))
 
 
