@@ -6,10 +6,13 @@ Input: planning records (one per step and planner) and the two planners to compa
   `all` row (Σ compact tokens, Σ seconds, the P95 over the slots of every step, the largest step
   imbalance), then the paper's row. `compression` = baseline compact tokens / ours (the paper's
   per-step 1.007-1.079x), `compact_token_change` = ours / baseline - 1 (the paper's -3.28%),
-  `planning_speedup` = baseline seconds / ours (7.24-9.73x); imbalances are fractions (0.0214 =
+  `planning_speedup` = baseline seconds / ours (7.24-9.73x), each planner's seconds with the
+  step's prefix index built inside it; `planning_speedup_without_index` the same of the
+  `*_plan_seconds_without_index`, each planner given the index built once per step (the runtime
+  shares it; records from before that timing say `not measured`); imbalances are fractions (0.0214 =
   2.14%). A cell without a record says `not measured`, a failed plan `error` (message in `error`),
   a figure the paper does not give `not reported`; the paper's ranges are written `low-high`.
-- PDF: per step, the compression and the planning speedup against the paper's ranges, and the
+- PDF: per step, the compression and the planning speedup (bars; index excluded: diamonds) against the paper's ranges, and the
   P95 slot imbalance and step imbalance of both planners against the paper's values; then the
   table.
 """
@@ -27,7 +30,8 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 PLANNING_COLUMNS = [
     "source", "dataset", "step", "capacity", "dp", "trajectories", "semantic_tokens", "lower_bound_compact_tokens",
     "ours_planner", "baseline_planner", "ours_compact_tokens", "baseline_compact_tokens", "compact_token_change",
-    "compression", "ours_plan_seconds", "baseline_plan_seconds", "planning_speedup", "ours_p95_slot_imbalance",
+    "compression", "ours_plan_seconds", "baseline_plan_seconds", "planning_speedup", "ours_plan_seconds_without_index",
+    "baseline_plan_seconds_without_index", "planning_speedup_without_index", "ours_p95_slot_imbalance",
     "baseline_p95_slot_imbalance", "ours_step_imbalance", "baseline_step_imbalance", "ours_microbatches",
     "baseline_microbatches", "error",
 ]
@@ -90,12 +94,13 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
         for side, record in (("ours", mine), ("baseline", theirs)):
             row[f"{side}_compact_tokens"] = _result(record, "compact_tokens")
             row[f"{side}_plan_seconds"] = _result(record, "plan_seconds")
+            row[f"{side}_plan_seconds_without_index"] = _result(record, "plan_seconds_without_index")
             row[f"{side}_p95_slot_imbalance"] = _result(record, "p95_slot_imbalance")
             row[f"{side}_step_imbalance"] = _result(record, "step_imbalance")
             row[f"{side}_microbatches"] = _result(record, "microbatches")
         row["compact_token_change"] = _ratio(row["ours_compact_tokens"], row["baseline_compact_tokens"], True)
         row["compression"] = _ratio(row["baseline_compact_tokens"], row["ours_compact_tokens"])
-        row["planning_speedup"] = _ratio(row["baseline_plan_seconds"], row["ours_plan_seconds"])
+        _speedups(row)
         rows.append(row)
         datasets.setdefault(dataset, []).append((mine, theirs))
 
@@ -109,12 +114,16 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
             complete = len(measured) == len(pairs)
             if not complete:
                 failed = any(pair[index] and "error" in pair[index] for pair in pairs)
-                for key in ("compact_tokens", "plan_seconds", "p95_slot_imbalance", "step_imbalance", "microbatches"):
+                for key in ("compact_tokens", "plan_seconds", "plan_seconds_without_index", "p95_slot_imbalance",
+                            "step_imbalance", "microbatches"):
                     row[f"{side}_{key}"] = ERROR if failed else NOT_MEASURED
                 continue
             results = [r["results"] for r in measured]
             row[f"{side}_compact_tokens"] = sum(r["compact_tokens"] for r in results)
             row[f"{side}_plan_seconds"] = sum(r["plan_seconds"] for r in results)
+            alone = [r.get("plan_seconds_without_index") for r in results]
+            row[f"{side}_plan_seconds_without_index"] = (sum(alone) if all(is_number(a) for a in alone)
+                                                         else NOT_MEASURED)
             row[f"{side}_microbatches"] = sum(r["microbatches"] for r in results)
             slots = [v for r in results for v in r.get("slot_imbalance", [])]
             import numpy as np
@@ -127,7 +136,7 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
                         if len(complete_steps) == len(pairs) else NOT_MEASURED)
         row["compact_token_change"] = _ratio(row["ours_compact_tokens"], row["baseline_compact_tokens"], True)
         row["compression"] = _ratio(row["baseline_compact_tokens"], row["ours_compact_tokens"])
-        row["planning_speedup"] = _ratio(row["baseline_plan_seconds"], row["ours_plan_seconds"])
+        _speedups(row)
         rows.append(row)
 
     paper = paper_figures()
@@ -149,6 +158,12 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
 
 
 
+def _speedups(row: dict[str, Any]) -> None:
+    row["planning_speedup"] = _ratio(row["baseline_plan_seconds"], row["ours_plan_seconds"])
+    row["planning_speedup_without_index"] = _ratio(row["baseline_plan_seconds_without_index"],
+                                                   row["ours_plan_seconds_without_index"])
+
+
 def _percent(value: Any) -> str:
     return f"{100 * value:.2f}%" if is_number(value) else str(value)
 
@@ -156,7 +171,7 @@ def _percent(value: Any) -> str:
 def display_table(rows: list[dict[str, Any]], ours: str, baseline: str) -> tuple[list[str], list[list[str]]]:
     a, b = LABELS.get(ours, ours), LABELS.get(baseline, baseline)
     header = ["source", "dataset", "step", f"{a} compact tokens", f"{b} compact tokens", "change", "compression",
-              f"{a} s", f"{b} s", "planning speedup", f"{a} P95 slot imb.", f"{b} P95 slot imb.",
+              f"{a} s", f"{b} s", "planning speedup", "speedup excl. index", f"{a} P95 slot imb.", f"{b} P95 slot imb.",
               f"{a} step imb.", f"{b} step imb.", "note"]
     table = []
     for r in rows:
@@ -170,6 +185,7 @@ def display_table(rows: list[dict[str, Any]], ours: str, baseline: str) -> tuple
             format_value(r["ours_plan_seconds"], ".3g"), format_value(r["baseline_plan_seconds"], ".3g"),
             format_value(r["planning_speedup"], ".2f", "x") if is_number(r["planning_speedup"])
             else str(r["planning_speedup"]) + "x" * (r["source"] == "paper"),
+            format_value(r["planning_speedup_without_index"], ".2f", "x"),
             _percent(r["ours_p95_slot_imbalance"]), _percent(r["baseline_p95_slot_imbalance"]),
             _percent(r["ours_step_imbalance"]), _percent(r["baseline_step_imbalance"]),
             r["error"] if len(r["error"]) < 40 else r["error"][:37] + "...",
@@ -189,7 +205,7 @@ def _figure(rows: list[dict[str, Any]], ours: str, baseline: str, footer_lines: 
     fig = page(f"Planning quality: {a} vs {b}", f"ours per step; paper: {PAPER_SETUP} (shaded range / dashed lines)")
     colors = {"ours": "#3182bd", "baseline": "#e6550d"}
 
-    def bars(ax, key, title, band, digits, bottom=0.0):
+    def bars(ax, key, title, band, digits, bottom=0.0, markers=None):
         unit = "x"
         values = [r[key] for r in steps]
         for i, value in enumerate(values):
@@ -200,6 +216,14 @@ def _figure(rows: list[dict[str, Any]], ours: str, baseline: str, footer_lines: 
                 ax.text(x[i], bottom, str(value), rotation=90, ha="center", va="bottom", fontsize=7,
                         color="firebrick")
         measured = [v for v in values if is_number(v)]
+        if markers is not None:
+            marker_key, marker_label = markers
+            points = [(x[i], r[marker_key]) for i, r in enumerate(steps) if is_number(r[marker_key])]
+            if points:
+                ax.plot(*zip(*points), "D", color="black", markersize=4, linestyle="none", label=marker_label)
+                for px, py in points:
+                    ax.text(px + 0.3, py, f"{py:.{digits - 1}f}", ha="left", va="center", fontsize=6)
+                measured += [py for _, py in points]
         low = min([bottom, band[0]] + measured)
         high = max([band[1]] + measured)
         ax.set_ylim(low - 0.02 * (high - low) if bottom else 0.0, high + 0.12 * (high - low))
@@ -237,7 +261,8 @@ def _figure(rows: list[dict[str, Any]], ours: str, baseline: str, footer_lines: 
     grid = fig.add_gridspec(2, 2, left=0.07, right=0.97, top=0.86, bottom=0.16, hspace=0.45, wspace=0.18)
     bars(fig.add_subplot(grid[0, 0]), "compression", f"compression: {b} compact tokens / {a}", paper["compression"], 3,
          bottom=1.0)
-    bars(fig.add_subplot(grid[0, 1]), "planning_speedup", f"planning speedup: {b} seconds / {a}", paper["speedup"], 2)
+    bars(fig.add_subplot(grid[0, 1]), "planning_speedup", f"planning speedup: {b} seconds / {a}", paper["speedup"], 2,
+         markers=("planning_speedup_without_index", "prefix index excluded (built once, shared)"))
     pairs(fig.add_subplot(grid[1, 0]), "p95_slot_imbalance", "P95 slot imbalance", paper["p95_slot_imbalance"])
     pairs(fig.add_subplot(grid[1, 1]), "step_imbalance", "step imbalance", paper["max_step_imbalance"])
     footer(fig, footer_lines)

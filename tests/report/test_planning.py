@@ -39,6 +39,23 @@ def test_rows_per_step_over_all_steps_and_paper():
     assert paper["compact_token_change"] == pytest.approx(-0.0328, abs=5e-5)
     assert paper["compression"] == "1.007-1.079" and paper["planning_speedup"] == "7.24-9.73"
     assert all(set(r) == set(PLANNING_COLUMNS) for r in rows)
+    assert all(r["planning_speedup_without_index"] == NOT_MEASURED for r in rows[:3]), "records before that timing"
+
+
+def test_speedup_without_the_shared_index():
+    """Each planner given the step's prefix index: per step, and Σ over the steps when every record has it."""
+    records = [planning_record(planner=OURS, step=0, tokens=1000, seconds=0.5, seconds_without_index=0.01),
+               planning_record(planner=THEIRS, step=0, tokens=1050, seconds=4.0, seconds_without_index=0.2),
+               planning_record(planner=OURS, step=1, tokens=900, seconds=0.25, seconds_without_index=0.03),
+               planning_record(planner=THEIRS, step=1, tokens=990, seconds=2.5, seconds_without_index=0.3)]
+    step0, step1, total, _ = planning_rows(records, OURS, THEIRS)
+    assert step0["planning_speedup_without_index"] == pytest.approx(20.0)
+    assert step1["planning_speedup_without_index"] == pytest.approx(10.0)
+    assert total["ours_plan_seconds_without_index"] == pytest.approx(0.04)
+    assert total["planning_speedup_without_index"] == pytest.approx(0.5 / 0.04)
+    assert step0["planning_speedup"] == pytest.approx(8.0)
+    _, _, total, _ = planning_rows(records[:3] + _records()[3:], OURS, THEIRS)
+    assert total["baseline_plan_seconds_without_index"] == NOT_MEASURED
 
 
 def test_missing_and_failed_plans_say_so():
