@@ -16,7 +16,9 @@ reference (`chunk_kda_torch`) on outputs, final and boundary states and every gr
 `compact_kda(backend="fla")` on a small tree with per-trajectory execution; timing is refused
 (an `error` record) when a check fails. With `--trees`, one microbatch of a synthetic step is also
 timed end to end: `compact_kda` over its C compact rows against fla's `chunk_kda` over its S
-semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table.
+semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table;
+the records are rewritten after every case, so a run cut short keeps what it measured (SIGTERM
+adds an error row naming the case it stopped).
 """
 
 from __future__ import annotations
@@ -328,53 +330,80 @@ def _tree_case(args) -> tuple[dict, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
+    import signal
 
-    from harts.bench.records import make_record, write_records
+    import torch
+
+    from harts.bench.records import Terminated, error_message, make_record, write_records
 
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         raise ValueError("harts bench kda-handoff times fla's Triton kernels: it needs a CUDA GPU (--device cuda); "
                          "their CPU checks are tests/ops/kda/test_fla_chunk.py, under the Triton interpreter")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
-    sequences, boundaries = _ints(args.sequences), _ints(args.boundaries)
     base = {"rows": args.rows, "heads": args.heads, "dim": args.dim, "chunk": args.chunk, "dtype": args.dtype,
             "device": args.device,
             "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed}
-    records = []
-    print("checking the fla path against the fp32 reference ...", file=sys.stderr)
-    check = _check(args)
-    records.append(make_record("kda-handoff-check", base, check))
-    print(f"check {'passed' if check['ok'] else 'FAILED'}: packed call {check['packed_call']}")
-    print(f"  compact tree {check['compact_tree']}")
-    if not check["ok"]:
-        records.append(make_record("kda-handoff", base, error="correctness check failed; timings refused"))
+    records: list[dict] = []
+    # The records are rewritten after every case, so a run cut short (a device slot's timeout) keeps
+    # what it measured; SIGTERM adds an error row naming the case it stopped.
+    current = {"benchmark": "kda-handoff-check", "config": base}
+    try:
+        code = _measure(args, base, records, current)
+    except Terminated as error:
+        records.append(make_record(current["benchmark"], current["config"], error=error_message(error)))
         write_records(records, Path(args.out))
-        return 1
-    cases = [(n, m) for n in sequences for m in boundaries]
-    header = ("seqs", 5), ("states", 6), ("unsplit ms", 10), ("ours ms", 9), ("ours/unsplit", 12), ("split ms", 9)
-    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'calls':>5}")
-    for num_seqs, num_boundaries in tqdm(cases, desc="kda-handoff", file=sys.stderr):
-        config = base | {"sequences": num_seqs, "boundaries_requested": num_boundaries}
-        try:
-            results = _handoff_case(args, num_seqs, num_boundaries)
-        except Exception as error:  # a failed case is a record, not a gap
-            records.append(make_record("kda-handoff", config, error=f"{type(error).__name__}: {error}"))
-            print(f"{num_seqs:>5} {num_boundaries:>6} failed: {error}")
-            continue
-        records.append(make_record("kda-handoff", config, results))
-        split = f"{results['split']['median_ms']:9.2f}" if "split" in results else f"{'-':>9}"
-        print(f"{num_seqs:>5} {results['boundary_states']:>6} {results['unsplit']['median_ms']:10.2f} "
-              f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
-              f"{results['split_calls']:>5}")
-    if args.trees:
-        config, results = _tree_case(args)
-        records.append(make_record("kda-compact-tree", config, results))
-        print(f"tree: S = {results['semantic_rows']:,}, C = {results['compact_rows']:,}, {results['calls']} calls: "
-              f"compact {results['compact']['median_ms']:.2f} ms vs per-trajectory "
-              f"{results['per_trajectory']['median_ms']:.2f} ms ({results['speedup']:.2f}x), "
-              f"output drift {results['output_drift_vs_per_trajectory']:.2e}")
-    write_records(records, Path(args.out))
+        return 128 + signal.SIGTERM
     print(f"wrote {args.out} ({torch.cuda.get_device_name(args.device)})")
+    return code
+
+
+def _measure(args, base: dict, records: list[dict], current: dict) -> int:
+    """The check, then each case and the tree (`run`): records appended and written as they come."""
+    from tqdm import tqdm
+
+    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
+
+    out = Path(args.out)
+    with sigterm_raises():
+        print("checking the fla path against the fp32 reference ...", file=sys.stderr)
+        check = _check(args)
+        records.append(make_record("kda-handoff-check", base, check))
+        print(f"check {'passed' if check['ok'] else 'FAILED'}: packed call {check['packed_call']}")
+        print(f"  compact tree {check['compact_tree']}")
+        if not check["ok"]:
+            records.append(make_record("kda-handoff", base, error="correctness check failed; timings refused"))
+            write_records(records, out)
+            return 1
+        write_records(records, out)
+        cases = [(n, m) for n in _ints(args.sequences) for m in _ints(args.boundaries)]
+        header = ("seqs", 5), ("states", 6), ("unsplit ms", 10), ("ours ms", 9), ("ours/unsplit", 12), ("split ms", 9)
+        print(" ".join(f"{name:>{width}}" for name, width in header), f"{'calls':>5}")
+        for num_seqs, num_boundaries in tqdm(cases, desc="kda-handoff", file=sys.stderr):
+            config = base | {"sequences": num_seqs, "boundaries_requested": num_boundaries}
+            current.update(benchmark="kda-handoff", config=config)
+            try:
+                results = _handoff_case(args, num_seqs, num_boundaries)
+            except Terminated:
+                raise
+            except Exception as error:  # a failed case is a record, not a gap
+                records.append(make_record("kda-handoff", config, error=f"{type(error).__name__}: {error}"))
+                print(f"{num_seqs:>5} {num_boundaries:>6} failed: {error}")
+                write_records(records, out)
+                continue
+            records.append(make_record("kda-handoff", config, results))
+            write_records(records, out)
+            split = f"{results['split']['median_ms']:9.2f}" if "split" in results else f"{'-':>9}"
+            print(f"{num_seqs:>5} {results['boundary_states']:>6} {results['unsplit']['median_ms']:10.2f} "
+                  f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
+                  f"{results['split_calls']:>5}")
+        if args.trees:
+            current.update(benchmark="kda-compact-tree", config=base | {"trees": args.trees})
+            config, results = _tree_case(args)
+            records.append(make_record("kda-compact-tree", config, results))
+            write_records(records, out)
+            print(f"tree: S = {results['semantic_rows']:,}, C = {results['compact_rows']:,}, {results['calls']} calls: "
+                  f"compact {results['compact']['median_ms']:.2f} ms vs per-trajectory "
+                  f"{results['per_trajectory']['median_ms']:.2f} ms ({results['speedup']:.2f}x), "
+                  f"output drift {results['output_drift_vs_per_trajectory']:.2e}")
     return 0
