@@ -48,8 +48,9 @@ relative gradient difference over parameters (after the parallel reduction, reas
 the agreement of the reduced gradient's copies across ranks. The microbatches are packed for
 dp = the config's DP degree up to the longest trajectory's length (as the single-process
 gradient comparison), on the first ⌊n / dp⌋ · dp trajectories of at most N tokens (trajectories
-that each fill a microbatch form K mod dp = 0 microbatches only so; `gradient_inputs` counts them). The replay ablation (a) is about the KDA schedule, not parallelism, and
-stays single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
+that each fill a microbatch form K mod dp = 0 microbatches only so; `gradient_inputs` counts
+them). The replay ablation (a) is about the KDA schedule, not parallelism, and stays
+single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
 """
 
 from __future__ import annotations

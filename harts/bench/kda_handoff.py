@@ -18,7 +18,7 @@ reference (`chunk_kda_torch`) on outputs, final and boundary states and every gr
 timed end to end: `compact_kda` over its C compact rows against fla's `chunk_kda` over its S
 semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table;
 the records are rewritten after every case, so a run cut short keeps what it measured (SIGTERM
-adds an error row naming the case it stopped).
+adds an error row naming the case it stopped, or after how many records it came).
 """
 
 from __future__ import annotations
@@ -272,19 +272,17 @@ def _handoff_case(args, num_seqs: int, num_boundaries: int) -> dict:
     return results
 
 
-def _tree_case(args) -> tuple[dict, dict]:
-    """One microbatch (≤ --rows compact tokens) of step 0 of a synthetic dataset."""
+def _tree_case(args, synth) -> dict:
+    """One microbatch (≤ --rows compact tokens) of step 0 of the synthetic dataset `synth`."""
     import numpy as np
     import torch
     from fla.ops.kda import chunk_kda
 
-    from harts.config import config_to_dict, load_config
     from harts.ops.kda.compact import compact_kda
     from harts.planning.kda_calls import plan_kda_calls
-    from harts.trees.synth import SynthConfig, generate_step
+    from harts.trees.synth import generate_step
     from harts.trees.trie import PrefixIndex
 
-    synth = load_config(args.trees, SynthConfig, num_tasks=args.tasks)
     step = generate_step(synth, args.seed, 0)
     index = PrefixIndex.from_step(step)
     members, compact = [], 0
@@ -317,8 +315,6 @@ def _tree_case(args) -> tuple[dict, dict]:
         semantic = [x.index_select(0, m)[None] for x in leaves]
         drift = _relative(compact_kda(*leaves, schedule, backend="fla").index_select(0, m),
                           chunk_kda(*semantic, cu_seqlens=cu, chunk_size=args.chunk)[0][0])
-    config = {"trees": args.trees, "synth": config_to_dict(synth), "tasks": args.tasks, "seed": args.seed,
-              "heads": args.heads, "dim": args.dim, "chunk": args.chunk, "repeats": args.repeats}
     results = {"trajectories": len(members), "semantic_rows": tree.num_semantic_tokens,
                "compact_rows": tree.num_compact_tokens, "calls": schedule.num_calls,
                "sequences": schedule.num_sequences, "replay_rows": schedule.replay_tokens,
@@ -326,7 +322,7 @@ def _tree_case(args) -> tuple[dict, dict]:
                "per_trajectory": _timed(baseline_run, args.warmup, args.repeats, args.device),
                "output_drift_vs_per_trajectory": drift}
     results["speedup"] = results["per_trajectory"]["median_ms"] / results["compact"]["median_ms"]
-    return config, results
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from harts.bench.records import Terminated, error_message, make_record, write_records
+    from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
 
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         raise ValueError("harts bench kda-handoff times fla's Triton kernels: it needs a CUDA GPU (--device cuda); "
@@ -346,64 +342,72 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed}
     records: list[dict] = []
     # The records are rewritten after every case, so a run cut short (a device slot's timeout) keeps
-    # what it measured; SIGTERM adds an error row naming the case it stopped.
-    current = {"benchmark": "kda-handoff-check", "config": base}
-    try:
-        code = _measure(args, base, records, current)
-    except Terminated as error:
-        records.append(make_record(current["benchmark"], current["config"], error=error_message(error)))
-        write_records(records, Path(args.out))
-        return 128 + signal.SIGTERM
+    # what it measured; SIGTERM adds an error row naming where it stopped.
+    current = {"benchmark": "kda-handoff-check", "config": base, "phase": ""}
+    with sigterm_raises():
+        try:
+            code = _measure(args, base, records, current)
+        except Terminated as error:
+            message = error_message(error)
+            records.append(make_record(current["benchmark"], current["config"],
+                                       error=f"{current['phase']}: {message}" if current["phase"] else message))
+            write_records(records, Path(args.out))
+            return 128 + signal.SIGTERM
     print(f"wrote {args.out} ({torch.cuda.get_device_name(args.device)})")
     return code
 
 
 def _measure(args, base: dict, records: list[dict], current: dict) -> int:
-    """The check, then each case and the tree (`run`): records appended and written as they come."""
+    """The check, then each case and the tree (`run`): records appended and written as they come;
+    `current` names what runs (the error row of a SIGTERM)."""
     from tqdm import tqdm
 
-    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
+    from harts.bench.records import Terminated, make_record, write_records
+    from harts.config import config_to_dict, load_config
+    from harts.trees.synth import SynthConfig
 
     out = Path(args.out)
-    with sigterm_raises():
-        print("checking the fla path against the fp32 reference ...", file=sys.stderr)
-        check = _check(args)
-        records.append(make_record("kda-handoff-check", base, check))
-        print(f"check {'passed' if check['ok'] else 'FAILED'}: packed call {check['packed_call']}")
-        print(f"  compact tree {check['compact_tree']}")
-        if not check["ok"]:
-            records.append(make_record("kda-handoff", base, error="correctness check failed; timings refused"))
-            write_records(records, out)
-            return 1
+
+    def finished(record: dict) -> None:
+        records.append(record)
+        current.update(benchmark="kda-handoff", config=base, phase=f"after {len(records)} record(s)")
         write_records(records, out)
-        cases = [(n, m) for n in _ints(args.sequences) for m in _ints(args.boundaries)]
-        header = ("seqs", 5), ("states", 6), ("unsplit ms", 10), ("ours ms", 9), ("ours/unsplit", 12), ("split ms", 9)
-        print(" ".join(f"{name:>{width}}" for name, width in header), f"{'calls':>5}")
-        for num_seqs, num_boundaries in tqdm(cases, desc="kda-handoff", file=sys.stderr):
-            config = base | {"sequences": num_seqs, "boundaries_requested": num_boundaries}
-            current.update(benchmark="kda-handoff", config=config)
-            try:
-                results = _handoff_case(args, num_seqs, num_boundaries)
-            except Terminated:
-                raise
-            except Exception as error:  # a failed case is a record, not a gap
-                records.append(make_record("kda-handoff", config, error=f"{type(error).__name__}: {error}"))
-                print(f"{num_seqs:>5} {num_boundaries:>6} failed: {error}")
-                write_records(records, out)
-                continue
-            records.append(make_record("kda-handoff", config, results))
-            write_records(records, out)
-            split = f"{results['split']['median_ms']:9.2f}" if "split" in results else f"{'-':>9}"
-            print(f"{num_seqs:>5} {results['boundary_states']:>6} {results['unsplit']['median_ms']:10.2f} "
-                  f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
-                  f"{results['split_calls']:>5}")
-        if args.trees:
-            current.update(benchmark="kda-compact-tree", config=base | {"trees": args.trees})
-            config, results = _tree_case(args)
-            records.append(make_record("kda-compact-tree", config, results))
-            write_records(records, out)
-            print(f"tree: S = {results['semantic_rows']:,}, C = {results['compact_rows']:,}, {results['calls']} calls: "
-                  f"compact {results['compact']['median_ms']:.2f} ms vs per-trajectory "
-                  f"{results['per_trajectory']['median_ms']:.2f} ms ({results['speedup']:.2f}x), "
-                  f"output drift {results['output_drift_vs_per_trajectory']:.2e}")
+
+    print("checking the fla path against the fp32 reference ...", file=sys.stderr)
+    check = _check(args)
+    finished(make_record("kda-handoff-check", base, check))
+    print(f"check {'passed' if check['ok'] else 'FAILED'}: packed call {check['packed_call']}")
+    print(f"  compact tree {check['compact_tree']}")
+    if not check["ok"]:
+        finished(make_record("kda-handoff", base, error="correctness check failed; timings refused"))
+        return 1
+    cases = [(n, m) for n in _ints(args.sequences) for m in _ints(args.boundaries)]
+    header = ("seqs", 5), ("states", 6), ("unsplit ms", 10), ("ours ms", 9), ("ours/unsplit", 12), ("split ms", 9)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'calls':>5}")
+    for num_seqs, num_boundaries in tqdm(cases, desc="kda-handoff", file=sys.stderr):
+        config = base | {"sequences": num_seqs, "boundaries_requested": num_boundaries}
+        current.update(benchmark="kda-handoff", config=config, phase="")
+        try:
+            results = _handoff_case(args, num_seqs, num_boundaries)
+        except Terminated:
+            raise
+        except Exception as error:  # a failed case is a record, not a gap
+            finished(make_record("kda-handoff", config, error=f"{type(error).__name__}: {error}"))
+            print(f"{num_seqs:>5} {num_boundaries:>6} failed: {error}")
+            continue
+        finished(make_record("kda-handoff", config, results))
+        split = f"{results['split']['median_ms']:9.2f}" if "split" in results else f"{'-':>9}"
+        print(f"{num_seqs:>5} {results['boundary_states']:>6} {results['unsplit']['median_ms']:10.2f} "
+              f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
+              f"{results['split_calls']:>5}")
+    if args.trees:
+        synth = load_config(args.trees, SynthConfig, num_tasks=args.tasks)
+        config = base | {"trees": args.trees, "synth": config_to_dict(synth), "tasks": args.tasks}
+        current.update(benchmark="kda-compact-tree", config=config, phase="")
+        results = _tree_case(args, synth)
+        finished(make_record("kda-compact-tree", config, results))
+        print(f"tree: S = {results['semantic_rows']:,}, C = {results['compact_rows']:,}, {results['calls']} calls: "
+              f"compact {results['compact']['median_ms']:.2f} ms vs per-trajectory "
+              f"{results['per_trajectory']['median_ms']:.2f} ms ({results['speedup']:.2f}x), "
+              f"output drift {results['output_drift_vs_per_trajectory']:.2e}")
     return 0

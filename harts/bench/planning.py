@@ -3,15 +3,15 @@
 For each step (generated from `--trees CONFIG` with `--seed`, or read from `--data DIR`, file
 `step_NNN.*`) and each planner of `--planners`: plan `--repeats` times, the planners interleaved
 (wall time measured by the planner, its prefix index included; the median is reported, every
-repeat kept in `plan_seconds_each`), validate the first plan (coverage, capacity, K mod D,
-works recomputed from the trie) and compute DESIGN §2's metrics of it; the records also hold the process CPU time of the planning
-call (all threads, so CP-SAT's workers count), which shows how much of a wall time was lost to
-other load on the machine, `index_seconds`, the time to build the step's prefix index alone
-(part of every planner's time), `plan_seconds_without_index` (median; every repeat in
-`plan_seconds_without_index_each`), the planner's time given that index, built once per step
-outside the planners as the runtime shares it (each repeat plans once more with it), and
-`identical_plans` (whether every repeat returned the same plan). CP-SAT is imported before any timing. One record per
-(step, planner), written with
+repeat kept in `plan_seconds_each`), and once more per repeat given the step's prefix index,
+built once per step outside the planners as the runtime shares it (`plan_seconds_without_index`,
+median; every repeat in `plan_seconds_without_index_each`); validate every plan (coverage,
+capacity, K mod D, works recomputed from the trie) and compute DESIGN §2's metrics of the first.
+The records also hold the process CPU time of the planning call (all threads, so CP-SAT's
+workers count), which shows how much of a wall time was lost to other load on the machine,
+`index_seconds`, the time to build the step's prefix index alone (part of every planner's time),
+and `identical_plans` (whether every repeat, with and without the index, returned the same plan).
+CP-SAT is imported before any timing. One record per (step, planner), written with
 `harts.bench.records`; a planner that fails or whose plan does not validate gives a record
 with an `error` field.
 
@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                    for name in args.planners}
         # Repeats interleave the planners, so that a slow spell of the machine hits both.
         runs: dict[str, list] = {name: [] for name in args.planners}
+        indexed: dict[str, list] = {name: [] for name in args.planners}  # the plans made given the index
         errors: dict[str, str] = {}
         for _ in range(args.repeats):
             for name in args.planners:
@@ -151,10 +152,12 @@ def run(args: argparse.Namespace) -> int:
                     cpu_seconds = time.process_time() - cpu_started
                     validate(result, step, index)
                     given_index = plan(step, capacity, args.dp, name, index=index, **options[name])
+                    validate(given_index, step, index)
                 except ValueError as error:
                     errors[name] = str(error)
                     continue
                 runs[name].append((result, cpu_seconds, given_index.plan_seconds))
+                indexed[name].append(given_index)
         for name in args.planners:
             config = {
                 "trees": str(args.trees), "synth": config_to_dict(synth), "data": args.data, "seed": args.seed,
@@ -185,8 +188,10 @@ def run(args: argparse.Namespace) -> int:
                 "max_replica_work": metrics.max_replica_work,
                 "slot_imbalance": metrics.slot_imbalance,
                 "details": result.details,
-                # CP-SAT stopped by its time limit may return another plan on a repeat.
-                "identical_plans": all(other.microbatches == result.microbatches for other, _, _ in runs[name][1:]),
+                # CP-SAT stopped by its time limit may return another plan on a repeat; the plans made
+                # given the index count too (their times are the "excl. index" ones).
+                "identical_plans": all(other.microbatches == result.microbatches
+                                       for other in [r for r, _, _ in runs[name][1:]] + indexed[name]),
             }
             records.append(make_record("planning", config, results))
     progress.close()

@@ -26,7 +26,7 @@ from typing import Any
 # Environment variables worth recording; everything else (keys, tokens, paths) stays out.
 ENV_ALLOW_LIST = (
     "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NCCL_NVLS_ENABLE",
-    "PYTORCH_CUDA_ALLOC_CONF", "WANDB_MODE", "SLURM_JOB_ID",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTORCH_CUDA_ALLOC_CONF", "WANDB_MODE", "SLURM_JOB_ID",
 )
 _PACKAGES = ("numpy", "torch", "triton", "fla", "megatron.core", "ortools", "pandas")
 

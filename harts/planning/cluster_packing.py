@@ -164,8 +164,7 @@ class CriticalPathChange:
         # The highest t of an N ≡ 1 interval below interval k (-1: none), for `fall_thresholds`.
         tops = np.where((self._slope[1][:count] > 0) & (length[:count] > 0), ascending, -1)
         self._top_below = np.concatenate([[-1], np.maximum.accumulate(tops)]) if count else np.array([-1])
-        self._work_rank = self.rank(works)
-        k = self._work_rank
+        k = self.rank(works)
         # The highest t <= w with N(t) ≡ 1 for each work w (-1: none). A work w >= 1 lies in
         # interval k = #{works < w}; when N ≡ 1 there, t = w itself counts.
         self._top = np.where((self._slope[1][k] > 0) & (works >= 1), works, self._top_below[k])
@@ -270,6 +269,7 @@ def balance(sizes: np.ndarray, bin_of: np.ndarray, count: int, dp: int, *, base:
     sizes = np.asarray(sizes, dtype=np.int64)
     bin_of = np.asarray(bin_of, dtype=np.int64).copy()
     works = base + np.bincount(bin_of, weights=sizes, minlength=count).astype(np.int64)
+    assert base >= 0 and works.max(initial=0) <= capacity, "the rank table covers works in [0, capacity]"
     members = np.bincount(bin_of, minlength=count)
     by_size = np.argsort(sizes, kind="stable")
     ascending_sizes = sizes[by_size]

@@ -12,9 +12,9 @@ Input: planning records (one per step and planner) and the two planners to compa
   shares it; records from before that timing say `not measured`); imbalances are fractions (0.0214 =
   2.14%). A cell without a record says `not measured`, a failed plan `error` (message in `error`),
   a figure the paper does not give `not reported`; the paper's ranges are written `low-high`.
-- PDF: per step, the compression and the planning speedup (bars; index excluded: diamonds) against the paper's ranges, and the
-  P95 slot imbalance and step imbalance of both planners against the paper's values; then the
-  table.
+- PDF: per step, the compression and the planning speedup (bars; index excluded: diamonds)
+  against the paper's ranges, and the P95 slot imbalance and step imbalance of both planners
+  against the paper's values; then the table.
 """
 
 from __future__ import annotations

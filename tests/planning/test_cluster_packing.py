@@ -203,3 +203,34 @@ def test_balance_is_deterministic():
     first = cp.balance(sizes, start, count, dp, base=base, capacity=capacity, max_rounds=100)
     second = cp.balance(sizes, start, count, dp, base=base, capacity=capacity, max_rounds=100)
     assert (first == second).all()
+
+
+def test_groups_never_share_a_bin_in_packing_and_balance():
+    """Pieces of one cluster (a group) stay in different bins: best fit places them so, and balance
+    keeps them so, ending where no group-respecting move or swap lowers the critical path."""
+    rng = np.random.default_rng(5)
+    checked = 0
+    for _ in range(40):
+        sizes, count, dp, base, capacity = _instance(rng)
+        room = capacity - base
+        groups = rng.integers(0, max(1, len(sizes) // 2), len(sizes))
+
+        def apart(bin_of):
+            return len({(g, b) for g, b in zip(groups.tolist(), bin_of.tolist())}) == len(sizes)
+
+        start = cp.pack_best_fit(sizes, room, count, groups)
+        if start is None:
+            continue
+        assert _bins_valid(sizes, start, count, room) and apart(start)
+        balanced = cp.balance(sizes, start, count, dp, base=base, capacity=capacity, max_rounds=10_000, groups=groups)
+        assert _bins_valid(sizes, balanced, count, room) and apart(balanced)
+
+        def path(bin_of):
+            return cp.critical_path(base + np.bincount(bin_of, weights=sizes, minlength=count).astype(np.int64), dp)
+
+        assert path(balanced) <= path(start)
+        for changed in _moves_and_swaps(balanced, count):
+            if _bins_valid(sizes, changed, count, room) and apart(changed):
+                assert path(changed) >= path(balanced)
+        checked += 1
+    assert checked >= 10
