@@ -22,7 +22,7 @@ and take medians. One record per step (config, environment, hardware) with:
   work (projections, MoE, norms), and layout materialisation (reported beside, since it is
   planning);
 - with `--profile`, the top ops by self device time (CPU: self CPU time) of the largest microbatch
-  of each execution (torch.profiler), to see where the time of both goes;
+  of each execution (torch.profiler) and the rows each ran, to compare their time per row op by op;
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
   over the measured time and the bf16 dense peak).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
@@ -403,12 +403,15 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     return results
 
 
-PROFILE_TOP = 25
+# Enough ops that the compact microbatch's extra kernels (gathers, scatter-adds, per-call work) show
+# beside the baseline's, not only the GEMMs and attention both share.
+PROFILE_TOP = 60
 
 
 def profile_microbatch(model, step, members, config) -> dict[str, Any]:
-    """Forward + backward of one microbatch under torch.profiler: its size and the top
-    `PROFILE_TOP` ops by self device time on CUDA (self CPU time on CPU), with their calls."""
+    """Forward + backward of one microbatch under torch.profiler: its size (trajectories, semantic
+    tokens, the rows the execution ran) and the top `PROFILE_TOP` ops by self device time on CUDA
+    (self CPU time on CPU), with their calls."""
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -419,14 +422,14 @@ def profile_microbatch(model, step, members, config) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     subset = step.subset(np.asarray(members))
     with profile(activities=activities) as prof:
-        run_step(model, subset, [np.arange(len(members))], config)
+        result = run_step(model, subset, [np.arange(len(members))], config)
     model.zero_grad(set_to_none=True)
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:PROFILE_TOP]
     total = sum(getattr(e, key) for e in events)
     return {
-        "trajectories": len(members), "semantic_tokens": subset.num_semantic_tokens,
+        "trajectories": len(members), "semantic_tokens": subset.num_semantic_tokens, "rows": result.num_rows,
         "sorted_by": key, "total_self_ms": total / 1e3,
         "top": [{"name": e.key[:160], "calls": e.count, "self_ms": getattr(e, key) / 1e3} for e in top],
     }

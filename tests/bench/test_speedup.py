@@ -223,15 +223,19 @@ def test_sigterm_between_steps_keeps_the_finished_records(tree_step_path, tmp_pa
 
 
 def test_profile_of_the_largest_microbatch(tree_step_path, tmp_path, capsys):
+    from harts.bench.speedup import PROFILE_TOP
+
     path, step = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--profile"],
                                 tmp_path, capsys)
     assert code == 0
     profile = records[0]["results"]["profile"]
     assert set(profile) == {"baseline", "compact"}
+    assert profile["baseline"]["rows"] == profile["baseline"]["semantic_tokens"]
+    assert 0 < profile["compact"]["rows"] < profile["compact"]["semantic_tokens"]
     for name, entry in profile.items():
         assert entry["sorted_by"] == "self_cpu_time_total" and entry["semantic_tokens"] > 0
-        assert 0 < len(entry["top"]) <= 25 and entry["total_self_ms"] > 0
+        assert 0 < len(entry["top"]) <= PROFILE_TOP and entry["total_self_ms"] > 0
         times = [op["self_ms"] for op in entry["top"]]
         assert times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in entry["top"])
         assert any(op["name"] == "aten::mm" or op["name"] == "aten::addmm" for op in entry["top"]), name
