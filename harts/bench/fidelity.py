@@ -197,15 +197,6 @@ def path_hidden(model, step, microbatches, config, index, device, dtype, blocks:
     from tqdm import tqdm
 
     from harts.objective.step import autocast_context, build_layout, semantic_index
-    from harts.runtime.layout import baseline_layout
-
-    def layout_of(members):
-        if attention_splits is None:
-            return build_layout(step, members, model, config, index)
-        kda = model.config.kda
-        return baseline_layout(step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
-                               attention_backend=config.attention_backend, kda_backend=config.kda_backend,
-                               attention_splits=[attention_splits[k] for k in members.tolist()])
 
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
     depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
@@ -213,7 +204,8 @@ def path_hidden(model, step, microbatches, config, index, device, dtype, blocks:
     try:
         with torch.no_grad():
             for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
-                layout = layout_of(members).to(device)
+                splits = None if attention_splits is None else [attention_splits[k] for k in members.tolist()]
+                layout = build_layout(step, members, model, config, index, attention_splits=splits).to(device)
                 sem = torch.from_numpy(semantic_index(step, members))
                 sem_device = sem.to(device)
                 if blocks is not None:
@@ -298,14 +290,14 @@ def ablation_table(per_path: dict[str, dict], depth, has_target) -> dict[str, An
             for metric in ("symkl", "abs_dnll"):
                 for key, floor in NOISE_FLOORS.items():
                     if floor in row:
-                        row[path][f"{metric}_excess_over_{key}"] = excess_over_rerun(row[path][metric],
+                        row[path][f"{metric}_excess_over_{key}"] = excess_over_floor(row[path][metric],
                                                                                      row[floor][metric])
         table[str(d)] = row
     return table
 
 
-def excess_over_rerun(value: float | None, noise: float | None) -> float | None:
-    """value / noise - 1; None when either is missing or the rerun noise is 0 (no floor to exceed)."""
+def excess_over_floor(value: float | None, noise: float | None) -> float | None:
+    """value / noise - 1; None when either is missing or the noise floor is 0 (nothing to exceed)."""
     return value / noise - 1.0 if noise and value is not None else None
 
 

@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
         options = {name: {"time_limit_s": args.time_limit} if name == "treetrain-ortools" and args.time_limit else {}
                    for name in args.planners}
         # Repeats interleave the planners, so that a slow spell of the machine hits both.
+        # Per planner and repeat: (plan, its CPU seconds, the plan made given the prebuilt index).
         runs: dict[str, list] = {name: [] for name in args.planners}
-        indexed: dict[str, list] = {name: [] for name in args.planners}  # the plans made given the index
         errors: dict[str, str] = {}
         for _ in range(args.repeats):
             for name in args.planners:
@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 except ValueError as error:
                     errors[name] = str(error)
                     continue
-                runs[name].append((result, cpu_seconds, given_index.plan_seconds))
-                indexed[name].append(given_index)
+                runs[name].append((result, cpu_seconds, given_index))
         for name in args.planners:
             config = {
                 "trees": str(args.trees), "synth": config_to_dict(synth), "data": args.data, "seed": args.seed,
@@ -179,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
                 "plan_seconds_each": [r.plan_seconds for r, _, _ in runs[name]],
                 "plan_cpu_seconds": statistics.median(cpu for _, cpu, _ in runs[name]),
                 "index_seconds": statistics.median(index_times),
-                "plan_seconds_without_index": statistics.median(alone for _, _, alone in runs[name]),
-                "plan_seconds_without_index_each": [alone for _, _, alone in runs[name]],
+                "plan_seconds_without_index": statistics.median(alone.plan_seconds for _, _, alone in runs[name]),
+                "plan_seconds_without_index_each": [alone.plan_seconds for _, _, alone in runs[name]],
                 "p95_slot_imbalance": metrics.p95_slot_imbalance,
                 "max_slot_imbalance": metrics.max_slot_imbalance,
                 "step_imbalance": metrics.step_imbalance,
@@ -191,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 # CP-SAT stopped by its time limit may return another plan on a repeat; the plans made
                 # given the index count too (their times are the "excl. index" ones).
                 "identical_plans": all(other.microbatches == result.microbatches
-                                       for other in [r for r, _, _ in runs[name][1:]] + indexed[name]),
+                                       for r, _, alone in runs[name] for other in (r, alone)),
             }
             records.append(make_record("planning", config, results))
     progress.close()

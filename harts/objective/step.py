@@ -87,16 +87,19 @@ def semantic_index(step: Step, members: np.ndarray) -> np.ndarray:
 
 
 def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: StepConfig,
-                 index: PrefixIndex | None) -> Layout:
+                 index: PrefixIndex | None, *, attention_splits: list[np.ndarray] | None = None) -> Layout:
+    """The layout of `config.execution` for these members; `attention_splits` (baseline only, one
+    array per member) splits each member's MLA queries there (`baseline_layout`)."""
     kda = model.config.kda
     if config.execution == "compact":
+        assert attention_splits is None, "attention splits belong to the baseline layout"
         return compact_layout(
             step, index, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size, replay=config.replay,
             attention_backend=config.attention_backend, kda_backend=config.kda_backend,
         )
     return baseline_layout(
         step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
-        attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+        attention_backend=config.attention_backend, kda_backend=config.kda_backend, attention_splits=attention_splits,
     )
 
 

@@ -157,7 +157,6 @@ def planning_rows(records: list[dict[str, Any]], ours: str = "harts",
     return rows
 
 
-
 def _speedups(row: dict[str, Any]) -> None:
     row["planning_speedup"] = _ratio(row["baseline_plan_seconds"], row["ours_plan_seconds"])
     row["planning_speedup_without_index"] = _ratio(row["baseline_plan_seconds_without_index"],

@@ -88,7 +88,6 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-
 def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     header = ["source", "model", "parallel", "planner", "device / dtype", "step", "S", "C", "S/C",
               "baseline F+B+G s", "compact F+B+G s", "F/B/Grad speedup", "Core speedup", "efficiency", "note"]

@@ -18,7 +18,7 @@ from harts.bench.fidelity import (
     ablation_table,
     compact_attention_splits,
     compare,
-    excess_over_rerun,
+    excess_over_floor,
     parallel_fidelity_rows,
 )
 from harts.cli.main import main
@@ -37,8 +37,8 @@ from tests.bench.helpers import sigterm_on_call, tiny_with_vocab
         pytest.param(1.0, None, None, id="no-noise"),
     ],
 )
-def test_excess_over_rerun(value, noise, expected):
-    result = excess_over_rerun(value, noise)
+def test_excess_over_floor(value, noise, expected):
+    result = excess_over_floor(value, noise)
     assert result == (None if expected is None else pytest.approx(expected, rel=1e-12))
 
 

@@ -177,7 +177,7 @@ class FlaCall:
         plan = _StatePlan.build(requests, lengths, chunk_offsets, chunk_size, num_chunks, device)
         return cls(
             lengths=lengths, chunk_size=chunk_size, num_chunks=num_chunks, row_start=row_start.to(device),
-            chunk_offsets=torch.from_numpy(chunk_offsets).to(device),
+            chunk_offsets=index_tensor(chunk_offsets, device),
             chunk_indices=prepare_chunk_indices(row_start, chunk_size).to(device),
             state_slot=torch.from_numpy(plan.state_slot).to(device) if plan.num_slots else None, plan=plan,
         )
