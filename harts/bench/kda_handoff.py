@@ -28,7 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
-# ‖a − e‖/‖e‖ allowed for bf16 fla kernels against the fp32 reference (tests/ops/kda use the same).
+# ‖a − e‖/‖e‖ allowed for bf16 fla kernels against the fp32 reference, here and in tests/ops/kda (fla's
+# own tests allow 0.005-0.02 in fp16; bf16 keeps 3 fewer mantissa bits).
 BF16_TOLERANCE = {"o": 0.01, "final": 0.01, "states": 0.01, "dq": 0.015, "dk": 0.02, "dv": 0.02,
                   "dg": 0.04, "dbeta": 0.04, "dh0": 0.015}
 
