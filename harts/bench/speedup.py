@@ -180,10 +180,11 @@ def op_times(model, layout, device, dtype) -> dict[str, float]:
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator, device=device) * scale).to(act_dtype).requires_grad_()
 
-    heads, head_dim = config.kda.num_heads, config.kda.head_dim
-    q, k, v = (rand(rows, heads, head_dim) for _ in range(3))
-    g = (-torch.rand(rows, heads, head_dim, generator=generator, device=device) * 0.1).requires_grad_()
-    beta = torch.rand(rows, heads, generator=generator, device=device).requires_grad_()
+    # KDA runs on the layout's KDA rows (the compact execution's calls' rows, replay rows included).
+    heads, head_dim, kda_rows = config.kda.num_heads, config.kda.head_dim, layout.num_kda_rows
+    q, k, v = (rand(kda_rows, heads, head_dim) for _ in range(3))
+    g = (-torch.rand(kda_rows, heads, head_dim, generator=generator, device=device) * 0.1).requires_grad_()
+    beta = torch.rand(kda_rows, heads, generator=generator, device=device).requires_grad_()
 
     def backward(out):
         out.float().square().mean().backward()
@@ -191,24 +192,22 @@ def op_times(model, layout, device, dtype) -> dict[str, float]:
     times = {"kda": _time_op(lambda: backward(layout.linear_attention(q, k, v, g, beta)), device)}
     schedule = layout.kda_schedule
     if schedule is not None:
-        # The same rows as one call: with the replay rows, and without them (computed rows only).
-        for name, keep_replay in (("kda_one_call", True), ("kda_one_call_no_replay", False)):
-            pieces, lengths = [], []
-            for call in schedule.calls:
-                for i in range(call.num_sequences):
-                    lo, hi = int(call.cu_seqlens[i]), int(call.cu_seqlens[i + 1])
-                    sel = call.rows[lo:hi] if keep_replay else call.rows[lo:hi][~call.is_replay[lo:hi]]
-                    pieces.append(sel)
-                    lengths.append(len(sel))
-            index = torch.from_numpy(np.concatenate(pieces)).to(device)
+        # The same rows as one call: with the replay rows, and without them (computed rows only,
+        # their own leaf tensors, so that no gather is timed).
+        sequence_lengths = np.concatenate([np.diff(call.cu_seqlens) for call in schedule.calls])
+        computed = ~np.concatenate([call.is_replay for call in schedule.calls])
+        starts = np.concatenate([[0], np.cumsum(sequence_lengths)])
+        computed_lengths = np.add.reduceat(computed.astype(np.int64), starts[:-1])
+        keep = torch.from_numpy(np.flatnonzero(computed)).to(device)
+        without_replay = [x.detach().index_select(0, keep).requires_grad_() for x in (q, k, v, g, beta)]
+        for name, inputs, lengths in (("kda_one_call", (q, k, v, g, beta), sequence_lengths),
+                                      ("kda_one_call_no_replay", without_replay, computed_lengths)):
             cu_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
             cu = cu_cpu.to(device)
 
-            def one_call(index=index, cu=cu, cu_cpu=cu_cpu):
-                out = packed_kda(
-                    q[index], k[index], v[index], g[index], beta[index], cu, chunk_size=layout.chunk_size,
-                    use_qk_l2norm=True, backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu,
-                )
+            def one_call(inputs=inputs, cu=cu, cu_cpu=cu_cpu):
+                out = packed_kda(*inputs, cu, chunk_size=layout.chunk_size, use_qk_l2norm=True,
+                                 backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu)
                 backward(out)
 
             times[name] = _time_op(one_call, device)

@@ -13,7 +13,8 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   to `kv_lora_rank` + a shared decoupled RoPE key; RoPE on the original path positions (or
   NoPE when qk_rope_head_dim = 0).
 - `SwiGLU`: the dense MLP of the first layers.
-Legend: R rows, D hidden, H heads, K/V KDA head dims, E = qk head dim, F = v head dim of MLA.
+Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
+head dim, F = v head dim of MLA.
 """
 
 from __future__ import annotations
@@ -97,17 +98,20 @@ class KDALayer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:
-        rows = x_RD.shape[0]
+        # Everything up to the output projection runs on the KDA calls' rows (the compact
+        # execution repeats its few replay rows there), so only x and the output move.
+        x_PD = layout.kda_rows(x_RD)
+        rows = x_PD.shape[0]
         shape = (rows, self.num_heads, self.head_dim)
-        q = F.silu(layout.causal_conv(self.q_proj(x_RD), self.q_conv)).view(shape)
-        k = F.silu(layout.causal_conv(self.k_proj(x_RD), self.k_conv)).view(shape)
-        v = F.silu(layout.causal_conv(self.v_proj(x_RD), self.v_conv)).view(shape)
-        gate = self.f_proj(x_RD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
+        q = F.silu(layout.causal_conv(self.q_proj(x_PD), self.q_conv)).view(shape)
+        k = F.silu(layout.causal_conv(self.k_proj(x_PD), self.k_conv)).view(shape)
+        v = F.silu(layout.causal_conv(self.v_proj(x_PD), self.v_conv)).view(shape)
+        gate = self.f_proj(x_PD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
         g = -self.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
-        beta = torch.sigmoid(self.b_proj(x_RD).float())
+        beta = torch.sigmoid(self.b_proj(x_PD).float())
         o = layout.linear_attention(q, k, v, g, beta)
-        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x_RD).view(shape)).to(o.dtype)
-        return self.o_proj(o.reshape(rows, -1).to(x_RD.dtype))
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x_PD).view(shape)).to(o.dtype)
+        return layout.from_kda_rows(self.o_proj(o.reshape(rows, -1).to(x_RD.dtype)))
 
 
 class MLALayer(nn.Module):

@@ -3,10 +3,16 @@
 A `Layout` is built once per microbatch and used by every layer (and by the recomputation in
 backward). It holds the row inputs and everything a layer needs beyond per-row work:
 - `positions` (int64 [R]): the path position of each row (RoPE uses original positions);
-- `predecessors` (int64 [R, W - 1]): the rows of the 1st..(W-1)-th previous path positions, for
-  the short causal conv (R points at an all-zero row before a path's start);
-- the linear-attention execution: one packed call over all trajectories (baseline) or the
-  planned calls of a `KDASchedule` with state handoff and replay (compact);
+- the KDA rows: a KDA layer gathers its input to the rows of its calls (`kda_rows`), computes
+  q/k/v/g/β and the output gate there and returns to the layout's rows (`from_kda_rows`). The
+  baseline's KDA rows are its rows; the compact execution's are the planned calls' rows back to
+  back, replay rows repeating their ancestors' rows (C + replay rows): gathering the hidden
+  state once moves a tenth of the bytes of gathering q, k, v, g and β;
+- `predecessors` (int64 [P, W - 1]): for each KDA row, the KDA rows of the 1st..(W-1)-th
+  previous path positions, for the short causal conv (P points at an all-zero row before a
+  path's start);
+- the linear-attention execution over the KDA rows: one packed call over all trajectories
+  (baseline) or the planned calls of a `KDASchedule` with state handoff and replay (compact);
 - `groups` (AttentionGroups): MLA query groups with their ancestor KV rows, and the DFS
   subtree ends for the tree-mask backend;
 - `multiplicity` (float32 [R] or None): q_c, the MoE loss weights (None = all ones);
@@ -18,7 +24,7 @@ backward). It holds the row inputs and everything a layer needs beyond per-row w
 call schedule of harts.planning.kda_calls, and query groups = the schedule's sequences.
 Invariant (tests/runtime, tests/model/test_equivalence.py): for any per-row function, both
 layouts give the same value at every semantic position.
-Legend: R rows, C channels, W conv width, S_mb semantic positions of the microbatch.
+Legend: R rows, P KDA rows, C channels, W conv width, S_mb semantic positions of the microbatch.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 import torch
 
 from harts.ops.attention.groups import AttentionGroups, group_attention
-from harts.ops.kda.compact import PreparedSchedule, prepare_schedule
+from harts.ops.kda.compact import PreparedSchedule, computed_rows, gather_call_rows, prepare_schedule
 from harts.planning.kda_calls import compact_parent_row, plan_kda_calls
 from harts.planning.kda_schedule import KDASchedule
 from harts.trees.step import Step
@@ -67,6 +73,25 @@ class Layout:
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def num_kda_rows(self) -> int:
+        return int(self.predecessors.shape[0])
+
+    def prepared_schedule(self) -> PreparedSchedule:
+        """The compact KDA schedule on the layout's device (prepared by `to`, or here once)."""
+        assert self.kda_schedule is not None, "only the compact execution has a KDA schedule"
+        if self.kda_prepared is None:
+            self.kda_prepared = prepare_schedule(self.kda_schedule, self.input_ids.device, self.kda_backend)
+        return self.kda_prepared
+
+    def kda_rows(self, x_RC: torch.Tensor) -> torch.Tensor:
+        """The layout's rows → the KDA rows [P, C]."""
+        return x_RC if self.kda_schedule is None else gather_call_rows(x_RC, self.prepared_schedule())
+
+    def from_kda_rows(self, x_PC: torch.Tensor) -> torch.Tensor:
+        """The KDA rows → the layout's rows [R, C] (the compact execution drops the replay rows)."""
+        return x_PC if self.kda_schedule is None else computed_rows(x_PC, self.prepared_schedule())
+
     def to(self, device: torch.device | str) -> Layout:
         def move(t):
             return None if t is None else t.to(device)
@@ -81,24 +106,25 @@ class Layout:
                 self.kda_schedule, device, self.kda_backend),
         )
 
-    def causal_conv(self, x_RC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv along each row's path; weight[:, -1] multiplies the row itself."""
+    def causal_conv(self, x_PC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv of KDA rows along each row's path; weight[:, -1] multiplies the row itself."""
         width = weight_CW.shape[1]
-        out_RC = x_RC * weight_CW[:, -1].to(x_RC.dtype)
+        out_PC = x_PC * weight_CW[:, -1].to(x_PC.dtype)
         if width > 1:
-            padded = torch.cat([x_RC, x_RC.new_zeros(1, x_RC.shape[1])])
+            padded = torch.cat([x_PC, x_PC.new_zeros(1, x_PC.shape[1])])
             for j in range(1, width):
-                out_RC = out_RC + padded[self.predecessors[:, j - 1]] * weight_CW[:, -1 - j].to(x_RC.dtype)
-        return out_RC
+                out_PC = out_PC + padded[self.predecessors[:, j - 1]] * weight_CW[:, -1 - j].to(x_PC.dtype)
+        return out_PC
 
     def linear_attention(self, q, k, v, g, beta) -> torch.Tensor:
-        """KDA with L2-normalised q and k: the planned calls (compact) or one packed call (baseline)."""
-        from harts.ops.kda import compact_kda
+        """KDA over the KDA rows with L2-normalised q and k: the planned calls (compact) or one
+        packed call (baseline); o [P, H, V]."""
+        from harts.ops.kda.compact import normalise_qk, run_calls
         from harts.ops.kda.packed import packed_kda
 
-        if self.execution == "compact":
-            schedule = self.kda_schedule if self.kda_prepared is None else self.kda_prepared
-            return compact_kda(q, k, v, g, beta, schedule, use_qk_l2norm=True, backend=self.kda_backend)
+        if self.kda_schedule is not None:
+            prepared = self.prepared_schedule()
+            return run_calls(*normalise_qk(q, k, prepared.backend), v, g, beta, prepared)
         return packed_kda(
             q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend,
             cu_seqlens_cpu=self.cu_seqlens_cpu,
@@ -118,6 +144,18 @@ def _predecessors(parent_row: np.ndarray, width: int) -> np.ndarray:
         current = step_back[current]
         columns.append(current)
     return np.stack(columns, axis=1) if columns else np.zeros((num_rows, 0), dtype=np.int64)
+
+
+def _kda_predecessors(predecessors: np.ndarray, schedule: KDASchedule) -> np.ndarray:
+    """Compact predecessors [C, W - 1] (C: none) → those of the calls' rows [P, W - 1] (P: none).
+    A replay row repeats its compact row's inputs, so any call row holding a compact row serves
+    as that row's predecessor: the first one."""
+    call_rows = np.concatenate([call.rows for call in schedule.calls]) if schedule.calls else np.zeros(0, np.int64)
+    num_compact, num_kda = len(predecessors), len(call_rows)
+    rows, first_position = np.unique(call_rows, return_index=True)
+    assert len(rows) == num_compact, "the calls hold every compact row"
+    first = np.append(first_position, num_kda)
+    return first[predecessors[call_rows]]
 
 
 def _member_tokens(step: Step, members: np.ndarray) -> np.ndarray:
@@ -215,6 +253,7 @@ def compact_layout(
     input_ids[compact_map] = _member_tokens(step, members)
     parent_row = compact_parent_row(tree)
     schedule = plan_kda_calls(tree, chunk_size, replay=replay)
+    kda_predecessors = _kda_predecessors(_predecessors(parent_row, conv_size), schedule)
 
     segment_of_row = tree.compact_segment()
     q_rows, kv_rows = [], []
@@ -231,7 +270,7 @@ def compact_layout(
         members=members,
         input_ids=torch.from_numpy(input_ids),
         positions=torch.from_numpy(tree.compact_positions()),
-        predecessors=torch.from_numpy(_predecessors(parent_row, conv_size)),
+        predecessors=torch.from_numpy(kda_predecessors),
         semantic_rows=torch.from_numpy(compact_map),
         groups=groups,
         multiplicity=torch.from_numpy(tree.multiplicity().astype(np.float32)),

@@ -41,6 +41,8 @@ class AttentionGroups:
     """int64 [R] one past the last DFS-descendant row of each row."""
     max_q: int
     max_k: int
+    q_inverse: torch.Tensor | None = None
+    """int64 [R]: each row's position in q_index (its inverse permutation); None: compute it."""
     q_in_order: bool = False
     """q_index is 0..R−1 (the varlen backend then skips the query gather and the output scatter)."""
     kv_in_order: bool = False
@@ -59,8 +61,34 @@ class AttentionGroups:
             q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
             kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
             row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
-            q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
+            q_inverse=self.query_inverse().to(device), q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
         )
+
+    def query_inverse(self) -> torch.Tensor:
+        if self.q_inverse is not None:
+            return self.q_inverse
+        inverse = torch.empty_like(self.q_index)
+        inverse[self.q_index] = torch.arange(len(self.q_index), device=self.q_index.device)
+        return inverse
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[index] for a permutation `index` of the rows; the backward gathers by the inverse
+    permutation instead of accumulating (advanced indexing's backward sorts the indices first)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.inverse = inverse
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows `x[index]` where `index` is a permutation with inverse permutation `inverse`."""
+    return _PermuteRows.apply(x, index, inverse)
 
 
 def visibility_mask(groups: AttentionGroups, num_rows: int) -> torch.Tensor:
@@ -115,14 +143,16 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     if value_dim != q_RHE.shape[-1]:
         # Flash attention wants one head dim for q, k and v: pad v, slice the output.
         v_RHF = F.pad(v_RHF, (0, q_RHE.shape[-1] - value_dim))
-    q = q_RHE if groups.q_in_order else q_RHE[groups.q_index]
+    if not groups.q_in_order:
+        inverse = groups.query_inverse()
+        q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
     k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
     out = varlen_attn(
-        q, k, v, groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
+        q_RHE, k, v, groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
         scale=scale, window_size=(-1, 0),
     )
     if not groups.q_in_order:
-        out = torch.empty_like(out).index_copy(0, groups.q_index, out)
+        out = permute_rows(out, inverse, groups.q_index)
     return out[..., :value_dim]
 
 

@@ -95,6 +95,11 @@ class PreparedSchedule:
     """... and the compact rows they repeat."""
     calls: tuple[PreparedCall, ...]
 
+    @property
+    def num_call_rows(self) -> int:
+        """Σ R: the compact rows plus the replay rows."""
+        return int(self.gather.shape[0])
+
 
 def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch") -> PreparedSchedule:
     """The device form of `schedule` for `compact_kda` with `backend`."""
@@ -225,18 +230,44 @@ def compact_kda(
         raise ValueError(f"compact_kda: v must be [C, H, V] and beta [C, H], got {tuple(v.shape)}, {tuple(beta.shape)}")
     if q.device != prepared.device:
         raise ValueError(f"compact_kda: inputs on {q.device}, schedule prepared for {prepared.device}")
-    heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
     if not prepared.calls:
-        return v.new_zeros(0, heads, value_dim)
+        return v.new_zeros(0, q.shape[1], v.shape[2])
     if use_qk_l2norm:
-        normalise = _fla_l2norm if prepared.backend == "fla" else l2norm
-        q, k = normalise(q), normalise(k)
+        q, k = normalise_qk(q, k, prepared.backend)
     # All calls' rows in one gather per input (the calls only depend on each other through states).
-    rows_q, rows_k, rows_v, rows_g, rows_beta = (_GatherCallRows.apply(x, prepared) for x in (q, k, v, g, beta))
+    inputs = (gather_call_rows(x, prepared) for x in (q, k, v, g, beta))
+    return computed_rows(run_calls(*inputs, prepared, scale=scale), prepared)
+
+
+def gather_call_rows(x: torch.Tensor, prepared: PreparedSchedule) -> torch.Tensor:
+    """Compact rows ``[C, ...]`` → the calls' rows ``[Σ R, ...]`` (replay rows repeat their
+    ancestors' rows). Any per-row function commutes with it, so a layer may gather its input
+    once and compute q, k, v, g, β on the calls' rows (`KDALayer` does)."""
+    return _GatherCallRows.apply(x, prepared)
+
+
+def computed_rows(packed: torch.Tensor, prepared: PreparedSchedule) -> torch.Tensor:
+    """The calls' rows ``[Σ R, ...]`` → each compact row's computed row ``[C, ...]`` (replay rows dropped)."""
+    return _ComputedRows.apply(packed, prepared)
+
+
+def run_calls(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    prepared: PreparedSchedule, *, scale: float | None = None,
+) -> torch.Tensor:
+    """o ``[Σ R, H, V]`` of the planned calls over their rows (`gather_call_rows` of compact rows;
+    q and k already normalised), calls back to back, replay rows included."""
+    heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+    if q.shape[0] != prepared.num_call_rows:
+        raise ValueError(f"run_calls: inputs have {q.shape[0]} rows, the calls {prepared.num_call_rows}")
+    # Views by `split`, not by slicing: the backward of a slice writes a zero tensor of all the
+    # calls' rows per call (and autograd then adds them up), `split`'s concatenates once.
+    sizes = [call.rows.stop - call.rows.start for call in prepared.calls]
+    per_call = zip(*(x.split(sizes) for x in (q, k, v, g, beta)))
     returned: list[torch.Tensor] = []
     outputs = []
-    for call in prepared.calls:
-        inputs = [x[call.rows].unsqueeze(0) for x in (rows_q, rows_k, rows_v, rows_g, rows_beta)]
+    for call, rows in zip(prepared.calls, per_call):
+        inputs = [x.unsqueeze(0) for x in rows]
         initial = _initial_states(call, returned, heads, key_dim, value_dim)
         if call.fla is not None:
             o, _, states = call.fla.run(*inputs, scale=scale, initial_state=initial)
@@ -247,13 +278,16 @@ def compact_kda(
             )
         returned.append(states)
         outputs.append(o[0])
-    return _ComputedRows.apply(torch.cat(outputs), prepared)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _fla_l2norm(x: torch.Tensor) -> torch.Tensor:
-    from fla.modules.norm.l2norm import l2norm as fla_l2norm
+def normalise_qk(q: torch.Tensor, k: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k L2-normalised per row: fla's fused kernel on the fla backend, `l2norm` otherwise."""
+    if backend == "fla":
+        from fla.modules.norm.l2norm import l2norm as fla_l2norm
 
-    return fla_l2norm(x)
+        return fla_l2norm(q), fla_l2norm(k)
+    return l2norm(q), l2norm(k)
 
 
 def _initial_states(call: PreparedCall, returned: list[torch.Tensor], heads, key_dim, value_dim) -> torch.Tensor | None:

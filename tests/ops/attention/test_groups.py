@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from harts.ops.attention.groups import (
-    BACKENDS, group_attention, naive_group_attention, sdpa_group_attention, visibility_mask,
+    BACKENDS, group_attention, naive_group_attention, permute_rows, sdpa_group_attention, visibility_mask,
 )
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
@@ -127,3 +127,19 @@ def test_gpu_backends_match_naive(backend, execution):
     for got, want in zip((out, *grads), (expected, *expected_grads)):
         error = (got.double() - want).norm() / want.norm()
         assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_permute_rows_matches_indexing(seed):
+    """permute_rows (gather by the inverse permutation in backward) against advanced indexing."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randperm(50, generator=generator)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(50)
+    x = torch.randn(50, 3, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(50, 3, 4, generator=generator, dtype=torch.float64)
+    out = permute_rows(x, index, inverse)
+    torch.testing.assert_close(out, x[index], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad((out * upstream).sum(), x)
+    (expected,) = torch.autograd.grad((x[index] * upstream).sum(), x)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
