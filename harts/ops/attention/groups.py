@@ -61,7 +61,8 @@ class AttentionGroups:
             q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
             kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
             row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
-            q_inverse=self.query_inverse().to(device), q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
+            q_inverse=None if self.q_in_order else self.query_inverse().to(device),
+            q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
         )
 
     def query_inverse(self) -> torch.Tensor:

@@ -12,6 +12,10 @@ permutation of the calls' computed outputs; replay outputs are discarded.
 call's chunk indices) on the device once per microbatch; `compact_kda` then gathers all calls' rows
 with one gather per input and permutes the outputs with one gather, so a layer neither copies from
 the host nor waits for the device (a model layout prepares its schedule when moved to the device).
+Its three stages are public: `gather_call_rows` (compact rows → the calls' rows), `run_calls` (the
+calls over those rows) and `computed_rows` (back to compact rows), so that a caller can gather its
+own input once and compute q, k, v, g, β on the calls' rows (the model's KDA layer does: it moves
+the hidden state instead of five tensors ten times its size).
 
 The handed-off states are ordinary autograd values: their gradients flow back into the call that
 produced them (the torch backend through the graph of `chunk_kda_torch`; the fla backend through
