@@ -78,9 +78,12 @@ class Layout:
         return int(self.predecessors.shape[0])
 
     def prepared_schedule(self) -> PreparedSchedule:
-        """The compact KDA schedule on the layout's device (prepared by `to`, or here once)."""
+        """The compact KDA schedule on the layout's device with its backend (prepared by `to`, or
+        here once; prepared again if a `replace` changed the schedule, backend or device)."""
         assert self.kda_schedule is not None, "only the compact execution has a KDA schedule"
-        if self.kda_prepared is None:
+        prepared = self.kda_prepared
+        if (prepared is None or prepared.schedule is not self.kda_schedule or prepared.backend != self.kda_backend
+                or prepared.device != self.input_ids.device):
             self.kda_prepared = prepare_schedule(self.kda_schedule, self.input_ids.device, self.kda_backend)
         return self.kda_prepared
 

@@ -348,3 +348,43 @@ def test_parallel_dp2_record_cuda(tree_step_path, tmp_path, capsys):
         assert execution_times(execution["samples"]) == {k: execution[k] for k in execution_times(execution["samples"])}
         assert execution["grad_reduction_s"] > 0 and execution["peak_memory_bytes"] > 0
     assert 0 < results["baseline_mfu"] < 1
+
+
+def test_op_times_one_call_rows(monkeypatch):
+    """The breakdown's one-call KDA variants run the compact layout's KDA rows as one call (every
+    planned sequence), and without replay exactly the computed rows of each sequence."""
+    import torch
+
+    import harts.ops.kda.packed as packed
+    from harts.bench.speedup import op_times
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.runtime.layout import compact_layout
+    from tests.objective.helpers import random_tree_step
+
+    config = load_model_config("tiny")
+    model = HybridModel(config)
+    model.init_weights(0)
+    step = random_tree_step(np.random.default_rng(7), num=8, max_len=80, vocab=3).step
+    layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories),
+                            conv_size=config.kda.conv_size, chunk_size=config.kda.chunk_size)
+    assert layout.info["replay_rows"] > 0
+    calls = []
+    real = packed.packed_kda
+
+    def recording(q, k, v, g, beta, cu_seqlens, **kwargs):
+        calls.append((q.detach().clone(), cu_seqlens.cpu().numpy()))
+        return real(q, k, v, g, beta, cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(packed, "packed_kda", recording)
+    times = op_times(model, layout, torch.device("cpu"), None)
+    assert set(times) == {"kda", "kda_one_call", "kda_one_call_no_replay", "mla", "lm_head"}
+    schedule = layout.kda_schedule
+    lengths = np.concatenate([np.diff(call.cu_seqlens) for call in schedule.calls])
+    replay = np.concatenate([call.is_replay for call in schedule.calls])
+    computed = [int((~replay[a:b]).sum()) for a, b in zip(np.cumsum(lengths) - lengths, np.cumsum(lengths))]
+    with_replay = next(c for c in calls if len(c[0]) == layout.num_kda_rows)
+    without = next(c for c in calls if len(c[0]) == layout.num_rows)
+    np.testing.assert_array_equal(np.diff(with_replay[1]), lengths)
+    np.testing.assert_array_equal(np.diff(without[1]), computed)
+    torch.testing.assert_close(without[0], with_replay[0][torch.from_numpy(np.flatnonzero(~replay))], rtol=0, atol=0)

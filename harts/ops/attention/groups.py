@@ -44,7 +44,7 @@ class AttentionGroups:
     q_inverse: torch.Tensor | None = None
     """int64 [R]: each row's position in q_index (its inverse permutation); None: compute it."""
     q_in_order: bool = False
-    """q_index is 0..R−1 (the varlen backend then skips the query gather and the output scatter)."""
+    """q_index is 0..R−1 (the varlen backend then skips both query and output permutations)."""
     kv_in_order: bool = False
     """kv_index is 0..R−1 (no ancestors: the baseline's packed trajectories; no KV gather)."""
 

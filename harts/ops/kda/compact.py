@@ -264,6 +264,8 @@ def run_calls(
     heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
     if q.shape[0] != prepared.num_call_rows:
         raise ValueError(f"run_calls: inputs have {q.shape[0]} rows, the calls {prepared.num_call_rows}")
+    if not prepared.calls:
+        return v.new_zeros(0, heads, value_dim)
     # Views by `split`, not by slicing: the backward of a slice writes a zero tensor of all the
     # calls' rows per call (and autograd then adds them up), `split`'s concatenates once.
     sizes = [call.rows.stop - call.rows.start for call in prepared.calls]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.ops.kda.compact import compact_kda, l2norm
+from harts.ops.kda.compact import compact_kda, l2norm, prepare_schedule, run_calls
 from harts.ops.kda.naive import naive_recurrent_kda
 from harts.planning.kda_calls import plan_kda_calls
 
@@ -98,6 +98,9 @@ def test_bad_input():
         compact_kda(*[x[:-1] for x in leaves], schedule)
     with pytest.raises(ValueError, match="unknown backend"):
         compact_kda(*leaves, schedule, backend="cuda")
+    prepared = prepare_schedule(schedule, "cpu")
+    with pytest.raises(ValueError, match=f"inputs have 8 rows, the calls {prepared.num_call_rows}"):
+        run_calls(*[x[:-1] for x in leaves], prepared)
 
 
 @pytest.mark.slow
