@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from harts.ops.attention.groups import AttentionGroups, group_attention
-from harts.ops.kda.compact import PreparedSchedule, computed_rows, gather_call_rows, prepare_schedule
+from harts.ops.kda.compact import (
+    PreparedSchedule, computed_rows, gather_call_rows, normalise_qk, prepare_schedule, run_calls,
+)
 from harts.planning.kda_calls import compact_parent_row, plan_kda_calls
 from harts.planning.kda_schedule import KDASchedule
 from harts.trees.step import Step
@@ -122,7 +124,6 @@ class Layout:
     def linear_attention(self, q, k, v, g, beta) -> torch.Tensor:
         """KDA over the KDA rows with L2-normalised q and k: the planned calls (compact) or one
         packed call (baseline); o [P, H, V]."""
-        from harts.ops.kda.compact import normalise_qk, run_calls
         from harts.ops.kda.packed import packed_kda
 
         if self.kda_schedule is not None:

@@ -249,6 +249,7 @@ class _StatePlan:
         state_slot = np.full(max(num_chunks, 1), -1, dtype=np.int32)
         if requests is None:
             return cls(state_slot=state_slot, num_slots=0)
+
         def on_device(index: np.ndarray) -> torch.Tensor:
             return index_tensor(index, device)
 
