@@ -1,5 +1,8 @@
 import json
 
+import pytest
+
+from harts.cli.args import non_finite_fields
 from harts.cli.main import main
 
 STEP = "data/samples/tiny-step.jsonl.gz"
@@ -29,3 +32,21 @@ def test_bad_inputs(capsys, tmp_path):
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--capacity", "100"]) == 2
     assert "more than the capacity T = 100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["verify"], ["train-step", "--execution", "compact"]], ids=["verify", "train-step"])
+def test_non_finite_results_fail_with_the_cause(capsys, command):
+    # old_logprobs of -1000 overflow the ratio exp(logprob - old_logprob): the loss is inf and its
+    # differences NaN, which JSON cannot carry; this used to print NaN and exit 0.
+    bad = "tests/data/bad_inputs/verify-old-logprobs-minus-1000.jsonl"
+    assert main([*command, "--model", "tiny", "--trees", bad, "--capacity", "1024", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("harts: error: ") and "not finite (loss = inf" in line
+    assert "old_logprobs go down to -1000" in line
+
+
+def test_non_finite_fields_found_in_nested_results():
+    assert non_finite_fields({"a": 1.0, "b": {"c": float("nan"), "d": [0.5, float("-inf")]}, "e": "inf"}) == [
+        "b.c = nan", "b.d.1 = -inf"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def index_list(text: str) -> list[int]:
@@ -14,3 +15,14 @@ def index_list(text: str) -> list[int]:
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected non-negative step indices, got {text!r}")
     return values
+
+
+def non_finite_fields(value, prefix: str = "") -> list[str]:
+    """`field = value` for every number in nested dicts/lists of `value` that is NaN or infinite."""
+    if isinstance(value, dict):
+        return [f for key, inner in value.items() for f in non_finite_fields(inner, f"{prefix}{key}.")]
+    if isinstance(value, (list, tuple)):
+        return [f for i, inner in enumerate(value) for f in non_finite_fields(inner, f"{prefix}{i}.")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{prefix.rstrip('.')} = {value}"]
+    return []

@@ -112,6 +112,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         "plan_seconds": plan.plan_seconds,
         "seconds": result.seconds,
     }
+    _check_finite(summary, step, "train-step")
     if args.json:
         print(json.dumps(summary))
     else:
@@ -137,12 +138,28 @@ def run_verify(args: argparse.Namespace) -> int:
         _step_config(args, "compact", replay=not args.no_replay), index=index,
     )
     report["compact_tokens"] = index.segment_tree().num_compact_tokens
+    _check_finite(report, step, "verify")
     if args.json:
         print(json.dumps(report))
     else:
         for key, value in report.items():
             print(f"{key:<24} {value}", file=sys.stdout)
     return 0
+
+
+def _check_finite(summary: dict, step, command: str) -> None:
+    """ValueError naming the non-finite results: a NaN or infinite loss is a failed step (and JSON has no
+    NaN), most often from old log-probs so low that the policy ratio exp(λ − λ_old) overflows."""
+    from harts.cli.args import non_finite_fields
+
+    fields = non_finite_fields(summary)
+    if not fields:
+        return
+    hint = ""
+    if step.old_logprobs is not None and len(step.old_logprobs):
+        hint = (f"; the step's old_logprobs go down to {float(step.old_logprobs.min()):.6g}, so the ratio "
+                "exp(logprob - old_logprob) can overflow: check them, or pass --on-policy")
+    raise ValueError(f"{command}: results are not finite ({', '.join(fields)}){hint}")
 
 
 def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
@@ -190,6 +207,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
         summary = {**head, "execution": args.execution, "loss": result.loss, "policy_loss": result.policy_loss,
                    "moe_loss": result.moe_loss, "semantic_tokens": result.num_semantic_tokens,
                    "rows": result.num_rows, "plan_seconds": plan.plan_seconds, "seconds": result.seconds}
+    _check_finite(summary, step, "verify" if verify else "train-step")
     if args.json:
         print(json.dumps(summary))
     else:
