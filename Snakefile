@@ -5,7 +5,11 @@
 #   snakemake --cores all --workflow-profile profiles/h200 reports/summary.md   one GPU
 # Sizes: configs/pipeline*.yaml (schema: workflows/schemas/pipeline.schema.yaml); profiles: profiles/*/.
 
+from pathlib import Path
+
 from snakemake.utils import min_version, validate
+
+from harts.bench.pipeline_config import coerce_strings, load_schema
 
 min_version("9.0")
 
@@ -13,6 +17,8 @@ min_version("9.0")
 configfile: "configs/pipeline.yaml"
 
 
+# `--config` gives nested values as strings ('512'): read them as the schema's types first.
+coerce_strings(config, load_schema(Path(workflow.basedir) / "workflows/schemas/pipeline.schema.yaml"))
 validate(config, "workflows/schemas/pipeline.schema.yaml")
 
 

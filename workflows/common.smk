@@ -27,6 +27,11 @@ INGEST_DATASETS = [name for name, spec in config["datasets"].items() if "ingest"
 
 def _check_config():
     datasets = config["datasets"]
+    for name, spec in datasets.items():
+        source = spec["synth"] if "synth" in spec else spec["ingest"]["input"]
+        if not Path(source).exists():
+            kind = "synth" if "synth" in spec else "ingest.input"
+            raise ValueError(f"pipeline config: datasets.{name}.{kind}: no file or directory {source}")
     for section in ("speedup", "fidelity"):
         if config[section]["dataset"] not in datasets:
             raise ValueError(f"pipeline config: {section}.dataset {config[section]['dataset']!r} is not in datasets")

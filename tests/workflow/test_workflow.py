@@ -81,6 +81,11 @@ BAD_CONFIGS = {
     "missing-model": ({"speedup": {"models": ["nope"]}}, "no file configs/models/nope.yaml"),
     "missing-parallel": ({"fidelity": {"parallel": ["dp16"]}}, "no file configs/parallel/dp16.yaml"),
     "unknown-dataset": ({"fidelity": {"dataset": "elsewhere"}}, "fidelity.dataset 'elsewhere' is not in datasets"),
+    "missing-synth-config": ({"datasets": {"tiny": {"synth": "configs/trees/nope.yaml"}}},
+                             "datasets.tiny.synth: no file or directory configs/trees/nope.yaml"),
+    "missing-ingest-input": ({"datasets": {"swe-agent": {"ingest": {"input": "data/nope", "format": "messages",
+                                                                     "tokenizer": "byte"}}}},
+                             "datasets.swe-agent.ingest.input: no file or directory data/nope"),
 }
 
 
@@ -94,6 +99,16 @@ def test_bad_config_fails_with_a_clear_message(workdir, case):
     result = snakemake(workdir, "-n", "--configfile", "bad.yaml")
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
+
+
+def test_nested_config_values_on_the_command_line(workdir):
+    # Snakemake hands nested --config values over as strings ('512'); they must reach the jobs as numbers.
+    target = "reports/raw/speedup/tiny/single.json"
+    result = snakemake(workdir, target, "-n", "-p", "--workflow-profile", "tiny",
+                       "--config", "speedup={capacity: 300, recompute: true, repeats: 2, steps: [1]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--capacity 300" in result.stdout and "--recompute --repeats 2" in result.stdout
+    assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:

@@ -1,0 +1,67 @@
+"""The Snakemake pipeline's config (configs/pipeline*.yaml) as the workflow receives it.
+
+`coerce_strings(config, schema)` undoes what `snakemake --config` does to nested values: Snakemake
+parses `--config 'speedup={capacity: 512, recompute: true}'` with YAML's base loader, so every scalar
+inside a mapping or list arrives as a string ('512', 'true') and the schema's validation rejects it
+("'512' is not of type 'integer'"). Where the JSON schema asks for an integer, a number or a boolean
+and the config holds a string that spells one (512, -3, 1e-3, 0.5, true, false), the string is
+replaced, in place; any other string is left for the validation to reject with its own message.
+
+Tested in tests/bench/test_pipeline_config.py against hand-written configs and in
+tests/workflow/test_workflow.py by a dry run with nested `--config` values.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_INTEGER = re.compile(r"[+-]?\d+")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_BOOLEAN = {"true": True, "false": False}
+
+
+def load_schema(path: str | Path) -> dict:
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+
+
+def coerce_strings(config: dict, schema: dict) -> dict:
+    """`config` with the strings that spell the schema's integers, numbers and booleans converted."""
+    return _coerce(config, schema, schema)
+
+
+def _resolve(schema: dict, root: dict) -> dict:
+    while "$ref" in schema:
+        node: Any = root
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            node = node[part]
+        schema = node
+    return schema
+
+
+def _coerce(value: Any, schema: dict, root: dict) -> Any:
+    schema = _resolve(schema, root)
+    if isinstance(value, dict):
+        extra = schema.get("additionalProperties")
+        for key, inner in value.items():
+            sub = schema.get("properties", {}).get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                value[key] = _coerce(inner, sub, root)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        value[:] = [_coerce(inner, schema["items"], root) for inner in value]
+    elif isinstance(value, str):
+        return _scalar(value, schema.get("type"))
+    return value
+
+
+def _scalar(text: str, kind: str | None) -> Any:
+    if kind == "integer" and _INTEGER.fullmatch(text):
+        return int(text)
+    if kind == "number" and _NUMBER.fullmatch(text):
+        return int(text) if _INTEGER.fullmatch(text) else float(text)
+    if kind == "boolean" and text.lower() in _BOOLEAN:
+        return _BOOLEAN[text.lower()]
+    return text
