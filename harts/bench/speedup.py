@@ -24,7 +24,10 @@ and take medians. One record per step (config, environment, hardware) with:
 - with `--profile`, the top ops by self device time (CPU: self CPU time) of the largest microbatch
   of each execution (torch.profiler) and the rows each ran, to compare their time per row op by op;
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
-  over the measured time and the bf16 dense peak).
+  over the measured time and the bf16 dense peak);
+- `timing_flags`: why the timings should not be trusted, if they should not (efficiency above
+  1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
+  `fbg_repeats_s`); the printed table and the report mark such records.
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -67,6 +70,9 @@ from harts.cli.args import index_list
 
 BREAKDOWN_MICROBATCHES = 4
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
+# Timings are flagged (`timing_flags`) above this efficiency or this relative F+B+G range over repeats.
+EFFICIENCY_LIMIT = 1.05
+SPREAD_LIMIT = 0.10
 # NVIDIA's datasheet: H100/H200 SXM dense bf16 (the measured ceiling on KINDS.md is lower).
 H200_BF16_PEAK_FLOPS = 989.5e12
 
@@ -295,6 +301,24 @@ def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tok
             "efficiency": fbg_speedup / compression}
 
 
+def timing_flags(results: dict[str, Any]) -> list[str]:
+    """Reasons to distrust a record's timings (empty when there are none): an efficiency above
+    EFFICIENCY_LIMIT (the compact rows run the same per-row work as the baseline's, so beyond noise it
+    cannot beat its compression; seen as 2.86 when another job loaded the machine during the baseline),
+    or an execution whose F+B+G varies by more than SPREAD_LIMIT of its median over the repeats."""
+    flags = []
+    if results["efficiency"] > EFFICIENCY_LIMIT:
+        flags.append(f"efficiency {results['efficiency']:.2f} > {EFFICIENCY_LIMIT}: faster than the compression "
+                     "allows; the timings were disturbed (a loaded machine?)")
+    for name in EXECUTIONS:
+        repeats = results[name]["fbg_repeats_s"]
+        spread = (max(repeats) - min(repeats)) / statistics.median(repeats)
+        if spread > SPREAD_LIMIT:
+            flags.append(f"{name} F+B+G varies by {spread:.0%} over {len(repeats)} repeats (> {SPREAD_LIMIT:.0%}): "
+                         "timing noise")
+    return flags
+
+
 def execution_times(samples: list[list[dict[str, float]]]) -> dict[str, float]:
     """Medians over repeats of one execution's phases; `samples[repeat][rank]` holds the rank's own seconds
     (layout, forward, backward, grad_reduce in the step, grad_reduction_alone after a barrier)."""
@@ -308,7 +332,8 @@ def execution_times(samples: list[list[dict[str, float]]]) -> dict[str, float]:
         }
         for ranks in samples
     ]
-    return {key: statistics.median(p[key] for p in per_repeat) for key in per_repeat[0]}
+    medians = {key: statistics.median(p[key] for p in per_repeat) for key in per_repeat[0]}
+    return {**medians, "fbg_repeats_s": [p["fbg_s"] for p in per_repeat]}
 
 
 def _execution(samples, plan_seconds: float, peak: int, infos: list[dict], microbatches) -> dict[str, Any]:
@@ -325,7 +350,7 @@ def _execution(samples, plan_seconds: float, peak: int, infos: list[dict], micro
 
 def _results(step, index, executions, compact_infos) -> dict[str, Any]:
     base, comp = executions["baseline"], executions["compact"]
-    return {
+    results = {
         "semantic_tokens": step.num_semantic_tokens,
         "compact_tokens": comp["rows"],
         "lower_bound_compact_tokens": index.segment_tree().num_compact_tokens,
@@ -334,6 +359,7 @@ def _results(step, index, executions, compact_infos) -> dict[str, Any]:
         "baseline": base,
         "compact": comp,
     }
+    return {**results, "timing_flags": timing_flags(results)}
 
 
 def _mfu(model_config, step, base, num_devices: int) -> dict[str, float]:
@@ -727,10 +753,12 @@ def format_table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {step} | {parallel} | {r['semantic_tokens']:,} | {r['compact_tokens']:,} | {r['compression']:.2f} | "
             f"{r['baseline']['fbg_s']:.2f} | {r['compact']['fbg_s']:.2f} | {r['fbg_speedup']:.2f}x | "
-            f"{r['core_speedup']:.2f}x | {r['efficiency']:.2f} |"
+            f"{r['core_speedup']:.2f}x | {r['efficiency']:.2f}{' (flagged)' if r.get('timing_flags') else ''} |"
         )
     lines.append(
         f"| paper | 8 GPUs | | | {PAPER['compression']:.2f} | | | {PAPER['speedup']:.2f}x | | "
         f"{PAPER['efficiency']:.2f} |"
     )
+    lines += [f"flagged: step {record['config'].get('step')}, {record['config'].get('parallel')}: {flag}"
+              for record in records for flag in record.get("results", {}).get("timing_flags", [])]
     return "\n".join(lines)

@@ -5,9 +5,11 @@ device, dtype, recomputation). Output:
 - CSV, one row per record plus the paper's row, columns `SPEEDUP_COLUMNS`: `source` (`ours` or
   `paper`), the configuration, step, S, C, the trie lower bound, compression S/C, baseline and
   compact F+B+Grad and planning seconds, F/B/Grad speedup, Core speedup, efficiency
-  (F/B/Grad speedup / compression), peak memory of both executions, and `error` (the record's
-  error message). A cell the record does not hold says `not measured`; a failed case says `error`
-  in every figure; a figure the paper does not give says `not reported`.
+  (F/B/Grad speedup / compression), peak memory of both executions, `timing_flags` (why the
+  record's timings should not be trusted, `; `-separated, empty when nothing was flagged: see
+  `harts.bench.speedup.timing_flags`; the PDF's table marks the efficiency "(flagged)") and `error`
+  (the record's error message). A cell the record does not hold says `not measured`; a failed case
+  says `error` in every figure; a figure the paper does not give says `not reported`.
 - PDF: (1) compression beside F/B/Grad and Core speedup per configuration (median over steps,
   range as error bars) with the paper's 5.62x rows / 4.81x measured beside them; (2) each
   execution's step time split into forward, backward, gradient reduction and planning,
@@ -31,7 +33,7 @@ SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
-    "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "error",
+    "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
 ]
 _RESULT_KEYS = {
     "semantic_tokens": ("semantic_tokens",), "compact_tokens": ("compact_tokens",),
@@ -77,6 +79,8 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 value = get(record["results"], *keys)
                 row[column] = value if is_number(value) else NOT_MEASURED
+        flags = None if "error" in record else record["results"].get("timing_flags")
+        row["timing_flags"] = ERROR if "error" in record else NOT_MEASURED if flags is None else "; ".join(flags)
         rows.append(row)
     paper = paper_figures()
     row = {column: NOT_REPORTED for column in SPEEDUP_COLUMNS}
@@ -100,9 +104,15 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             format_value(r["compression"], ".2f"),
             format_value(r["baseline_fbg_s"], ".3g"), format_value(r["compact_fbg_s"], ".3g"),
             format_value(r["fbg_speedup"], ".2f", "x"),
-            format_value(r["core_speedup"], ".2f", "x"), format_value(r["efficiency"], ".2f"), _short(r["error"]),
+            format_value(r["core_speedup"], ".2f", "x"),
+            format_value(r["efficiency"], ".2f") + (" (flagged)" if _flagged(r) else ""),
+            _short(r["error"] or (f"timing flagged: {r['timing_flags']}" if _flagged(r) else "")),
         ])
     return header, table
+
+
+def _flagged(row: dict[str, Any]) -> bool:
+    return row["timing_flags"] not in ("", ERROR, NOT_MEASURED, NOT_REPORTED)
 
 
 def _short(text: str, width: int = 48) -> str:

@@ -21,6 +21,7 @@ from harts.bench.speedup import (
     first_slot,
     headline,
     speedup_metrics,
+    timing_flags,
 )
 from harts.cli.main import main
 from harts.parallel.launch import RankFailed
@@ -66,9 +67,29 @@ def test_execution_times_critical_path_and_medians():
     times = execution_times(samples)
     # Per repeat: forward max 2, 3, 30; backward 3.5, 2.5, 20; alone 0.6, 0.4, 5; layout 0.2, 0.3, 4;
     # critical path max(1+2+3, 2+3.5+0.4) = 6, max(3+1+0.5, 1+2.5+0.1) = 4.5, 59.
+    assert times.pop("fbg_repeats_s") == pytest.approx([6.0, 4.5, 59.0], rel=1e-12)
     assert times == pytest.approx(
         {"forward_s": 3.0, "backward_s": 3.5, "grad_reduction_s": 0.6, "layout_s": 0.3, "fbg_s": 6.0}, rel=1e-12
     )
+
+
+def _timed(efficiency, baseline_repeats, compact_repeats):
+    return {"efficiency": efficiency, "baseline": {"fbg_repeats_s": baseline_repeats},
+            "compact": {"fbg_repeats_s": compact_repeats}}
+
+
+@pytest.mark.parametrize("results, expected", [
+    pytest.param(_timed(0.91, [10.0], [2.0]), [], id="clean-one-repeat"),
+    pytest.param(_timed(1.05, [10.0, 10.9, 10.2], [2.0, 2.1]), [], id="at-the-limits"),
+    pytest.param(_timed(2.86, [10.0], [2.0]), ["efficiency 2.86 > 1.05"], id="too-efficient"),
+    pytest.param(_timed(0.8, [10.0, 10.1, 12.0], [2.0, 2.0]), ["baseline F+B+G varies by 20% over 3 repeats"],
+                 id="noisy-baseline"),
+    pytest.param(_timed(1.2, [10.0, 10.0], [2.0, 3.0]), ["efficiency 1.20 > 1.05", "compact F+B+G varies by 40%"],
+                 id="both"),
+])
+def test_timing_flags(results, expected):
+    flags = timing_flags(results)
+    assert len(flags) == len(expected) and all(f.startswith(e) for f, e in zip(flags, expected)), flags
 
 
 def test_execution_times_single_process_is_forward_plus_backward():

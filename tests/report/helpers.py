@@ -11,7 +11,8 @@ from harts.bench.records import make_record, write_records
 
 
 def speedup_record(*, model="tiny", parallel="single", step=0, semantic=4000, compact=1000, base_fbg=8.0,
-                   comp_fbg=2.5, base_plan=0.1, comp_plan=0.2, error=None, breakdown=True) -> dict[str, Any]:
+                   comp_fbg=2.5, base_plan=0.1, comp_plan=0.2, error=None, breakdown=True,
+                   timing_flags=()) -> dict[str, Any]:
     config = {"model": model, "parallel": parallel, "planner": "harts", "world_size": 1 if parallel == "single" else 2,
               "device": "cpu", "dtype": "fp32", "recompute": False, "trees": "data/trees/tiny/step_000.npz",
               "step": step, "capacity": 512, "repeats": 1}
@@ -26,7 +27,8 @@ def speedup_record(*, model="tiny", parallel="single", step=0, semantic=4000, co
     results = {"semantic_tokens": semantic, "compact_tokens": compact, "lower_bound_compact_tokens": compact - 10,
                "compression": semantic / compact, "fbg_speedup": fbg,
                "core_speedup": (base_fbg + base_plan) / (comp_fbg + comp_plan), "efficiency": fbg / (semantic / compact),
-               "baseline": execution(base_fbg, base_plan), "compact": execution(comp_fbg, comp_plan)}
+               "baseline": execution(base_fbg, base_plan), "compact": execution(comp_fbg, comp_plan),
+               "timing_flags": list(timing_flags)}
     if breakdown:
         results["breakdown"] = {"ideal_compact_fbg_s": base_fbg * compact / semantic,
                                 "terms_s": {"replay": 0.1, "boundary_handoff_and_calls": 0.2, "kda_other": -0.05,

@@ -56,6 +56,20 @@ def test_report_files(tmp_path):
         assert expected in text, expected
 
 
+def test_flagged_timings_are_marked(tmp_path):
+    flag = "efficiency 2.86 > 1.05: faster than the compression allows"
+    flagged = speedup_record(step=0, timing_flags=[flag, "baseline F+B+G varies by 20% over 3 repeats"])
+    old = speedup_record(step=1)
+    del old["results"]["timing_flags"]
+    rows = speedup_rows([flagged, old, speedup_record(step=2), speedup_record(step=3, error="RuntimeError: x")])
+    assert rows[0]["timing_flags"] == flag + "; baseline F+B+G varies by 20% over 3 repeats"
+    assert [r["timing_flags"] for r in rows[1:]] == [NOT_MEASURED, "", ERROR, NOT_REPORTED]
+    path = write(tmp_path, "r.json", [flagged, speedup_record(step=2)])
+    write_speedup_report([path], tmp_path / "s.pdf", tmp_path / "s.csv")
+    _, text = pdf_text(tmp_path / "s.pdf")
+    assert text.count("(flagged)") == 1 and "timing flagged: efficiency 2.86" in text
+
+
 def test_same_records_same_pdf(tmp_path):
     records = write(tmp_path, "r.json", [speedup_record()])
     write_speedup_report([records], tmp_path / "a.pdf", tmp_path / "a.csv")
