@@ -77,3 +77,13 @@ def test_logit_cosines_pair_each_semantic_position(chunk):
     cosines = logit_cosines(reference, candidate, weight, chunk=chunk)
     assert cosines.dtype == np.float64
     np.testing.assert_allclose(cosines, [1.0, 0.0, -1.0, 1.0, 0.0], rtol=0, atol=1e-15)
+
+
+def test_agreement_does_not_skip_a_nan_gradient():
+    """A NaN in the candidate's gradient of a later parameter makes grad_rel_diff NaN (so every
+    `<= tolerance` check fails), rather than being passed over by the maximum."""
+    result = _result(4, [-1.0, -2.0], loss=1.0, moe_loss=0.0)
+    reference_grads = {"w": torch.tensor([1.0, -1.0]), "v": torch.tensor([2.0, 0.0])}
+    candidate_grads = {"w": torch.tensor([1.0, -1.0]), "v": torch.tensor([2.0, float("nan")])}
+    report = agreement(result, result, reference_grads, candidate_grads, np.ones(2))
+    assert np.isnan(report["grad_rel_diff"])
