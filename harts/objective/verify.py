@@ -74,10 +74,11 @@ def agreement(ref: StepResult, cand, ref_grads: dict[str, torch.Tensor], cand_gr
               cosines: np.ndarray) -> dict[str, float | int]:
     """The discrepancies of the module docstring between a reference step and a candidate (a
     StepResult, or a ParallelStepResult of `harts.parallel.verify`: the same fields)."""
-    grad_rel = max(
+    # np.max, not max(): Python's max keeps a finite value over a later NaN (a NaN gradient).
+    grad_rel = float(np.max([
         float((cand_grads[n].float() - g.float()).norm() / g.float().norm().clamp(min=1e-30))
         for n, g in ref_grads.items()
-    )
+    ]))
     return {
         "reference_rows": ref.num_rows,
         "candidate_rows": cand.num_rows,

@@ -88,21 +88,21 @@ def validate_schedule(schedule: KDASchedule, positions: np.ndarray, parent_row: 
     chunk = schedule.chunk_size
     computed = np.zeros(schedule.num_compact_tokens, dtype=np.int64)
     for r, call in enumerate(schedule.calls):
-        assert call.rows.shape == call.is_replay.shape == (call.num_rows,)
-        assert call.cu_seqlens[0] == 0 and (np.diff(call.cu_seqlens) > 0).all()
+        assert call.rows.shape == call.is_replay.shape == (call.num_rows,), "rows and is_replay: one per packed row"
+        assert call.cu_seqlens[0] == 0 and (np.diff(call.cu_seqlens) > 0).all(), "cu_seqlens rise strictly from 0"
         np.add.at(computed, call.rows[~call.is_replay], 1)
         for i in range(call.num_sequences):
             lo, hi = call.cu_seqlens[i], call.cu_seqlens[i + 1]
             rows = call.rows[lo:hi]
             replay = call.is_replay[lo:hi]
-            assert positions[rows[0]] == call.path_start[i]
+            assert positions[rows[0]] == call.path_start[i], "a sequence's first row is at its path start"
             assert (parent_row[rows[1:]] == rows[:-1]).all(), "rows are consecutive positions of one path"
             num_replay = int(replay.sum())
             assert not replay[num_replay:].any(), "replay rows come first"
             assert num_replay < len(rows), "a sequence computes at least one row"
             if schedule.replay:
-                assert call.path_start[i] % chunk == 0
-                assert num_replay < chunk
+                assert call.path_start[i] % chunk == 0, "with replay, a sequence starts at a chunk multiple"
+                assert num_replay < chunk, "with replay, fewer than B replay rows"
             source = call.initial_source[i]
             if source[0] < 0:
                 assert call.path_start[i] == 0, "only sequences starting at position 0 use the zero state"
@@ -116,9 +116,9 @@ def validate_schedule(schedule: KDASchedule, positions: np.ndarray, parent_row: 
                 assert produced_at == call.path_start[i], "state handed over at the sequence's start"
                 last_row = producer.rows[producer.cu_seqlens[src_seq] + offset - 1]
                 assert parent_row[rows[0]] == last_row, "the state comes from this path"
-                assert call.handoff_depth[i] == producer.handoff_depth[src_seq] + 1
+                assert call.handoff_depth[i] == producer.handoff_depth[src_seq] + 1, "handoff depth: 1 + the source's"
             for offset in call.sequence_boundaries(i):
-                assert 1 <= offset <= hi - lo
+                assert 1 <= offset <= hi - lo, "a boundary lies within its sequence"
                 if schedule.replay:
-                    assert (call.path_start[i] + offset) % chunk == 0
+                    assert (call.path_start[i] + offset) % chunk == 0, "with replay, boundaries are chunk multiples"
     assert (computed == 1).all(), "every compact row computed exactly once"

@@ -2,7 +2,8 @@
 
 On CPU in fp32, on random trees whose shared rows carry different labels, advantages and masks:
 per-semantic-position log-probs (max |Δ| <= 1e-5), loss (<= 1e-6 relative), MoE losses, every
-parameter gradient (<= 1e-4 relative) and full-vocabulary logits (cosine >= 0.99999), with and
+parameter gradient (<= 1e-4 relative), full-vocabulary logits (cosine >= 0.99999) and the
+q-weighted expert-assignment counts of the expert-bias update (equal: sums of whole numbers), with and
 without activation recomputation, GRPO (on-policy, with a KL term) and PPO (off-policy, with
 old log-probs near the current ones so that part of the tokens is clipped).
 """
@@ -73,6 +74,15 @@ def test_compact_equals_baseline(model, case, seed):
     assert report["moe_loss_abs_diff"] <= 1e-6 * max(1.0, abs(report["loss"])), report
     assert report["grad_rel_diff"] <= 1e-4, report
     assert report["logit_cosine_min"] >= 0.99999, report
+    counts = [
+        run_step(model, step, microbatches, StepConfig(execution=e, **settings), backward=False).tokens_per_expert
+        for e in ("baseline", "compact")
+    ]
+    moe = model.config.moe
+    assert len(counts[0]) == len(counts[1]) == model.config.num_layers - model.config.num_dense_layers
+    for baseline_counts, compact_counts in zip(*counts):
+        assert float(baseline_counts.sum()) == step.num_semantic_tokens * moe.top_k
+        assert torch.equal(compact_counts, baseline_counts), (compact_counts, baseline_counts)
 
 
 def test_policy_gradient_is_exercised(model):

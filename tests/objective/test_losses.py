@@ -234,3 +234,50 @@ def test_aggregate_matches_definition():
     assert float(aggregate(per_token, mask, aggregation="token-mean", normalizer=6)) == pytest.approx(2.0)
     seq = aggregate(per_token, mask, aggregation="seq-mean-token-mean", trajectory_index_S=trajectory)
     assert float(seq) == pytest.approx((1.5 + 4.5) / 2)
+
+
+def _masked_out_case(field, value):
+    """Random off-policy GRPO inputs whose masked-out positions hold `value` in `field` (old or
+    ref log-probs; e.g. a padded or unscored token) instead of a finite log-prob."""
+    generator = torch.Generator().manual_seed(42)
+    size = 16
+    logprobs = -torch.rand(size, generator=generator, dtype=torch.float64) * 3
+    xi = dict(
+        advantages_S=torch.randn(size, generator=generator, dtype=torch.float64),
+        loss_mask_S=torch.arange(size) % 3 != 0,
+        old_logprobs_S=logprobs + 0.5 * torch.randn(size, generator=generator, dtype=torch.float64),
+        ref_logprobs_S=logprobs + 0.5 * torch.randn(size, generator=generator, dtype=torch.float64),
+        trajectory_index_S=torch.arange(size) // 4,
+    )
+    xi[field] = torch.where(xi["loss_mask_S"], xi[field], value)
+    return logprobs.requires_grad_(), xi
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("loss", "field"),
+    [("grpo-kl", "ref_logprobs_S"), ("grpo-kl", "old_logprobs_S"), ("ppo", "old_logprobs_S")],
+    ids=["grpo-kl-ref", "grpo-kl-old", "ppo-old"],
+)
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_non_finite_logprobs_at_masked_out_positions_change_nothing(aggregation, loss, field, value):
+    """Loss, per-token losses, diagnostics and the gradient are finite and equal to those with a
+    finite log-prob there: masked-out positions take ratio 1 and a zero KL delta (a NaN there
+    would turn the zero gradient of the masked loss into 0·NaN = NaN)."""
+    outputs = []
+    for bad in (-1.0, value):
+        logprobs, xi = _masked_out_case(field, bad)
+        if loss == "grpo-kl":
+            out = grpo_loss(logprobs, config=GRPOConfig(kl_coef=0.1, aggregation=aggregation), **xi)
+        else:
+            del xi["ref_logprobs_S"]
+            out = ppo_loss(logprobs, config=PPOConfig(dual_clip_ratio=3.0, aggregation=aggregation), **xi)
+        out.loss.backward()
+        outputs.append((out, logprobs.grad))
+    (finite, finite_grad), (out, grad) = outputs
+    assert torch.isfinite(grad).all() and torch.isfinite(out.per_token_loss).all()
+    assert torch.equal(out.loss, finite.loss) and torch.equal(grad, finite_grad)
+    assert torch.equal(out.per_token_loss, finite.per_token_loss)
+    assert torch.equal(out.clip_fraction, finite.clip_fraction)
+    assert (out.kl is None) == (finite.kl is None) and (out.kl is None or torch.equal(out.kl, finite.kl))
+    assert float(finite.clip_fraction) > 0 and (finite_grad != 0).any()

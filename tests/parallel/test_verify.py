@@ -9,12 +9,15 @@ collective), the parallel step on the tiny model in fp32 (a tree step with share
 cosine >= 0.99999, |Δloss| <= 1e-6 relative, |Δλ| <= 1e-5, MoE loss, expert-bias counts, every
 reassembled gradient <= 1e-4 relative, and all copies of a reduced gradient equal. dp2 and tp2-sp also run PPO with per-sequence aggregation and GRPO with a
 KL term (other normalisers and loss terms through the data-parallel sum and the SP gather).
+`full_gradients` itself (reassembly, worst replica disagreement) is checked on hand-built rank entries.
 """
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harts.model.config import load_model_config
 from harts.objective.losses import GRPOConfig, PPOConfig
@@ -22,7 +25,8 @@ from harts.objective.step import StepConfig
 from harts.parallel.config import load_parallel_config
 from harts.parallel.groups import build_groups
 from harts.parallel.launch import launch
-from harts.parallel.verify import verify_on_rank
+from harts.parallel.tensor import ShardSpec
+from harts.parallel.verify import full_gradients, verify_on_rank
 from tests.parallel.helpers import tree_step_and_microbatches
 
 TWO_RANKS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2")
@@ -127,3 +131,40 @@ def test_nccl_config_equals_single_process(name):
     reports = launch(verify_on_rank, config, model, 0, step, microbatches, candidates, device="cuda")
     for report in reports:
         _check(report)
+
+
+def _rank_entries(grads: dict[str, torch.Tensor], specs: dict[str, ShardSpec]) -> list:
+    return [(name, specs.get(name), grad) for name, grad in grads.items()]
+
+
+def test_full_gradients_reassembles_and_reports_the_worst_replica(monkeypatch):
+    """`full_gradients` on hand-built rank entries (the gather faked, three ranks): a TP-sharded
+    parameter is put together from its parts, and replica_grad_max_rel_diff is the largest
+    disagreement between two copies of one part (‖Δ‖ / ‖g‖ of the later rank's copy), exactly:
+    0.75 for "far" (Δ = [3, 0] against [0, 4]), not the 2⁻¹⁰ of "near" or the 0 of "same"."""
+    half = [ShardSpec(dim=0, index=torch.tensor([0, 1]), full_shape=(4,)),
+            ShardSpec(dim=0, index=torch.tensor([2, 3]), full_shape=(4,))]
+    ranks = [  # (gradients, shard specs) of ranks 0, 1, 2; rank 2 is rank 0's DP replica
+        ({"same": torch.tensor([0.0, 4.0]), "near": torch.tensor([0.0, 8.0078125]), "far": torch.tensor([3.0, 4.0]),
+          "sharded": torch.tensor([1.0, 2.0])}, {"sharded": half[0]}),
+        ({"same": torch.tensor([0.0, 4.0]), "near": torch.tensor([0.0, 8.0]), "far": torch.tensor([0.0, 4.0]),
+          "sharded": torch.tensor([3.0, 4.0])}, {"sharded": half[1]}),
+        ({"same": torch.tensor([0.0, 4.0]), "near": torch.tensor([0.0, 8.0]), "far": torch.tensor([0.0, 4.0]),
+          "sharded": torch.tensor([1.0, 2.0])}, {"sharded": half[0]}),
+    ]
+    parameters = {name: torch.nn.Parameter(torch.zeros_like(grad)) for name, grad in ranks[0][0].items()}
+    for name, parameter in parameters.items():
+        parameter.grad = ranks[0][0][name].clone()
+    pmodel = SimpleNamespace(named_parameters=parameters.items, shard_specs=ranks[0][1])
+
+    def gather_object(entries, gathered, dst):
+        assert dst == 0
+        gathered[:] = [entries] + [_rank_entries(grads, specs) for grads, specs in ranks[1:]]
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: len(ranks))
+    monkeypatch.setattr(dist, "gather_object", gather_object)
+    full, worst = full_gradients(pmodel)
+    assert worst == 0.75
+    assert torch.equal(full["sharded"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(full["same"], torch.tensor([0.0, 4.0]))
