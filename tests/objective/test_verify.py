@@ -15,18 +15,21 @@ from harts.objective.step import StepResult
 from harts.objective.verify import agreement, logit_cosines
 
 
-def _result(num_rows, logprobs, loss, moe_loss):
+def _result(num_rows, logprobs, loss, moe_loss, tokens_per_expert=()):
     return StepResult(
         loss=loss, policy_loss=loss - moe_loss, moe_loss=moe_loss, clip_fraction=0.0, num_rows=num_rows,
-        num_semantic_tokens=len(logprobs), seconds={}, layout_info=[], tokens_per_expert=[],
-        logprobs=torch.tensor(logprobs),
+        num_semantic_tokens=len(logprobs), seconds={}, layout_info=[],
+        tokens_per_expert=[torch.tensor(counts) for counts in tokens_per_expert], logprobs=torch.tensor(logprobs),
     )
 
 
 def test_agreement_reports_the_worst_of_each_figure():
-    reference = _result(10, [-1.0, -2.0, -0.5, -3.0], loss=-2.0, moe_loss=0.25)
-    # λ differs by +0.25 and -0.5 (the largest |Δ| is the negative one); loss by -0.5; MoE loss by -0.125.
-    candidate = _result(7, [-1.0, -2.5, -0.25, -3.0], loss=-2.5, moe_loss=0.125)
+    reference = _result(10, [-1.0, -2.0, -0.5, -3.0], loss=-2.0, moe_loss=0.25,
+                        tokens_per_expert=[[3.0, 5.0], [4.0, 4.0]])
+    # λ differs by +0.25 and -0.5 (the largest |Δ| is the negative one); loss by -0.5; MoE loss by -0.125;
+    # expert counts by 2 in the first layer (negative) and 1 in the second.
+    candidate = _result(7, [-1.0, -2.5, -0.25, -3.0], loss=-2.5, moe_loss=0.125,
+                        tokens_per_expert=[[5.0, 3.0], [4.0, 3.0]])
     # First the parameter without gradient: a NaN there would poison Python's max.
     reference_grads = {
         "unused": torch.zeros(2),
@@ -47,6 +50,7 @@ def test_agreement_reports_the_worst_of_each_figure():
         "loss_rel_diff": 0.25,
         "moe_loss_abs_diff": 0.125,
         "grad_rel_diff": 0.5,
+        "tokens_per_expert_max_abs_diff": 2.0,
         "logit_cosine_min": 0.5,
         "logit_cosine_mean": 0.75,
     }
@@ -87,3 +91,8 @@ def test_agreement_does_not_skip_a_nan_gradient():
     candidate_grads = {"w": torch.tensor([1.0, -1.0]), "v": torch.tensor([2.0, float("nan")])}
     report = agreement(result, result, reference_grads, candidate_grads, np.ones(2))
     assert np.isnan(report["grad_rel_diff"])
+    counted = _result(4, [-1.0, -2.0], loss=1.0, moe_loss=0.0, tokens_per_expert=[[1.0, 2.0], [3.0, 4.0]])
+    nan_counts = _result(4, [-1.0, -2.0], loss=1.0, moe_loss=0.0,
+                         tokens_per_expert=[[2.0, 2.0], [3.0, float("nan")]])
+    assert np.isnan(agreement(counted, nan_counts, reference_grads, reference_grads, np.ones(2))[
+        "tokens_per_expert_max_abs_diff"])

@@ -12,6 +12,7 @@ KL term (other normalisers and loss terms through the data-parallel sum and the 
 `full_gradients` itself (reassembly, worst replica disagreement) is checked on hand-built rank entries.
 """
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -152,6 +153,19 @@ def test_full_gradients_reassembles_and_reports_the_worst_replica(monkeypatch):
         ({"same": torch.tensor([0.0, 4.0]), "near": torch.tensor([0.0, 8.0]), "far": torch.tensor([0.0, 4.0]),
           "sharded": torch.tensor([1.0, 2.0])}, {"sharded": half[0]}),
     ]
+    full, worst = _full_gradients_of(ranks, monkeypatch)
+    assert worst == 0.75
+    assert torch.equal(full["sharded"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(full["same"], torch.tensor([0.0, 4.0]))
+
+    # A NaN in the last copy compared (after finite disagreements) makes the figure NaN, not 0.75.
+    ranks[2][0]["sharded"] = torch.tensor([1.0, float("nan")])
+    _, worst = _full_gradients_of(ranks, monkeypatch)
+    assert math.isnan(worst)
+
+
+def _full_gradients_of(ranks, monkeypatch):
+    """`full_gradients` with the gather faked: `ranks` holds (gradients, shard specs) per rank."""
     parameters = {name: torch.nn.Parameter(torch.zeros_like(grad)) for name, grad in ranks[0][0].items()}
     for name, parameter in parameters.items():
         parameter.grad = ranks[0][0][name].clone()
@@ -164,7 +178,4 @@ def test_full_gradients_reassembles_and_reports_the_worst_replica(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: len(ranks))
     monkeypatch.setattr(dist, "gather_object", gather_object)
-    full, worst = full_gradients(pmodel)
-    assert worst == 0.75
-    assert torch.equal(full["sharded"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    assert torch.equal(full["same"], torch.tensor([0.0, 4.0]))
+    return full_gradients(pmodel)
