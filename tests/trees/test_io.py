@@ -104,7 +104,7 @@ BAD_FILES = {
         "float-loss-mask.jsonl", "{path}:1: field 'loss_mask': non-integer value 1.0 at position 1 (expected integers)"
     ),
     "uint64-token": (
-        "uint64-token.jsonl", "{path}:1: field 'tokens': 18446744073709551615 at position 1 is outside the int64 range"
+        "uint64-token.jsonl", "{path}:1: field 'tokens': 18446744073709551615 at position 0 is outside the int64 range"
     ),
     "huge-int-token": (
         "huge-int-token.jsonl",

@@ -141,7 +141,7 @@ def make_reader() -> None:
     write(reader / "bool-old-logprob.jsonl", '{"id": "a", "tokens": [1, 2, 3], "old_logprobs": [0, false, -1]}\n')
     write(reader / "bool-reward.jsonl", '{"id": "a", "tokens": [1, 2, 3], "reward": true}\n')
     write(reader / "float-loss-mask.jsonl", '{"id": "a", "tokens": [1, 2, 3], "loss_mask": [0, 1.0, 1]}\n')
-    write(reader / "uint64-token.jsonl", '{"id": "a", "tokens": [1, 18446744073709551615]}\n')
+    write(reader / "uint64-token.jsonl", '{"id": "a", "tokens": [18446744073709551615, 9223372036854775808]}\n')
     write(reader / "huge-int-token.jsonl", f'{{"id": "a", "tokens": [1, 2, {HUGE}]}}\n')
     write(reader / "int-digit-limit.jsonl", f'{{"id": "a", "tokens": [1, {"9" * 5000}]}}\n')
     write(reader / "invalid-utf8.jsonl", GOOD_LINE.encode() + b'{"id": "b", "tree": "caf\xe9", "tokens": [1]}\n')
