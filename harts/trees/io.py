@@ -477,8 +477,11 @@ _NPZ_ARRAYS = {
 }
 
 
-# What a damaged zip archive raises while numpy opens it or reads a member.
-_NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, zlib.error)
+# What a damaged zip archive raises while numpy opens it or reads a member (zipfile raises
+# RuntimeError for a member flagged as encrypted, NotImplementedError for an unknown compression).
+_NPZ_READ_ERRORS = (
+    OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error
+)
 _PER_TOKEN = ("tokens", "loss_mask", "advantage_per_token", "old_logprobs", "ref_logprobs")
 
 

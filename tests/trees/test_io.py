@@ -132,6 +132,7 @@ BAD_FILES = {
     ),
     "npz-truncated": ("npz-truncated.npz", "{path}: truncated or corrupt .npz archive (...)"),
     "npz-bit-flipped": ("npz-bit-flipped.npz", "{path}: field 'tokens': cannot read the array (...)"),
+    "npz-encrypted-flag": ("npz-encrypted-flag.npz", "{path}: field 'tokens': cannot read the array (...)"),
     "npz-text": (
         "npz-text.npz",
         "{path}: not an .npz archive (an .npz file is a zip archive; this file starts with b'hello,')",

@@ -109,6 +109,24 @@ def bit_flipped_member(data: bytes, member: str) -> bytes:
     raise AssertionError("the flipped bit went unnoticed by the CRC check")
 
 
+def encrypted_flag_member(data: bytes, member: str) -> bytes:
+    """The zip `data` with `member` flagged as encrypted in the central directory (one bit)."""
+    start = data.index(b"PK\x01\x02")  # the first central directory entry
+    while True:
+        name_length = struct.unpack_from("<H", data, start + 28)[0]
+        if data[start + 46 : start + 46 + name_length] == member.encode():
+            break
+        start = data.index(b"PK\x01\x02", start + 46)
+    flagged = bytearray(data)
+    flagged[start + 8] |= 0x01  # general purpose flag, bit 0: encrypted
+    with zipfile.ZipFile(io.BytesIO(bytes(flagged))) as archive:
+        try:
+            archive.read(member)
+        except RuntimeError:
+            return bytes(flagged)
+    raise AssertionError("the encrypted flag went unnoticed")
+
+
 def write(path: Path, content: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(content, str):
@@ -156,6 +174,7 @@ def make_reader() -> None:
     write(reader / "npz-renamed-npy.npz", npy.getvalue())
     write(reader / "npz-truncated.npz", truncated_zip(npz_bytes(arrays)))
     write(reader / "npz-bit-flipped.npz", bit_flipped_member(npz_bytes(arrays), "tokens.npy"))
+    write(reader / "npz-encrypted-flag.npz", encrypted_flag_member(npz_bytes(arrays), "tokens.npy"))
     write(reader / "npz-text.npz", "hello, I am a text file\n")
     write(reader / "npz-empty.npz", b"")
     write(reader / "npz-offsets-not-increasing.npz",
