@@ -3,7 +3,8 @@
 Each subcommand lives in a module of `harts.cli` that registers its parser; heavy packages
 (torch, fla, megatron) are imported inside the command functions that need them, so
 `harts trees ...` and `harts plan ...` start fast. User errors (ValueError, OSError) print one
-line, `harts: error: ...`, and exit with status 2; set HARTS_DEBUG=1 to see the traceback.
+line, `harts: error: ...`, and exit with status 2; set HARTS_DEBUG=1 to see the traceback. Usage
+errors (a bad option value, a missing argument) print one such line too, naming the command.
 """
 
 from __future__ import annotations
@@ -19,8 +20,19 @@ from harts.cli import train as train_cli
 from harts.cli import trees as trees_cli
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `harts: error: COMMAND: MESSAGE (see ... --help)`.
+
+    Subcommand parsers are of the same class (add_subparsers builds them with type(parent)).
+    """
+
+    def error(self, message: str) -> None:
+        command = self.prog.removeprefix("harts").strip()
+        self.exit(2, f"harts: error: {command + ': ' if command else ''}{message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="harts", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="harts", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"harts {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     trees_cli.register(commands)

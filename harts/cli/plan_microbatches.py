@@ -11,16 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from harts.cli.args import positive_float, positive_int
 from harts.planning.microbatch import PLANNER_NAMES
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("microbatches", help="plan a step's microbatches and print the plan's metrics")
     parser.add_argument("path", help="a step: .jsonl, .jsonl.gz, .npz or a directory of them")
-    parser.add_argument("--capacity", type=int, required=True, help="T: compact tokens per microbatch")
-    parser.add_argument("--dp", type=int, required=True, help="D: data-parallel replicas")
+    parser.add_argument("--capacity", type=positive_int, required=True, help="T: compact tokens per microbatch")
+    parser.add_argument("--dp", type=positive_int, required=True, help="D: data-parallel replicas")
     parser.add_argument("--planner", choices=PLANNER_NAMES, default="harts")
-    parser.add_argument("--time-limit", type=float, default=None,
+    parser.add_argument("--time-limit", type=positive_float, default=None,
                         help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from harts.cli.args import index_list
+from harts.cli.args import index_list, non_negative_int, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,7 +16,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     synth = sub.add_parser("synth", help="generate synthetic SWE-bench-shaped steps")
     synth.add_argument("--config", required=True, help="configs/trees/NAME.yaml")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=non_negative_int, default=0)
     synth.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
     synth.add_argument("--out", required=True, help="output directory (one file per step)")
     synth.add_argument("--format", choices=("npz", "jsonl", "jsonl.gz"), default="npz")
@@ -25,12 +25,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     stats = sub.add_parser("stats", help="print a step's statistics")
     stats.add_argument("path", help="a step: .jsonl, .jsonl.gz, .npz or a directory of them")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
-    stats.add_argument("--vocab-size", type=int, default=None)
+    stats.add_argument("--vocab-size", type=positive_int, default=None)
     stats.set_defaults(run=run_stats)
 
     validate = sub.add_parser("validate", help="check a step; exit non-zero on the first problem")
     validate.add_argument("path")
-    validate.add_argument("--vocab-size", type=int, default=None)
+    validate.add_argument("--vocab-size", type=positive_int, default=None)
     validate.set_defaults(run=run_validate)
 
     ingest = sub.add_parser("ingest", help="turn chat-format agent logs into trajectories")

@@ -7,28 +7,46 @@ list of text parts; assistant `tool_calls` are kept as JSON text), as SWE-agent 
 `.jsonl`/`.jsonl.gz` (one such object per line); a directory means all of them, by name.
 A record's optional `id`, `tree` (or `instance_id`) and `reward` are kept; the default id is the
 file stem (`stem:line` for JSONL), the default tree is the id, the default reward 0. Advantages are
-the GRPO normalisation of rewards within each tree.
+the GRPO normalisation of rewards within each tree. A record may carry only the fields of
+`RECORD_FIELDS`: the ones above and the metadata that SWE-agent `.traj` files carry next to
+`history` (`environment`, `info`, `replay_config`, `trajectory`, read past); any other field is an
+error, so a typo such as `rewrad` cannot silently zero a reward. A reward must be finite and fit
+float32. Bad input raises `TrajectoryFormatError` naming the file, line and field (the readers of
+harts.trees.io are shared: UTF-8, gzip and duplicate JSON keys are checked the same way).
 
 Rendering (ChatML): each message is `<|im_start|>{role}\\n` + content + `<|im_end|>\\n`, and each
 message is tokenised on its own, so trajectories with a common message prefix share their token
 prefix exactly (the trie sees the sharing). Loss mask = the content and `<|im_end|>\\n` of
 assistant messages. Tokenisers: a local `tokenizer.json` (the `tokenizers` package) or `byte`
 (UTF-8 bytes 0-255, `<|im_start|>` = 256, `<|im_end|>` = 257).
+
+Escaping: message content can never produce the marker tokens, so a log that contains the text
+`<|im_end|>\\n<|im_start|>assistant` cannot forge a turn boundary. The byte tokenizer cannot emit
+256/257 from bytes. A `tokenizer.json` must define both markers as special tokens (else it is
+refused); the markers are inserted by id and content is encoded with the tokenizer's
+`encode_special_tokens` on, so marker text in content becomes ordinary tokens, as any other text;
+a content encoding that still contains a marker id (a vocabulary that maps text to it) is an error.
+Tested in tests/trees/test_ingest.py (sample logs, bad inputs in tests/data/bad_inputs, a small
+tokenizer.json with the two special tokens).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import numpy as np
 
-from harts.trees.io import TrajectoryFormatError
+from harts.trees.io import TrajectoryFormatError, float_field, input_files, parse_json, read_lines, read_text
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
 
 ROLES = ("system", "user", "assistant", "tool")
 INPUT_SUFFIXES = (".traj", ".json", ".jsonl", ".jsonl.gz")
+MARKERS = ("<|im_start|>", "<|im_end|>")
+RECORD_FIELDS = (
+    "id", "tree", "instance_id", "reward", "messages", "history",
+    "environment", "info", "replay_config", "trajectory",
+)
 
 
 class ByteTokenizer:
@@ -49,7 +67,11 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A Hugging Face `tokenizer.json`, loaded with the `tokenizers` package."""
+    """A Hugging Face `tokenizer.json`, loaded with the `tokenizers` package.
+
+    Both ChatML markers must be special tokens of the file: they are emitted by id, and content
+    is encoded with special-token matching off, so marker text in content stays ordinary text.
+    """
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
@@ -58,14 +80,26 @@ class FileTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # the package raises plain Exceptions
             raise ValueError(f"{path}: cannot load tokenizer ({error})") from None
+        special = {
+            token.content: token_id
+            for token_id, token in self._tokenizer.get_added_tokens_decoder().items() if token.special
+        }
+        for marker in MARKERS:
+            if marker not in special:
+                raise ValueError(
+                    f"{path}: {marker!r} is not a special token of this tokenizer "
+                    "(ChatML rendering needs <|im_start|> and <|im_end|> as special tokens)"
+                )
+        self.IM_START, self.IM_END = special[MARKERS[0]], special[MARKERS[1]]
+        self._tokenizer.encode_special_tokens = True
         self.name = str(path)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def header(self, role: str) -> list[int]:
-        return self.encode(f"<|im_start|>{role}\n")
+        return [self.IM_START, *self.encode(f"{role}\n")]
 
     def footer(self) -> list[int]:
-        return self.encode("<|im_end|>\n")
+        return [self.IM_END, *self.encode("\n")]
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -79,37 +113,23 @@ def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
     return FileTokenizer(spec)
 
 
-def _input_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(INPUT_SUFFIXES))
-        if not files:
-            raise TrajectoryFormatError(f"{path}: directory holds no {', '.join(INPUT_SUFFIXES)} file")
-        return files
-    if not path.is_file():
-        raise TrajectoryFormatError(f"{path}: no such file or directory")
-    if not path.name.endswith(INPUT_SUFFIXES):
-        raise TrajectoryFormatError(f"{path}: unknown file type (expected {', '.join(INPUT_SUFFIXES)})")
-    return [path]
-
-
 def _records(path: Path):
     """(where, default id, record) for every conversation in the file."""
     stem = path.name.split(".")[0]
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                where = f"{path}:{number}"
-                try:
-                    yield where, f"{stem}:{number}", json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise TrajectoryFormatError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
+        empty = True
+        for number, line in read_lines(path):
+            if not line.strip():
+                raise TrajectoryFormatError(f"{path}:{number}: empty line")
+            empty = False
+            yield f"{path}:{number}", f"{stem}:{number}", parse_json(line, path, number)
+        if empty:
+            raise TrajectoryFormatError(f"{path}: no conversations (empty file)")
     else:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                yield str(path), stem, json.load(handle)
-        except json.JSONDecodeError as error:
-            raise TrajectoryFormatError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None
+        text = read_text(path)
+        if not text.strip():
+            raise TrajectoryFormatError(f"{path}: no conversation (empty file)")
+        yield str(path), stem, parse_json(text, path)
 
 
 def _messages(record: object, where: str) -> list:
@@ -163,7 +183,12 @@ def render(messages: list, tokenizer, where: str) -> tuple[np.ndarray, np.ndarra
         if role not in ROLES:
             raise TrajectoryFormatError(f"{at}: field 'role': {role!r} is not one of {', '.join(ROLES)}")
         header = tokenizer.header(role)
-        body = tokenizer.encode(_content_text(message, at)) + tokenizer.footer()
+        content = tokenizer.encode(_content_text(message, at))
+        if tokenizer.IM_START in content or tokenizer.IM_END in content:
+            raise TrajectoryFormatError(
+                f"{at}: field 'content': the tokenizer encodes this text to a ChatML marker token id"
+            )
+        body = content + tokenizer.footer()
         tokens += header + body
         trained = 1 if role == "assistant" else 0
         mask += [0] * len(header) + [trained] * len(body)
@@ -177,26 +202,29 @@ def ingest_messages(path: str | Path, tokenizer) -> Step:
     """Tokenise every conversation under `path` into one step."""
     ids, trees, rewards, token_arrays, mask_arrays = [], [], [], [], []
     seen: dict[str, str] = {}
-    for file in _input_files(Path(path)):
+    for file in input_files(Path(path), INPUT_SUFFIXES):
         for where, default_id, record in _records(file):
             messages = _messages(record, where)
             meta = record if isinstance(record, dict) else {}
+            unknown = sorted(set(meta) - set(RECORD_FIELDS))
+            if unknown:
+                raise TrajectoryFormatError(
+                    f"{where}: field '{unknown[0]}': unknown field (known: {', '.join(RECORD_FIELDS)})"
+                )
             trajectory_id = meta.get("id", default_id)
             tree = meta.get("tree", meta.get("instance_id", trajectory_id))
-            reward = meta.get("reward", 0.0)
             if not isinstance(trajectory_id, str) or not trajectory_id:
                 raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
             if trajectory_id in seen:
                 raise TrajectoryFormatError(f"{where}: field 'id': duplicate id {trajectory_id!r} (also {seen[trajectory_id]})")
             if not isinstance(tree, str) or not tree:
                 raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                raise TrajectoryFormatError(f"{where}: field 'reward': expected a number")
+            reward = float_field(meta.get("reward", 0.0), where, "reward")
             tokens, mask = render(messages, tokenizer, where)
             seen[trajectory_id] = where
             ids.append(trajectory_id)
             trees.append(tree)
-            rewards.append(float(reward))
+            rewards.append(reward)
             token_arrays.append(tokens)
             mask_arrays.append(mask)
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)

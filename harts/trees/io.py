@@ -11,18 +11,25 @@ absent (then absent for the whole step: a field given on some lines and not on o
 error). Per-token lists have the length of `tokens`; `loss_mask[0]` must be 0 (DESIGN §5).
 
 The `.npz` form holds the same fields as flat arrays (`Step`'s attributes) and loads without
-pickle. A directory is one step: every `*.jsonl`, `*.jsonl.gz` and `*.npz` in it, by name.
+pickle. A directory is one step: every `*.jsonl`, `*.jsonl.gz` and `*.npz` in it, by name (an
+entry with such a name that is not a readable file, e.g. a dangling symbolic link, is an error).
 
 Every malformed input raises `TrajectoryFormatError` (a ValueError) whose message is one line
-naming the file, the line (or trajectory) and the field. Nothing is dropped or coerced.
+naming the file, the line (or trajectory) and the field. Nothing is dropped or coerced: a JSON
+object that gives a key twice, a number that does not fit the float32 it is stored in, invalid
+UTF-8, a corrupt or truncated gzip stream and a damaged `.npz` archive are all refused.
+`read_lines`, `read_text`, `parse_json`, `float_field` and `input_files` are shared with
+`harts.trees.ingest`. Tested against hand-made bad inputs (tests/data/bad_inputs, tests/trees).
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
+import zipfile
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +41,8 @@ NPZ_SUFFIX = ".npz"
 NPZ_FORMAT_VERSION = 1
 FIELDS = ("id", "tree", "tokens", "loss_mask", "advantage", "reward", "old_logprobs", "ref_logprobs")
 OPTIONAL_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 class TrajectoryFormatError(ValueError):
@@ -42,20 +51,41 @@ class TrajectoryFormatError(ValueError):
 
 def step_files(path: str | Path) -> list[Path]:
     """The files that make up the step at `path` (a file, or a directory of them)."""
-    path = Path(path)
+    return input_files(Path(path), (*JSONL_SUFFIXES, NPZ_SUFFIX))
+
+
+def input_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """`path` itself, or every entry of the directory `path` whose name ends in one of `suffixes`.
+
+    An entry with such a name that is not a regular file (a dangling symbolic link, a directory)
+    is an error rather than skipped: a step or log set that silently lost a file looks complete.
+    """
+    expected = ", ".join(f"*{suffix}" for suffix in suffixes)
     if path.is_dir():
-        files = sorted(
-            p for p in path.iterdir()
-            if p.is_file() and (p.name.endswith(JSONL_SUFFIXES) or p.name.endswith(NPZ_SUFFIX))
-        )
+        files = sorted(p for p in path.iterdir() if p.name.endswith(suffixes))
         if not files:
-            raise TrajectoryFormatError(f"{path}: directory holds no *.jsonl, *.jsonl.gz or *.npz file")
+            raise TrajectoryFormatError(f"{path}: directory holds no {expected} file")
+        for file in files:
+            if not file.is_file():
+                raise TrajectoryFormatError(f"{file}: {_not_a_file(file)}")
         return files
     if not path.exists():
-        raise TrajectoryFormatError(f"{path}: no such file or directory")
-    if not (path.name.endswith(JSONL_SUFFIXES) or path.name.endswith(NPZ_SUFFIX)):
-        raise TrajectoryFormatError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz or .npz)")
+        raise TrajectoryFormatError(f"{path}: {_not_a_file(path)}")
+    if not path.name.endswith(suffixes):
+        raise TrajectoryFormatError(f"{path}: unknown file type (expected {expected})")
+    if not path.is_file():
+        raise TrajectoryFormatError(f"{path}: {_not_a_file(path)}")
     return [path]
+
+
+def _not_a_file(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return f"dangling symbolic link (its target {str(path.readlink())!r} does not exist)"
+    if not path.exists():
+        return "no such file or directory"
+    if path.is_dir():
+        return "a directory, not a file"
+    return "not a regular file"
 
 
 def read_step(path: str | Path, *, vocab_size: int | None = None) -> Step:
@@ -82,10 +112,102 @@ def check_vocabulary(step: Step, vocab_size: int) -> None:
         )
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without its line break) of every line of a UTF-8 file, gunzipped when
+    the name ends in .gz.
+
+    Lines are decoded one by one, so invalid UTF-8 is reported with its line; a corrupt or truncated
+    gzip stream is reported with the first line that could not be read.
+    """
+    line_number = 0
+    try:
+        with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                yield line_number, _decode(raw.rstrip(b"\r\n"), path, line_number)
+    except EOFError:
+        raise TrajectoryFormatError(
+            f"{path}:{line_number + 1}: truncated gzip data (the file ends before the end-of-stream marker)"
+        ) from None
+    except (gzip.BadGzipFile, zlib.error) as error:
+        raise TrajectoryFormatError(f"{path}:{line_number + 1}: corrupt gzip data ({error})") from None
+    except OSError as error:
+        raise TrajectoryFormatError(f"{path}: cannot read ({error.strerror or error})") from None
+
+
+def read_text(path: Path) -> str:
+    """The whole UTF-8 file; invalid UTF-8 is reported with its line."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise TrajectoryFormatError(f"{path}: cannot read ({error.strerror or error})") from None
+    return _decode(raw, path, 1)
+
+
+def _decode(raw: bytes, path: Path, first_line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + raw.count(b"\n", 0, error.start)
+        column = error.start - raw.rfind(b"\n", 0, error.start)
+        raise TrajectoryFormatError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column {column}: {error.reason})"
+        ) from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return record
+
+
+def parse_json(text: str, path: Path | str, line: int = 1) -> object:
+    """`text` (starting on `line` of `path`) as JSON; a key given twice in one object is an error.
+
+    Python's json keeps the last of duplicate keys without a word, so a record with two `reward`s
+    would lose one silently.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as error:
+        raise TrajectoryFormatError(
+            f"{path}:{line + error.lineno - 1}: invalid JSON ({error.msg} at column {error.colno})"
+        ) from None
+    except _DuplicateKey as duplicate:
+        raise TrajectoryFormatError(
+            f"{path}:{line}: field '{duplicate.key}': duplicate key (a JSON object gives it twice)"
+        ) from None
+    except RecursionError:
+        raise TrajectoryFormatError(f"{path}:{line}: invalid JSON (nested too deeply)") from None
+    except ValueError as error:  # an integer literal beyond Python's int/str conversion limit
+        raise TrajectoryFormatError(f"{path}:{line}: invalid JSON ({str(error).split(';')[0]})") from None
+
+
+def float_field(value: object, where: str, name: str) -> float:
+    """A JSON number stored as float32: finite and within the float32 range (no silent inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TrajectoryFormatError(f"{where}: field '{name}': expected a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value {value}")
+    if abs(value) > FLOAT32_MAX:
+        raise TrajectoryFormatError(f"{where}: field '{name}': {_describe(value)} is outside the float32 range")
+    return float(value)
+
+
+def _describe(value: object) -> str:
+    """A number for a message; huge integers by their digit count."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return f"{value:g}" if isinstance(value, float) else repr(value)
 
 
 class _Collector:
@@ -107,16 +229,10 @@ class _Collector:
 
 def _read_jsonl(path: Path) -> Step:
     acc = _Collector(str(path))
-    try:
-        with _open_text(path) as handle:
-            for line_number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    raise TrajectoryFormatError(f"{path}:{line_number}: empty line")
-                _parse_record(acc, line, line_number)
-    except UnicodeDecodeError as error:
-        raise TrajectoryFormatError(f"{path}: not UTF-8 text ({error.reason})") from None
-    except (OSError, EOFError) as error:
-        raise TrajectoryFormatError(f"{path}: cannot read ({error})") from None
+    for line_number, line in read_lines(path):
+        if not line.strip():
+            raise TrajectoryFormatError(f"{path}:{line_number}: empty line")
+        _parse_record(acc, line, line_number)
     if not acc.ids:
         raise TrajectoryFormatError(f"{path}: no trajectories")
     for name, first in acc.optional_first_line.items():
@@ -130,10 +246,7 @@ def _read_jsonl(path: Path) -> Step:
 
 def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
     where = f"{acc.where}:{line_number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TrajectoryFormatError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
+    record = parse_json(line, acc.where, line_number)
     if not isinstance(record, dict):
         raise TrajectoryFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     unknown = sorted(set(record) - set(FIELDS))
@@ -186,8 +299,8 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
         advantage = _float_array(advantage, where, "advantage", may_hold_bools)
         _check_length(advantage, length, where, "advantage")
     else:
-        advantage = _float_scalar(advantage, where, "advantage")
-    reward = _float_scalar(record.get("reward", 0.0), where, "reward")
+        advantage = float_field(advantage, where, "advantage")
+    reward = float_field(record.get("reward", 0.0), where, "reward")
 
     for name in OPTIONAL_TOKEN_FIELDS:
         if name in record:
@@ -229,8 +342,18 @@ def _int_array(values: object, where: str, name: str, may_hold_bools: bool) -> n
         raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of integers") from None
     if array.ndim != 1:
         raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of integers")
-    if len(values) and array.dtype.kind not in "iu":
-        raise TrajectoryFormatError(f"{where}: field '{name}': non-integer value (expected integers)")
+    if len(values) and (array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.max() > INT64_MAX)):
+        # numpy stores integers beyond int64 as uint64, float64 or objects: find the culprit.
+        k, value = next(
+            (k, v) for k, v in enumerate(values) if type(v) is not int or not -INT64_MAX - 1 <= v <= INT64_MAX
+        )
+        if type(value) is int:
+            raise TrajectoryFormatError(
+                f"{where}: field '{name}': {_describe(value)} at position {k} is outside the int64 range"
+            )
+        raise TrajectoryFormatError(
+            f"{where}: field '{name}': non-integer value {value!r} at position {k} (expected integers)"
+        )
     return array.astype(np.int64, copy=False)
 
 
@@ -241,21 +364,26 @@ def _float_array(values: object, where: str, name: str, may_hold_bools: bool) ->
         raise TrajectoryFormatError(f"{where}: field '{name}': booleans are not numbers")
     try:
         array = np.asarray(values, dtype=np.float64)
+    except OverflowError:  # an integer beyond the float64 range
+        k, value = next((k, v) for k, v in enumerate(values) if type(v) is int and abs(v) > FLOAT32_MAX)
+        raise TrajectoryFormatError(
+            f"{where}: field '{name}': {_describe(value)} at position {k} is outside the float32 range"
+        ) from None
     except (ValueError, TypeError):
         raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of numbers") from None
     if array.ndim != 1:
         raise TrajectoryFormatError(f"{where}: field '{name}': expected a flat list of numbers")
-    if not np.isfinite(array).all():
-        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
+    bad = ~np.isfinite(array)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value {array[k]} at position {k}")
+    bad = np.abs(array) > FLOAT32_MAX
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise TrajectoryFormatError(
+            f"{where}: field '{name}': {_describe(values[k])} at position {k} is outside the float32 range"
+        )
     return array.astype(np.float32)
-
-
-def _float_scalar(value: object, where: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TrajectoryFormatError(f"{where}: field '{name}': expected a number")
-    if not math.isfinite(value):
-        raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
-    return float(value)
 
 
 def _check_length(array: np.ndarray, length: int, where: str, name: str) -> None:
@@ -349,13 +477,51 @@ _NPZ_ARRAYS = {
 }
 
 
+# What a damaged zip archive raises while numpy opens it or reads a member (zipfile raises
+# RuntimeError for a member flagged as encrypted, NotImplementedError for an unknown compression).
+_NPZ_READ_ERRORS = (
+    OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error
+)
+_PER_TOKEN = ("tokens", "loss_mask", "advantage_per_token", "old_logprobs", "ref_logprobs")
+
+
+def _open_npz(path: Path) -> np.lib.npyio.NpzFile:
+    """The archive, after checking that the file is a zip archive at all.
+
+    np.load guesses the format from the first bytes and falls back to unpickling, so a text file
+    would be reported as "pickled data" and a renamed .npy would load as a bare array.
+    """
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(6)
+    except OSError as error:
+        raise TrajectoryFormatError(f"{path}: cannot read ({error.strerror or error})") from None
+    if not magic:
+        raise TrajectoryFormatError(f"{path}: empty file (expected an .npz archive)")
+    if magic.startswith(b"\x93NUMPY"):
+        raise TrajectoryFormatError(
+            f"{path}: a single .npy array, not an .npz archive (an .npz step holds named arrays: ids, tokens, ...)"
+        )
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        raise TrajectoryFormatError(
+            f"{path}: not an .npz archive (an .npz file is a zip archive; this file starts with {magic!r})"
+        )
+    try:
+        return np.load(path, allow_pickle=False)
+    except _NPZ_READ_ERRORS as error:
+        raise TrajectoryFormatError(f"{path}: truncated or corrupt .npz archive ({error})") from None
+
+
+def _npz_array(archive: np.lib.npyio.NpzFile, name: str, where: str) -> np.ndarray:
+    try:
+        return archive[name]
+    except _NPZ_READ_ERRORS as error:
+        raise TrajectoryFormatError(f"{where}: field '{name}': cannot read the array ({error})") from None
+
+
 def _read_npz(path: Path) -> Step:
     where = str(path)
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise TrajectoryFormatError(f"{where}: not a readable .npz archive ({error})") from None
-    with archive:
+    with _open_npz(path) as archive:
         names = set(archive.files)
         unknown = sorted(names - set(_NPZ_ARRAYS) - {"ids", "trees", "format_version"})
         if unknown:
@@ -363,15 +529,17 @@ def _read_npz(path: Path) -> Step:
         for required in ("format_version", "ids", "trees", "offsets", "tokens", "loss_mask", "rewards"):
             if required not in names:
                 raise TrajectoryFormatError(f"{where}: field '{required}': missing")
-        try:
-            version = int(archive["format_version"])
-            ids = archive["ids"]
-            trees = archive["trees"]
-            arrays = {name: archive[name] for name in _NPZ_ARRAYS if name in names}
-        except ValueError as error:
-            raise TrajectoryFormatError(f"{where}: unreadable array ({error})") from None
-    if version != NPZ_FORMAT_VERSION:
-        raise TrajectoryFormatError(f"{where}: field 'format_version': {version} is not {NPZ_FORMAT_VERSION}")
+        version = _npz_array(archive, "format_version", where)
+        ids = _npz_array(archive, "ids", where)
+        trees = _npz_array(archive, "trees", where)
+        arrays = {name: _npz_array(archive, name, where) for name in _NPZ_ARRAYS if name in names}
+    if version.shape != () or version.dtype.kind not in "iu":
+        raise TrajectoryFormatError(
+            f"{where}: field 'format_version': expected an integer scalar, "
+            f"got {version.dtype.name} {list(version.shape)}"
+        )
+    if int(version) != NPZ_FORMAT_VERSION:
+        raise TrajectoryFormatError(f"{where}: field 'format_version': {int(version)} is not {NPZ_FORMAT_VERSION}")
     for name, array in (("ids", ids), ("trees", trees)):
         if array.dtype.kind != "U" or array.ndim != 1:
             raise TrajectoryFormatError(f"{where}: field '{name}': expected a 1-D string array")
@@ -379,18 +547,33 @@ def _read_npz(path: Path) -> Step:
     if len(trees) != num:
         raise TrajectoryFormatError(f"{where}: field 'trees': {len(trees)} entries for {num} ids")
     offsets = arrays["offsets"]
-    if offsets.dtype != np.int64 or offsets.shape != (num + 1,) or (num and offsets[0] != 0):
-        raise TrajectoryFormatError(f"{where}: field 'offsets': expected int64 [N+1] starting at 0")
+    if offsets.dtype != np.int64 or offsets.shape != (num + 1,):
+        raise TrajectoryFormatError(
+            f"{where}: field 'offsets': expected int64 [N+1] with N+1 = {num + 1}, "
+            f"got {offsets.dtype.name} {list(offsets.shape)}"
+        )
+    if num and offsets[0] != 0:
+        raise TrajectoryFormatError(f"{where}: field 'offsets': offsets[0] = {offsets[0]}, expected 0")
     lengths = np.diff(offsets)
     if (lengths <= 0).any():
         k = int(np.flatnonzero(lengths <= 0)[0])
-        raise TrajectoryFormatError(f"{where}: trajectory {str(ids[k])!r}: field 'tokens': empty")
-    sizes = {"N": num, "N+1": num + 1, "S": int(offsets[-1]) if num else 0}
+        raise TrajectoryFormatError(
+            f"{where}: field 'offsets': offsets[{k + 1}] = {offsets[k + 1]} is not greater than "
+            f"offsets[{k}] = {offsets[k]} (trajectory {str(ids[k])!r} would have no tokens)"
+        )
+    size = int(offsets[-1]) if num else 0
+    shapes = {arrays[name].shape for name in _PER_TOKEN if name in arrays}
+    if len(shapes) == 1 and len(next(iter(shapes))) == 1 and shapes != {(size,)}:
+        # Every per-token array agrees on S: the offsets are what is wrong.
+        raise TrajectoryFormatError(
+            f"{where}: field 'offsets': offsets[-1] = {size} but the per-token arrays hold {shapes.pop()[0]} tokens"
+        )
+    sizes = {"N": num, "N+1": num + 1, "S": size}
     for name, array in arrays.items():
-        dtype, size = _NPZ_ARRAYS[name]
-        if array.dtype != dtype or array.shape != (sizes[size],):
+        dtype, symbol = _NPZ_ARRAYS[name]
+        if array.dtype != dtype or array.shape != (sizes[symbol],):
             raise TrajectoryFormatError(
-                f"{where}: field '{name}': expected {np.dtype(dtype).name} [{size}], "
+                f"{where}: field '{name}': expected {np.dtype(dtype).name} [{symbol}] with {symbol} = {sizes[symbol]}, "
                 f"got {array.dtype.name} {list(array.shape)}"
             )
     if ("advantage_per_trajectory" in arrays) == ("advantage_per_token" in arrays):
@@ -420,9 +603,15 @@ def _read_npz(path: Path) -> Step:
         raise TrajectoryFormatError(
             f"{where}: trajectory {id_list[k]!r}: field 'loss_mask': loss_mask[0] must be 0"
         )
-    for name in ("rewards", "advantage_per_trajectory", "advantage_per_token", "old_logprobs", "ref_logprobs"):
+    for name in ("rewards", "advantage_per_trajectory"):
         if name in arrays and not np.isfinite(arrays[name]).all():
-            raise TrajectoryFormatError(f"{where}: field '{name}': non-finite value")
+            k = int(np.flatnonzero(~np.isfinite(arrays[name]))[0])
+            raise TrajectoryFormatError(
+                f"{where}: trajectory {id_list[k]!r}: field '{name}': non-finite value {arrays[name][k]}"
+            )
+    for name in ("advantage_per_token", *OPTIONAL_TOKEN_FIELDS):
+        if name in arrays:
+            _check_npz_values(where, id_list, offsets, ~np.isfinite(arrays[name]), name, "non-finite value")
     for name in OPTIONAL_TOKEN_FIELDS:
         if name in arrays:
             _check_npz_values(where, id_list, offsets, arrays[name] > 0, name, "log-probabilities must be <= 0")

@@ -1,10 +1,18 @@
-"""Small step builders and a brute-force dict trie, the oracle of the vectorised structures."""
+"""Small step builders, a brute-force dict trie (the oracle of the vectorised structures) and the
+checks of a refused bad input (library message, CLI line)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 
+from harts.cli.main import main
 from harts.trees.step import TOKEN_DTYPE, Step
+
+BAD_INPUTS = Path(__file__).resolve().parents[1] / "data" / "bad_inputs"
+"""Committed bad input files (made by make.py there)."""
 
 
 def make_step(sequences: list[list[int]], ids: list[str] | None = None, trees: list[str] | None = None) -> Step:
@@ -85,3 +93,28 @@ class BruteTrie:
     def fork_depths(self) -> list[int]:
         """Forks strictly before the last token on each path."""
         return [sum(1 for node in path[:-1] if len(self.children[node]) >= 2) for path in self.paths]
+
+
+def assert_message(message: str, expected: str, path: Path) -> None:
+    """`message` is `expected` with {path} filled in; `...` stands for a library's own wording
+    (zlib's, zipfile's), which may change with its version."""
+    pattern = ".*".join(re.escape(part) for part in expected.format(path=path).split("..."))
+    assert re.fullmatch(pattern, message), f"{message!r} is not {expected!r}"
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run `harts argv` in-process; assert that it failed cleanly and return its one stderr line.
+
+    An uncaught exception propagates out of main (the test fails with its traceback); argparse
+    usage errors exit through SystemExit.
+    """
+    try:
+        status = main(argv)
+    except SystemExit as exit:
+        status = exit.code
+    err = capsys.readouterr().err
+    assert status not in (0, None), f"exit status {status}"
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("harts: error: "), err
+    return lines[0]

@@ -7,7 +7,7 @@ import pytest
 from harts.cli.main import main
 from harts.trees.io import TrajectoryFormatError, read_step, write_step
 
-from .helpers import make_step
+from .helpers import BAD_INPUTS, assert_message, cli_error, make_step
 
 GOOD = {"id": "a", "tokens": [1, 2, 3]}
 
@@ -66,6 +66,112 @@ def test_bad_input_names_file_line_and_field(tmp_path, case, capsys):
     assert main(["trees", "validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("harts: error: ") and fragment in err and "Traceback" not in err
+
+
+# name: (file or directory under tests/data/bad_inputs/reader, the exact message; see assert_message)
+BAD_FILES = {
+    "corrupt-gzip": ("corrupt.jsonl.gz", "{path}:1: corrupt gzip data (...)"),
+    "truncated-gzip": (
+        "truncated.jsonl.gz", "{path}:1: truncated gzip data (the file ends before the end-of-stream marker)"
+    ),
+    "huge-int-reward": (
+        "huge-int-reward.jsonl", "{path}:2: field 'reward': an integer of 400 digits is outside the float32 range"
+    ),
+    "huge-int-advantage": (
+        "huge-int-advantage.jsonl",
+        "{path}:2: field 'advantage': an integer of 400 digits is outside the float32 range",
+    ),
+    "float32-overflow-reward": (
+        "float32-overflow-reward.jsonl", "{path}:2: field 'reward': 1e+39 is outside the float32 range"
+    ),
+    "huge-int-old-logprob": (
+        "huge-int-old-logprob.jsonl",
+        "{path}:1: field 'old_logprobs': an integer of 400 digits at position 2 is outside the float32 range",
+    ),
+    "float32-overflow-ref-logprob": (
+        "float32-overflow-ref-logprob.jsonl",
+        "{path}:1: field 'ref_logprobs': -1e+300 at position 1 is outside the float32 range",
+    ),
+    "infinite-ref-logprob": (
+        "infinite-ref-logprob.jsonl", "{path}:1: field 'ref_logprobs': non-finite value -inf at position 2"
+    ),
+    "nan-advantage-list": (
+        "nan-advantage-list.jsonl", "{path}:1: field 'advantage': non-finite value nan at position 1"
+    ),
+    "bool-old-logprob": ("bool-old-logprob.jsonl", "{path}:1: field 'old_logprobs': booleans are not numbers"),
+    "bool-reward": ("bool-reward.jsonl", "{path}:1: field 'reward': expected a number"),
+    "float-loss-mask": (
+        "float-loss-mask.jsonl", "{path}:1: field 'loss_mask': non-integer value 1.0 at position 1 (expected integers)"
+    ),
+    "uint64-token": (
+        "uint64-token.jsonl", "{path}:1: field 'tokens': 18446744073709551615 at position 0 is outside the int64 range"
+    ),
+    "huge-int-token": (
+        "huge-int-token.jsonl",
+        "{path}:1: field 'tokens': an integer of 400 digits at position 2 is outside the int64 range",
+    ),
+    "int-digit-limit": (
+        "int-digit-limit.jsonl",
+        "{path}:1: invalid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits)",
+    ),
+    "invalid-utf8": (
+        "invalid-utf8.jsonl", "{path}:2: not UTF-8 text (byte 0xe9 at column 25: invalid continuation byte)"
+    ),
+    "duplicate-key": ("duplicate-key.jsonl", "{path}:2: field 'reward': duplicate key (a JSON object gives it twice)"),
+    "empty-jsonl": ("empty.jsonl", "{path}: no trajectories"),
+    "dangling-link": (
+        "dangling-link", "{path}/b.jsonl: dangling symbolic link (its target 'missing.jsonl' does not exist)"
+    ),
+    "npz-format-version-array": (
+        "npz-format-version-array.npz",
+        "{path}: field 'format_version': expected an integer scalar, got int64 [2]",
+    ),
+    "npz-renamed-npy": (
+        "npz-renamed-npy.npz",
+        "{path}: a single .npy array, not an .npz archive (an .npz step holds named arrays: ids, tokens, ...)",
+    ),
+    "npz-truncated": ("npz-truncated.npz", "{path}: truncated or corrupt .npz archive (...)"),
+    "npz-bit-flipped": ("npz-bit-flipped.npz", "{path}: field 'tokens': cannot read the array (...)"),
+    "npz-encrypted-flag": ("npz-encrypted-flag.npz", "{path}: field 'tokens': cannot read the array (...)"),
+    "npz-text": (
+        "npz-text.npz",
+        "{path}: not an .npz archive (an .npz file is a zip archive; this file starts with b'hello,')",
+    ),
+    "npz-empty": ("npz-empty.npz", "{path}: empty file (expected an .npz archive)"),
+    "npz-offsets-not-increasing": (
+        "npz-offsets-not-increasing.npz",
+        "{path}: field 'offsets': offsets[2] = 3 is not greater than offsets[1] = 3 "
+        "(trajectory 't1' would have no tokens)",
+    ),
+    "npz-offsets-beyond-tokens": (
+        "npz-offsets-beyond-tokens.npz",
+        "{path}: field 'offsets': offsets[-1] = 10 but the per-token arrays hold 8 tokens",
+    ),
+    "npz-infinite-reward": (
+        "npz-infinite-reward.npz", "{path}: trajectory 't1': field 'rewards': non-finite value inf"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_bad_file_is_refused_in_one_line(case, capsys):
+    name, expected = BAD_FILES[case]
+    path = BAD_INPUTS / "reader" / name
+    with pytest.raises(ValueError) as error:
+        read_step(path)
+    assert_message(str(error.value), expected, path)
+    for command in ("validate", "stats"):
+        assert_message(cli_error(["trees", command, str(path)], capsys), f"harts: error: {expected}", path)
+
+
+def test_line_by_line_decoding_reads_crlf_utf8_and_gzip(tmp_path):
+    """The reader decodes each line on its own: CRLF line ends, multi-byte UTF-8 and gzip still read."""
+    path = tmp_path / "s.jsonl.gz"
+    with gzip.open(path, "wb") as handle:
+        handle.write((json.dumps({"id": "é", "tokens": [1, 2]}, ensure_ascii=False) + "\r\n").encode())
+        handle.write((json.dumps({"id": "b", "tree": "日本", "tokens": [3]}, ensure_ascii=False) + "\r\n").encode())
+    step = read_step(path)
+    assert step.ids == ("é", "b") and step.trees == ("é", "日本")
 
 
 def test_vocabulary_bound(tmp_path):

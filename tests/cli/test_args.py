@@ -1,0 +1,77 @@
+"""Numeric options of `harts plan microbatches` and `harts trees ...` (harts/cli/args.py) and the
+one-line usage errors of the `harts` parser (harts/cli/main.py)."""
+
+import pytest
+
+from tests.trees.helpers import cli_error
+
+STEP = "data/samples/tiny-step.jsonl.gz"
+PLAN = ["plan", "microbatches", STEP, "--capacity", "4096", "--dp", "2"]
+ORTOOLS = [*PLAN, "--planner", "treetrain-ortools"]
+
+# name: (argv, the command, the message); the stderr line is "harts: error: COMMAND: MESSAGE (see ...)"
+BAD_OPTIONS = {
+    "time-limit-nan": (
+        [*ORTOOLS, "--time-limit", "nan"],
+        "plan microbatches", "argument --time-limit: expected a finite number > 0, got 'nan'",
+    ),
+    "time-limit-inf": (
+        [*ORTOOLS, "--time-limit", "inf"],
+        "plan microbatches", "argument --time-limit: expected a finite number > 0, got 'inf'",
+    ),
+    "time-limit-zero": (
+        [*ORTOOLS, "--time-limit", "0"],
+        "plan microbatches", "argument --time-limit: expected a finite number > 0, got '0'",
+    ),
+    "time-limit-negative": (
+        [*ORTOOLS, "--time-limit", "-3"],
+        "plan microbatches", "argument --time-limit: expected a finite number > 0, got '-3'",
+    ),
+    "time-limit-text": (
+        [*ORTOOLS, "--time-limit", "ten"],
+        "plan microbatches", "argument --time-limit: expected a finite number > 0, got 'ten'",
+    ),
+    "capacity-zero": (
+        ["plan", "microbatches", STEP, "--capacity", "0", "--dp", "2"],
+        "plan microbatches", "argument --capacity: expected a positive integer, got '0'",
+    ),
+    "capacity-negative": (
+        ["plan", "microbatches", STEP, "--capacity", "-512", "--dp", "2"],
+        "plan microbatches", "argument --capacity: expected a positive integer, got '-512'",
+    ),
+    "dp-zero": (
+        ["plan", "microbatches", STEP, "--capacity", "4096", "--dp", "0"],
+        "plan microbatches", "argument --dp: expected a positive integer, got '0'",
+    ),
+    "dp-fraction": (
+        ["plan", "microbatches", STEP, "--capacity", "4096", "--dp", "1.5"],
+        "plan microbatches", "argument --dp: expected a positive integer, got '1.5'",
+    ),
+    "dp-missing": (
+        ["plan", "microbatches", STEP, "--capacity", "4096"],
+        "plan microbatches", "the following arguments are required: --dp",
+    ),
+    "vocab-size-zero": (
+        ["trees", "validate", STEP, "--vocab-size", "0"],
+        "trees validate", "argument --vocab-size: expected a positive integer, got '0'",
+    ),
+    "vocab-size-negative": (
+        ["trees", "stats", STEP, "--vocab-size", "-1"],
+        "trees stats", "argument --vocab-size: expected a positive integer, got '-1'",
+    ),
+    "seed-negative": (
+        ["trees", "synth", "--config", "configs/trees/tiny.yaml", "--seed", "-1", "--out", "{tmp}/synth"],
+        "trees synth", "argument --seed: expected a non-negative integer, got '-1'",
+    ),
+    "no-command": ([], "", "the following arguments are required: COMMAND"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+def test_bad_option_is_refused_in_one_line(case, tmp_path, capsys):
+    argv, command, message = BAD_OPTIONS[case]
+    out = tmp_path / "plan.json"
+    argv = [arg.format(tmp=tmp_path) for arg in argv] + (["--out", str(out)] if argv[:1] == ["plan"] else [])
+    prefix, prog = (f"{command}: ", f"harts {command}") if command else ("", "harts")
+    assert cli_error(argv, capsys) == f"harts: error: {prefix}{message} (see '{prog} --help')"
+    assert not out.exists() and not (tmp_path / "synth").exists()
