@@ -17,18 +17,20 @@ import sys
 import time
 from pathlib import Path
 
+from harts.cli.args import non_negative_int, positive_int
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("attention", help="time the MLA attention backends on real layouts")
     parser.add_argument("--model", default="h200")
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
-    parser.add_argument("--step", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int, default=65536)
-    parser.add_argument("--microbatches", type=int, default=2, help="microbatches of each execution to time")
+    parser.add_argument("--step", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--capacity", type=positive_int, default=65536)
+    parser.add_argument("--microbatches", type=positive_int, default=2, help="microbatches of each execution to time")
     parser.add_argument("--backends", default="varlen,flex", help="comma-separated")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/attention/backends.json")
     parser.set_defaults(run=run)
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
-    from harts.ops.attention.groups import group_attention, naive_group_attention
+    from harts.ops.attention.groups import group_attention
     from harts.planning.microbatch import plan
     from harts.runtime.layout import baseline_layout, compact_layout
     from harts.trees.trie import PrefixIndex

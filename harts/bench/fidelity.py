@@ -64,6 +64,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from harts.cli.args import non_negative_int, positive_int
+
 PAPER = {
     "symkl_excess_depth_4_5": (0.324, 0.361),
     "abs_dnll_excess_depth_4_5": (0.170, 0.187),
@@ -80,17 +82,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("fidelity", help="replay ablation and logit fidelity records")
     parser.add_argument("--model", required=True)
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
-    parser.add_argument("--step", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-seed", type=int, default=0)
-    parser.add_argument("--max-trees", type=int, default=None, help="use the first N task trees of the step")
-    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--step", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--model-seed", type=non_negative_int, default=0)
+    parser.add_argument("--max-trees", type=positive_int, default=None, help="use the first N task trees of the step")
+    parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--kda-backend", default=None)
     parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
-    parser.add_argument("--grad-max-tokens", type=int, default=None,
+    parser.add_argument("--grad-max-tokens", type=positive_int, default=None,
                         help="compare loss and gradients on the trajectories of at most this many tokens (memory "
                              "without recomputation grows with the microbatch)")
     parser.add_argument("--parallel", default=None, metavar="NAME",

@@ -27,18 +27,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harts.cli.args import non_negative_int, positive_int
+
 if TYPE_CHECKING:
     from harts.trees.trie import SegmentTree
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("kda-calls", help="time the KDA call planner on a large random segment tree")
-    parser.add_argument("--segments", type=int, default=1_000_000)
-    parser.add_argument("--chunk", type=int, default=64, help="chunk size B")
-    parser.add_argument("--max-length", type=int, default=None,
+    parser.add_argument("--segments", type=positive_int, default=1_000_000)
+    parser.add_argument("--chunk", type=positive_int, default=64, help="chunk size B")
+    parser.add_argument("--max-length", type=positive_int, default=None,
                         help="segment lengths are uniform on 1..this (default B)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/planning/kda_calls.json")
     parser.set_defaults(run=run)
 
@@ -153,8 +155,6 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
     from harts.bench.wandb_log import log_records
 
-    if min(args.repeats, args.segments, args.chunk) < 1 or (args.max_length is not None and args.max_length < 1):
-        raise ValueError("--repeats, --segments, --chunk and --max-length must be >= 1")
     print(f"generating a random tree of {args.segments:,} segments ...", file=sys.stderr)
     max_length = args.max_length or args.chunk
     tree = random_segment_tree(args.segments, max_length, args.seed)

@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from harts.cli.args import non_negative_int, positive_int
+
 # ‖a − e‖/‖e‖ allowed for bf16 fla kernels against the fp32 reference, here and in tests/ops/kda (fla's
 # own tests allow 0.005-0.02 in fp16; bf16 keeps 3 fewer mantissa bits).
 BF16_TOLERANCE = {"o": 0.01, "final": 0.01, "states": 0.01, "dq": 0.015, "dk": 0.02, "dv": 0.02,
@@ -36,18 +38,18 @@ BF16_TOLERANCE = {"o": 0.01, "final": 0.01, "states": 0.01, "dq": 0.015, "dk": 0
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("kda-handoff", help="GPU: boundary-state hand-off cost and correctness of the KDA op")
-    parser.add_argument("--rows", type=int, default=65536, help="packed rows of one call")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128, help="K = V")
-    parser.add_argument("--chunk", type=int, default=64, choices=(32, 64))
+    parser.add_argument("--rows", type=positive_int, default=65536, help="packed rows of one call")
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128, help="K = V")
+    parser.add_argument("--chunk", type=positive_int, default=64, choices=(32, 64))
     parser.add_argument("--sequences", default="1,8,64", help="packed sequences per call (comma list)")
     parser.add_argument("--boundaries", default="0,8,64,512", help="interior boundary states per call (comma list)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-split-calls", type=int, default=65)
+    parser.add_argument("--repeats", type=positive_int, default=10)
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--max-split-calls", type=positive_int, default=65)
     parser.add_argument("--trees", help="configs/trees/NAME.yaml: also time one microbatch of its step 0")
-    parser.add_argument("--tasks", type=int, default=1, help="tasks of the generated step (with --trees)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", type=positive_int, default=1, help="tasks of the generated step (with --trees)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--device", default="cuda", help="a CUDA device (cuda, cuda:N)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", default="reports/raw/kda/handoff.json")
@@ -336,8 +338,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         raise ValueError("harts bench kda-handoff times fla's Triton kernels: it needs a CUDA GPU (--device cuda); "
                          "their CPU checks are tests/ops/kda/test_fla_chunk.py, under the Triton interpreter")
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     base = {"rows": args.rows, "heads": args.heads, "dim": args.dim, "chunk": args.chunk, "dtype": args.dtype,
             "device": args.device,
             "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed}

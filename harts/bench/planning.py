@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.cli.args import index_list
+from harts.cli.args import index_list, non_negative_int, positive_float, positive_int
 
 # DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
 PAPER = {
@@ -57,15 +57,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (the steps' shape and count)")
     parser.add_argument("--data", help="read steps step_NNN.* from this directory instead of generating them")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
-    parser.add_argument("--capacity", type=int, default=None, help="T (default: the config's max_tokens)")
-    parser.add_argument("--dp", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--capacity", type=positive_int, default=None, help="T (default: the config's max_tokens)")
+    parser.add_argument("--dp", type=positive_int, default=8)
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="plan each step this many times per planner (interleaved); seconds are medians")
     parser.add_argument("--planners", type=_planner_list(PLANNER_NAMES), default=["harts", "treetrain-ortools"],
                         help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
-    parser.add_argument("--time-limit", type=float, default=None,
+    parser.add_argument("--time-limit", type=positive_float, default=None,
                         help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
@@ -112,12 +112,6 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.data is None and max(steps) >= synth.num_steps:
         raise ValueError(f"{args.trees}: step {max(steps)} is beyond num_steps = {synth.num_steps}")
     capacity = args.capacity if args.capacity is not None else synth.max_tokens
-    if capacity < 1 or args.dp < 1:
-        raise ValueError("--capacity and --dp must be >= 1")
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise ValueError("--time-limit must be > 0")
 
     if "treetrain-ortools" in args.planners:
         # Import CP-SAT before timing: its import would otherwise count in the first step's plan.

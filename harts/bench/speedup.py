@@ -66,7 +66,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harts.cli.args import index_list
+from harts.cli.args import index_list, non_negative_int, positive_int
 
 BREAKDOWN_MICROBATCHES = 4
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
@@ -82,10 +82,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
     parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (generate) or a step path")
     parser.add_argument("--steps", type=index_list, default=None, help="step indices of a trees config (default 0)")
-    parser.add_argument("--seed", type=int, default=0, help="trees seed")
-    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="trees seed")
+    parser.add_argument("--model-seed", type=non_negative_int, default=0)
     parser.add_argument("--planner", default="harts")
-    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
@@ -94,7 +94,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
                              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
     parser.add_argument("--kda-backend", default=None)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "
@@ -438,7 +438,6 @@ def profile_microbatch(model, step, members, config) -> dict[str, Any]:
     tokens, the rows the execution ran) and the top `PROFILE_TOP` ops by self device time on CUDA
     (self CPU time on CPU), with their calls."""
     import numpy as np
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from harts.objective.step import run_step
@@ -647,8 +646,6 @@ def run(args: argparse.Namespace) -> int:
     from harts.model.model import HybridModel
     from harts.parallel.config import load_parallel_config
 
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     device = torch.device(args.device)

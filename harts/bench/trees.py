@@ -16,15 +16,17 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from harts.cli.args import non_negative_int, positive_int
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("trees", help="time and memory of building a step's trie and compact map")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trees", help="configs/trees/NAME.yaml (generate the step)")
     source.add_argument("--data", help="a step file or directory")
-    parser.add_argument("--step", type=int, default=0, help="step index to generate (with --trees)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step", type=non_negative_int, default=0, help="step index to generate (with --trees)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--out", default="reports/raw/trees/build.json")
     parser.set_defaults(run=run)
 
@@ -46,8 +48,6 @@ def run(args: argparse.Namespace) -> int:
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
 
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
     if args.trees:
         synth = load_config(args.trees, SynthConfig)
         print(f"generating step {args.step} of {args.trees} ...", file=sys.stderr)

@@ -12,6 +12,8 @@ import json
 import sys
 from dataclasses import replace
 
+from harts.cli.args import non_negative_int, positive_int
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train-step", help="forward + backward of one step (loss, rows, seconds)")
@@ -32,12 +34,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trees", required=True, help="a step: .jsonl(.gz), .npz or a directory")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--capacity", type=int, default=65536, help="T: tokens per microbatch")
+    parser.add_argument("--capacity", type=positive_int, default=65536, help="T: tokens per microbatch")
     parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
     parser.add_argument("--loss", choices=("grpo", "ppo"), default="grpo")
     parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200)")
     parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
-    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
     parser.add_argument("--on-policy", action="store_true",
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -43,6 +43,7 @@ clock limit and several workers CP-SAT is not bit-reproducible; the plan is stil
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -63,8 +64,8 @@ class TreeTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.time_limit_s <= 0 or self.num_workers < 1:
-            raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
+        if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0) or self.num_workers < 1:
+            raise ValueError(f"time_limit_s must be a finite number > 0 and num_workers >= 1, got {self}")
 
 
 def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,

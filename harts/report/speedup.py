@@ -198,7 +198,6 @@ def _speedup_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
 
 
 def _time_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
-    import numpy as np
 
     paper = paper_figures()
     fig = page("Step time by phase and efficiency",

@@ -1,5 +1,5 @@
-"""Numeric options of `harts plan microbatches` and `harts trees ...` (harts/cli/args.py) and the
-one-line usage errors of the `harts` parser (harts/cli/main.py)."""
+"""Numeric options of `harts plan`, `harts trees`, `harts bench`, `train-step` and `verify`
+(harts/cli/args.py) and the one-line usage errors of the `harts` parser (harts/cli/main.py)."""
 
 import pytest
 
@@ -63,6 +63,26 @@ BAD_OPTIONS = {
         ["trees", "synth", "--config", "configs/trees/tiny.yaml", "--seed", "-1", "--out", "{tmp}/synth"],
         "trees synth", "argument --seed: expected a non-negative integer, got '-1'",
     ),
+    "bench-planning-time-limit-nan": (
+        ["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--time-limit", "nan", "--out", "{tmp}/p.json"],
+        "bench planning", "argument --time-limit: expected a finite number > 0, got 'nan'",
+    ),
+    "bench-speedup-repeats-zero": (
+        ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--repeats", "0", "--out", "{tmp}/s.json"],
+        "bench speedup", "argument --repeats: expected a positive integer, got '0'",
+    ),
+    "bench-fidelity-capacity-negative": (
+        ["bench", "fidelity", "--model", "tiny", "--trees", STEP, "--capacity", "-1", "--out", "{tmp}/f.json"],
+        "bench fidelity", "argument --capacity: expected a positive integer, got '-1'",
+    ),
+    "verify-capacity-zero": (
+        ["verify", "--model", "tiny", "--trees", STEP, "--capacity", "0"],
+        "verify", "argument --capacity: expected a positive integer, got '0'",
+    ),
+    "train-step-seed-negative": (
+        ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--seed", "-2"],
+        "train-step", "argument --seed: expected a non-negative integer, got '-2'",
+    ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }
 
@@ -75,3 +95,4 @@ def test_bad_option_is_refused_in_one_line(case, tmp_path, capsys):
     prefix, prog = (f"{command}: ", f"harts {command}") if command else ("", "harts")
     assert cli_error(argv, capsys) == f"harts: error: {prefix}{message} (see '{prog} --help')"
     assert not out.exists() and not (tmp_path / "synth").exists()
+    assert not any(tmp_path.glob("?.json"))

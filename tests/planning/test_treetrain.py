@@ -120,3 +120,9 @@ def test_counts_that_cannot_be_equalised_are_an_error():
     step = make_step([[1] * 9, [2] * 9, [3] * 9])
     with pytest.raises(ValueError, match="3 trajectories cannot fill 2 microbatches on each of 2 replicas"):
         plan(step, 10, 2, "treetrain-ortools", time_limit_s=2.0)
+
+
+@pytest.mark.parametrize("time_limit", [0.0, -1.0, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"])
+def test_time_limit_must_be_finite_and_positive(time_limit):
+    with pytest.raises(ValueError, match="time_limit_s must be a finite number > 0"):
+        tt.TreeTrainConfig(time_limit_s=time_limit)

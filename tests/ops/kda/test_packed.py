@@ -1,6 +1,5 @@
 """`packed_kda`: the per-trajectory baseline's single KDA call (fla's own chunk_kda on GPU)."""
 
-import numpy as np
 import pytest
 import torch
 
