@@ -61,13 +61,16 @@ def test_sharing_model_prices_any_set_of_parts_exactly(setting):
     # Σ = 37, capacity ⌈37/3⌉ = 13: 9 -> r0, 7 -> r1, 6 -> r1 (13, exactly full), 5 -> r2, 4 -> r0 (13),
     # then 3, 2, 1 -> r2, the only replica with room.
     ("ffd", [9, 7, 6, 5, 4, 3, 2, 1], 3, [[0, 4], [1, 2], [3, 5, 6, 7]], 13, 0),
+    # Σ = 19, capacity 10: 7 -> r0, 4, 4 -> r1 (8); 2 -> r0 (9), the first replica with room, not
+    # r1 that it would fill (best fit); 1 -> r0 (10); 1 -> r1.
+    ("ffd", [7, 4, 4, 2, 1, 1], 2, [[0, 3, 4], [1, 2, 5]], 10, 0),
     # Σ = 30, capacity 10: 7 -> r0, 7 -> r1, 6 -> r2; the first 5 fits nowhere and goes to the
     # least-loaded r2 (6), the second 5 to the least-loaded r0 (7, tied with r1: lowest replica).
     ("ffd", [7, 7, 6, 5, 5], 3, [[0, 4], [1], [2, 3]], 10, 2),
     # loads 9, 7, 6: 5 -> r2 (11), 4 -> r1 (11), 3 -> r0 (12), 2 -> r1 (11 ties 11: lowest), 1 -> r2.
     ("lpt", [9, 7, 6, 5, 4, 3, 2, 1], 3, [[0, 5], [1, 4, 6], [2, 3, 7]], None, None),
     ("lpt", [7, 7, 6, 5, 5], 3, [[0, 4], [1], [2, 3]], None, None),
-], ids=["ffd-first-fit", "ffd-overflow-to-least-loaded", "lpt", "lpt-ties"])
+], ids=["ffd-first-fit", "ffd-not-best-fit", "ffd-overflow-to-least-loaded", "lpt", "lpt-ties"])
 def test_replica_assignment_exact_contents(rule, sizes, dp, members, capacity, overflow):
     assert tt._assign_replicas(sizes, dp, rule) == (members, capacity, overflow)
 
