@@ -29,7 +29,8 @@ the machine, the index build time, on how many steps HARTS's W equals the lower 
 
 The OR-Tools planner's options (`--time-limit`, `--replica-assignment`, `--slot-order`, see
 harts.planning.treetrain; defaults: the paper's description) go to it alone, are recorded in the
-config's `options`, and the resolved reading, limit and per-solve statuses in the results' `details`.
+config's `options`, and the resolved reading, limit and per-solve statuses in the results' `details`;
+without that planner in `--planners` they have no effect, and a note on stderr says so.
 """
 
 from __future__ import annotations
@@ -118,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.data is None and max(steps) >= synth.num_steps:
         raise ValueError(f"{args.trees}: step {max(steps)} is beyond num_steps = {synth.num_steps}")
     capacity = args.capacity if args.capacity is not None else synth.max_tokens
-    treetrain_options = planner_options(args, args.planners)
+    # The pipeline passes --time-limit whatever its planners are: without treetrain-ortools the
+    # options have no effect, which is said rather than refused.
+    treetrain_options = planner_options(args, ["treetrain-ortools"])
+    if treetrain_options and "treetrain-ortools" not in args.planners:
+        print(f"note: treetrain-ortools options {treetrain_options} have no effect: --planners does not list it",
+              file=sys.stderr)
 
     if "treetrain-ortools" in args.planners:
         # Import CP-SAT before timing: its import would otherwise count in the first step's plan.

@@ -7,7 +7,7 @@ table. `--out` writes the plan as JSON. No torch import.
 
 `add_treetrain_options` / `treetrain_options` are the options of the treetrain-ortools planner
 (`TreeTrainConfig`: CP-SAT time limit, replica assignment, slot order), shared with `harts bench
-planning`: given with another planner they are an error, not ignored.
+planning`; given with another `--planner` they are an error here, not ignored.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def add_treetrain_options(parser: argparse.ArgumentParser) -> None:
 
 
 def treetrain_options(args: argparse.Namespace, planners: list[str]) -> dict[str, object]:
-    """The TreeTrainConfig fields given on the command line; an error if no planner is treetrain-ortools."""
+    """The TreeTrainConfig fields given on the command line; an error if `planners` lacks treetrain-ortools."""
     options = {}
     for flag, name in _TREETRAIN_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))

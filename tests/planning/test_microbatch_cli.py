@@ -63,13 +63,20 @@ def test_plan_microbatches_errors(step_file, capsys):
 
 @pytest.mark.parametrize("option", [["--time-limit", "3"], ["--replica-assignment", "lpt"], ["--slot-order", "sorted"]],
                          ids=lambda option: option[0][2:])
-def test_treetrain_options_with_another_planner_are_an_error(step_file, tmp_path, capsys, option):
+def test_treetrain_options_with_another_planner_are_an_error(step_file, capsys, option):
     assert main(["plan", "microbatches", str(step_file), "--capacity", "500", "--dp", "2", *option]) == 2
     assert f"{option[0]} applies to the treetrain-ortools planner only" in capsys.readouterr().err
-    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--steps", "0", "--planners",
-                 "harts,greedy-trie", "--out", str(tmp_path / "never.json"), *option]) == 2
-    assert f"{option[0]} applies to the treetrain-ortools planner only" in capsys.readouterr().err
-    assert not (tmp_path / "never.json").exists()
+
+
+def test_bench_planning_says_when_treetrain_options_have_no_effect(tmp_path, capsys):
+    """The pipeline passes --time-limit to every planning bench: without treetrain-ortools, a note."""
+    out = tmp_path / "planning.json"
+    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--steps", "0", "--dp", "2", "--repeats",
+                 "1", "--planners", "harts,greedy-trie", "--time-limit", "3", "--slot-order", "sorted",
+                 "--out", str(out)]) == 0
+    assert ("note: treetrain-ortools options {'time_limit_s': 3.0, 'slot_order': 'sorted'} have no effect: "
+            "--planners does not list it") in capsys.readouterr().err
+    assert all(r["config"]["options"] == {} for r in json.loads(out.read_text()))
 
 
 def test_plan_microbatches_imports_no_torch(step_file):
