@@ -53,9 +53,9 @@ planning table (`harts bench planning`, reports/planning.*) uses unless told oth
      paper says this scheme does not take (the planner before these options).
 
 Records (`Plan.details`): the readings, `time_limit_s`, `num_parts`, `replica_capacity` and
-`overflow_parts` (ffd; None under lpt), `replica_part_sizes` (Σ part sizes per replica), per
-replica its solve (`replicas[r]`) and its count-equalising re-solve (`replicas[r]["equalised"]`),
-each with `status` (CP-SAT's status name; "EMPTY" for a replica without parts, not solved),
+`overflow_parts` (ffd; None under lpt), `replica_part_sizes` (Σ part sizes per replica as
+assigned, before any lending), per replica its solve (`replicas[r]`) and its count-equalising
+re-solve (`replicas[r]["equalised"]`), each with `status` (CP-SAT's status name; "EMPTY" for a replica without parts, not solved),
 `seconds` (wall time of the model's construction and solve), `solver_seconds` (CP-SAT's own
 wall time), `optimal` (status OPTIMAL: proven) and `stopped_by_limit` (status FEASIBLE or
 UNKNOWN: only the time limit stops CP-SAT before a proof, as no other limit is set), and
