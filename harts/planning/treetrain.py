@@ -19,6 +19,8 @@ planning table (`harts bench planning`, reports/planning.*) uses unless told oth
      most that capacity. A part that fits no replica goes to the least-loaded one (ties: lowest
      replica); `details["overflow_parts"]` counts them. The capacity is the smallest that could
      hold every part; parts are priced alone (sharing between parts is not known at this stage).
+     The first replicas take the largest parts, the last ones many small parts, so the replicas
+     need different microbatch counts and 4 splits parts on those that need fewer.
    - "lpt": each part to the least-loaded replica (ties: lowest replica), the longest-processing-
      time rule; the most favourable reading of "FFD" for balance (the planner before these
      options).
