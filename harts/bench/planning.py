@@ -366,7 +366,8 @@ def solve_note(records: list[dict[str, Any]]) -> str:
     lines = []
     for (assignment, order, limit), group in groups.items():
         reading = f"replicas by {assignment}, slots in {order} order" if assignment else "reading not recorded"
-        limit_text = f"CP-SAT limit {limit:g} s per solve" if isinstance(limit, (int, float)) else "CP-SAT limit not recorded"
+        limit_text = (f"CP-SAT limit {limit:g} s per solve" if isinstance(limit, (int, float))
+                      else "CP-SAT limit not recorded")
         summaries = [d["solve_summary"] for d in group if "solve_summary" in d]
         line = f"OR-Tools ({reading}, {limit_text}): "
         if summaries:
@@ -377,7 +378,8 @@ def solve_note(records: list[dict[str, Any]]) -> str:
             if solves - optimal - stopped:
                 line += f", {solves - optimal - stopped} other"
         if len(summaries) < len(group):
-            line += ("; " if summaries else "") + f"solve statuses not recorded on {len(group) - len(summaries)} step(s)"
+            missing = len(group) - len(summaries)
+            line += ("; " if summaries else "") + f"solve statuses not recorded on {missing} step(s)"
         lines.append(line + ".")
     return "\n".join(lines)
 

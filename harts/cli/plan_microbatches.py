@@ -41,7 +41,8 @@ def add_treetrain_options(parser: argparse.ArgumentParser) -> None:
                         help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
     parser.add_argument("--replica-assignment", choices=REPLICA_ASSIGNMENTS, default=None,
                         help="treetrain-ortools: parts to replicas by first-fit-decreasing with replica capacity "
-                             "ceil(total/D) (ffd, default: the paper's description) or to the least-loaded replica (lpt)")
+                             "ceil(total/D) (ffd, default: the paper's description) or to the least-loaded replica "
+                             "(lpt)")
     parser.add_argument("--slot-order", choices=SLOT_ORDERS, default=None,
                         help="treetrain-ortools: each replica's microbatches in CP-SAT's bin order (solver, default: "
                              "the paper's description) or by decreasing work (sorted)")

@@ -57,11 +57,12 @@ planning table (`harts bench planning`, reports/planning.*) uses unless told oth
 Records (`Plan.details`): the readings, `time_limit_s`, `num_parts`, `replica_capacity` and
 `overflow_parts` (ffd; None under lpt), `replica_part_sizes` (Σ part sizes per replica as
 assigned, before any lending), per replica its solve (`replicas[r]`) and its count-equalising
-re-solve (`replicas[r]["equalised"]`), each with `status` (CP-SAT's status name; "EMPTY" for a replica without parts, not solved),
-`seconds` (wall time of the model's construction and solve), `solver_seconds` (CP-SAT's own
-wall time), `optimal` (status OPTIMAL: proven) and `stopped_by_limit` (status FEASIBLE or
-UNKNOWN: only the time limit stops CP-SAT before a proof, as no other limit is set), and
-`solve_summary` = {solves, optimal, stopped_by_limit} over the plan's CP-SAT solves.
+re-solve (`replicas[r]["equalised"]`), each with `status` (CP-SAT's status name; "EMPTY" for a
+replica without parts, not solved), `seconds` (wall time of the model's construction and
+solve), `solver_seconds` (CP-SAT's own wall time), `optimal` (status OPTIMAL: proven) and
+`stopped_by_limit` (status FEASIBLE or UNKNOWN: only the time limit stops CP-SAT before a proof,
+as no other limit is set), and `solve_summary` = {solves, optimal, stopped_by_limit} over the
+plan's CP-SAT solves.
 
 `plan_seconds` is the wall time of everything above, the CP-SAT solves included. With a wall-
 clock limit and several workers CP-SAT is not bit-reproducible; the plan is still validated.
