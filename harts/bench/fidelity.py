@@ -78,8 +78,8 @@ NOISE_FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("fidelity", help="replay ablation and logit fidelity records")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
+    parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path, or a step path")
     parser.add_argument("--step", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=0)

@@ -74,7 +74,7 @@ H200_BF16_PEAK_FLOPS = 989.5e12
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("speedup", help="compact vs per-trajectory execution: speedup records")
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (generate) or a step path")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path (generate), or a step path")
     parser.add_argument("--steps", type=index_list, default=None, help="step indices of a trees config (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="trees seed")
     parser.add_argument("--model-seed", type=int, default=0)
