@@ -24,7 +24,9 @@ and take medians. One record per step (config, environment, hardware) with:
 - with `--profile`, the top ops by self device time (CPU: self CPU time) of the largest microbatch
   of each execution (torch.profiler) and the rows each ran, to compare their time per row op by op;
 - on CUDA, the baseline's model-FLOPs utilisation (estimated model FLOPs, no recomputation,
-  over the measured time and the bf16 dense peak);
+  over the measured time and the bf16 dense peak), both ways: `baseline_mfu` with attention
+  (MLA over each trajectory's causal pairs, the KDA chunk kernel's FLOPs) as the field counts it,
+  `baseline_mfu_matmul` over the per-token weight products alone (`estimate_model_flops`);
 - `timing_flags`: why the timings should not be trusted, if they should not (efficiency above
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
@@ -235,12 +237,17 @@ def op_times(model, layout, device, dtype) -> dict[str, float]:
     return times
 
 
-def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) -> float:
-    """Training FLOPs (forward + backward, no recomputation) of the baseline: matmuls of the
-    per-token weights (MoE: the k routed experts + shared expert + router), MLA scores and values
-    over the causal pairs, and the KDA chunked form (intra-chunk products and state update)."""
+def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) -> dict[str, float]:
+    """Training FLOPs (forward + backward = 3 × forward, no recomputation) of the baseline, in two parts:
+    - "matmul": the products with the per-token weights (projections, the MLP or the k routed experts
+      + shared expert + router, the LM head), 2 × in × out per token each: the model-FLOPs count of
+      the parameters alone;
+    - "attention": what the field adds for sequence mixing: MLA's scores and values over the causal
+      pairs of each trajectory (2 × heads × (qk + v) per pair), and KDA's chunked form (the
+      intra-chunk key/query products and the per-token state update).
+    MFU is reported both ways (`_mfu`): over "matmul" alone, and over the sum."""
     c = model_config
-    per_token = 2 * c.hidden_size * c.vocab_size  # LM head
+    matmul = 2 * c.hidden_size * c.vocab_size  # LM head
     kda, mla, moe = c.kda, c.mla, c.moe
     kda_width = kda.num_heads * kda.head_dim
     rank = kda.gate_rank or kda.head_dim
@@ -253,16 +260,18 @@ def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) 
     moe_params = (c.hidden_size * moe.num_experts + moe.top_k * 3 * c.hidden_size * moe.expert_hidden_size
                   + 3 * c.hidden_size * moe.shared_expert_hidden_size)
     dense_params = 3 * c.hidden_size * c.dense_hidden_size
-    attention = 0.0
+    attention_per_token = 0
+    attention_pairs = 0
     kda_per_token = 2 * kda.num_heads * (kda.chunk_size * (2 * kda.head_dim + kda.head_dim) + 4 * kda.head_dim * kda.head_dim)
     for i, kind in enumerate(c.layer_kinds()):
-        per_token += 2 * (kda_params if kind == "kda" else mla_params)
-        per_token += 2 * (dense_params if i < c.num_dense_layers else moe_params)
+        matmul += 2 * (kda_params if kind == "kda" else mla_params)
+        matmul += 2 * (dense_params if i < c.num_dense_layers else moe_params)
         if kind == "kda":
-            per_token += kda_per_token
+            attention_per_token += kda_per_token
         else:
-            attention += 2 * mla.num_heads * (qk + mla.v_head_dim) * causal_pairs
-    return 3.0 * (per_token * semantic_tokens + attention)
+            attention_pairs += 2 * mla.num_heads * (qk + mla.v_head_dim)
+    return {"matmul": 3.0 * matmul * semantic_tokens,
+            "attention": 3.0 * (attention_per_token * semantic_tokens + attention_pairs * causal_pairs)}
 
 
 EXECUTIONS = ("baseline", "compact")
@@ -366,10 +375,15 @@ def _results(step, index, executions, compact_infos) -> dict[str, Any]:
 
 
 def _mfu(model_config, step, base, num_devices: int) -> dict[str, float]:
+    """The baseline's model-FLOPs utilisation of the bf16 dense peak, both ways (`estimate_model_flops`):
+    `baseline_mfu` with attention (MLA and KDA sequence mixing) as the field counts it,
+    `baseline_mfu_matmul` over the per-token weight products alone."""
     pairs = int(sum(int(n) * (int(n) + 1) // 2 for n in step.lengths))
     flops = estimate_model_flops(model_config, step.num_semantic_tokens, pairs)
-    return {"baseline_model_flops": flops,
-            "baseline_mfu": flops / base["fbg_s"] / (num_devices * H200_BF16_PEAK_FLOPS)}
+    peak = base["fbg_s"] * num_devices * H200_BF16_PEAK_FLOPS
+    total = flops["matmul"] + flops["attention"]
+    return {"baseline_model_flops": total, "baseline_matmul_flops": flops["matmul"],
+            "baseline_mfu": total / peak, "baseline_mfu_matmul": flops["matmul"] / peak}
 
 
 def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]) -> dict[str, Any]:

@@ -409,3 +409,23 @@ def test_op_times_one_call_rows(monkeypatch):
     np.testing.assert_array_equal(np.diff(with_replay[1]), lengths)
     np.testing.assert_array_equal(np.diff(without[1]), computed)
     torch.testing.assert_close(without[0], with_replay[0][torch.from_numpy(np.flatnonzero(~replay))], rtol=0, atol=0)
+
+
+def test_model_flops_both_ways_on_the_tiny_config():
+    """Each term written out for configs/models/tiny.yaml (hidden 64, vocabulary 256, layers KDA, KDA,
+    KDA, MLA, the first dense): per token, 2 × in × out of every weight product, 3 × for forward +
+    backward; attention: the KDA chunk terms per token and MLA's per causal pair."""
+    from harts.bench.speedup import estimate_model_flops
+    from harts.model.config import load_model_config
+
+    config = load_model_config("tiny")
+    lm_head = 64 * 256
+    kda = 4 * 64 * 32 + 2 * (64 * 16 + 16 * 32) + 64 * 2  # q, k, v, o; two low-rank gates; beta
+    mla = (64 * 24 + 24 * 2 * 24) + 64 * (32 + 8) + 32 * 2 * (16 + 16) + 2 * 16 * 64
+    dense, moe = 3 * 64 * 128, 64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 32  # router, 2 routed experts, shared
+    matmul = 2 * (lm_head + 3 * kda + mla + dense + 3 * moe)  # layer 0 dense, layers 1-3 MoE
+    kda_chunk = 2 * 2 * (16 * 3 * 16 + 4 * 16 * 16)
+    tokens, pairs = 100, 3000
+    flops = estimate_model_flops(config, tokens, pairs)
+    assert flops["matmul"] == 3 * matmul * tokens
+    assert flops["attention"] == 3 * (3 * kda_chunk * tokens + 2 * 2 * (24 + 16) * pairs)
