@@ -104,21 +104,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _first_trees(step, max_trees: int | None):
-    import numpy as np
-
-    if max_trees is None:
-        return step
-    chosen, keep = [], []
-    for k, tree in enumerate(step.trees):
-        if tree not in chosen:
-            if len(chosen) == max_trees:
-                continue
-            chosen.append(tree)
-        keep.append(k)
-    return step.subset(np.asarray(keep))
-
-
 def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
     """Member indices of the planned microbatches; for dp > 1 all K of them in (slot, replica) order."""
     import numpy as np
@@ -498,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
     from harts.bench.wandb_log import log_records
-    from harts.bench.steps import iter_steps
+    from harts.bench.steps import first_trees, iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
@@ -521,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
     store_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cuda = device.type == "cuda"
     (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
-    step = _first_trees(full_step, args.max_trees)
+    step = first_trees(full_step, args.max_trees)
     common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
                   kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
     if not is_reporting_rank():

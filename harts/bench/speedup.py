@@ -87,6 +87,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--trees", required=True, help="trees config NAME or YAML path (generate), or a step path")
     parser.add_argument("--steps", type=index_list, default=None, help="step indices of a trees config (default 0)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="trees seed")
+    parser.add_argument("--max-trees", type=positive_int, default=None,
+                        help="use the first N task trees of each step (a slice of the same shape)")
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
     parser.add_argument("--planner", default="harts")
     parser.add_argument("--capacity", type=positive_int, default=65536)
@@ -689,7 +691,7 @@ def run(args: argparse.Namespace) -> int:
     current = None  # (config, progress) of the step being measured, until its row is written
     with sigterm_raises():
         try:
-            for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps):
+            for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
                 config = {
                     "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
                     "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
@@ -743,7 +745,7 @@ def _follow_rank_zero(args, parallel, model_config, dtype_name) -> int:
     from harts.parallel.launch import RankFailed
 
     try:
-        for _, step, _ in iter_steps(args.trees, args.seed, args.steps):
+        for _, step, _ in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
             measure_parallel_step(args, parallel, model_config, step, dtype_name)
     except RankFailed as error:
         print(f"harts: error: {error}", file=sys.stderr)

@@ -19,7 +19,25 @@ def is_config(trees: str) -> bool:
     return path.suffix in (".yaml", ".yml") or (not path.suffix and len(path.parts) == 1 and not path.exists())
 
 
-def iter_steps(trees: str, seed: int, steps: list[int] | None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+def first_trees(step, max_trees: int | None):
+    """The step restricted to its first `max_trees` task trees (in the order they first appear), or the
+    step itself: a slice of the same shape, for measurements that cannot afford a whole step."""
+    import numpy as np
+
+    if max_trees is None:
+        return step
+    chosen, keep = [], []
+    for k, tree in enumerate(step.trees):
+        if tree not in chosen:
+            if len(chosen) == max_trees:
+                continue
+            chosen.append(tree)
+        keep.append(k)
+    return step.subset(np.asarray(keep))
+
+
+def iter_steps(trees: str, seed: int, steps: list[int] | None,
+               max_trees: int | None = None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
     from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
@@ -31,10 +49,10 @@ def iter_steps(trees: str, seed: int, steps: list[int] | None) -> Iterator[tuple
         if beyond:
             raise ValueError(f"{trees}: step {beyond[0]} is beyond num_steps = {synth.num_steps}")
         for index in indices:
-            yield index, generate_step(synth, seed, index), {
-                "trees": trees, "seed": seed, "step": index, "synth": config_to_dict(synth),
+            yield index, first_trees(generate_step(synth, seed, index), max_trees), {
+                "trees": trees, "seed": seed, "step": index, "synth": config_to_dict(synth), "max_trees": max_trees,
             }
     else:
         if steps not in (None, [0]):
             raise ValueError(f"{trees}: a step path holds one step; --steps applies to a trees config")
-        yield 0, read_step(trees), {"trees": trees, "step": 0}
+        yield 0, first_trees(read_step(trees), max_trees), {"trees": trees, "step": 0, "max_trees": max_trees}

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harts.bench.steps import iter_steps
+from harts.bench.steps import first_trees, iter_steps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,3 +33,13 @@ def test_an_unknown_name_lists_the_shipped_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"^unknown trees config 'nope' \(known: cpu-small, paper, paper-slice, tiny;"):
         list(iter_steps("nope", 0, None))
+
+
+def test_first_trees_keep_whole_trees_in_order():
+    ((_, step, _),) = iter_steps("tiny", 0, [0])
+    trees = list(dict.fromkeys(step.trees))
+    ((_, sliced, meta),) = iter_steps("tiny", 0, [0], max_trees=1)
+    assert meta["max_trees"] == 1 and set(sliced.trees) == {trees[0]}
+    assert sliced.ids == tuple(i for i, t in zip(step.ids, step.trees) if t == trees[0])
+    assert sliced.num_semantic_tokens == sum(int(n) for n, t in zip(step.lengths, step.trees) if t == trees[0])
+    assert first_trees(step, None) is step and first_trees(step, len(trees) + 3).ids == step.ids
