@@ -47,8 +47,21 @@ def load_yaml_mapping(path: str | Path | Traversable) -> dict[str, Any]:
 def shipped_configs(folder: str) -> dict[str, Traversable]:
     """The shipped configs of `folder` ("models", "parallel" or "trees") by name."""
     assert folder in SHIPPED_FOLDERS, folder
-    directory = importlib.resources.files("harts.configs") / folder
+    directory = _configs_root() / folder
     return {entry.name.removesuffix(".yaml"): entry for entry in directory.iterdir() if entry.name.endswith(".yaml")}
+
+
+def _configs_root() -> Path | Traversable:
+    """`harts.configs` of an installed harts (wheel or editable: the package maps the repository's
+    configs/ folder); a source checkout put on PYTHONPATH without installing has no such package
+    and reads that configs/ folder beside the harts package directly."""
+    try:
+        return importlib.resources.files("harts.configs")
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parents[1] / "configs"
+        if not checkout.is_dir():
+            raise
+        return checkout
 
 
 def shipped_config_path(name_or_path: str, folder: str) -> Path | Traversable:

@@ -100,3 +100,21 @@ def test_an_unknown_name_lists_the_known_ones(folder, message):
     with pytest.raises(ValueError) as error:
         shipped_config_path("nope", folder)
     assert str(error.value) == message
+
+
+def test_a_source_checkout_without_install_reads_its_configs_folder(monkeypatch):
+    """On PYTHONPATH without `pip install`, the package-dir mapping behind harts.configs does not exist."""
+    import importlib.resources
+
+    from harts import config as harts_config
+
+    real = importlib.resources.files
+
+    def files(anchor):
+        if anchor == "harts.configs":
+            raise ModuleNotFoundError("No module named 'harts.configs'")
+        return real(anchor)
+
+    monkeypatch.setattr(importlib.resources, "files", files)
+    assert harts_config.shipped_config_path("tiny", "models").name == "tiny.yaml"
+    assert "paper-slice" in harts_config.shipped_configs("trees")
