@@ -288,8 +288,8 @@ def test_cluster_packing_tier():
         validate(result, step, index)
         without = plan(step, capacity, dp, "harts", index=index, pack_clusters=False)
         assert plan_key(result) <= plan_key(without), f"seed {seed}"
-        # Without the skip both tiers run, so the packing can only help (on any step).
-        both = plan(step, capacity, dp, "harts", index=index, skip_dp_above_floor=False)
+        # With both tiers forced, the packing can only help (on any step).
+        both = plan(step, capacity, dp, "harts", index=index, dp_with_packing_max_trajectories=step.num_trajectories)
         assert plan_key(both) <= min(plan_key(result), plan_key(without)), f"seed {seed}"
         if not result.details["tier"].startswith("cluster-packing"):
             continue
@@ -308,11 +308,18 @@ def test_cluster_packing_tier():
     assert packed >= 8 and better >= 5
 
 
-def test_cluster_packing_needs_every_cluster_to_fit():
-    """A tree larger than T is cut by the DP tier; the packing tier steps aside."""
+def test_cluster_packing_splits_a_tree_larger_than_t_at_its_root_fork():
+    """A tree larger than T is spread over microbatches as its root-level subtrees, each microbatch
+    repeating only the tree's root prefix (not a deeper one): the least W of any plan."""
     shared = [9] * 10
     sequences = [shared + [1] * 30, shared + [1] * 20 + [2] * 10, shared + [3] * 5, shared + [4] * 5]
     step = make_step(sequences)
     result = plan(step, 45, 2, "harts", exact_max_trajectories=0)
     validate(result, step)
-    assert result.details["tier"] == "dp"
+    assert result.details["tier"] == "cluster-packing" and result.details["clusters_split"] == 1
+    # g0 = 10; the cluster {x0, x1} (sharing 30) has trie 10 + 30 + 10 = 50 > 45, so its two
+    # trajectories go to different microbatches, each with one of the 15-token trees:
+    # {x0, x2} and {x1, x3}, 40 + 5 = 45 each, W = 90 (C = 60, plus g0 and the 20 shared 1s repeated).
+    assert sorted(mb.work for mb in result.microbatches) == [45, 45]
+    dp_only = plan(step, 45, 2, "harts", exact_max_trajectories=0, pack_clusters=False)
+    assert result.compact_tokens <= dp_only.compact_tokens
