@@ -104,7 +104,7 @@ def pack_least_loaded(sizes: np.ndarray, room: int, count: int,
                       groups: np.ndarray | None = None) -> np.ndarray | None:
     """Largest first to the least-loaded bin it fits (ties: lowest bin) holding no item of its group:
     near-equal loads, the start that balancing finishes best when items are few per bin. None if an
-    item fits nowhere or a bin stays empty."""
+    item fits nowhere (or there are fewer items than bins)."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if count > len(sizes):
         return None
@@ -123,7 +123,8 @@ def pack_least_loaded(sizes: np.ndarray, room: int, count: int,
         bin_of[i] = k
         if holding is not None:
             holding[groups[i], k] = True
-    return bin_of if (loads > 0).all() else None
+    # Every bin is used: an empty bin is the least loaded and blocks no group.
+    return bin_of
 
 
 class BestFit:
