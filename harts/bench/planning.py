@@ -23,8 +23,14 @@ paper's figures sit in the last row. Over all steps: Σ compact tokens (and the 
 seconds, the range of per-step compression and speedups, the P95 over the slots of every step
 (nearest rank) and the largest step imbalance.
 The table is printed and written beside the records as `.md` and `.csv`; the note under it names
-the machine, the index build time and on how many steps HARTS's W equals the lower bound of
-`harts.planning.bounds` (proven optimal).
+the machine, the index build time, on how many steps HARTS's W equals the lower bound of
+`harts.planning.bounds` (proven optimal), and the OR-Tools planner's reading and CP-SAT solves
+(`solve_note`: how many proven optimal, how many stopped at the time limit).
+
+The OR-Tools planner's options (`--time-limit`, `--replica-assignment`, `--slot-order`, see
+harts.planning.treetrain; defaults: the paper's description) go to it alone, are recorded in the
+config's `options`, and the resolved reading, limit and per-solve statuses in the results' `details`;
+without that planner in `--planners` they have no effect, and a note on stderr says so.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.cli.args import index_list, non_negative_int, positive_float, positive_int
+from harts.cli.args import index_list, non_negative_int, positive_int
 
 # DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
 PAPER = {
@@ -52,6 +58,7 @@ _LABELS = {"harts": "HARTS", "treetrain-ortools": "OR-Tools", "greedy-trie": "gr
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from harts.cli.plan_microbatches import add_treetrain_options
     from harts.planning.microbatch import PLANNER_NAMES
 
     parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
@@ -65,8 +72,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="plan each step this many times per planner (interleaved); seconds are medians")
     parser.add_argument("--planners", type=_planner_list(PLANNER_NAMES), default=["harts", "treetrain-ortools"],
                         help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
-    parser.add_argument("--time-limit", type=positive_float, default=None,
-                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
+    add_treetrain_options(parser)
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     parser.set_defaults(run=run)
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.bench.records import make_record, write_records
     from harts.bench.wandb_log import log_records
+    from harts.cli.plan_microbatches import treetrain_options as planner_options
     from harts.config import config_to_dict, load_config
     from harts.planning.microbatch import plan, plan_metrics, validate
     from harts.trees.synth import SynthConfig
@@ -112,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.data is None and max(steps) >= synth.num_steps:
         raise ValueError(f"{args.trees}: step {max(steps)} is beyond num_steps = {synth.num_steps}")
     capacity = args.capacity if args.capacity is not None else synth.max_tokens
+    # The pipeline passes --time-limit whatever its planners are: without treetrain-ortools the
+    # options have no effect, which is said rather than refused.
+    treetrain_options = planner_options(args, ["treetrain-ortools"])
+    if treetrain_options and "treetrain-ortools" not in args.planners:
+        print(f"note: treetrain-ortools options {treetrain_options} have no effect: --planners does not list it",
+              file=sys.stderr)
 
     if "treetrain-ortools" in args.planners:
         # Import CP-SAT before timing: its import would otherwise count in the first step's plan.
@@ -128,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
             index = PrefixIndex.from_step(step)
             index_times.append(time.perf_counter() - index_started)
         lower_bound = index.segment_tree().num_compact_tokens
-        options = {name: {"time_limit_s": args.time_limit} if name == "treetrain-ortools" and args.time_limit else {}
-                   for name in args.planners}
+        options = {name: treetrain_options if name == "treetrain-ortools" else {} for name in args.planners}
         # Repeats interleave the planners, so that a slow spell of the machine hits both.
         # Per planner and repeat: (plan, its CPU seconds, the plan made given the prebuilt index).
         runs: dict[str, list] = {name: [] for name in args.planners}
@@ -197,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     note = (f"T = {capacity:,}, D = {args.dp}; {hardware.get('cpu', '?')}, {hardware.get('cpu_count', '?')} CPUs; "
             f"seed {args.seed}; {args.trees}")
     note += _timing_note(records)
+    solves = solve_note(records)
+    note += "\n" + solves if solves else ""
     out.with_suffix(".md").write_text(markdown + "\n\n" + note + "\n", encoding="utf-8")
     with open(out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
@@ -337,6 +351,37 @@ def _timing_note(records: list[dict[str, Any]]) -> str:
         note += (f"\nHARTS's compact tokens equal the lower bound of harts.planning.bounds (W proven optimal) "
                  f"on {sum(g == 0 for g in gaps)} of {len(gaps)} steps.")
     return note
+
+
+def solve_note(records: list[dict[str, Any]]) -> str:
+    """One line per reading (replica assignment, slot order, time limit) of the OR-Tools planner's
+    records: its CP-SAT solves, how many were proven optimal and how many stopped at the time limit.
+    Empty without such records; records from before the statuses were kept are counted as such."""
+    groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
+    for record in records:
+        if record["config"].get("planner") == "treetrain-ortools" and "error" not in record:
+            details = record["results"].get("details", {})
+            key = (details.get("replica_assignment"), details.get("slot_order"), details.get("time_limit_s"))
+            groups.setdefault(key, []).append(details)
+    lines = []
+    for (assignment, order, limit), group in groups.items():
+        reading = f"replicas by {assignment}, slots in {order} order" if assignment else "reading not recorded"
+        limit_text = (f"CP-SAT limit {limit:g} s per solve" if isinstance(limit, (int, float))
+                      else "CP-SAT limit not recorded")
+        summaries = [d["solve_summary"] for d in group if "solve_summary" in d]
+        line = f"OR-Tools ({reading}, {limit_text}): "
+        if summaries:
+            solves, optimal, stopped = (sum(s[key] for s in summaries)
+                                        for key in ("solves", "optimal", "stopped_by_limit"))
+            line += (f"{solves} solves on {len(summaries)} step{'s' * (len(summaries) != 1)}, {optimal} proven "
+                     f"optimal, {stopped} stopped at the limit")
+            if solves - optimal - stopped:
+                line += f", {solves - optimal - stopped} other"
+        if len(summaries) < len(group):
+            missing = len(group) - len(summaries)
+            line += ("; " if summaries else "") + f"solve statuses not recorded on {missing} step(s)"
+        lines.append(line + ".")
+    return "\n".join(lines)
 
 
 def _percent(record: dict[str, Any] | None, key: str) -> str:

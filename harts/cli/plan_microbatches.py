@@ -4,6 +4,10 @@ Plans a step's microbatches (harts.planning.microbatch), validates the plan (cov
 K mod D, works recomputed from the trie) and prints DESIGN §2's metrics: with `--json` one
 object with the keys of `PlanMetrics.summary` (imbalances as fractions, 0.0214 = 2.14%), else a
 table. `--out` writes the plan as JSON. No torch import.
+
+`add_treetrain_options` / `treetrain_options` are the options of the treetrain-ortools planner
+(`TreeTrainConfig`: CP-SAT time limit, replica assignment, slot order), shared with `harts bench
+planning`; given with another `--planner` they are an error here, not ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ import json
 
 from harts.cli.args import positive_float, positive_int
 from harts.planning.microbatch import PLANNER_NAMES
+from harts.planning.treetrain import REPLICA_ASSIGNMENTS, SLOT_ORDERS
+
+# flag -> TreeTrainConfig field
+_TREETRAIN_FLAGS = {"--time-limit": "time_limit_s", "--replica-assignment": "replica_assignment",
+                    "--slot-order": "slot_order"}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -21,11 +30,35 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--capacity", type=positive_int, required=True, help="T: compact tokens per microbatch")
     parser.add_argument("--dp", type=positive_int, required=True, help="D: data-parallel replicas")
     parser.add_argument("--planner", choices=PLANNER_NAMES, default="harts")
-    parser.add_argument("--time-limit", type=positive_float, default=None,
-                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
+    add_treetrain_options(parser)
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
+
+
+def add_treetrain_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--time-limit", type=positive_float, default=None,
+                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
+    parser.add_argument("--replica-assignment", choices=REPLICA_ASSIGNMENTS, default=None,
+                        help="treetrain-ortools: parts to replicas by first-fit-decreasing with replica capacity "
+                             "ceil(total/D) (ffd, default: the paper's description) or to the least-loaded replica "
+                             "(lpt)")
+    parser.add_argument("--slot-order", choices=SLOT_ORDERS, default=None,
+                        help="treetrain-ortools: each replica's microbatches in CP-SAT's bin order (solver, default: "
+                             "the paper's description) or by decreasing work (sorted)")
+
+
+def treetrain_options(args: argparse.Namespace, planners: list[str]) -> dict[str, object]:
+    """The TreeTrainConfig fields given on the command line; an error if `planners` lacks treetrain-ortools."""
+    options = {}
+    for flag, name in _TREETRAIN_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if "treetrain-ortools" not in planners:
+            raise ValueError(f"{flag} applies to the treetrain-ortools planner only")
+        options[name] = value
+    return options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,11 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
 
-    options = {}
-    if args.time_limit is not None:
-        if args.planner != "treetrain-ortools":
-            raise ValueError("--time-limit applies to --planner treetrain-ortools only")
-        options["time_limit_s"] = args.time_limit
+    options = treetrain_options(args, [args.planner])
     step = read_step(args.path)
     result = plan(step, args.capacity, args.dp, args.planner, **options)
     index = PrefixIndex.from_step(step)

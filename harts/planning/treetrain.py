@@ -1,7 +1,11 @@
 """The "treetrain-ortools" baseline: Tree Training's planner as the HARTS paper describes it.
 
-Tree Training's planner code is not public; this module implements the paper's description
-(DESIGN §2) with the following choices, each the plain reading of that description:
+Tree Training's planner code is not public. The paper says its OR-Tools scheme "first assigns
+data replicas by FFD, then partitions within each replica independently, and cannot jointly
+optimise the slot's synchronisation critical path" (DESIGN §2). This module implements that
+description; where it leaves a choice open, `TreeTrainConfig` offers the readings, and the
+DEFAULT is the literal one (replica_assignment="ffd", slot_order="solver"), which is what the
+planning table (`harts bench planning`, reports/planning.*) uses unless told otherwise:
 
 1. Parts. Each rollout tree (`step.trees`) whose own trie fits in T is one part. A larger tree
    is split into its root-level subtrees: the children of its root segment (the groups of its
@@ -9,10 +13,17 @@ Tree Training's planner code is not public; this module implements the paper's d
    prefix, plus one part per trajectory that ends exactly at the root fork. A part still larger
    than T is split the same way one level further, recursively (a single trajectory always
    fits: longer ones are rejected before planning).
-2. Replicas. First-fit-decreasing over D replicas without a replica capacity, i.e. parts in
-   decreasing compact size (ties: lowest first rank) each go to the replica with the least
-   total part size so far (ties: lowest replica). This is the LPT rule; a "first fit" with a
-   replica budget of Σ/D degenerates to it once the budget is exceeded.
+2. Replicas (`replica_assignment`). Parts in decreasing compact size (ties: lowest first rank).
+   - "ffd" (default): first-fit-decreasing into D replicas of capacity ⌈Σ part sizes / D⌉:
+     each part goes to the FIRST replica (lowest index) whose load plus the part's size is at
+     most that capacity. A part that fits no replica goes to the least-loaded one (ties: lowest
+     replica); `details["overflow_parts"]` counts them. The capacity is the smallest that could
+     hold every part; parts are priced alone (sharing between parts is not known at this stage).
+     The first replicas take the largest parts, the last ones many small parts, so the replicas
+     need different microbatch counts and 4 splits parts on those that need fewer.
+   - "lpt": each part to the least-loaded replica (ties: lowest replica), the longest-processing-
+     time rule; the most favourable reading of "FFD" for balance (the planner before these
+     options).
 3. Microbatches, per replica, independently: an OR-Tools CP-SAT model. Items = the replica's
    parts, bins = the count of a trie-aware first-fit-decreasing packing (an upper bound, also
    the solution hint). Sharing is modelled exactly with the step's segment tree: a segment
@@ -33,12 +44,33 @@ Tree Training's planner code is not public; this module implements the paper's d
    fewer than k* bins, or that gave or received parts, is solved again with exactly k*
    non-empty bins (same objective), its parts split one more level while it has fewer than k*
    parts; the hint is its earlier solution adjusted for the moves, bins split until there are
-   k*. If the step has fewer than D·k* trajectories no such plan exists: a ValueError. Slots:
-   each replica's microbatches in decreasing work (the alignment that minimises Σ slot maxima
-   for fixed replica contents).
+   k*. If the step has fewer than D·k* trajectories no such plan exists: a ValueError.
+5. Slots (`slot_order`): slot s takes each replica's s-th microbatch.
+   - "solver" (default): each replica's microbatches in the order the CP-SAT model numbers its
+     bins (of its last solve; the hint's numbering when a solve returned no solution). Nothing
+     aligns heavy with heavy across replicas, as the paper says of this scheme; the symmetry
+     breaking of 3 puts each replica's largest part in its bin 0, so the order is not random.
+   - "sorted": each replica's microbatches in decreasing work (ties: lowest first rank), the
+     alignment that minimises Σ slot maxima for fixed replica contents: a slot-aware step the
+     paper says this scheme does not take (the planner before these options).
+
+Records (`Plan.details`): the readings, `time_limit_s`, `num_parts`, `replica_capacity` and
+`overflow_parts` (ffd; None under lpt), `replica_part_sizes` (Σ part sizes per replica as
+assigned, before any lending), per replica its solve (`replicas[r]`) and its count-equalising
+re-solve (`replicas[r]["equalised"]`), each with `status` (CP-SAT's status name; "EMPTY" for a
+replica without parts, not solved), `seconds` (wall time of the model's construction and
+solve), `solver_seconds` (CP-SAT's own wall time), `optimal` (status OPTIMAL: proven) and
+`stopped_by_limit` (status FEASIBLE or UNKNOWN: only the time limit stops CP-SAT before a proof,
+as no other limit is set), and `solve_summary` = {solves, optimal, stopped_by_limit} over the
+plan's CP-SAT solves.
 
 `plan_seconds` is the wall time of everything above, the CP-SAT solves included. With a wall-
 clock limit and several workers CP-SAT is not bit-reproducible; the plan is still validated.
+
+Tested against (tests/planning/test_treetrain.py): exact replica contents of FFD (capacity,
+first fit, the overflow rule) and LPT on hand-built part sizes, exact slot contents of both slot
+orders on a hand-built step, the sharing model against the trie on random part sets, CP-SAT's
+optimum against enumeration of every partition of a few parts, and the validator.
 """
 
 from __future__ import annotations
@@ -55,8 +87,17 @@ from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
 
+REPLICA_ASSIGNMENTS = ("ffd", "lpt")
+SLOT_ORDERS = ("solver", "sorted")
+
+
 @dataclass(kw_only=True)
 class TreeTrainConfig:
+    replica_assignment: str = "ffd"
+    """Parts to replicas: "ffd" (first fit, replica capacity ⌈Σ part sizes / D⌉; the paper's) or "lpt"
+    (least-loaded replica)."""
+    slot_order: str = "solver"
+    """Each replica's microbatches: "solver" (CP-SAT's bin order; the paper's) or "sorted" (decreasing work)."""
     time_limit_s: float = 10.0
     """CP-SAT wall-clock limit per solve (one per replica, plus one per count-equalising re-solve)."""
     num_workers: int = 2
@@ -66,6 +107,12 @@ class TreeTrainConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0) or self.num_workers < 1:
             raise ValueError(f"time_limit_s must be a finite number > 0 and num_workers >= 1, got {self}")
+        if self.replica_assignment not in REPLICA_ASSIGNMENTS:
+            raise ValueError(f"treetrain-ortools: replica_assignment must be one of {', '.join(REPLICA_ASSIGNMENTS)}, "
+                             f"got {self.replica_assignment!r}")
+        if self.slot_order not in SLOT_ORDERS:
+            raise ValueError(f"treetrain-ortools: slot_order must be one of {', '.join(SLOT_ORDERS)}, "
+                             f"got {self.slot_order!r}")
 
 
 def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,
@@ -84,15 +131,16 @@ def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixI
 
     sizes = [rw.trie(p) for p in parts]
     order = sorted(range(len(parts)), key=lambda i: (-sizes[i], parts[i][0]))
-    loads = [0] * dp
-    replica_parts: list[list[list[int]]] = [[] for _ in range(dp)]
-    for i in order:
-        r = min(range(dp), key=lambda j: (loads[j], j))
-        loads[r] += sizes[i]
-        replica_parts[r].append(parts[i])
+    members, replica_capacity, overflow = _assign_replicas([sizes[i] for i in order], dp, config.replica_assignment)
+    replica_parts = [[parts[order[i]] for i in held] for held in members]
 
     solutions: list[list[list[int]]] = []
-    details: dict[str, object] = {"num_parts": len(parts), "time_limit_s": config.time_limit_s, "replicas": []}
+    details: dict[str, object] = {
+        "replica_assignment": config.replica_assignment, "slot_order": config.slot_order,
+        "time_limit_s": config.time_limit_s, "num_parts": len(parts), "replica_capacity": replica_capacity,
+        "overflow_parts": overflow, "replica_part_sizes": [sum(sizes[order[i]] for i in held) for held in members],
+        "replicas": [],
+    }
     for r in range(dp):
         bins, info = _solve_replica(rw, part_nodes, replica_parts[r], capacity, config, count=None)
         solutions.append(bins)
@@ -111,17 +159,47 @@ def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixI
         solutions[r] = bins
         details["replicas"][r]["equalised"] = info
     details["lent_to"] = {str(r): sorted(donors) for r, donors in moved.items() if donors}
+    solves = [info for entry in details["replicas"] for info in (entry, entry.get("equalised"))
+              if info is not None and info["status"] != "EMPTY"]
+    details["solve_summary"] = {"solves": len(solves), "optimal": sum(s["optimal"] for s in solves),
+                                "stopped_by_limit": sum(s["stopped_by_limit"] for s in solves)}
 
     groups, works, slot, replica = [], [], [], []
     for r, bins in enumerate(solutions):
         bin_works = [rw.trie(b) for b in bins]
-        for position, k in enumerate(sorted(range(len(bins)), key=lambda k: (-bin_works[k], bins[k][0]))):
+        sequence = (range(len(bins)) if config.slot_order == "solver"
+                    else sorted(range(len(bins)), key=lambda k: (-bin_works[k], bins[k][0])))
+        for position, k in enumerate(sequence):
             groups.append(rw.order[np.asarray(bins[k], dtype=np.int64)])
             works.append(bin_works[k])
             slot.append(position)
             replica.append(r)
     return build_plan(step, groups, np.asarray(works), planner="treetrain-ortools", capacity=capacity, dp=dp,
                       started=started, slot=np.asarray(slot), replica=np.asarray(replica), details=details)
+
+
+def _assign_replicas(sizes: list[int], dp: int, rule: str) -> tuple[list[list[int]], int | None, int | None]:
+    """Items (indices into `sizes`, taken in the given order: decreasing size) per replica.
+
+    "ffd": each item to the first replica with room under the capacity ⌈Σ sizes / D⌉, an item
+    that fits nowhere to the least-loaded replica; "lpt": each item to the least-loaded replica
+    (ties: lowest replica). Returns (items per replica, the capacity, the items that fit nowhere);
+    the last two are None under "lpt".
+    """
+    loads = [0] * dp
+    members: list[list[int]] = [[] for _ in range(dp)]
+    capacity = -(-sum(sizes) // dp) if rule == "ffd" else None
+    overflow = 0 if rule == "ffd" else None
+    for i, size in enumerate(sizes):
+        r = None
+        if rule == "ffd":
+            r = next((j for j in range(dp) if loads[j] + size <= capacity), None)
+            overflow += r is None
+        if r is None:
+            r = min(range(dp), key=lambda j: (loads[j], j))
+        loads[r] += size
+        members[r].append(i)
+    return members, capacity, overflow
 
 
 def _lend_trajectories(rw: RankWork, replica_parts: list[list[list[int]]], hints: list[list[list[int]]],
@@ -225,7 +303,8 @@ def _solve_replica(rw: RankWork, sharing: _Sharing, parts: list[list[int]], capa
 
     solve_started = time.perf_counter()
     if not parts:
-        return [], {"parts": 0, "bins": 0, "status": "EMPTY", "seconds": 0.0}
+        return [], {"parts": 0, "bins": 0, "status": "EMPTY", "seconds": 0.0, "solver_seconds": 0.0,
+                    "optimal": False, "stopped_by_limit": False}
     sizes = [rw.trie(p) for p in parts]
     order = sorted(range(len(parts)), key=lambda i: (-sizes[i], parts[i][0]))
     parts = [parts[i] for i in order]
@@ -283,7 +362,10 @@ def _solve_replica(rw: RankWork, sharing: _Sharing, parts: list[list[int]], capa
     assert count is None or len(bins) == count
     return bins, {
         "parts": len(parts), "bins": len(bins), "status": solver.status_name(status),
-        "seconds": round(time.perf_counter() - solve_started, 3),
+        "seconds": round(time.perf_counter() - solve_started, 3), "solver_seconds": round(solver.wall_time, 3),
+        "optimal": status == cp_model.OPTIMAL,
+        # Only max_time_in_seconds can stop CP-SAT before it proves optimality or infeasibility.
+        "stopped_by_limit": status in (cp_model.FEASIBLE, cp_model.UNKNOWN),
     }
 
 

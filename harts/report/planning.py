@@ -14,7 +14,9 @@ Input: planning records (one per step and planner) and the two planners to compa
   a figure the paper does not give `not reported`; the paper's ranges are written `low-high`.
 - PDF: per step, the compression and the planning speedup (bars; index excluded: diamonds)
   against the paper's ranges, and the P95 slot imbalance and step imbalance of both planners
-  against the paper's values; then the table.
+  against the paper's values; then the table, whose notes name the OR-Tools planner's reading
+  (replica assignment, slot order) and its CP-SAT solves: how many, how many proven optimal, how
+  many stopped at the time limit (`harts.bench.planning.solve_note`).
 """
 
 from __future__ import annotations
@@ -286,6 +288,9 @@ def write_planning_report(record_paths: list[str | Path], pdf: str | Path, csv: 
         "Slot imbalance = max/mean - 1 of a slot's microbatch works; step imbalance = max/mean - 1 of the replicas' "
         "cumulative work. Records: " + ", ".join(str(p) for p in record_paths),
     ]
+    from harts.bench.planning import solve_note
+
+    notes += solve_note(records).splitlines()
     figures = [_figure(rows, ours, baseline, lines)]
     figures += table_pages("Planning quality per step", wrap_header(header, 12), table, notes, lines)
     save_pdf(figures, pdf)
@@ -293,5 +298,10 @@ def write_planning_report(record_paths: list[str | Path], pdf: str | Path, csv: 
 
 
 def planning_markdown(record_paths: list[str | Path], ours: str = "harts", baseline: str = "treetrain-ortools") -> str:
-    header, table = display_table(planning_rows(load_records(record_paths, "planning"), ours, baseline), ours, baseline)
-    return markdown_table(header, table)
+    """The table, and under it the OR-Tools planner's reading and CP-SAT solves."""
+    from harts.bench.planning import solve_note
+
+    records = load_records(record_paths, "planning")
+    header, table = display_table(planning_rows(records, ours, baseline), ours, baseline)
+    note = solve_note(records)
+    return markdown_table(header, table) + ("\n\n" + note.replace("\n", "\n\n") if note else "")

@@ -45,12 +45,38 @@ def test_plan_microbatches_json_and_out(step_file, tmp_path, capsys, planner):
     assert 0 <= summary["p95_slot_imbalance"] and 0 <= summary["step_imbalance"] < 1
 
 
+@pytest.mark.parametrize("reading", [("ffd", "solver"), ("lpt", "sorted")], ids="-".join)
+def test_plan_microbatches_treetrain_reading(step_file, tmp_path, reading):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "microbatches", str(step_file), "--capacity", "200", "--dp", "2", "--planner",
+                 "treetrain-ortools", "--time-limit", "3", "--replica-assignment", reading[0], "--slot-order",
+                 reading[1], "--out", str(out), "--json"]) == 0
+    details = Plan.read(out).details
+    assert (details["replica_assignment"], details["slot_order"], details["time_limit_s"]) == (*reading, 3.0)
+    assert details["solve_summary"]["solves"] >= 2
+
+
 def test_plan_microbatches_errors(step_file, capsys):
     assert main(["plan", "microbatches", str(step_file), "--capacity", "5", "--dp", "2"]) == 2
     assert "more than the capacity T = 5" in capsys.readouterr().err
-    assert main(["plan", "microbatches", str(step_file), "--capacity", "500", "--dp", "2",
-                 "--time-limit", "3"]) == 2
-    assert "--time-limit applies to --planner treetrain-ortools only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--time-limit", "3"], ["--replica-assignment", "lpt"], ["--slot-order", "sorted"]],
+                         ids=lambda option: option[0][2:])
+def test_treetrain_options_with_another_planner_are_an_error(step_file, capsys, option):
+    assert main(["plan", "microbatches", str(step_file), "--capacity", "500", "--dp", "2", *option]) == 2
+    assert f"{option[0]} applies to the treetrain-ortools planner only" in capsys.readouterr().err
+
+
+def test_bench_planning_says_when_treetrain_options_have_no_effect(tmp_path, capsys):
+    """The pipeline passes --time-limit to every planning bench: without treetrain-ortools, a note."""
+    out = tmp_path / "planning.json"
+    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--steps", "0", "--dp", "2", "--repeats",
+                 "1", "--planners", "harts,greedy-trie", "--time-limit", "3", "--slot-order", "sorted",
+                 "--out", str(out)]) == 0
+    assert ("note: treetrain-ortools options {'time_limit_s': 3.0, 'slot_order': 'sorted'} have no effect: "
+            "--planners does not list it") in capsys.readouterr().err
+    assert all(r["config"]["options"] == {} for r in json.loads(out.read_text()))
 
 
 def test_plan_microbatches_imports_no_torch(step_file):
@@ -67,7 +93,8 @@ def test_plan_microbatches_imports_no_torch(step_file):
 def test_bench_planning_writes_records_and_table(tmp_path, capsys):
     out = tmp_path / "planning.json"
     status = main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--dp", "2", "--steps", "0,1",
-                   "--planners", "harts,treetrain-ortools,greedy-trie", "--time-limit", "2", "--out", str(out)])
+                   "--planners", "harts,treetrain-ortools,greedy-trie", "--time-limit", "2", "--slot-order", "sorted",
+                   "--out", str(out)])
     assert status == 0
     records = json.loads(out.read_text())
     assert [(r["config"]["step"], r["config"]["planner"]) for r in records] == [
@@ -89,6 +116,15 @@ def test_bench_planning_writes_records_and_table(tmp_path, capsys):
             assert results["identical_plans"]
         if record["config"]["planner"] == "harts":
             assert results["details"]["work_gap_to_bound"] >= 0
+        if record["config"]["planner"] == "treetrain-ortools":
+            assert record["config"]["options"] == {"time_limit_s": 2.0, "slot_order": "sorted"}
+            details = results["details"]
+            assert (details["replica_assignment"], details["slot_order"], details["time_limit_s"]) == (
+                "ffd", "sorted", 2.0)
+            solves = [info for r in details["replicas"] for info in (r, r.get("equalised")) if info]
+            assert details["solve_summary"] == {"solves": len(solves),
+                                                "optimal": sum(s["status"] == "OPTIMAL" for s in solves),
+                                                "stopped_by_limit": sum(s["stopped_by_limit"] for s in solves)}
     gaps = [r["results"]["details"]["work_gap_to_bound"] for r in records if r["config"]["planner"] == "harts"]
     table = out.with_suffix(".md").read_text()
     assert "| all |" in table and "| paper | 77,581,958 (-3.28%) | 80,213,867 |" in table
@@ -96,6 +132,11 @@ def test_bench_planning_writes_records_and_table(tmp_path, capsys):
     header = table.splitlines()[0]
     assert "| HARTS s | OR-Tools s | speedup | HARTS s excl. index | OR-Tools s excl. index | speedup excl. index |" in header
     assert f"(W proven optimal) on {sum(g == 0 for g in gaps)} of 2 steps" in table
+    summaries = [r["results"]["details"]["solve_summary"] for r in records
+                 if r["config"]["planner"] == "treetrain-ortools"]
+    solves, optimal, stopped = (sum(s[key] for s in summaries) for key in ("solves", "optimal", "stopped_by_limit"))
+    assert (f"OR-Tools (replicas by ffd, slots in sorted order, CP-SAT limit 2 s per solve): {solves} solves on 2 "
+            f"steps, {optimal} proven optimal, {stopped} stopped at the limit") in table
     rows = out.with_suffix(".csv").read_text().splitlines()
     assert rows[0].startswith("step,HARTS tokens,OR-Tools tokens,compression") and len(rows) == 1 + 2 + 2
     assert "| paper |" in capsys.readouterr().out

@@ -37,7 +37,7 @@ def speedup_record(*, model="tiny", parallel="single", step=0, semantic=4000, co
 
 
 def planning_record(*, planner, step, tokens, seconds, slots=(0.1, 0.2), step_imbalance=0.01, dataset="tiny",
-                    error=None, seconds_without_index=None) -> dict[str, Any]:
+                    error=None, seconds_without_index=None, details=None) -> dict[str, Any]:
     config = {"trees": f"configs/trees/{dataset}.yaml", "data": f"data/trees/{dataset}", "seed": 0, "step": step,
               "capacity": 512, "dp": 2, "planner": planner, "options": {}}
     if error:
@@ -45,7 +45,7 @@ def planning_record(*, planner, step, tokens, seconds, slots=(0.1, 0.2), step_im
     return make_record("planning", config, {
         "trajectories": 10, "semantic_tokens": 2000, "compact_tokens": tokens, "lower_bound_compact_tokens": 900,
         "microbatches": 4, "plan_seconds": seconds, "p95_slot_imbalance": max(slots), "step_imbalance": step_imbalance,
-        "slot_imbalance": list(slots), "details": {"work_gap_to_bound": 0},
+        "slot_imbalance": list(slots), "details": details or {"work_gap_to_bound": 0},
         **({} if seconds_without_index is None else {"plan_seconds_without_index": seconds_without_index})})
 
 

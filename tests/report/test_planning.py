@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from harts.report.planning import PLANNING_COLUMNS, planning_rows, write_planning_report
+from harts.report.planning import PLANNING_COLUMNS, planning_markdown, planning_rows, write_planning_report
 from harts.report.records import ERROR, NOT_MEASURED
 
 from .helpers import pdf_text, planning_record, write
@@ -14,12 +14,19 @@ from .helpers import pdf_text, planning_record, write
 OURS, THEIRS = "harts", "treetrain-ortools"
 
 
+def _ortools_details(solves, optimal, stopped, assignment="ffd", order="solver", limit=10.0):
+    return {"replica_assignment": assignment, "slot_order": order, "time_limit_s": limit,
+            "solve_summary": {"solves": solves, "optimal": optimal, "stopped_by_limit": stopped}}
+
+
 def _records():
     return [
         planning_record(planner=OURS, step=0, tokens=1000, seconds=0.5, slots=(0.01, 0.02), step_imbalance=0.01),
-        planning_record(planner=THEIRS, step=0, tokens=1050, seconds=4.0, slots=(0.3, 0.4), step_imbalance=0.05),
+        planning_record(planner=THEIRS, step=0, tokens=1050, seconds=4.0, slots=(0.3, 0.4), step_imbalance=0.05,
+                        details=_ortools_details(8, 3, 5)),
         planning_record(planner=OURS, step=1, tokens=900, seconds=0.25, slots=(0.05,), step_imbalance=0.02),
-        planning_record(planner=THEIRS, step=1, tokens=990, seconds=2.5, slots=(0.1,), step_imbalance=0.03),
+        planning_record(planner=THEIRS, step=1, tokens=990, seconds=2.5, slots=(0.1,), step_imbalance=0.03,
+                        details=_ortools_details(9, 1, 8)),
     ]
 
 
@@ -83,3 +90,27 @@ def test_report_files(tmp_path):
     for expected in ("Planning quality: HARTS vs OR-Tools", "P95 slot imbalance", "paper OR-Tools 34.64%",
                      "77,581,958", "-3.28%", "7.24-9.73x", "1.050x", "8.00x"):
         assert expected in text, expected
+    assert ("OR-Tools (replicas by ffd, slots in solver order, CP-SAT limit 10 s per solve): 17 solves on 2 steps, "
+            "4 proven optimal, 13 stopped at the limit.") in " ".join(text.split())
+
+
+@pytest.mark.parametrize(("details", "lines"), [
+    ([_ortools_details(8, 3, 5), _ortools_details(9, 3, 6)],
+     ["OR-Tools (replicas by ffd, slots in solver order, CP-SAT limit 10 s per solve): 17 solves on 2 steps, "
+      "6 proven optimal, 11 stopped at the limit."]),
+    ([_ortools_details(8, 3, 4, limit=2.5), _ortools_details(2, 2, 0, "lpt", "sorted", 2.5)],
+     ["OR-Tools (replicas by ffd, slots in solver order, CP-SAT limit 2.5 s per solve): 8 solves on 1 step, "
+      "3 proven optimal, 4 stopped at the limit, 1 other.",
+      "OR-Tools (replicas by lpt, slots in sorted order, CP-SAT limit 2.5 s per solve): 2 solves on 1 step, "
+      "2 proven optimal, 0 stopped at the limit."]),
+    ([{"time_limit_s": 10.0}, {"time_limit_s": 10.0}],
+     ["OR-Tools (reading not recorded, CP-SAT limit 10 s per solve): solve statuses not recorded on 2 step(s)."]),
+], ids=["one-reading", "two-readings-and-other", "records-before-statuses"])
+def test_solve_statuses_under_the_table(tmp_path, details, lines):
+    records = [planning_record(planner=OURS, step=0, tokens=1000, seconds=0.5),
+               planning_record(planner=THEIRS, step=0, tokens=1050, seconds=4.0, details=details[0]),
+               planning_record(planner=OURS, step=1, tokens=900, seconds=0.25),
+               planning_record(planner=THEIRS, step=1, tokens=990, seconds=2.5, details=details[1])]
+    path = write(tmp_path, "records.json", records)
+    markdown = planning_markdown([path])
+    assert markdown.split("\n\n")[1:] == lines
