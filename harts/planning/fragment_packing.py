@@ -82,21 +82,64 @@ class FragmentPacker:
             self._parts[c] = sorted(parts, key=lambda p: (-self.rw.trie(p), p[0]))
         return self._parts[c]
 
-    def pack(self, count: int) -> list[list[int]] | None:
-        """`count` non-empty microbatches (sorted rank lists) holding every cluster (module docstring);
-        None when the greedy finds no room for some part, or no microbatch can give an empty one a
-        cluster or part."""
-        return _pack(self, count)
+    def orders(self, num: int) -> list[list[int]]:
+        """`num` cluster orders for `pack`: decreasing size; the clusters that fit T first (then the
+        larger ones fill the gaps with their parts, which are smaller than whole trees); then
+        decreasing size × a log-normal factor (σ = 0.3, seeded by the order's index), so that
+        close sizes trade places. Greedy packing is sensitive to the order; the caller keeps the
+        best of several. Deterministic."""
+        room = self.capacity - self.rw.common_prefix
+        orders = [self.order, [c for c in self.order if self.sizes[c] <= room]
+                  + [c for c in self.order if self.sizes[c] > room]]
+        for seed in range(num - 2):
+            noise = np.random.default_rng([seed, len(self.clusters)]).lognormal(0.0, 0.3, len(self.clusters))
+            orders.append(sorted(self.order, key=lambda c: -self.sizes[c] * noise[c]))
+        return orders[:num]
+
+    def best(self, first_count: int, step: int, *, num_counts: int, num_orders: int) -> list[list[int]] | None:
+        """The lowest-W packing found: counts rise by `step` from `first_count` until the two plain
+        orders pack (count c); then every order of `orders(num_orders)` at c - step (greedy order
+        matters most at the smallest count) and c, and the plain orders at `num_counts` - 1 counts
+        above c (W is not monotone in the count: a microbatch more can spare several splits). None if
+        no count up to one microbatch per trajectory packs."""
+        orders = self.orders(num_orders)
+        count = first_count
+        found: list[tuple[int, int, list[list[int]]]] = []
+
+        def attempt(count: int, orders: list[list[int]]) -> None:
+            for order in orders:
+                bins = self.pack(count, order)
+                if bins is not None:
+                    found.append((sum(self.rw.trie(b) for b in bins), count, bins))
+
+        while not found and count <= self.rw.num:
+            attempt(count, orders[:2])
+            count += step
+        if not found:
+            return None
+        count -= step
+        if count - step >= first_count:
+            attempt(count - step, orders)
+        attempt(count, orders[2:])
+        for extra in range(1, num_counts):
+            attempt(count + extra * step, orders[:2])
+        return min(found, key=lambda entry: entry[:2])[2]
+
+    def pack(self, count: int, order: list[int] | None = None) -> list[list[int]] | None:
+        """`count` non-empty microbatches (sorted rank lists) holding every cluster, placed in `order`
+        (default: decreasing size; module docstring); None when the greedy finds no room for some
+        part, or no microbatch can give an empty one a cluster or part."""
+        return _pack(self, count, self.order if order is None else order)
 
 
-def _pack(packer: FragmentPacker, count: int) -> list[list[int]] | None:
+def _pack(packer: FragmentPacker, count: int, order: list[int]) -> list[list[int]] | None:
     rw = packer.rw
     g0 = rw.common_prefix
     room = packer.capacity - g0
     fit = BestFit(count)
     bins: list[list[int]] = [[] for _ in range(count)]
     sizes = packer.sizes
-    for c in packer.order:
+    for c in order:
         k = fit.find(room - sizes[c])
         if k >= 0:
             bins[k] += packer.clusters[c]

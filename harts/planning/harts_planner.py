@@ -128,8 +128,9 @@ class HartsConfig:
     with its refinement took 0.5-8 s; on small random steps the refined DP, which is not contiguous,
     is sometimes better (tests/planning/test_harts_planner.py)."""
     fragment_counts: int = 4
-    """Fragment packing tries this many counts, D apart, from the first that packs (from the plan
-    bound's count up); the lowest W wins."""
+    fragment_orders: int = 16
+    """Fragment packing (`FragmentPacker.best`): counts tried above the smallest that packs, and cluster
+    orders tried at the smallest counts."""
     balance_rounds: int = 100
     """Cluster packing: most rounds of priced moves and swaps per start (a round that takes nothing ends it)."""
     balance_batch: int = 128
@@ -199,8 +200,8 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
       starts at the first-fit-decreasing count rounded up to D and drops by D while
       `_fewer_microbatches` finds K - D microbatches whose splits cost less than the D·g0 they save;
       starts: that packing, best-fit decreasing and least-loaded placement;
-    - fragments: `fragment_packing.FragmentPacker.pack` at `fragment_counts` counts from the first
-      one upward from the plan bound's where it succeeds (the lowest W), which splits a tree into its root-level subtrees
+    - fragments: `fragment_packing.FragmentPacker.best` from the plan bound's count up (the lowest W of
+      several counts and cluster orders), which splits a tree into its root-level subtrees
       over the roomiest microbatches only when it fits none whole; starts: that packing and
       least-loaded placement of its pieces.
     """
@@ -229,24 +230,13 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
         count += 0 if best is not None else dp
         repacked = None
     clusters = [list(range(a, b)) for a, b in zip(starts.tolist(), ends.tolist())]
-    fragments = None
-    packer = FragmentPacker(rw, clusters, capacity)
-    count, tried = -(-plan_bounds(rw, capacity, dp).num_microbatches // dp) * dp, 0
-    # From the first count that packs, a few more: W is not monotone in the count (a microbatch
-    # more can spare several splits).
-    while tried < config.fragment_counts and count <= rw.num:
-        bins = packer.pack(count)
-        tried += fragments is not None or bins is not None
-        if bins is not None:
-            work = sum(rw.trie(b) for b in bins)
-            if fragments is None or work < fragments[0]:
-                fragments = (work, bins)
-        count += dp
+    first = -(-plan_bounds(rw, capacity, dp).num_microbatches // dp) * dp
+    fragments = FragmentPacker(rw, clusters, capacity).best(first, dp, num_counts=config.fragment_counts,
+                                                            num_orders=config.fragment_orders)
     if fragments is not None:
-        bins = fragments[1]
-        owned = [(group, k) for k, members in enumerate(bins) for group in _clusters(rw, members)]
+        owned = [(group, k) for k, members in enumerate(fragments) for group in _clusters(rw, members)]
         cluster_of = np.searchsorted(starts, [group[0] for group, _ in owned], side="right") - 1
-        packed = _balanced(rw, [(group, int(c)) for (group, _), c in zip(owned, cluster_of)], len(bins), dp,
+        packed = _balanced(rw, [(group, int(c)) for (group, _), c in zip(owned, cluster_of)], len(fragments), dp,
                            capacity, config, np.asarray([k for _, k in owned], dtype=np.int64), best_fit=False)
         if packed is not None and (best is None or packed[0] < best[0]):
             best = packed

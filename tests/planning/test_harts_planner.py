@@ -13,7 +13,7 @@ from harts.planning.rank_work import RankWork
 from harts.trees.trie import PrefixIndex
 
 from ..trees.helpers import make_step
-from .microbatch_helpers import all_partitions, brute_force_key, plan_key, rollout_step
+from .microbatch_helpers import all_partitions, brute_force_key, grpo_step, plan_key, rollout_step
 
 TINY = dict(num_tasks=2, branches=(1, 4), shared=6, prompt=(1, 4), continuation=(1, 12))
 MEDIUM = dict(num_tasks=5, branches=(3, 10), shared=30, prompt=(2, 10), continuation=(5, 60))
@@ -323,3 +323,34 @@ def test_cluster_packing_splits_a_tree_larger_than_t_at_its_root_fork():
     assert sorted(mb.work for mb in result.microbatches) == [45, 45]
     dp_only = plan(step, 45, 2, "harts", exact_max_trajectories=0, pack_clusters=False)
     assert result.compact_tokens <= dp_only.compact_tokens
+
+
+def _grpo_with_trees_over_t(seed: int):
+    rng = np.random.default_rng([11, seed])
+    step = grpo_step(rng, num_tasks=int(rng.integers(4, 10)), group=(2, 6), retries=(0, 4), shared=30,
+                     prompt=(5, 25), sample=(20, 120), retry=(3, 20))
+    index = PrefixIndex.from_step(step)
+    rw = RankWork(index)
+    g0 = rw.common_prefix
+    starts = [0] + [r for r in range(1, rw.num) if rw.lcp_adjacent[r] == g0] + [rw.num]
+    trees = sorted(rw.run_cost(a, b) for a, b in zip(starts, starts[1:]))
+    # Between the median tree and the largest: a share of the trees exceeds T.
+    capacity = max(int(step.lengths.max()) + 10, trees[len(trees) // 2])
+    return step, index, capacity, int(rng.choice([2, 4]))
+
+
+@pytest.mark.parametrize("seed", range(24), ids=lambda s: f"seed{s}")
+def test_never_more_work_than_the_ortools_baseline_with_trees_over_t(seed):
+    """GRPO-shaped steps where some trees exceed T: HARTS plans no more compact tokens than the
+    OR-Tools baseline, under the paper's reading (FFD replicas) and the most favourable one (LPT).
+    Seed 15 needs the fragment packing's extra cluster orders (8 microbatches, not 10)."""
+    step, index, capacity, dp = _grpo_with_trees_over_t(seed)
+    rw = RankWork(index)
+    assert any(rw.trie(sorted(int(rw.rank[k]) for k in range(step.num_trajectories) if step.trees[k] == tree))
+               > capacity for tree in set(step.trees)), "some tree exceeds T"
+    ours = plan(step, capacity, dp, "harts", index=index)
+    validate(ours, step, index)
+    for reading in ("ffd", "lpt"):
+        baseline = plan(step, capacity, dp, "treetrain-ortools", index=index, time_limit_s=2.0,
+                        replica_assignment=reading)
+        assert ours.compact_tokens <= baseline.compact_tokens, (reading, ours.compact_tokens, baseline.compact_tokens)
