@@ -3,13 +3,21 @@
 `load_config(path, cls)` rejects unknown keys, missing required keys and values of the wrong
 type with one line naming the file and the dotted key. `config_to_dict` is the inverse, used
 to write the full resolved configuration into result records.
+
+`shipped_config_path(name_or_path, folder)` is the one place a config NAME becomes a file: the
+shipped configs are package data of `harts.configs` (the repository's configs/ folder, mapped by
+pyproject's package-dir), read through importlib.resources, so an editable install and a wheel
+find the same files; an argument with a suffix is a path and stays one. Tested in
+tests/test_config.py, and against a built wheel in tests/test_packaging.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import types
 import typing
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,10 +26,14 @@ import yaml
 T = TypeVar("T")
 
 
-def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+SHIPPED_FOLDERS = {"models": "model", "parallel": "parallel config", "trees": "trees config"}
+"""Folders of `harts.configs` and what their configs are called in messages."""
+
+
+def load_yaml_mapping(path: str | Path | Traversable) -> dict[str, Any]:
+    source = Path(path) if isinstance(path, str) else path
     try:
-        with open(path, encoding="utf-8") as handle:
+        with source.open(encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such config file") from None
@@ -32,20 +44,29 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def shipped_config_path(name_or_path: str, config_dir: Path, kind: str) -> Path:
-    """A YAML path as given, or `config_dir/NAME.yaml` for a bare name (an unknown name is a
-    ValueError listing the shipped ones; `kind` names them in the message)."""
+def shipped_configs(folder: str) -> dict[str, Traversable]:
+    """The shipped configs of `folder` ("models", "parallel" or "trees") by name."""
+    assert folder in SHIPPED_FOLDERS, folder
+    directory = importlib.resources.files("harts.configs") / folder
+    return {entry.name.removesuffix(".yaml"): entry for entry in directory.iterdir() if entry.name.endswith(".yaml")}
+
+
+def shipped_config_path(name_or_path: str, folder: str) -> Path | Traversable:
+    """A path as given (it has a suffix), or the shipped `folder/NAME.yaml` for a bare name (an
+    unknown name is a ValueError listing the shipped ones)."""
     path = Path(name_or_path)
     if path.suffix:
         return path
-    path = config_dir / f"{name_or_path}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in config_dir.glob("*.yaml")))
-        raise ValueError(f"unknown {kind} {name_or_path!r} (known: {known}; or give a YAML path)")
-    return path
+    shipped = shipped_configs(folder)
+    if name_or_path not in shipped:
+        known = ", ".join(sorted(shipped))
+        raise ValueError(
+            f"unknown {SHIPPED_FOLDERS[folder]} {name_or_path!r} (known: {known}; or give a path)"
+        )
+    return shipped[name_or_path]
 
 
-def load_config(path: str | Path, cls: type[T], **overrides: Any) -> T:
+def load_config(path: str | Path | Traversable, cls: type[T], **overrides: Any) -> T:
     """Load `path` strictly into `cls`; `overrides` replace top-level keys."""
     data = load_yaml_mapping(path)
     data.update(overrides)

@@ -13,6 +13,7 @@ COMMANDS = {
     "trees-ingest": ["trees", "ingest", "--format", "messages", "--tokenizer", "byte",
                      "data/samples/messages.jsonl", "{tmp}/out.jsonl"],
     "trees-synth": ["trees", "synth", "--config", "configs/trees/tiny.yaml", "--steps", "0", "--out", "{tmp}/synth"],
+    "trees-synth-by-name": ["trees", "synth", "--config", "tiny", "--steps", "0", "--out", "{tmp}/synth"],
 }
 
 

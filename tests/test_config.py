@@ -1,8 +1,9 @@
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from harts.config import config_to_dict, load_config
+from harts.config import config_to_dict, load_config, load_yaml_mapping, shipped_config_path, shipped_configs
 
 
 @dataclass(kw_only=True)
@@ -54,3 +55,48 @@ def test_shipped_tree_configs_load(name):
     from harts.trees.synth import SynthConfig
 
     load_config(f"configs/trees/{name}.yaml", SynthConfig)
+
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("folder", ["models", "parallel", "trees"])
+def test_shipped_configs_are_the_repository_ones(folder):
+    # The installed package data and configs/ are one set of files (package-dir maps one to the other).
+    shipped = shipped_configs(folder)
+    assert sorted(shipped) == sorted(p.stem for p in (REPO_CONFIGS / folder).glob("*.yaml"))
+    for name, entry in shipped.items():
+        assert entry.read_text(encoding="utf-8") == (REPO_CONFIGS / folder / f"{name}.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "argument, folder, expected",
+    [("tiny", "models", "models/tiny.yaml"), ("dp2-ep2", "parallel", "parallel/dp2-ep2.yaml"),
+     ("paper-slice", "trees", "trees/paper-slice.yaml")],
+    ids=["model", "parallel", "trees"],
+)
+def test_a_name_resolves_to_the_shipped_file(argument, folder, expected):
+    resolved = shipped_config_path(argument, folder)
+    assert resolved.read_text(encoding="utf-8") == (REPO_CONFIGS / expected).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("argument", ["tiny.yaml", "elsewhere/tiny.yml", "configs/models/h200.yaml"],
+                         ids=["bare-file", "missing-folder", "repo-path"])
+def test_a_path_stays_a_path(argument, tmp_path, monkeypatch):
+    # Relative to the working directory, never looked up among the shipped configs.
+    monkeypatch.chdir(tmp_path)
+    assert shipped_config_path(argument, "models") == Path(argument)
+    with pytest.raises(ValueError, match=f"^{argument}: no such config file$"):
+        load_yaml_mapping(shipped_config_path(argument, "models"))
+
+
+@pytest.mark.parametrize(
+    "folder, message",
+    [("models", "unknown model 'nope' (known: cpu-small, h200, ling3-tiny, tiny; or give a path)"),
+     ("trees", "unknown trees config 'nope' (known: cpu-small, paper, paper-slice, tiny; or give a path)")],
+    ids=["model", "trees"],
+)
+def test_an_unknown_name_lists_the_known_ones(folder, message):
+    with pytest.raises(ValueError) as error:
+        shipped_config_path("nope", folder)
+    assert str(error.value) == message

@@ -23,7 +23,7 @@ from harts.cli.args import non_negative_int, positive_int
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("attention", help="time the MLA attention backends on real layouts")
     parser.add_argument("--model", default="h200")
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path, or a step path")
     parser.add_argument("--step", type=non_negative_int, default=0)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--capacity", type=positive_int, default=65536)
@@ -127,14 +127,13 @@ def check_backend(backend: str, device, dtype, mla) -> float:
     import numpy as np
     import torch
 
-    from harts.config import load_config
+    from harts.config import load_config, shipped_config_path
     from harts.ops.attention.groups import group_attention, naive_group_attention
     from harts.runtime.layout import compact_layout
     from harts.trees.synth import SynthConfig, generate_step
     from harts.trees.trie import PrefixIndex
 
-    root = Path(__file__).resolve().parents[2]
-    step = generate_step(load_config(root / "configs/trees/tiny.yaml", SynthConfig), 0, 0)
+    step = generate_step(load_config(shipped_config_path("tiny", "trees"), SynthConfig), 0, 0)
     layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
     groups = layout.groups.to(device)
     generator = torch.Generator(device=device).manual_seed(1)

@@ -50,7 +50,8 @@ dp = the config's DP degree up to the longest trajectory's length (as the single
 gradient comparison), on the first ⌊n / dp⌋ · dp trajectories of at most N tokens (trajectories
 that each fill a microbatch form K mod dp = 0 microbatches only so; `gradient_inputs` counts
 them). The replay ablation (a) is about the KDA schedule, not parallelism, and stays
-single-process: a `--parallel` record (config.parallel = NAME) holds (b) only.
+single-process: a `--parallel` record (config.parallel = NAME) holds (b) only. Started by torchrun
+(one node or several), every rank runs the command and rank 0 alone prints and writes the record.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ NOISE_FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("fidelity", help="replay ablation and logit fidelity records")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml or a step path")
+    parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path, or a step path")
     parser.add_argument("--step", type=non_negative_int, default=0)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
@@ -97,7 +98,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "without recomputation grows with the microbatch)")
     parser.add_argument("--parallel", default=None, metavar="NAME",
                         help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- "
-                             "recomputation on its ranks vs the single-process baseline (no replay ablation)")
+                             "recomputation on its ranks vs the single-process baseline (no replay ablation); "
+                             "spawned here, or started by torchrun: rank 0 writes the record")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
     parser.set_defaults(run=run)
 
@@ -431,10 +433,11 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     return results
 
 
-def parallel_results(args, parallel, model_config, step, common: dict) -> dict[str, Any]:
-    """(b) under a parallel configuration: both executions +/- recomputation vs the single-process baseline."""
+def parallel_results(args, parallel, model_config, step, common: dict) -> dict[str, Any] | None:
+    """(b) under a parallel configuration: both executions +/- recomputation vs the single-process baseline
+    (None on a torchrun rank other than 0)."""
     from harts.objective.step import StepConfig
-    from harts.parallel.launch import launch
+    from harts.parallel.launch import is_reporting_rank, launch
     from harts.parallel.step import check_microbatches
     from harts.parallel.verify import verify_on_rank
 
@@ -446,11 +449,14 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     check_microbatches(step, microbatches, parallel.dp)
     candidates = [StepConfig(execution=execution, recompute=recompute, **common)
                   for execution in ("baseline", "compact") for recompute in (False, True)]
-    print(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
-          f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on {parallel.world_size} ranks",
-          file=sys.stderr)
+    if is_reporting_rank():
+        print(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
+              f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on {parallel.world_size} ranks",
+              file=sys.stderr)
     reports = launch(verify_on_rank, parallel, model_config, args.model_seed, step, microbatches, candidates,
                      device=args.device)
+    if reports is None:  # a torchrun rank other than 0
+        return None
     return {
         "semantic_tokens": step.num_semantic_tokens,
         "trajectories": step.num_trajectories,
@@ -497,12 +503,14 @@ def run(args: argparse.Namespace) -> int:
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
     from harts.parallel.config import load_parallel_config
+    from harts.parallel.launch import RankFailed, check_torchrun, is_reporting_rank
     from harts.trees.io import check_vocabulary
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     parallel = load_parallel_config(args.parallel) if args.parallel else None
+    check_torchrun(parallel)
     if parallel is not None and args.no_gradients:
         raise ValueError("--no-gradients: the --parallel comparison always includes the loss and gradients")
     model_config = load_model_config(args.model)
@@ -514,6 +522,17 @@ def run(args: argparse.Namespace) -> int:
     cuda = device.type == "cuda"
     (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
     step = _first_trees(full_step, args.max_trees)
+    common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
+                  kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
+    if not is_reporting_rank():
+        # A torchrun rank other than 0: its part of the run, nothing printed or written (rank 0 writes the record).
+        check_vocabulary(step, model_config.vocab_size)
+        try:
+            parallel_results(args, parallel, model_config, step, common)
+        except RankFailed as error:
+            print(f"harts: error: {error}", file=sys.stderr)
+            return 1
+        return 0
     config = {"model": model_config.name, "model_config": config_to_dict(model_config), **meta,
               "max_trees": args.max_trees, "capacity": args.capacity, "device": args.device, "dtype": args.dtype,
               "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
@@ -524,8 +543,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         with sigterm_raises():
             check_vocabulary(step, model_config.vocab_size)
-            common = dict(dtype=args.dtype, attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
-                          kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
             if parallel is None:
                 results = single_process_results(args, model, step, common, device, store_dtype, progress)
             else:

@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--warmup", type=non_negative_int, default=3)
     parser.add_argument("--max-split-calls", type=positive_int, default=65)
-    parser.add_argument("--trees", help="configs/trees/NAME.yaml: also time one microbatch of its step 0")
+    parser.add_argument("--trees", help="trees config NAME or YAML path: also time one microbatch of its step 0")
     parser.add_argument("--tasks", type=positive_int, default=1, help="tasks of the generated step (with --trees)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--device", default="cuda", help="a CUDA device (cuda, cuda:N)")
@@ -364,7 +364,7 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
     from tqdm import tqdm
 
     from harts.bench.records import Terminated, make_record, write_records
-    from harts.config import config_to_dict, load_config
+    from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.synth import SynthConfig
 
     out = Path(args.out)
@@ -402,7 +402,7 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
               f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
               f"{results['split_calls']:>5}")
     if args.trees:
-        synth = load_config(args.trees, SynthConfig, num_tasks=args.tasks)
+        synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig, num_tasks=args.tasks)
         config = base | {"trees": args.trees, "synth": config_to_dict(synth), "tasks": args.tasks}
         current.update(benchmark="kda-compact-tree", config=config, phase="")
         results = _tree_case(args, synth)

@@ -62,7 +62,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     from harts.planning.microbatch import PLANNER_NAMES
 
     parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (the steps' shape and count)")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path (the steps' shape and count)")
     parser.add_argument("--data", help="read steps step_NNN.* from this directory instead of generating them")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
@@ -109,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
     from harts.bench.wandb_log import log_records
     from harts.cli.plan_microbatches import treetrain_options as planner_options
-    from harts.config import config_to_dict, load_config
+    from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.planning.microbatch import plan, plan_metrics, validate
     from harts.trees.synth import SynthConfig
     from harts.trees.trie import PrefixIndex
 
-    synth = load_config(args.trees, SynthConfig)
+    synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig)
     steps = args.steps if args.steps is not None else list(range(synth.num_steps))
     if args.steps is not None and args.data is None and max(steps) >= synth.num_steps:
         raise ValueError(f"{args.trees}: step {max(steps)} is beyond num_steps = {synth.num_steps}")

@@ -49,7 +49,9 @@ seconds are kept (`samples`, one entry per rank); the record's figures are media
 The op-level breakdown is single-process only (it subtracts single-device op times from the
 measured F + B; under --parallel the remainder would mix in communication and pipeline waits):
 the record says so in `breakdown_skipped`. The baseline's MFU (on CUDA) divides by world size ×
-peak.
+peak. Started by torchrun (one node or several), every rank runs the command: rank 0 measures,
+prints and writes the records, the others run their part of each step quietly; the first failed
+step ends the run (its error record on rank 0), since the ranks are out of step after it.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ H200_BF16_PEAK_FLOPS = 989.5e12
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("speedup", help="compact vs per-trajectory execution: speedup records")
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
-    parser.add_argument("--trees", required=True, help="configs/trees/NAME.yaml (generate) or a step path")
+    parser.add_argument("--trees", required=True, help="trees config NAME or YAML path (generate), or a step path")
     parser.add_argument("--steps", type=index_list, default=None, help="step indices of a trees config (default 0)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="trees seed")
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
@@ -100,7 +102,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "
                              "kernels by self device time (CPU: self CPU time) go into the record")
     parser.add_argument("--parallel", default=None, metavar="NAME",
-                        help="configs/parallel NAME or a YAML path: run both executions on its ranks (spawned here)")
+                        help="configs/parallel NAME or a YAML path: run both executions on its ranks (spawned here, "
+                             "or started by torchrun: rank 0 writes the records)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     parser.set_defaults(run=run)
@@ -528,7 +531,8 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
     return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos}
 
 
-def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dict[str, Any]:
+def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dict[str, Any] | None:
+    """The `--parallel` record's results of one step (None on a torchrun rank other than 0)."""
     from harts.parallel.launch import launch
     from harts.parallel.step import check_microbatches
     from harts.planning.microbatch import plan
@@ -546,6 +550,8 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
         check_microbatches(step, microbatches[name], parallel.dp)
     measured = launch(speedup_on_rank, parallel, model_config, args.model_seed, step, microbatches,
                       _step_configs(args, dtype_name), args.repeats, device=args.device)
+    if measured is None:  # a torchrun rank other than 0
+        return None
     executions = {
         name: _execution(measured["samples"][name], plans[name].plan_seconds, measured["peak_memory_bytes"][name],
                          measured["layout_info"][name], microbatches[name])
@@ -645,6 +651,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
     from harts.parallel.config import load_parallel_config
+    from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
@@ -652,6 +659,9 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     model_config = load_model_config(args.model)
     parallel = load_parallel_config(args.parallel) if args.parallel else None
+    check_torchrun(parallel)
+    if not is_reporting_rank():
+        return _follow_rank_zero(args, parallel, model_config, dtype_name)
     if parallel is None:
         with device:
             model = HybridModel(model_config)
@@ -694,6 +704,8 @@ def run(args: argparse.Namespace) -> int:
                         current = None
                     if isinstance(error, Terminated):
                         raise
+                    if parallel is not None and launched_by_torchrun():
+                        break  # this process is one rank of torchrun's: after a failure the ranks are out of step
                 write_records(records, out)
         except Terminated as error:
             terminated = True
@@ -708,6 +720,21 @@ def run(args: argparse.Namespace) -> int:
     if terminated:
         return 128 + signal.SIGTERM
     return 0 if all("error" not in r for r in records) else 1
+
+
+def _follow_rank_zero(args, parallel, model_config, dtype_name) -> int:
+    """A torchrun rank other than 0: its part of every step's `--parallel` run, nothing printed or
+    written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line."""
+    from harts.bench.steps import iter_steps
+    from harts.parallel.launch import RankFailed
+
+    try:
+        for _, step, _ in iter_steps(args.trees, args.seed, args.steps):
+            measure_parallel_step(args, parallel, model_config, step, dtype_name)
+    except RankFailed as error:
+        print(f"harts: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 HEADLINE_KEYS = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedup", "core_speedup", "efficiency")

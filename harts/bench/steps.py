@@ -1,8 +1,9 @@
 """The steps a benchmark runs on: generated from a trees config, or read from a step path.
 
 `iter_steps(trees, seed, steps)` yields (step_index, Step, description) for `trees` being a
-`configs/trees/*.yaml` file (each requested step generated deterministically from the seed) or a
-step on disk (a .jsonl/.jsonl.gz/.npz file or a directory: one step, index 0).
+trees config, a `configs/trees/*.yaml` path or a shipped config's NAME (each requested step
+generated deterministically from the seed), or a step on disk (a .jsonl/.jsonl.gz/.npz file or a
+directory: one step, index 0).
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from typing import Any
 
 
 def is_config(trees: str) -> bool:
-    return Path(trees).suffix in (".yaml", ".yml")
+    """A YAML path, or a bare NAME (no suffix, no folder) that is no step on disk: a shipped trees config."""
+    path = Path(trees)
+    return path.suffix in (".yaml", ".yml") or (not path.suffix and len(path.parts) == 1 and not path.exists())
 
 
 def iter_steps(trees: str, seed: int, steps: list[int] | None) -> Iterator[tuple[int, Any, dict[str, Any]]]:
-    from harts.config import config_to_dict, load_config
+    from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
 
     if is_config(trees):
-        synth = load_config(trees, SynthConfig)
+        synth = load_config(shipped_config_path(trees, "trees"), SynthConfig)
         indices = steps if steps is not None else [0]
         beyond = [i for i in indices if i >= synth.num_steps]
         if beyond:

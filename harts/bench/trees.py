@@ -22,7 +22,7 @@ from harts.cli.args import non_negative_int, positive_int
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("trees", help="time and memory of building a step's trie and compact map")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trees", help="configs/trees/NAME.yaml (generate the step)")
+    source.add_argument("--trees", help="trees config NAME or YAML path (generate the step)")
     source.add_argument("--data", help="a step file or directory")
     parser.add_argument("--step", type=non_negative_int, default=0, help="step index to generate (with --trees)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
@@ -44,12 +44,12 @@ def build(step):
 def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
     from harts.bench.wandb_log import log_records
-    from harts.config import config_to_dict, load_config
+    from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
 
     if args.trees:
-        synth = load_config(args.trees, SynthConfig)
+        synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig)
         print(f"generating step {args.step} of {args.trees} ...", file=sys.stderr)
         step = generate_step(synth, args.seed, args.step)
         config = {"trees": args.trees, "synth": config_to_dict(synth), "seed": args.seed, "step": args.step}

@@ -44,7 +44,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--parallel", default=None, metavar="NAME",
-                        help="configs/parallel NAME or a YAML path: run on its ranks (DP/TP/SP/PP/EP), spawned here")
+                        help="configs/parallel NAME or a YAML path: run on its ranks (DP/TP/SP/PP/EP), spawned here or "
+                             "started by torchrun")
 
 
 def _setup(args: argparse.Namespace):
@@ -95,9 +96,11 @@ def _microbatches(step, index, args, planner: str, dp: int = 1):
 
 def run_train_step(args: argparse.Namespace) -> int:
     from harts.objective.step import run_step
+    from harts.parallel.launch import check_torchrun
 
     if args.parallel:
         return _run_parallel(args, verify=False)
+    check_torchrun(None)
     model, step, index = _setup(args)
     planner = args.planner or ("harts" if args.execution == "compact" else "per-trajectory")
     plan, microbatches = _microbatches(step, index, args, planner)
@@ -130,9 +133,11 @@ def run_train_step(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from harts.objective.verify import compare_executions
+    from harts.parallel.launch import check_torchrun
 
     if args.parallel:
         return _run_parallel(args, verify=True)
+    check_torchrun(None)
     model, step, index = _setup(args)
     _, microbatches = _microbatches(step, index, args, args.planner)
     report = compare_executions(
@@ -166,12 +171,13 @@ def _check_finite(summary: dict, step, command: str) -> None:
 
 def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     """`--parallel NAME`: the step on the ranks of a parallel config (harts.parallel); verify compares
-    both executions there with the single-process baseline. Rank 0's result is printed."""
+    both executions there with the single-process baseline. Rank 0's result is printed (under
+    torchrun every rank runs this, and the others print nothing)."""
     import torch
 
     from harts.model.config import load_model_config
     from harts.parallel.config import load_parallel_config
-    from harts.parallel.launch import RankFailed, launch
+    from harts.parallel.launch import RankFailed, check_torchrun, launch
     from harts.parallel.verify import train_step_on_rank, verify_on_rank
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
@@ -179,6 +185,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     parallel = load_parallel_config(args.parallel)
+    check_torchrun(parallel)
     config = load_model_config(args.model)
     parallel.check_model(config)
     step = read_step(args.trees, vocab_size=config.vocab_size)

@@ -15,7 +15,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     sub = trees.add_subparsers(dest="trees_command", required=True, metavar="SUBCOMMAND")
 
     synth = sub.add_parser("synth", help="generate synthetic SWE-bench-shaped steps")
-    synth.add_argument("--config", required=True, help="configs/trees/NAME.yaml")
+    synth.add_argument("--config", required=True, help="trees config NAME (configs/trees) or a YAML path")
     synth.add_argument("--seed", type=non_negative_int, default=0)
     synth.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
     synth.add_argument("--out", required=True, help="output directory (one file per step)")
@@ -44,11 +44,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run_synth(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from harts.config import config_to_dict, load_config
+    from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.io import write_step
     from harts.trees.synth import SynthConfig, generate_step
 
-    config = load_config(args.config, SynthConfig)
+    config = load_config(shipped_config_path(args.config, "trees"), SynthConfig)
     steps = args.steps if args.steps is not None else list(range(config.num_steps))
     beyond = [s for s in steps if s >= config.num_steps]
     if beyond:

@@ -9,12 +9,9 @@ a dense SwiGLU MLP, the rest the MoE MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 from harts.model.moe import MoEConfig
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
 @dataclass(kw_only=True)
@@ -86,4 +83,4 @@ class ModelConfig:
 
 def load_model_config(name_or_path: str) -> ModelConfig:
     """A shipped config by name (`tiny`, `cpu-small`, `h200`, `ling3-tiny`) or a YAML path."""
-    return load_config(shipped_config_path(name_or_path, CONFIG_DIR, "model"), ModelConfig)
+    return load_config(shipped_config_path(name_or_path, "models"), ModelConfig)

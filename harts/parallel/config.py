@@ -17,11 +17,9 @@ config by name or a YAML path strictly (harts.config.load_config).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "parallel"
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -108,4 +106,4 @@ class ParallelConfig:
 
 def load_parallel_config(name_or_path: str) -> ParallelConfig:
     """A shipped config by name (`single`, `dp2`, `tp2`, `tp2-sp`, `pp2`, `ep2`, `dp2-ep2`, ...) or a YAML path."""
-    return load_config(shipped_config_path(name_or_path, CONFIG_DIR, "parallel config"), ParallelConfig)
+    return load_config(shipped_config_path(name_or_path, "parallel"), ParallelConfig)

@@ -5,9 +5,20 @@
 CPU, NCCL on CUDA with one GPU per rank and NVLink multicast off in its environment) through a
 free TCP port on 127.0.0.1 with the config's timeout, builds its `ParallelGroups` and calls
 `fn(groups, *args)`. Rank 0's return value is handed back to the caller (through a temporary
-file, so it may hold tensors). When the process was itself started by torchrun (RANK,
-WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment), nothing is spawned: this process
-is one rank, and `launch` returns rank 0's value on rank 0 and None elsewhere.
+file, so it may hold tensors).
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment, on
+one node or several) nothing is spawned: this process is rank RANK of WORLD_SIZE (which must be
+the config's world size), on GPU LOCAL_RANK, and `launch` returns rank 0's value on rank 0 and
+None elsewhere. Every rank runs `fn` on rank 0's arguments (broadcast), as spawned ranks run on
+their parent's: a rank's own planning may differ (a time-limited planner) and each node reads
+its own copy of the inputs. The process group is initialised at the first launch and kept for
+the process's later ones (a second init against torchrun's store reuses its keys and hangs).
+A failure in `fn` raises `RankFailed` naming this rank. The commands that take `--parallel`
+run unchanged on every rank: `check_torchrun` rejects a world that does not fit (or no
+--parallel under a world of several ranks) before any work, and only the rank for which
+`is_reporting_rank()` holds (rank 0) prints results and writes records; the others exit 0
+quietly.
 
 Failures: an exception in any rank stops every rank (torch.multiprocessing terminates the
 others) and `launch` raises `RankFailed` with one line, "rank i: Type: message", naming the
@@ -16,11 +27,14 @@ rank fail later, on the lost connection); a collective waiting on a dead or dive
 fails after the configured timeout instead of hanging. If the caller is interrupted while the
 ranks run (Ctrl-C, or SIGTERM raised by `harts.bench.records.sigterm_raises`), the ranks are
 terminated before the exception propagates.
-On CPU each rank uses cpu_count // world_size intra-op threads, so ranks do not oversubscribe.
+On CPU each rank uses cpu_count // (ranks on its host) intra-op threads, so ranks do not
+oversubscribe. Tested in tests/parallel/test_launch.py (spawned) and tests/parallel/test_torchrun.py
+(torchrun on one node and on two nodes simulated on one machine).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -56,29 +70,38 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _error_line(error: BaseException) -> str:
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
+
+
 def _record_error(error: BaseException, path: str) -> None:
     """When and what: written before the process group is torn down (which makes the peers fail)."""
-    message = str(error).strip().splitlines()
-    line = f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
-    Path(path).write_text(f"{time.time()!r}\n{line}")
+    Path(path).write_text(f"{time.time()!r}\n{_error_line(error)}")
+
+
+def _rank_device(backend: str, device_type: str, local_rank: int, ranks_here: int):
+    """This rank's device (GPU `local_rank` of its host), and its CPU threads: one share of the host's."""
+    import torch
+
+    if backend == "nccl":
+        os.environ.update(NVLINK_MULTICAST_OFF)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    return torch.device("cpu")
 
 
 def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, device_type: str,
-              fn: Callable, args: tuple, error_path: str | None = None) -> Any:
-    import torch
+              fn: Callable, args: tuple, error_path: str) -> Any:
+    """A spawned rank (rank = its local rank: one host)."""
     import torch.distributed as dist
 
     from harts.parallel.groups import build_groups
 
-    if backend == "nccl":
-        os.environ.update(NVLINK_MULTICAST_OFF)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = _rank_device(backend, device_type, rank, world_size)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=config.timeout_s),
         device_id=device if device_type == "cuda" else None,
@@ -86,11 +109,39 @@ def _run_rank(rank: int, world_size: int, config: ParallelConfig, backend: str, 
     try:
         return fn(build_groups(config, device), *args)
     except BaseException as error:
-        if error_path is not None:
-            _record_error(error, error_path)
+        _record_error(error, error_path)
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _run_in_place(config: ParallelConfig, backend: str, device_type: str, fn: Callable, args: tuple) -> Any:
+    """This process as rank RANK of torchrun's world: `fn` on rank 0's arguments; its value on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from harts.parallel.groups import build_groups
+
+    check_torchrun(config)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if device_type == "cuda" and torch.cuda.device_count() <= local_rank:
+        raise ValueError(f"torchrun LOCAL_RANK {local_rank}: only {torch.cuda.device_count()} GPUs are visible")
+    device = _rank_device(backend, device_type, local_rank, ranks_here)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, rank=rank, world_size=config.world_size, timeout=datetime.timedelta(seconds=config.timeout_s),
+            device_id=device if device_type == "cuda" else None,
+        )
+        atexit.register(dist.destroy_process_group)
+    assert dist.get_backend() == backend, (dist.get_backend(), backend)
+    try:
+        shared = [args]
+        dist.broadcast_object_list(shared, src=0)
+        result = fn(build_groups(config, device), *shared[0])
+    except Exception as error:
+        raise RankFailed(f"rank {rank}: {_error_line(error)}") from error
+    return result if rank == 0 else None
 
 
 def _join(world_size, config, backend, device, fn, args, directory) -> None:
@@ -151,6 +202,23 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
+def check_torchrun(config: ParallelConfig | None) -> None:
+    """Under torchrun, a ValueError unless `config` (None: no --parallel) has torchrun's world size:
+    without --parallel every rank would run the whole command alone (and write the same records)."""
+    if not launched_by_torchrun():
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    if config is None and world > 1:
+        raise ValueError(f"torchrun started {world} ranks: give --parallel NAME, a config of {world} ranks")
+    if config is not None and config.world_size != world:
+        raise ValueError(f"parallel config {config.name!r} needs {config.world_size} ranks, torchrun started {world}")
+
+
+def is_reporting_rank() -> bool:
+    """Whether this process prints results and writes records: always, but under torchrun on rank 0 only."""
+    return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+
+
 def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu") -> Any:
     """Run `fn(groups, *args)` on every rank of `config`; rank 0's result (None on other torchrun ranks)."""
     import torch
@@ -159,13 +227,7 @@ def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu"
     backend = resolve_backend(config, device)
     world_size = config.world_size
     if launched_by_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise ValueError(
-                f"parallel config {config.name!r} needs {world_size} ranks, torchrun started {os.environ['WORLD_SIZE']}"
-            )
-        rank = int(os.environ["RANK"])
-        result = _run_rank(rank, world_size, config, backend, device, fn, args)
-        return result if rank == 0 else None
+        return _run_in_place(config, backend, device, fn, args)
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"parallel config {config.name!r} needs {world_size} GPUs, {torch.cuda.device_count()} are visible"

@@ -4,12 +4,12 @@ import os
 import signal
 from pathlib import Path
 
-from harts.model.config import CONFIG_DIR
+from harts.config import shipped_config_path
 
 
 def tiny_with_vocab(directory: Path, vocab_size: int) -> str:
     """Path of a copy of the tiny model config with a smaller vocabulary (tokens beyond it are bad input)."""
-    text = (CONFIG_DIR / "tiny.yaml").read_text()
+    text = shipped_config_path("tiny", "models").read_text(encoding="utf-8")
     assert "vocab_size: 256" in text and "name: tiny\n" in text
     path = directory / "tiny-small-vocab.yaml"
     path.write_text(text.replace("vocab_size: 256", f"vocab_size: {vocab_size}").replace("name: tiny\n",

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from harts.config import shipped_configs
 from harts.model.config import load_model_config
-from harts.parallel.config import CONFIG_DIR, ParallelConfig, load_parallel_config
+from harts.parallel.config import ParallelConfig, load_parallel_config
 
-SHIPPED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+SHIPPED = sorted(shipped_configs("parallel"))
 REQUIRED = ("single", "dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2")
 
 

@@ -4,10 +4,11 @@ import itertools
 
 import pytest
 
-from harts.parallel.config import CONFIG_DIR, ParallelConfig, load_parallel_config
+from harts.config import shipped_configs
+from harts.parallel.config import ParallelConfig, load_parallel_config
 from harts.parallel.groups import rank_layout
 
-SHIPPED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+SHIPPED = sorted(shipped_configs("parallel"))
 EXTRA = [
     ParallelConfig(name="dp2-tp2-sp-ep4", dp=2, tp=2, sequence_parallel=True, ep=4),
     ParallelConfig(name="dp4-ep2-pp2", dp=4, ep=2, pp=2),

@@ -2,15 +2,12 @@
 
 `harts train-step/verify --parallel NAME` on the shipped tiny sample step: JSON from rank 0, bad
 configs as one-line errors (exit 2), a failing rank as one line (exit 1). Slow: `harts verify
---parallel` meets the fidelity thresholds, and the same command under torchrun (no spawning,
-only rank 0 prints).
+--parallel` meets the fidelity thresholds. The commands under torchrun: tests/parallel/test_torchrun.py.
 """
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -123,21 +120,3 @@ def test_cli_verify_meets_the_thresholds(capsys):
         assert report["recompute"] is True
         assert report["logit_cosine_min"] >= 0.99999 and report["loss_rel_diff"] <= 1e-6, report
         assert report["grad_rel_diff"] <= 1e-4 and report["max_abs_logprob_diff"] <= 1e-5, report
-
-
-@pytest.mark.slow
-def test_torchrun_runs_ranks_in_place():
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "harts", "train-step", "--model", "tiny", "--trees", STEP, "--capacity", "1024",
-               "--execution", "compact", "--json", "--parallel", "dp2-ep2"]
-    # A session of its own, so that a timeout also stops torchrun's workers.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    assert process.returncode == 0, stderr[-2000:]
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1 and json.loads(lines[0])["parallel"] == "dp2-ep2"
