@@ -18,6 +18,7 @@ rule planning:
         dp=config["planning"]["dp"],
         planners=comma(config["planning"]["planners"]),
         time_limit=config["planning"]["time_limit_s"],
+        repeats=config["planning"]["repeats"],
     threads: workflow.cores
     log:
         "reports/logs/planning/{dataset}.log",
@@ -26,5 +27,6 @@ rule planning:
     shell:
         "harts bench planning --trees {input.synth} --data data/trees/{wildcards.dataset}"
         " --seed {params.seed} --steps {params.steps} --capacity {params.capacity} --dp {params.dp}"
-        " --planners {params.planners} --time-limit {params.time_limit} --out {output.records}"
+        " --planners {params.planners} --time-limit {params.time_limit} --repeats {params.repeats}"
+        " --out {output.records}"
         " 2>&1 | tee {log} || [ $? -eq 1 ]"

@@ -13,6 +13,8 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
 - `first_fit_count(sizes, room)`: bins used by first-fit-decreasing (K is it rounded up to D);
 - `pack_best_fit(sizes, room, count)`: largest first to the fullest bin it fits, keeping one
   item for every still-empty bin (bins filled near the room form tight slots at the top);
+  `pack_least_loaded(sizes, room, count)`: largest first to the least-loaded bin (near-equal
+  loads, which balancing finishes better when a bin holds only a few items);
   `BestFit`, the ordered loads it (and `harts_planner`'s repacking) finds that bin with;
 - `critical_path(works, dp)`: Σ over slots of the largest work under the sorted grouping of
   `harts.planning.microbatch.objective`;
@@ -95,6 +97,33 @@ def pack_best_fit(sizes: np.ndarray, room: int, count: int,
         if holding is not None:
             holding[groups[i], k] = True
         left -= 1
+    return bin_of
+
+
+def pack_least_loaded(sizes: np.ndarray, room: int, count: int,
+                      groups: np.ndarray | None = None) -> np.ndarray | None:
+    """Largest first to the least-loaded bin it fits (ties: lowest bin) holding no item of its group:
+    near-equal loads, the start that balancing finishes best when items are few per bin. None if an
+    item fits nowhere (or there are fewer items than bins)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if count > len(sizes):
+        return None
+    loads = np.zeros(count, dtype=np.int64)
+    holding = np.zeros((int(groups.max()) + 1, count), dtype=bool) if groups is not None else None
+    bin_of = np.empty(len(sizes), dtype=np.int64)
+    blocked_load = np.iinfo(np.int64).max
+    for i in np.argsort(-sizes, kind="stable").tolist():
+        open_bins = loads <= room - sizes[i]
+        if holding is not None:
+            open_bins &= ~holding[groups[i]]
+        k = int(np.argmin(np.where(open_bins, loads, blocked_load)))
+        if not open_bins[k]:
+            return None
+        loads[k] += sizes[i]
+        bin_of[i] = k
+        if holding is not None:
+            holding[groups[i], k] = True
+    # Every bin is used: an empty bin is the least loaded and blocks no group.
     return bin_of
 
 

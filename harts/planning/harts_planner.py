@@ -15,28 +15,30 @@ Search tiers, by size:
 1. "exact" (N <= `exact_max_trajectories`): branch and bound over all set partitions of the
    ranks (restricted-growth assignment in rank order, capacity and W-bound pruning), scoring
    complete partitions with the full objective. Optimal; tested against brute force.
-2. "cluster-packing" (refinement on, every cluster fits T): clusters are the maximal runs of the
-   sorted order sharing more than g0, the prefix of the whole step (RL steps: one per task
-   tree, under the shared system prompt). Whole clusters in K microbatches cost exactly
-   W = C + (K - 1)·g0, the least W of any plan with K or more microbatches (bound of
-   `harts.planning.bounds`). K starts at the first-fit-decreasing count rounded up to D and
-   drops by D while splitting a few clusters at their cheapest cuts costs less than the D·g0
-   it saves. The search is then for the critical path: a best-fit start (and the repacking
-   that lowered K), each balanced by the priced moves and swaps of
-   `harts.planning.cluster_packing.balance`, the better kept. A trajectory-level move out of
-   a whole cluster raises W by at least its cut cost, so the trajectory-level refinement below
-   runs on this plan only when some cluster cuts for less than `refine_packed_split_ratio`·g0
-   ("cluster-packing+refine").
+2. "cluster-packing" (refinement on): clusters are the maximal runs of the sorted order sharing
+   more than g0, the prefix of the whole step (RL steps: one per task tree, under the shared
+   system prompt). Whole clusters in K microbatches cost exactly W = C + (K - 1)·g0, the least W
+   of any plan with K or more microbatches (bound of `harts.planning.bounds`); a cluster split
+   over several microbatches adds, per extra microbatch, the prefix its parts then repeat (a task
+   prompt when a GRPO group of samples is split at its root fork). `whole_cluster_plan` builds two
+   packings and keeps the better: (a) clusters larger than T cut into their cheapest contiguous
+   runs, K from the first-fit-decreasing count rounded up to D, lowered by D while splitting a
+   few clusters at their cheapest cuts costs less than the D·g0 it saves; (b) the fragment
+   packing of `harts.planning.fragment_packing` (trees whole by best fit, a tree that fits no
+   microbatch spread as root-level subtrees over the roomiest ones) at a few counts from the
+   bound's up. The search is then for the critical path: each packing and its best-fit or
+   least-loaded restart is balanced by the priced moves and swaps of
+   `harts.planning.cluster_packing.balance` (pieces of one cluster never share a microbatch, so
+   works stay additive), the best kept. A trajectory-level move out of a cluster raises W by at
+   least its cut cost, so the trajectory-level refinement below runs on this plan only when some
+   cluster cuts for less than `refine_packed_split_ratio`·g0 ("cluster-packing+refine").
 3. "dp" (DP over cut points): f[k][j] = min W of the first j ranks in k contiguous runs, each
    <= T: f[k][j] = min_{lo(j) <= i < j} f[k-1][i] + cost(i, j), where lo(j) is the first start
    whose run fits (monotone, found by binary search on prefix sums). Counts k run upward until
    the bound C + (k - 1 smallest adjacent LCPs) exceeds the best W found at a multiple of D;
    every k ≡ 0 mod D reaching that W is rebuilt and scored by the full objective. Exact among
-   contiguous partitions (tested against enumeration of all cut sets). Skipped (with
-   `skip_dp_above_floor`, the default) when no contiguous partition can reach the W of the
-   cluster packing: C plus the k - 1 smallest adjacent LCPs, k the fewest fitting runs rounded up
-   to D, already exceeds it. This is a heuristic: the refined DP plan is not contiguous and can
-   still beat the packing (rarely; see the field's note).
+   contiguous partitions (tested against enumeration of all cut sets). With a cluster-packing
+   plan it runs only on steps of at most `dp_with_packing_max_trajectories` (see the field).
 4. "restricted-dp" (when N² · window, the full table's cells, exceeds `dp_max_cells`): the same
    recursion keeping, for each prefix j, only counts within `count_band` of the fewest runs
    that can cover it.
@@ -81,6 +83,7 @@ import numpy as np
 
 from harts.planning import cluster_packing
 from harts.planning.bounds import plan_bounds
+from harts.planning.fragment_packing import FragmentPacker
 from harts.planning.microbatch import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork, no_plan_error, pad_to_dp, split_to_multiple
 from harts.trees.step import Step
@@ -118,12 +121,16 @@ class HartsConfig:
     """Upper bound on accepted balancing changes."""
     stop_at_bound: bool = True
     """Skip the W-lowering refinement when the DP's W equals the plan lower bound (only balancing runs)."""
-    skip_dp_above_floor: bool = True
-    """Skip the DP tier (and its refinement) when a cluster-packing plan exists and no contiguous
-    partition can reach its W. Saves the DP's 0.4-0.6 s per paper step (the plan then takes 15-22 ms
-    given the prefix index; with the DP the ten paper steps get the same tier and W); the refined
-    DP plan, which is not contiguous, can still be better: in a fuzz of ~1,400 small random steps
-    it was in 4 (once on W, by 1.2%; three times on the critical path)."""
+    dp_with_packing_max_trajectories: int = 1000
+    """With a cluster-packing plan, the DP tier (and its refinement) runs too only on steps of at most
+    this many trajectories, where it is cheap. Above, the packing alone: on paper-sized steps (1,250 to
+    9,200 trajectories, trees within T or beyond it) it had the lower W on every step, and the DP
+    with its refinement took 0.5-8 s; on small random steps the refined DP, which is not contiguous,
+    is sometimes better (tests/planning/test_harts_planner.py)."""
+    fragment_counts: int = 4
+    fragment_orders: int = 16
+    """Fragment packing (`FragmentPacker.best`): counts tried above the smallest that packs, and cluster
+    orders tried at the smallest counts."""
     balance_rounds: int = 100
     """Cluster packing: most rounds of priced moves and swaps per start (a round that takes nothing ends it)."""
     balance_batch: int = 128
@@ -163,11 +170,7 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
                 refined = refine(rw, packed[0], capacity, dp, config)
                 refined_works = np.asarray([rw.trie(b) for b in refined], dtype=np.int64)
                 candidates.append((objective(refined_works, dp), "cluster-packing+refine", refined, refined_works))
-        # A time/quality trade-off (`skip_dp_above_floor`): no contiguous plan reaches the packing's W
-        # when the floor exceeds it, but the refinement of the DP's plan is not contiguous and can.
-        floor = _contiguous_floor(rw, capacity, dp)
-        if (packed is None or not config.skip_dp_above_floor
-                or (floor is not None and floor <= int(packed[1].sum()))):
+        if packed is None or rw.num <= config.dp_with_packing_max_trajectories:
             band = None
             if rw.num * _window(rw, capacity) * rw.num > config.dp_max_cells:
                 band = max(config.count_band, dp)
@@ -187,25 +190,31 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
 
 def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
                        config: HartsConfig) -> tuple[list[list[int]], np.ndarray, int] | None:
-    """(bins, works, clusters split): clusters packed into the fewest multiple-of-D microbatches,
-    balanced; None when a cluster exceeds T or there are fewer clusters than that count. With no
-    cluster split W = C + (K - 1)·g0; each split adds its cut cost.
+    """(bins, works, clusters split): clusters packed into few multiple-of-D microbatches, split only
+    where they fit no microbatch whole, balanced; None when no packing is found. With no cluster split
+    W = C + (K - 1)·g0; each split adds the prefix it repeats.
 
-    K starts at the first-fit-decreasing count rounded up to D (W = C + (K - 1)·g0). While
-    `_fewer_microbatches` finds K - D microbatches whose cluster splits cost less than the D·g0
-    they save, K drops by D and the split pieces become items (pieces of one cluster never
-    share a microbatch, so works stay additive). Starts: that packing if any, and best-fit
-    decreasing; each is balanced by `cluster_packing.balance` and the lowest objective is kept.
+    Two packings, each balanced by `cluster_packing.balance` (pieces of one cluster never share a
+    microbatch, so works stay additive), the lowest objective kept:
+    - contiguous pieces: clusters larger than T cut into their cheapest runs (`cheapest_pieces`); K
+      starts at the first-fit-decreasing count rounded up to D and drops by D while
+      `_fewer_microbatches` finds K - D microbatches whose splits cost less than the D·g0 they save;
+      starts: that packing, best-fit decreasing and least-loaded placement;
+    - fragments: `fragment_packing.FragmentPacker.best` from the plan bound's count up (the lowest W of
+      several counts and cluster orders), which splits a tree into its root-level subtrees
+      over the roomiest microbatches only when it fits none whole; starts: that packing and
+      least-loaded placement of its pieces.
     """
     g0 = rw.common_prefix
     starts = np.concatenate([[0], np.flatnonzero(rw.lcp_adjacent[1:] == g0) + 1]).astype(np.int64)
     ends = np.concatenate([starts[1:], [rw.num]])
-    sizes = rw.run_costs(starts, ends) - g0
     room = capacity - g0
-    if sizes.max() > room:
-        return None
+    pieces = []
+    for cluster, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        pieces += [(lo, hi, cluster) for lo, hi in cheapest_pieces(rw, a, b, capacity)]
+    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
+    sizes = rw.run_costs(runs[:, 0], runs[:, 1]) - g0
     count = -(-cluster_packing.first_fit_count(sizes, room) // dp) * dp
-    pieces = list(zip(starts.tolist(), ends.tolist(), range(len(starts))))
     repacked = None
     while count > dp:
         fewer = _fewer_microbatches(rw, pieces, count - dp, room, max_extra=dp * g0)
@@ -213,14 +222,46 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
             break
         pieces, repacked = fewer
         count -= dp
-    runs = np.asarray([(a, b) for a, b, _ in pieces], dtype=np.int64)
-    sizes = rw.run_costs(runs[:, 0], runs[:, 1]) - g0
-    groups = np.asarray([c for _, _, c in pieces], dtype=np.int64) if repacked is not None else None
     best = None
-    for start in (repacked, cluster_packing.pack_best_fit(sizes, room, count, groups)):
-        if start is None:
+    while best is None and count <= len(pieces):
+        contiguous = [(list(range(a, b)), cluster) for a, b, cluster in pieces]
+        best = _balanced(rw, contiguous, count, dp, capacity, config, repacked, best_fit=True)
+        # Pieces of one cluster never share a microbatch: the first-fit count may not hold them.
+        count += 0 if best is not None else dp
+        repacked = None
+    clusters = [list(range(a, b)) for a, b in zip(starts.tolist(), ends.tolist())]
+    first = -(-plan_bounds(rw, capacity, dp).num_microbatches // dp) * dp
+    fragments = FragmentPacker(rw, clusters, capacity).best(first, dp, num_counts=config.fragment_counts,
+                                                            num_orders=config.fragment_orders)
+    if fragments is not None:
+        owned = [(group, k) for k, members in enumerate(fragments) for group in _clusters(rw, members)]
+        cluster_of = np.searchsorted(starts, [group[0] for group, _ in owned], side="right") - 1
+        packed = _balanced(rw, [(group, int(c)) for (group, _), c in zip(owned, cluster_of)], len(fragments), dp,
+                           capacity, config, np.asarray([k for _, k in owned], dtype=np.int64), best_fit=False)
+        if packed is not None and (best is None or packed[0] < best[0]):
+            best = packed
+    if best is None:
+        return None
+    _, bins, works, num_pieces = best
+    return bins, works, num_pieces - len(starts)
+
+
+def _balanced(rw: RankWork, pieces: list[tuple[list[int], int]], count: int, dp: int, capacity: int,
+              config: HartsConfig, start: np.ndarray | None, *, best_fit: bool):
+    """(objective, bins, works, pieces) of the best balanced packing of `pieces` ((ranks, cluster))
+    into `count` microbatches from `start` (a bin per piece, or None), best-fit decreasing (with
+    `best_fit`) and least-loaded placement; None if no start fits."""
+    g0 = rw.common_prefix
+    sizes = np.asarray([rw.trie(ranks) - g0 for ranks, _ in pieces], dtype=np.int64)
+    clusters = np.asarray([cluster for _, cluster in pieces], dtype=np.int64)
+    groups = clusters if len(np.unique(clusters)) < len(pieces) else None
+    room = capacity - g0
+    best = None
+    for bin_of in (start, cluster_packing.pack_best_fit(sizes, room, count, groups) if best_fit else None,
+                   cluster_packing.pack_least_loaded(sizes, room, count, groups)):
+        if bin_of is None:
             continue
-        bin_of = cluster_packing.balance(sizes, start, count, dp, base=g0, capacity=capacity, groups=groups,
+        bin_of = cluster_packing.balance(sizes, bin_of, count, dp, base=g0, capacity=capacity, groups=groups,
                                          max_rounds=config.balance_rounds, batch=config.balance_batch)
         works = g0 + np.bincount(bin_of, weights=sizes, minlength=count).astype(np.int64)
         key = objective(works, dp)
@@ -228,10 +269,34 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
             best = (key, bin_of, works)
     if best is None:
         return None
+    key, bin_of, works = best
     bins: list[list[int]] = [[] for _ in range(count)]
-    for (a, b, _), k in sorted(zip(pieces, best[1].tolist())):
-        bins[k].extend(range(a, b))
-    return bins, best[2], len(pieces) - len(starts)
+    for (ranks, _), k in zip(pieces, bin_of.tolist()):
+        bins[k].extend(ranks)
+    return key, [sorted(b) for b in bins], works, len(pieces)
+
+
+def cheapest_pieces(rw: RankWork, a: int, b: int, capacity: int) -> list[tuple[int, int]]:
+    """Ranks [a, b) as contiguous runs [lo, hi) of at most `capacity` compact tokens each, at the least
+    total work (the run's trie plus the LCP at every cut: cuts fall at shallow forks); [(a, b)] when
+    the whole run fits. f[j] = min over fitting starts i of f[i] + run_cost(i, j), the starts that
+    fit being a suffix of [a, j)."""
+    if rw.run_cost(a, b) <= capacity:
+        return [(a, b)]
+    lo = _run_starts(rw, capacity)
+    best = [0] + [int(_INF)] * (b - a)
+    start = [a] * (b - a + 1)
+    for j in range(a + 1, b + 1):
+        for i in range(max(int(lo[j]), a), j):
+            cost = best[i - a] + rw.run_cost(i, j)
+            if cost < best[j - a]:
+                best[j - a], start[j - a] = cost, i
+    runs = []
+    j = b
+    while j > a:
+        runs.append((start[j - a], j))
+        j = start[j - a]
+    return runs[::-1]
 
 
 def _fewer_microbatches(rw: RankWork, pieces: list[tuple[int, int, int]], count: int, room: int, *,
@@ -322,20 +387,6 @@ def _cheap_split(rw: RankWork, ratio: float) -> bool:
     """Whether some cluster can be cut for less than `ratio`·g0 (a cut at rank c costs lcp[c] - g0)."""
     inner = rw.lcp_adjacent[1:][rw.lcp_adjacent[1:] > rw.common_prefix]
     return len(inner) > 0 and int(inner.min()) - rw.common_prefix < ratio * rw.common_prefix
-
-
-def _contiguous_floor(rw: RankWork, capacity: int, dp: int) -> int | None:
-    """No contiguous partition (the DP's plans) has less W: C + the smallest (k - 1) adjacent
-    LCPs, k the fewest runs that fit rounded up to a multiple of D. None: the DP has no plan."""
-    lo = _run_starts(rw, capacity).tolist()
-    fewest = [0] * (rw.num + 1)
-    for j in range(1, rw.num + 1):
-        fewest[j] = 1 + fewest[lo[j]]
-    step = dp if rw.num >= dp else 1
-    count = -(-fewest[rw.num] // step) * step
-    if count > rw.num:
-        return None
-    return rw.run_cost(0, rw.num) + int(np.sort(rw.lcp_adjacent[1:])[: count - 1].sum())
 
 
 def _configure(config: HartsConfig | None, options: dict) -> HartsConfig:

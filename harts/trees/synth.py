@@ -82,8 +82,12 @@ class SynthConfig:
     max_tree_tokens: int | None = None
     """Compact tokens of a task's tree at most (prompt included); None = no budget."""
     tree_budget_ratio: float | None = None
-    """A tree's compact budget = prompt + ratio × its longest sample's own tokens (capped by
+    """A tree's compact budget = prompt + ratio × its samples' own tokens (capped by
     max_tree_tokens); None = max_tree_tokens alone."""
+    max_subtree_tokens: int | None = None
+    """Compact tokens of one sample's subtree at most (the sample or compaction branch with every
+    side branch forking off it, prompt included); None = no limit. A side branch that would pass it
+    forks elsewhere. Subtrees beyond T force a planner to repeat their long prefixes."""
     fork_position_skew: float = 1.0
     """>= 1: side branches fork at boundary index ⌊n·u^(1/skew)⌋ of their parent (larger = later)."""
     nested_fork_probability: float = 0.0
@@ -107,8 +111,10 @@ class SynthConfig:
             raise ValueError("tree_budget_ratio must be >= 1 (a tree holds at least its sample)")
         if self.fork_position_skew < 1:
             raise ValueError("fork_position_skew must be >= 1")
-        if self.max_tree_tokens is not None and self.max_tree_tokens < self.system_prompt_tokens + self.issue_tokens.max:
-            raise ValueError("max_tree_tokens must hold the system prompt and the longest issue")
+        for name in ("max_tree_tokens", "max_subtree_tokens"):
+            limit = getattr(self, name)
+            if limit is not None and limit < self.system_prompt_tokens + self.issue_tokens.max:
+                raise ValueError(f"{name} must hold the system prompt and the longest issue")
         if self.max_branches_per_task < self.samples_per_task:
             raise ValueError("max_branches_per_task must be >= samples_per_task")
         prompt_max = self.system_prompt_tokens + self.issue_tokens.max
@@ -191,19 +197,30 @@ def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: floa
     if config.tree_budget_ratio is not None:
         # A task's tree grows in proportion to its longest sample, so tree sizes spread like
         # trajectory lengths and small trees can share a microbatch.
-        longest = min(max(targets), config.max_tokens) - prompt
-        budget = min(budget, prompt + config.tree_budget_ratio * longest)
+        own = sum(min(target, config.max_tokens) - prompt for target in targets)
+        budget = min(budget, prompt + config.tree_budget_ratio * own)
     used = prompt
     branches: list[_Branch] = []
+    subtree_limit = config.max_subtree_tokens if config.max_subtree_tokens is not None else math.inf
+    # Own tokens of each sample's subtree, by the index of its root branch.
+    subtree_used: dict[int, int] = {}
+
+    def root_of(b: int) -> int:
+        while branches[b].parent != -1:
+            b = branches[b].parent
+        return b
 
     def add(branch: _Branch, stream: int) -> bool:
         nonlocal used
-        room = budget - used - sum(length for _, length in branch.turns)
+        own = sum(length for _, length in branch.turns)
+        root = len(branches) if branch.parent == -1 else root_of(branch.parent)
+        room = min(budget - used, subtree_limit - prompt - subtree_used.get(root, 0)) - own
         if room < config.assistant_tokens.min:
             return False
         compacted = _grow_branch(config, branch, _task_rng(seed, step, task, stream), room)
         branches.append(branch)
         used += branch.end - branch.fork
+        subtree_used[root] = subtree_used.get(root, 0) + branch.end - branch.fork
         if compacted and len(branches) < config.max_branches_per_task:
             summary = config.summary_tokens.sample(rng)
             remaining = branch.target - branch.end
@@ -228,8 +245,13 @@ def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: floa
             continue
         fork = points[int(len(points) * rng.random() ** (1.0 / config.fork_position_skew))]
         branch = _Branch(parent=parent, fork=fork, depth=branches[parent].depth + 1, target=fork + continuation, turns=[])
-        if fork + config.assistant_tokens.min > config.max_tokens or not add(branch, 100 + attempt):
+        if fork + config.assistant_tokens.min > config.max_tokens or used + config.assistant_tokens.min > budget:
             break
+        if not add(branch, 100 + attempt):
+            # Its sample's subtree is full: fork off another one, while attempts last.
+            if attempt > 4 * config.max_branches_per_task:
+                break
+            continue
     return _Task(issue=issue, branches=branches)
 
 

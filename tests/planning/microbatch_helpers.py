@@ -81,3 +81,26 @@ def brute_force_key(index: PrefixIndex, blocks: list[list[int]], capacity: int, 
 
 def plan_key(plan) -> tuple[int, int, int]:
     return objective(np.asarray([mb.work for mb in plan.microbatches]), plan.dp)
+
+
+def grpo_step(rng: np.random.Generator, *, num_tasks: int, group: tuple[int, int], retries: tuple[int, int],
+              shared: int, prompt: tuple[int, int], sample: tuple[int, int], retry: tuple[int, int],
+              vocab: int = 50) -> Step:
+    """GRPO-shaped rollout trees: per task, a group of samples forking right after the task prompt,
+    each with retries forking late in it (the last half) and running briefly, under one shared prefix."""
+    system = rng.integers(0, vocab, shared).tolist()
+    sequences, trees = [], []
+    for task in range(num_tasks):
+        base = system + [vocab + task] + rng.integers(0, vocab, int(rng.integers(*prompt))).tolist()
+        for s in range(int(rng.integers(*group))):
+            path = base + [vocab + num_tasks + s] + rng.integers(0, vocab, int(rng.integers(*sample))).tolist()
+            sequences.append(path)
+            trees.append(f"tree{task}")
+            for r in range(int(rng.integers(*retries))):
+                fork = int(rng.integers(len(base) + (len(path) - len(base)) // 2, len(path)))
+                tail = [vocab + num_tasks + 64 + r] + rng.integers(0, vocab, int(rng.integers(*retry))).tolist()
+                sequences.append(path[:fork] + tail)
+                trees.append(f"tree{task}")
+    order = rng.permutation(len(sequences))
+    return make_step([sequences[k] for k in order], ids=[f"x{k}" for k in range(len(order))],
+                     trees=[trees[k] for k in order])

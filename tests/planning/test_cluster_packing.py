@@ -97,6 +97,42 @@ def test_packings(seed):
         assert cp.pack_best_fit(sizes, room, len(sizes) + 1) is None
 
 
+def _naive_least_loaded(sizes: list[int], room: int, count: int, groups: list[int] | None) -> list[int] | None:
+    """Largest first (ties: lowest index) to the least-loaded bin (ties: lowest) it fits holding no item of its group."""
+    loads, held, bin_of = [0] * count, [set() for _ in range(count)], [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        options = [k for k in range(count) if loads[k] + sizes[i] <= room
+                   and (groups is None or groups[i] not in held[k])]
+        if not options:
+            return None
+        k = min(options, key=lambda k: (loads[k], k))
+        loads[k] += sizes[i]
+        bin_of[i] = k
+        if groups is not None:
+            held[k].add(groups[i])
+    return bin_of if count <= len(sizes) and min(loads) > 0 else None
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["items", "groups"])
+def test_least_loaded_matches_its_reference(grouped):
+    rng = np.random.default_rng(42)
+    placed = 0
+    for _ in range(300):
+        room = int(rng.integers(10, 40))
+        sizes = rng.integers(1, room + 1, int(rng.integers(1, 12))).astype(np.int64)
+        groups = rng.integers(0, 4, len(sizes)).astype(np.int64) if grouped else None
+        count = int(rng.integers(1, len(sizes) + 2))
+        got = cp.pack_least_loaded(sizes, room, count, groups)
+        expected = _naive_least_loaded(sizes.tolist(), room, count, None if groups is None else groups.tolist())
+        assert (got is None and expected is None) or got.tolist() == expected
+        if got is not None:
+            placed += 1
+            assert _bins_valid(sizes, got, count, room)
+            if grouped:
+                assert len({(g, k) for g, k in zip(groups.tolist(), got.tolist())}) == len(sizes)
+    assert placed >= 100
+
+
 def test_best_fit_matches_argmax():
     """The fullest unblocked bin within the limit (ties: lowest), as a masked argmax finds it."""
     rng = np.random.default_rng(42)
