@@ -42,6 +42,7 @@ def iter_steps(trees: str, seed: int, steps: list[int] | None,
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
 
+    sliced = {"max_trees": max_trees} if max_trees is not None else {}
     if is_config(trees):
         synth = load_config(shipped_config_path(trees, "trees"), SynthConfig)
         indices = steps if steps is not None else [0]
@@ -50,9 +51,9 @@ def iter_steps(trees: str, seed: int, steps: list[int] | None,
             raise ValueError(f"{trees}: step {beyond[0]} is beyond num_steps = {synth.num_steps}")
         for index in indices:
             yield index, first_trees(generate_step(synth, seed, index), max_trees), {
-                "trees": trees, "seed": seed, "step": index, "synth": config_to_dict(synth), "max_trees": max_trees,
+                "trees": trees, "seed": seed, "step": index, "synth": config_to_dict(synth), **sliced,
             }
     else:
         if steps not in (None, [0]):
             raise ValueError(f"{trees}: a step path holds one step; --steps applies to a trees config")
-        yield 0, first_trees(read_step(trees), max_trees), {"trees": trees, "step": 0, "max_trees": max_trees}
+        yield 0, first_trees(read_step(trees), max_trees), {"trees": trees, "step": 0, **sliced}
