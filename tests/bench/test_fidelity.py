@@ -107,17 +107,18 @@ def _nested_step():
 
 @pytest.mark.parametrize("microbatches, expected", [
     # One trie: Y leaves the heavy X (1 handoff), d leaves the heavy c under Y (2).
-    pytest.param([[0, 1, 2, 3]], {"c": [0] * 4 + [1] * 8, "a": [0] * 12, "d": [0] * 4 + [1] * 4 + [2] * 4,
+    pytest.param([[2, 0, 3, 1]], {"c": [0] * 4 + [1] * 8, "a": [0] * 12, "d": [0] * 4 + [1] * 4 + [2] * 4,
                                   "b": [0] * 8 + [1] * 4}, id="one-microbatch"),
     # Per microbatch: {a, b} and {c, d} are each one fork deep.
-    pytest.param([[1, 3], [0, 2]], {"c": [0] * 12, "a": [0] * 12, "d": [0] * 8 + [1] * 4, "b": [0] * 8 + [1] * 4},
+    pytest.param([[3, 1], [2, 0]], {"c": [0] * 12, "a": [0] * 12, "d": [0] * 8 + [1] * 4, "b": [0] * 8 + [1] * 4},
                  id="two-microbatches"),
 ])
 def test_position_handoff_depth_counts_the_forks_off_the_heavy_child(microbatches, expected):
     from harts.trees.trie import PrefixIndex
 
     step = _nested_step()
-    depth = position_handoff_depth(step, [np.asarray(m) for m in microbatches], PrefixIndex.from_step(step), 4)
+    # Forks inside the first chunk: with replay the side branches would start in their parent's call.
+    depth = position_handoff_depth(step, [np.asarray(m) for m in microbatches], PrefixIndex.from_step(step), 64)
     assert depth.dtype == np.int64
     for k, name in enumerate(step.ids):
         assert depth[step.offsets[k] : step.offsets[k + 1]].tolist() == expected[name], name
