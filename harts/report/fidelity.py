@@ -21,7 +21,8 @@ Output:
 - PDF: per single-process record, the ablation (mean SymKL and |ΔNLL| per handoff depth for the
   rerun, split rerun, replay and no-replay paths, each depth labelled with its positions and the
   paper's depths 4-5 shaded, "not reached" where the record has none; the excess over the split
-  rerun's noise (the rerun's for records without it) against the paper's depth-4-5 band); then
+  rerun's noise (the rerun's for records without it) against the paper's depth-4-5 band, on a
+  symlog axis where a floor near 0 makes a bar dwarf the band); then
   1 - min logit cosine and |Δloss| per configuration against the paper's thresholds; then the
   tables (the ablation table: each record's depths, then the paper's depth-4-5 row).
 """
@@ -42,6 +43,8 @@ UNDEFINED = "undefined (noise floor is 0)"
 PAPER_DEPTHS = (4, 5)
 """The handoff depths of the paper's ablation figures (PAPER's `*_depth_4_5`)."""
 AT_NOISE_FLOOR = "at the noise floor"
+PAPER_BAND_SCALE = 30
+"""Excess bars beyond this many times the paper's band switch the excess axis to symlog."""
 PATH_COLORS = {"rerun": "0.45", "split-rerun": "0.15", "replay": "#3182bd", "no-replay": "#e6550d"}
 PATH_MARKERS = {"rerun": "s", "split-rerun": "D", "replay": "o", "no-replay": "^"}
 LOSS_METRICS_PARALLEL = ("abs_dloss", "loss_rel_diff", "grad_rel_diff", "replica_grad_max_rel_diff")
@@ -306,17 +309,22 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
         # The split rerun (same math in the compact execution's call shapes) where the record has it.
         key = "split_rerun" if any("split-rerun" in ablation[d] for d in depths) else "rerun"
         floor = NOISE_FLOORS[key]
+        bars = []
         for path, offset in (("replay", -0.18), ("no-replay", 0.18)):
             for i, d in enumerate(depths):
                 excess = get(ablation, d, path, f"{metric}_excess_over_{key}")
                 if is_number(excess):
                     ax.bar(x[i] + offset, 100 * excess, 0.34, color=PATH_COLORS[path], label=path)
+                    bars.append(100 * abs(excess))
                 elif get(ablation, d, floor, metric) == 0:
                     undefined.append(d)
                 else:
                     missing.append(d)
         ax.fill_between([low, high], 100 * band[0], 100 * band[1], color="0.6", alpha=0.35,
                         label=f"paper no-replay over the rerun, depth 4-5: +{100 * band[0]:.1f}-{100 * band[1]:.1f}%")
+        if max(bars, default=0.0) > 100 * PAPER_BAND_SCALE * band[1]:
+            # A floor near 0 makes the excess huge: a linear axis would flatten the paper's band.
+            ax.set_yscale("symlog", linthresh=100 * band[1])
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_title(f"{label}: excess over the {floor.replace('-', ' ')} noise")
         ax.set_xlabel("handoff depth, positions")

@@ -135,3 +135,17 @@ def test_ablation_figure_labels_every_depth_with_its_positions(tmp_path):
     assert "Replay ablation by handoff depth: tiny" in figure and "depth 4-5 (shaded)" in figure
     axis = "0\n100\n1\n101\n2\n102\n3\n103\n4\nnot reached\n5\nnot reached\nhandoff depth, positions"
     assert figure.count(axis) == 4, figure  # each of the four panels
+
+
+@pytest.mark.parametrize("excess, scale", [pytest.param(0.4, "linear", id="near-the-band"),
+                                           pytest.param(1e5, "symlog", id="floor-near-zero")])
+def test_a_huge_excess_keeps_the_papers_band_visible(excess, scale):
+    """The SymKL excess axis turns symlog when a bar dwarfs the paper's band (the |dNLL| one stays linear)."""
+    from harts.report.fidelity import _ablation_figure
+
+    record = fidelity_record()
+    record["results"]["ablation"]["1"]["no-replay"]["symkl_excess_over_split_rerun"] = excess
+    figure = _ablation_figure(record, [])
+    symkl_excess, dnll_excess = figure.axes[1], figure.axes[3]
+    assert "SymKL: excess" in symkl_excess.get_title() and "dNLL|: excess" in dnll_excess.get_title()
+    assert symkl_excess.get_yscale() == scale and dnll_excess.get_yscale() == "linear"
