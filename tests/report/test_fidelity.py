@@ -63,8 +63,9 @@ def test_every_depth_to_the_papers_has_its_positions(depths, zero_depths):
 
 def test_the_papers_band_rows():
     rows = fidelity_rows([fidelity_record()])
-    paper = {(r["path"], r["metric"]): r["value"] for r in rows if r["source"] == "paper" and r["section"] == "ablation"}
-    assert {r["depth"] for r in rows if r["source"] == "paper" and r["section"] == "ablation"} == {"4-5"}
+    band = [r for r in rows if r["source"] == "paper" and r["section"] == "ablation"]
+    assert {r["depth"] for r in band} == {"4-5"}
+    paper = {(r["path"], r["metric"]): r["value"] for r in band}
     assert paper == {
         ("replay", "symkl_excess_over_rerun"): "at the noise floor",
         ("replay", "abs_dnll_excess_over_rerun"): "at the noise floor",
@@ -126,12 +127,12 @@ def test_report_files(tmp_path):
 
 def test_ablation_figure_labels_every_depth_with_its_positions(tmp_path):
     """The figure's depth axis: each depth's positions, "not reached" for the paper's depths beyond the record's."""
-    from pypdf import PdfReader
+    from harts.report.fidelity import _ablation_figure
+    from harts.report.render import save_pdf
 
-    single = write(tmp_path, "single.json", [fidelity_record(depths=4)])
-    pdf = tmp_path / "fidelity.pdf"
-    write_fidelity_report([single], pdf, tmp_path / "fidelity.csv")
-    figure = PdfReader(str(pdf)).pages[0].extract_text()
+    pdf = tmp_path / "ablation.pdf"
+    save_pdf([_ablation_figure(fidelity_record(depths=4), [])], pdf)
+    _, figure = pdf_text(pdf)
     assert "Replay ablation by handoff depth: tiny" in figure and "depth 4-5 (shaded)" in figure
     axis = "0\n100\n1\n101\n2\n102\n3\n103\n4\nnot reached\n5\nnot reached\nhandoff depth, positions"
     assert figure.count(axis) == 4, figure  # each of the four panels
