@@ -50,7 +50,7 @@ def test_strict(tmp_path, text, fragment):
     assert fragment in str(error.value) and "c.yaml" in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["paper", "cpu-small", "tiny"])
+@pytest.mark.parametrize("name", ["paper", "cpu-small", "cpu-deep", "tiny"])
 def test_shipped_tree_configs_load(name):
     from harts.trees.synth import SynthConfig
 

@@ -18,10 +18,16 @@ Fixed weights (seeded) and inputs (one step, or its first `--max-trees` task tre
 (a) Replay ablation. Per position, against the baseline: the symmetric KL of the next-token
 distributions, KL(p‖q) + KL(q‖p) over the full vocabulary, and |ΔNLL| of the actual next token.
 Positions are binned by handoff depth: the number of state handoffs on the chain of sequences of
-the no-replay schedule that computed the position's row (0 = no handoff). Reported: the mean of
-each metric per depth and path, and how far replay and no-replay exceed each noise floor
-(`{metric}_excess_over_rerun`, `..._over_split_rerun` = mean_path / mean_floor - 1; None where
-the floor is 0), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
+the no-replay schedule that computed the position's row (0 = no handoff;
+`position_handoff_depth`, which needs no model). In that schedule every side branch waits for
+the call after its parent's, so a position's depth is the number of forks on its path where it
+leaves the heavy child, and the largest depth of a microbatch is its no-replay call count minus 1
+(the DESIGN §3 recursion with T_pre = T_in: a Horton-Strahler number of the trie): depth d needs
+at least 2^d leaves in one microbatch, nested as a balanced tree (the paper's depth 4-5: 16-32).
+Reported per depth 0..max: the positions and those with a next token (`positions`,
+`target_positions`), the mean of each metric per path, and how far replay and no-replay exceed
+each noise floor (`{metric}_excess_over_rerun`, `..._over_split_rerun` = mean_path / mean_floor
+- 1; None where the floor is 0), the paper's "+32.4-36.1% SymKL, +17.0-18.7% |ΔNLL| at depth 4-5".
 Where a path departs from the baseline: `block_distance`, per layer and depth, the mean relative
 distance ‖x − x_base‖ / ‖x_base‖ of each block's output (fp32) at the semantic positions. With
 replay the KDA layers before the first MLA layer match the baseline bit for bit (on CPU, where
@@ -179,35 +185,31 @@ def compact_attention_splits(step, microbatches, model, config, index) -> list:
 
 def path_hidden(model, step, microbatches, config, index, device, dtype, blocks: BlockOutputs | None = None,
                 attention_splits: list | None = None):
-    """Final hidden states [S, D] of every semantic position (batch order), and the row depth;
-    `blocks` also records every block's output at those positions; `attention_splits` (per
-    trajectory, baseline execution) splits each trajectory's MLA queries there."""
+    """Final hidden states [S, D] of every semantic position (batch order); `blocks` also records
+    every block's output at those positions; `attention_splits` (per trajectory, baseline
+    execution) splits each trajectory's MLA queries there."""
     import torch
     from tqdm import tqdm
 
     from harts.objective.step import autocast_context, build_layout, semantic_index
 
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
-    depth = torch.zeros(step.num_semantic_tokens, dtype=torch.int64)
     hooks = blocks.hooks() if blocks is not None else []
     try:
         with torch.no_grad():
             for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
                 splits = None if attention_splits is None else [attention_splits[k] for k in members.tolist()]
                 layout = build_layout(step, members, model, config, index, attention_splits=splits).to(device)
-                sem = torch.from_numpy(semantic_index(step, members))
-                sem_device = sem.to(device)
+                sem_device = torch.from_numpy(semantic_index(step, members)).to(device)
                 if blocks is not None:
                     blocks.microbatch(sem_device, layout.semantic_rows)
                 with autocast_context(device, config):
                     h, _ = model(layout.input_ids, layout)
                 hidden[sem_device] = h[layout.semantic_rows].to(dtype)
-                if layout.kda_schedule is not None:
-                    depth[sem] = torch.from_numpy(row_handoff_depth(layout.kda_schedule))[layout.semantic_rows.cpu()]
     finally:
         for hook in hooks:
             hook.remove()
-    return hidden, depth
+    return hidden
 
 
 def layer_table(distance: dict[str, Any], depth, kinds: list[str]) -> dict[str, Any]:
@@ -233,6 +235,28 @@ def row_handoff_depth(schedule):
         per_row = np.repeat(call.handoff_depth, np.diff(call.cu_seqlens))
         computed = ~call.is_replay
         depth[call.rows[computed]] = per_row[computed]
+    return depth
+
+
+def position_handoff_depth(step, microbatches, index, chunk_size: int):
+    """int64 [S] (batch order): the handoff depth of every semantic position, that of the sequence
+    of the no-replay schedule (`plan_kda_calls(..., replay=False)`, as the no-replay path runs it)
+    that computed the position's compact row in its microbatch. No model is needed, so a trees
+    config's depths can be counted before it is run.
+
+    Every depth from 0 to the largest occurs: a sequence at depth d > 0 starts from a state of one
+    at depth d - 1, and every sequence computes at least one row."""
+    import numpy as np
+
+    from harts.objective.step import semantic_index
+    from harts.planning.kda_calls import plan_kda_calls
+
+    depth = np.zeros(step.num_semantic_tokens, dtype=np.int64)
+    for members in microbatches:
+        tree = index.segment_tree(members)
+        schedule = plan_kda_calls(tree, chunk_size, replay=False)
+        depth[semantic_index(step, members)] = row_handoff_depth(schedule)[tree.compact_map()]
+    assert (np.bincount(depth) > 0).all(), "a handoff depth between 0 and the largest has no position"
     return depth
 
 
@@ -264,12 +288,15 @@ def _compare(weight, reference, candidate, targets, has_target, chunk):
 
 
 def ablation_table(per_path: dict[str, dict], depth, has_target) -> dict[str, Any]:
+    """depth -> {"positions" (binned there), "target_positions" (those with a next token, over
+    which |ΔNLL| is averaged), path -> {metric means, replay's and no-replay's excess over each
+    floor}} for every depth that has positions."""
     import torch
 
     table: dict[str, Any] = {}
     for d in sorted(set(depth.tolist())):
         sel = depth == d
-        row = {"positions": int(sel.sum())}
+        row = {"positions": int(sel.sum()), "target_positions": int((sel & has_target).sum())}
         for path, metrics in per_path.items():
             row[path] = {
                 "symkl": float(metrics["symkl"][sel].mean()),
@@ -360,7 +387,7 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     _phase(progress, "baseline forward")
     reference = BlockOutputs(model, step.num_semantic_tokens, device)
     hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
-                                      reference)[0]}
+                                      reference)}
     _phase(progress, "rerun forward")
     # Back to the original batch order: positions of trajectory reverse[j] in the rerun step.
     back = torch.from_numpy(np.concatenate([
@@ -368,18 +395,19 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     ])).to(device)
     blocks = {path: BlockOutputs(model, step.num_semantic_tokens, device, reference,
                                  order=torch.argsort(back) if path == "rerun" else None) for path in PATHS}
-    rerun_hidden, _ = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
-                                  configs["baseline"], None, device, store_dtype, blocks["rerun"])
+    rerun_hidden = path_hidden(model, rerun_step, _plan_members(rerun_step, args.capacity, "per-trajectory"),
+                               configs["baseline"], None, device, store_dtype, blocks["rerun"])
     hidden["rerun"] = rerun_hidden[back]
     _phase(progress, "rerun forward with the compact execution's attention groups")
     splits = compact_attention_splits(step, compact_mbs, model, configs["replay"], index)
-    hidden["split-rerun"], _ = path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
-                                           blocks["split-rerun"], attention_splits=splits)
+    hidden["split-rerun"] = path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
+                                        blocks["split-rerun"], attention_splits=splits)
     _phase(progress, "compact forward with and without replay")
-    hidden["replay"], _ = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype,
-                                      blocks["replay"])
-    hidden["no-replay"], depth = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device,
-                                             store_dtype, blocks["no-replay"])
+    hidden["replay"] = path_hidden(model, step, compact_mbs, configs["replay"], index, device, store_dtype,
+                                   blocks["replay"])
+    hidden["no-replay"] = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device, store_dtype,
+                                      blocks["no-replay"])
+    depth = torch.from_numpy(position_handoff_depth(step, compact_mbs, index, model.config.kda.chunk_size))
     del reference
     targets = semantic_targets_from_step(step)
     next_token = torch.from_numpy(targets.targets).to(device)

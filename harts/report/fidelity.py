@@ -6,20 +6,25 @@ each path against the baseline, |Δloss| and gradient cosine with and without re
 parallel configuration's ranks against the single-process baseline, ± recomputation).
 Output:
 - CSV in long form, columns `FIDELITY_COLUMNS` (`source, model, parallel, section, depth, path,
-  recompute, metric, value`): section `ablation` (per handoff depth and path: positions, symkl,
-  abs_dnll and, for replay / no-replay, `*_excess_over_rerun` = mean / rerun mean - 1 and
-  `*_excess_over_split_rerun` over the split rerun, where the record has it), `block_distance`
-  (per depth and path, metric `layer L KIND`: the block output's mean relative distance),
-  `logits` (cosine_min, cosine_mean, cosine_p001 of a path against the baseline) and `loss`
-  (abs_dloss, grad_cosine or grad_rel_diff, ...), then the paper's rows (source `paper`, value
-  as the paper states it, e.g. `0.324-0.361`). A value the record does not hold says
-  `not measured`; an excess over a rerun noise of exactly 0 says `undefined (rerun noise is 0)`;
-  a failed case has one row with metric `error`.
+  recompute, metric, value`): section `ablation` (per handoff depth: `positions` and
+  `target_positions` (those with a next token, the |ΔNLL| mean's), and per path symkl, abs_dnll
+  and, for replay / no-replay, `*_excess_over_rerun` = mean / rerun mean - 1 and
+  `*_excess_over_split_rerun` over the split rerun, where the record has it; every depth from 0
+  to the record's largest, then the paper's depths 4 and 5 where the record does not reach them,
+  with 0 positions), `block_distance` (per depth and path, metric `layer L KIND`: the block
+  output's mean relative distance), `logits` (cosine_min, cosine_mean, cosine_p001 of a path
+  against the baseline) and `loss` (abs_dloss, grad_cosine or grad_rel_diff, ...), then the
+  paper's rows (source `paper`, value as the paper states it: depth `4-5`, no-replay
+  `0.324-0.361` SymKL and `0.170-0.187` |ΔNLL| over the rerun, replay `at the noise floor`).
+  A value the record does not hold says `not measured`; an excess over a noise floor of exactly 0
+  says `undefined (noise floor is 0)`; a failed case has one row with metric `error`.
 - PDF: per single-process record, the ablation (mean SymKL and |ΔNLL| per handoff depth for the
-  rerun, split rerun, replay and no-replay paths; the excess over the split rerun's noise (the
-  rerun's for records without it) against the paper's
-  depth-4-5 figures); then 1 - min logit cosine and |Δloss| per configuration against the
-  paper's thresholds; then the tables.
+  rerun, split rerun, replay and no-replay paths, each depth labelled with its positions and the
+  paper's depths 4-5 shaded, "not reached" where the record has none; the excess over the split
+  rerun's noise (the rerun's for records without it) against the paper's depth-4-5 band, on a
+  symlog axis where a floor near 0 makes a bar dwarf the band); then
+  1 - min logit cosine and |Δloss| per configuration against the paper's thresholds; then the
+  tables (the ablation table: each record's depths, then the paper's depth-4-5 row).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ from harts.report.records import (
 from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
 
 FIDELITY_COLUMNS = ["source", "model", "parallel", "section", "depth", "path", "recompute", "metric", "value"]
-UNDEFINED = "undefined (rerun noise is 0)"
+UNDEFINED = "undefined (noise floor is 0)"
+PAPER_DEPTHS = (4, 5)
+"""The handoff depths of the paper's ablation figures (PAPER's `*_depth_4_5`)."""
+AT_NOISE_FLOOR = "at the noise floor"
+PAPER_BAND_SCALE = 30
+"""Excess bars beyond this many times the paper's band switch the excess axis to symlog."""
 PATH_COLORS = {"rerun": "0.45", "split-rerun": "0.15", "replay": "#3182bd", "no-replay": "#e6550d"}
 PATH_MARKERS = {"rerun": "s", "split-rerun": "D", "replay": "o", "no-replay": "^"}
 LOSS_METRICS_PARALLEL = ("abs_dloss", "loss_rel_diff", "grad_rel_diff", "replica_grad_max_rel_diff")
@@ -59,9 +69,11 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({**base, "section": ERROR, "metric": ERROR, "value": record["error"]})
             continue
         r = record["results"]
-        for depth, row in (r.get("ablation") or {}).items():
-            rows.append({**base, "section": "ablation", "depth": depth, "metric": "positions",
-                         "value": _value(row.get("positions"))})
+        ablation = r.get("ablation") or {}
+        for depth, row in ablation.items():
+            for metric in ("positions", "target_positions"):
+                rows.append({**base, "section": "ablation", "depth": depth, "metric": metric,
+                             "value": _value(row.get(metric))})
             for path in PATHS:
                 if path not in row:
                     continue
@@ -79,6 +91,10 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             excess = UNDEFINED if get(row, floor, metric) == 0 else NOT_MEASURED
                         rows.append({**base, "section": "ablation", "depth": depth, "path": path,
                                      "metric": f"{metric}_excess_over_{key}", "value": excess})
+        # The record bins every position at depth 0..max: deeper ones, up to the paper's, hold none.
+        for depth in range(max((int(d) for d in ablation), default=PAPER_DEPTHS[-1]) + 1, PAPER_DEPTHS[-1] + 1):
+            for metric in ("positions", "target_positions"):
+                rows.append({**base, "section": "ablation", "depth": str(depth), "metric": metric, "value": 0})
         for layer, row in (r.get("block_distance") or {}).items():
             for depth, paths in row.items():
                 if depth == "kind":
@@ -104,10 +120,13 @@ def fidelity_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                  "metric": metric, "value": _value(row.get(metric))})
     paper = paper_figures()
     base = {"source": "paper", "model": "Ling-3.0-tiny", "parallel": "8 GPUs", "recompute": ""}
+    band = {**base, "section": "ablation", "depth": "{}-{}".format(*PAPER_DEPTHS)}
     rows += [
-        {**base, "section": "ablation", "depth": "4-5", "path": "no-replay", "metric": "symkl_excess_over_rerun",
+        {**band, "path": "replay", "metric": "symkl_excess_over_rerun", "value": AT_NOISE_FLOOR},
+        {**band, "path": "replay", "metric": "abs_dnll_excess_over_rerun", "value": AT_NOISE_FLOOR},
+        {**band, "path": "no-replay", "metric": "symkl_excess_over_rerun",
          "value": "{:.3f}-{:.3f}".format(*paper["symkl_excess_depth_4_5"])},
-        {**base, "section": "ablation", "depth": "4-5", "path": "no-replay", "metric": "abs_dnll_excess_over_rerun",
+        {**band, "path": "no-replay", "metric": "abs_dnll_excess_over_rerun",
          "value": "{:.3f}-{:.3f}".format(*paper["abs_dnll_excess_depth_4_5"])},
         {**base, "section": "logits", "depth": "", "path": "replay", "metric": "cosine_min",
          "value": f"> {paper['cosine_min']}"},
@@ -137,8 +156,10 @@ def _short(value: Any, spec: str = ".4g") -> str:
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """PDF/markdown table; excess cells give the excess over the rerun, then over the split rerun
-    (`undef.*`: that noise floor is exactly 0)."""
+    """PDF/markdown table: each record's depths (0 up to its largest, and on to the paper's depths
+    with 0 positions: "not reached"), each followed by the paper's depth-4-5 row. Excess cells give
+    the excess over the rerun, then over the split rerun (`undef.*`: that noise floor is exactly 0);
+    a cell with fewer floors names them."""
     header = ["source", "model", "handoff depth", "positions"]
     for metric in ("SymKL", "|dNLL|"):
         header += [f"rerun {metric}", f"split rerun {metric}", f"replay {metric}", "replay excess",
@@ -150,16 +171,34 @@ def ablation_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str
             cells.setdefault(key, {})[(r["path"], r["metric"])] = r["value"]
 
     def excess(values, path, metric):
-        shown = []
-        for key in NOISE_FLOORS:
+        shown, floors = [], []
+        for key, floor in NOISE_FLOORS.items():
             value = values.get((path, f"{metric}_excess_over_{key}"))
             if value is not None:
                 shown.append("undef.*" if value == UNDEFINED else _percent(value))
-        return " / ".join(shown) or "-"
+                floors.append(floor)
+        if not shown:
+            return "-"
+        named = "" if len(floors) == len(NOISE_FLOORS) else f" ({', '.join(floors)})"
+        return " / ".join(shown) + named
 
+    def positions(values):
+        count = values.get(("", "positions"), "-")
+        return "0 (not reached)" if count == 0 else format_value(count, ",")
+
+    paper = [key for key in cells if key[0] == "paper"]
+    order = []
+    for key in cells:
+        if key[0] != "paper":
+            if order and order[-1][:3] != key[:3]:
+                order += paper
+            order.append(key)
+    order += paper
     table = []
-    for (source, model, _, depth), values in cells.items():
-        row = [source, str(model), str(depth), format_value(values.get(("", "positions"), "-"), ",")]
+    for key in order:
+        source, model, _, depth = key
+        values = cells[key]
+        row = [source, str(model), str(depth), positions(values)]
         for metric in ("symkl", "abs_dnll"):
             row += [_short(values.get(("rerun", metric), "-")), _short(values.get(("split-rerun", metric), "-")),
                     _short(values.get(("replay", metric), "-")), excess(values, "replay", metric),
@@ -232,12 +271,17 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
     c, ablation = record["config"], record["results"]["ablation"]
     depths = sorted(ablation, key=int)
     x = np.asarray([int(d) for d in depths])
-    ticks = list(range(max(int(x.max()), 5) + 1))
+    ticks = list(range(max(int(x.max()), PAPER_DEPTHS[-1]) + 1))
+    # Every depth with its position count; the paper's depths that this record does not reach say so.
+    tick_labels = [f"{d}\n{ablation[str(d)]['positions']:,}" if str(d) in ablation and
+                   is_number(ablation[str(d)].get("positions")) else f"{d}\nnot reached" for d in ticks]
+    low, high = PAPER_DEPTHS[0] - 0.5, PAPER_DEPTHS[-1] + 0.5
     fig = page(f"Replay ablation by handoff depth: {c.get('model')}, {c.get('dtype')} on {c.get('device')}",
-               f"{record['results'].get('trajectories', '?')} trajectories, "
-               f"{record['results'].get('semantic_tokens', 0):,} positions, each path against the baseline; "
-               "paper: no-replay +32.4-36.1% SymKL, +17.0-18.7% |dNLL| over the rerun noise at depth 4-5")
-    grid = fig.add_gridspec(2, 2, left=0.08, right=0.97, top=0.86, bottom=0.14, hspace=0.42, wspace=0.2)
+               f"{c.get('trees', '?')}: {record['results'].get('trajectories', '?')} trajectories, "
+               f"{record['results'].get('semantic_tokens', 0):,} positions, each path against the baseline\n"
+               "paper: no-replay +32.4-36.1% SymKL, +17.0-18.7% |dNLL| over the rerun noise at depth 4-5 "
+               "(shaded), replay at the noise floor")
+    grid = fig.add_gridspec(2, 2, left=0.08, right=0.97, top=0.84, bottom=0.14, hspace=0.45, wspace=0.2)
     for column, (metric, label, band) in enumerate((("symkl", "mean SymKL", paper["symkl_excess_depth_4_5"]),
                                                     ("abs_dnll", "mean |dNLL|", paper["abs_dnll_excess_depth_4_5"]))):
         ax = fig.add_subplot(grid[0, column])
@@ -252,10 +296,11 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
             ax.plot(x, ys, marker=PATH_MARKERS[path], markersize=7 if floor else 5,
                     linestyle="--" if floor else "-", color=PATH_COLORS[path], label=path)
         _scale(ax, plotted)
+        ax.axvspan(low, high, color="0.6", alpha=0.15, linewidth=0)
         ax.set_xlim(-0.6, ticks[-1] + 0.6)
         ax.set_title(f"{label} against the baseline")
-        ax.set_xlabel("handoff depth")
-        ax.set_xticks(ticks)
+        ax.set_xlabel("handoff depth, positions")
+        ax.set_xticks(ticks, tick_labels, fontsize=7)
         ax.legend()
         ax.grid(alpha=0.3)
 
@@ -264,22 +309,27 @@ def _ablation_figure(record: dict[str, Any], footer_lines: list[str]):
         # The split rerun (same math in the compact execution's call shapes) where the record has it.
         key = "split_rerun" if any("split-rerun" in ablation[d] for d in depths) else "rerun"
         floor = NOISE_FLOORS[key]
+        bars = []
         for path, offset in (("replay", -0.18), ("no-replay", 0.18)):
             for i, d in enumerate(depths):
                 excess = get(ablation, d, path, f"{metric}_excess_over_{key}")
                 if is_number(excess):
                     ax.bar(x[i] + offset, 100 * excess, 0.34, color=PATH_COLORS[path], label=path)
+                    bars.append(100 * abs(excess))
                 elif get(ablation, d, floor, metric) == 0:
                     undefined.append(d)
                 else:
                     missing.append(d)
-        ax.fill_between([3.5, 5.5], 100 * band[0], 100 * band[1], color="0.6", alpha=0.35,
-                        label=f"paper no-replay, depth 4-5: +{100 * band[0]:.1f}-{100 * band[1]:.1f}%")
+        ax.fill_between([low, high], 100 * band[0], 100 * band[1], color="0.6", alpha=0.35,
+                        label=f"paper no-replay over the rerun, depth 4-5: +{100 * band[0]:.1f}-{100 * band[1]:.1f}%")
+        if max(bars, default=0.0) > 100 * PAPER_BAND_SCALE * band[1]:
+            # A floor near 0 makes the excess huge: a linear axis would flatten the paper's band.
+            ax.set_yscale("symlog", linthresh=100 * band[1])
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_title(f"{label}: excess over the {floor.replace('-', ' ')} noise")
-        ax.set_xlabel("handoff depth")
+        ax.set_xlabel("handoff depth, positions")
         ax.set_ylabel(f"% (mean / {floor} mean - 1)")
-        ax.set_xticks(ticks)
+        ax.set_xticks(ticks, tick_labels, fontsize=7)
         ax.set_xlim(-0.6, ticks[-1] + 0.6)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
@@ -357,7 +407,10 @@ def write_fidelity_report(record_paths: list[str | Path], pdf: str | Path, csv: 
     if any(r["section"] in ("logits", "loss") and r["source"] == "ours" for r in rows):
         figures.append(_logits_figure(rows, lines))
     notes = ["SymKL = KL(p||q) + KL(q||p) of the next-token distributions; |dNLL| of the actual next token; "
-             "handoff depth = state handoffs on the no-replay schedule's chain of sequences that computed the row.",
+             "handoff depth = state handoffs on the no-replay schedule's chain of sequences that computed the row; "
+             "0 (not reached): no position that deep.",
+             "paper (Ling-3.0-tiny, 8 GPUs): at depth 4-5 no-replay exceeds the rerun noise by +32.4-36.1% SymKL "
+             "and +17.0-18.7% |dNLL|; replay stays at the noise floor.",
              "excess = path mean / noise-floor mean - 1, over the rerun / over the split rerun (same math in the "
              "compact execution's attention call shapes); undef.*: that noise is exactly 0 there, so no excess is "
              "defined (deterministic kernels give bit-identical reruns).",

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from harts.bench.fidelity import (
+    _plan_members,
     ablation_table,
     compact_attention_splits,
     compare,
     excess_over_floor,
     parallel_fidelity_rows,
+    position_handoff_depth,
 )
 from harts.cli.main import main
 from harts.parallel.launch import RankFailed
@@ -67,6 +69,7 @@ def test_ablation_table_from_known_metrics():
     assert table["3"]["no-replay"]["abs_dnll_excess_over_split_rerun"] is None
     assert list(table) == ["0", "1", "3"]
     assert [table[d]["positions"] for d in table] == [2, 3, 1]
+    assert [table[d]["target_positions"] for d in table] == [2, 2, 0]
 
     zero = table["0"]  # the rerun noise is 0: no excess, and no division error
     assert zero["rerun"] == {"symkl": 0.0, "abs_dnll": 0.0}
@@ -87,6 +90,55 @@ def test_ablation_table_from_known_metrics():
     for path in ("rerun", "replay", "no-replay"):
         assert three[path]["abs_dnll"] is None
     assert three["no-replay"]["abs_dnll_excess_over_rerun"] is None
+
+
+def _nested_step():
+    """Four trajectories of 12 tokens, in batch order c, a, d, b: a shared prefix P, then X or Y, then one
+    of two leaves each (a, b after X; c, d after Y). Siblings come in token order (X before Y, a before b,
+    c before d) and tie, so the first is the heavy child: its sequence continues, the other waits."""
+    from tests.trees.helpers import make_step
+
+    prefix, x, y = [1] * 4, [2] * 4, [3] * 4
+    paths = {"a": prefix + x + [4] * 4, "b": prefix + x + [5] * 4, "c": prefix + y + [6] * 4,
+             "d": prefix + y + [7] * 4}
+    order = ["c", "a", "d", "b"]
+    return make_step([paths[k] for k in order], ids=order)
+
+
+@pytest.mark.parametrize("microbatches, expected", [
+    # One trie: Y leaves the heavy X (1 handoff), d leaves the heavy c under Y (2).
+    pytest.param([[2, 0, 3, 1]], {"c": [0] * 4 + [1] * 8, "a": [0] * 12, "d": [0] * 4 + [1] * 4 + [2] * 4,
+                                  "b": [0] * 8 + [1] * 4}, id="one-microbatch"),
+    # Per microbatch: {a, b} and {c, d} are each one fork deep.
+    pytest.param([[3, 1], [2, 0]], {"c": [0] * 12, "a": [0] * 12, "d": [0] * 8 + [1] * 4, "b": [0] * 8 + [1] * 4},
+                 id="two-microbatches"),
+])
+def test_position_handoff_depth_counts_the_forks_off_the_heavy_child(microbatches, expected):
+    from harts.trees.trie import PrefixIndex
+
+    step = _nested_step()
+    # Forks inside the first chunk: with replay the side branches would start in their parent's call.
+    depth = position_handoff_depth(step, [np.asarray(m) for m in microbatches], PrefixIndex.from_step(step), 64)
+    assert depth.dtype == np.int64
+    for k, name in enumerate(step.ids):
+        assert depth[step.offsets[k] : step.offsets[k + 1]].tolist() == expected[name], name
+
+
+def test_cpu_deep_step_0_reaches_deep_handoffs():
+    """configs/trees/cpu-deep.yaml, step 0 (seed 0) at T = 1,024, as `harts bench fidelity` plans it, counted
+    from the no-replay KDA schedules (no model run): depth 5 reached (53 positions), several hundred positions
+    at every depth up to 4 (396 at depth 4), as the config's comment says."""
+    from harts.bench.steps import iter_steps
+    from harts.model.config import load_model_config
+    from harts.trees.trie import PrefixIndex
+
+    (_, step, _), = iter_steps("configs/trees/cpu-deep.yaml", 0, [0])
+    index = PrefixIndex.from_step(step)
+    microbatches = _plan_members(step, 1024, "harts", index)
+    chunk = load_model_config("cpu-small").kda.chunk_size
+    counts = np.bincount(position_handoff_depth(step, microbatches, index, chunk))
+    assert len(counts) >= 6 and counts[5] >= 40, counts
+    assert (counts[:5] >= 300).all(), counts
 
 
 def test_compare_on_hand_computed_logits():
@@ -181,7 +233,15 @@ def test_single_process_record(tree_step_path, tmp_path, capsys):
     config, results = record["config"], record["results"]
     assert config["parallel"] == "single" and config["world_size"] == 1
     assert results["semantic_tokens"] == step.num_semantic_tokens
-    assert sum(row["positions"] for row in results["ablation"].values()) == step.num_semantic_tokens
+    # Binned as `position_handoff_depth` counts them on the compact plan (T = 80, the tiny model's chunk 16).
+    from harts.trees.trie import PrefixIndex
+
+    index = PrefixIndex.from_step(step)
+    counts = np.bincount(position_handoff_depth(step, _plan_members(step, 80, "harts", index), index, 16))
+    assert list(results["ablation"]) == [str(d) for d in range(len(counts))] and len(counts) >= 2
+    assert [row["positions"] for row in results["ablation"].values()] == counts.tolist()
+    assert sum(row["target_positions"] for row in results["ablation"].values()) == (
+        step.num_semantic_tokens - step.num_trajectories)
     assert results["logit_cosine"]["replay"]["min"] >= 0.99999
     assert set(results["logit_cosine"]) == {"rerun", "split-rerun", "replay", "no-replay"}
     for row in results["loss_and_gradients"].values():

@@ -49,8 +49,10 @@ def planning_record(*, planner, step, tokens, seconds, slots=(0.1, 0.2), step_im
         **({} if seconds_without_index is None else {"plan_seconds_without_index": seconds_without_index})})
 
 
-def fidelity_record(*, parallel="single", rerun_zero=False, error=None) -> dict[str, Any]:
-    config = {"model": "tiny", "parallel": parallel, "device": "cpu", "dtype": "bf16", "trees": "x", "step": 0}
+def fidelity_record(*, parallel="single", rerun_zero=False, error=None, depths=3, model="tiny") -> dict[str, Any]:
+    """`depths`: the ablation's handoff depths 0..depths-1, depth d holding 100 + d positions (90 + d with a
+    next token)."""
+    config = {"model": model, "parallel": parallel, "device": "cpu", "dtype": "bf16", "trees": "x", "step": 0}
     if error:
         return make_record("fidelity", config, error=error)
     if parallel != "single":
@@ -60,11 +62,12 @@ def fidelity_record(*, parallel="single", rerun_zero=False, error=None) -> dict[
             "baseline": {"no-recompute": row, "recompute": row}, "compact": {"no-recompute": row, "recompute": row}}})
     noise = 0.0 if rerun_zero else 0.01
     ablation = {}
-    for depth in range(3):
+    for depth in range(depths):
         no_replay = 0.01 * (1 + 0.2 * depth)
         split = 0.0 if rerun_zero else 0.02  # the split rerun's noise: replay at half of it, no-replay above
         ablation[str(depth)] = {
             "positions": 100 + depth,
+            "target_positions": 90 + depth,
             "rerun": {"symkl": noise, "abs_dnll": noise},
             "split-rerun": {"symkl": split, "abs_dnll": split},
             "replay": {"symkl": noise, "abs_dnll": noise,
@@ -83,9 +86,10 @@ def fidelity_record(*, parallel="single", rerun_zero=False, error=None) -> dict[
     losses = {setting: {"loss_baseline": 1.0, "loss_compact": 1.0, "abs_dloss": 0.0, "grad_cosine": 0.99998}
               for setting in ("no-recompute", "recompute")}
     blocks = {str(layer): {"kind": kind, **{str(depth): {"rerun": 0.0, "replay": 1e-9 * layer * depth,
-                                                            "no-replay": 1e-3 * depth} for depth in range(3)}}
+                                                            "no-replay": 1e-3 * depth} for depth in range(depths)}}
               for layer, kind in enumerate(("kda", "mla"))}
-    return make_record("fidelity", config, {"semantic_tokens": 303, "trajectories": 4, "ablation": ablation,
+    return make_record("fidelity", config, {"semantic_tokens": sum(row["positions"] for row in ablation.values()),
+                                            "trajectories": 4, "ablation": ablation,
                                             "block_distance": blocks, "logit_cosine": cosine,
                                             "loss_and_gradients": losses})
 
