@@ -93,8 +93,8 @@ def test_a_path_stays_a_path(argument, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "folder, message",
     [("models", "unknown model 'nope' (known: cpu-small, h200, ling3-tiny, tiny; or give a path)"),
-     ("trees", "unknown trees config 'nope' (known: cpu-small, paper, paper-4x, paper-capped, paper-slice, tiny; "
-                "or give a path)")],
+     ("trees", "unknown trees config 'nope' (known: cpu-deep, cpu-small, paper, paper-4x, paper-capped, paper-slice, "
+                "tiny; or give a path)")],
     ids=["model", "trees"],
 )
 def test_an_unknown_name_lists_the_known_ones(folder, message):
