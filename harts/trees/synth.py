@@ -92,6 +92,12 @@ class SynthConfig:
     """>= 1: side branches fork at boundary index ⌊n·u^(1/skew)⌋ of their parent (larger = later)."""
     nested_fork_probability: float = 0.0
     """Chance that a side branch forks off another side branch (nested retries) rather than a sample."""
+    fork_order: str = "random"
+    """"random": each side branch forks off a sample (or, with `nested_fork_probability`, an earlier
+    side branch) at a late-biased tool output. "rounds": side branch n (the first sample being branch
+    0) forks off branch n - 2^⌊log2 n⌋ at that branch's first tool output after its previous fork, so
+    that every branch forks once per round: a balanced (binomial) nesting, whose microbatches reach
+    deep state handoffs (the replay ablation's depth d needs 2^d leaves nested in one microbatch)."""
     target_compression: float | None = None
     """Calibrate each step's S/C to this value (None: no calibration, scale 1)."""
     compression_tolerance: float = 0.05
@@ -107,6 +113,8 @@ class SynthConfig:
             raise ValueError("vocab_size must leave at least 16 usable token ids")
         if not 0 <= self.nested_fork_probability <= 1:
             raise ValueError("nested_fork_probability must be in [0, 1]")
+        if self.fork_order not in ("random", "rounds"):
+            raise ValueError(f"fork_order must be 'random' or 'rounds', got {self.fork_order!r}")
         if self.tree_budget_ratio is not None and self.tree_budget_ratio < 1:
             raise ValueError("tree_budget_ratio must be >= 1 (a tree holds at least its sample)")
         if self.fork_position_skew < 1:
@@ -231,19 +239,30 @@ def _grow_task(config: SynthConfig, seed: int, step: int, task: int, scale: floa
     for sample, target in enumerate(targets):
         add(_Branch(parent=-1, fork=prompt, depth=0, target=target, turns=[]), 1 + sample)
     attempt = 0
+    last_fork: dict[int, int] = {}
     while len(branches) < config.max_branches_per_task and used < budget:
         attempt += 1
-        side = [b for b, br in enumerate(branches) if br.depth > 0]
-        nested = side and rng.random() < config.nested_fork_probability
-        roots = [b for b, br in enumerate(branches) if br.depth == 0]
-        parent = int(rng.choice(side if nested else roots))
-        points = _fork_points(branches[parent])
-        continuation = config.continuation_tokens.sample(rng, scale)
-        if not points:
-            if attempt > 4 * config.max_branches_per_task:
+        if config.fork_order == "rounds":
+            count = len(branches)
+            parent = count - (1 << (count.bit_length() - 1))
+            points = [p for p in _fork_points(branches[parent]) if p > last_fork.get(parent, -1)]
+            if not points:
                 break
-            continue
-        fork = points[int(len(points) * rng.random() ** (1.0 / config.fork_position_skew))]
+            fork = points[0]
+            last_fork[parent] = fork
+            continuation = config.continuation_tokens.sample(rng, scale)
+        else:
+            side = [b for b, br in enumerate(branches) if br.depth > 0]
+            nested = side and rng.random() < config.nested_fork_probability
+            roots = [b for b, br in enumerate(branches) if br.depth == 0]
+            parent = int(rng.choice(side if nested else roots))
+            points = _fork_points(branches[parent])
+            continuation = config.continuation_tokens.sample(rng, scale)
+            if not points:
+                if attempt > 4 * config.max_branches_per_task:
+                    break
+                continue
+            fork = points[int(len(points) * rng.random() ** (1.0 / config.fork_position_skew))]
         branch = _Branch(parent=parent, fork=fork, depth=branches[parent].depth + 1, target=fork + continuation, turns=[])
         if fork + config.assistant_tokens.min > config.max_tokens or used + config.assistant_tokens.min > budget:
             break

@@ -68,3 +68,24 @@ def test_unreachable_target_is_an_error(tiny):
 def test_config_validation():
     with pytest.raises(ValueError, match="max_tokens is too small"):
         load_config("configs/trees/tiny.yaml", SynthConfig, max_tokens=50)
+
+
+def test_rounds_nest_every_branch_once_per_round():
+    """`fork_order: rounds`: side branch n forks off branch n - 2^⌊log2 n⌋, each parent's forks at
+    increasing tool outputs; the step's trie is still the generated tree."""
+    config = load_config("configs/trees/cpu-deep.yaml", SynthConfig)
+    _, tasks = calibrate(config, 0, 0)
+    for task in tasks:
+        last: dict[int, int] = {}
+        for n, branch in enumerate(task.branches[1:], start=1):
+            assert branch.parent == n - (1 << (n.bit_length() - 1)), (n, branch.parent)
+            assert branch.fork > last.get(branch.parent, -1)
+            last[branch.parent] = branch.fork
+    step = generate_step(config, 0, 0)
+    tree = PrefixIndex.from_step(step).segment_tree()
+    assert tree.num_compact_tokens == _compression_free_size(config, tasks)
+
+
+def _compression_free_size(config, tasks) -> int:
+    """C of the generated structure: the system prompt once, then each task's issue and own tokens."""
+    return config.system_prompt_tokens + sum(t.issue + sum(b.end - b.fork for b in t.branches) for t in tasks)
