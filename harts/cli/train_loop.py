@@ -70,6 +70,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="stop after this step (with a checkpoint), to continue later with --resume")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     for flag, _, keywords in OVERRIDES + LOSS_OVERRIDES:
         parser.add_argument(flag, dest=_destination(flag), default=None, **keywords)
     parser.set_defaults(run=run_train)
@@ -109,7 +111,8 @@ def run_train(args: argparse.Namespace) -> int:
     from harts.training.loop import LOG_NAME, train
 
     config = build_config(args)
-    records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
+    records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress,
+                    wandb=args.wandb)
     out = Path(args.out)
     summary = {"steps_run": len(records), "last_step": records[-1]["step"] if records else None,
                "last": records[-1] if records else None, "log": str(out / LOG_NAME)}

@@ -41,9 +41,9 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,6 +56,11 @@ from harts.training.checkpoint import (
 from harts.training.config import TrainConfig, resolve
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
+from harts.training.tracking import WandbTracker
+
+if TYPE_CHECKING:
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig
 
 LOG_NAME = "train.jsonl"
 
@@ -67,13 +72,13 @@ def train(
     resume: bool = False,
     max_steps: int | None = None,
     progress: bool = False,
+    wandb: bool = False,
     on_step_end: Iterable[Callable[[dict[str, Any]], None]] = (),
 ) -> list[dict[str, Any]]:
     """Run `config`'s steps into `run_dir` (from its last checkpoint with `resume`), stopping after
-    step `max_steps` if given (with a checkpoint there); return the step records of this call."""
+    step `max_steps` if given (with a checkpoint there); with `wandb`, also log each step to W&B
+    (harts.training.tracking); return the step records of this call."""
     from harts.model.config import load_model_config
-    from harts.model.model import HybridModel
-    from harts.objective.step import StepConfig
 
     run_dir = Path(run_dir)
     model_config = load_model_config(config.model)
@@ -83,8 +88,7 @@ def train(
         raise ValueError(f"schedule.warmup_steps ({config.schedule.warmup_steps}) exceeds num_steps ({config.num_steps})")
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    cuda = config.device == "cuda"
-    if cuda and not torch.cuda.is_available():
+    if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA device is available")
     resolved = {"train": config_to_dict(config), "model": config_to_dict(model_config)}
     stop = config.num_steps if max_steps is None else min(config.num_steps, max_steps)
@@ -92,127 +96,169 @@ def train(
     if checkpoint is not None and read_metadata(checkpoint)[0]["step"] >= stop:
         return []
 
-    torch.manual_seed(config.seed)
-    np.random.seed(config.seed)
-    random.seed(config.seed)
-    with torch.device(config.device):
-        model = HybridModel(model_config)
-    model.init_weights(config.seed)
-    if config.dtype == "bf16":
-        model.to(torch.bfloat16)
-    optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
-    scheduler = make_scheduler(optimizer, config.schedule, config.num_steps)
-    start, order = 0, None
-    if checkpoint is not None:
-        # After the model is built: its modules' default initialisation draws from the global RNG.
-        trainer = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        start, order = trainer["step"], trainer["epoch_order"]
+    run = _Run.build(config, model_config, resolved, source, run_dir)
+    start, order = run.restore(checkpoint) if checkpoint is not None else (0, None)
+    records = []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_record = _start_record(resolved, checkpoint, start)
+    tracker = WandbTracker.start(start_record, run_dir) if wandb else None
+    failed = True
+    try:
+        with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:
+            _write(log, start_record)
+            bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step", disable=not progress,
+                       file=sys.stderr, dynamic_ncols=True)
+            for t in range(start, stop):
+                epoch, position = divmod(t, source.num_steps)
+                if position == 0:
+                    order = epoch_order(source.num_steps, config.data.shuffle)
+                assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
+                record = {"event": "step", "step": t + 1, "epoch": epoch, **run.step(t + 1, order[position])}
+                _write(log, record)
+                records.append(record)
+                if tracker is not None:
+                    tracker.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
+                                grad_norm=f"{record['grad_norm']:.3g}", refresh=False)
+                bar.update(1)
+                every = config.checkpoint.every
+                if t + 1 == stop or (every and (t + 1) % every == 0):
+                    _write(log, run.save(t + 1, order))
+                for hook in on_step_end:
+                    hook(record)
+            bar.close()
+        failed = False
+    finally:
+        if tracker is not None:
+            tracker.finish(failed)
+        run.optimizer.remove_hooks()
+    return records
+
+
+@dataclass
+class _Run:
+    """The model, optimizer and scheduler of a run, and what a step needs besides them."""
+
+    config: TrainConfig
+    resolved: dict[str, Any]
+    source: StepSource
+    run_dir: Path
+    model: HybridModel
+    optimizer: MasterWeightAdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step_config: StepConfig
+
+    @classmethod
+    def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
+              run_dir: Path) -> _Run:
+        from harts.model.model import HybridModel
+        from harts.objective.step import StepConfig
+
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        random.seed(config.seed)
+        with torch.device(config.device):
+            model = HybridModel(model_config)
+        model.init_weights(config.seed)
+        if config.dtype == "bf16":
+            model.to(torch.bfloat16)
+        optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
+        execution = config.execution
+        step_config = StepConfig(
+            execution=execution.execution, recompute=execution.recompute,
+            attention_backend=execution.attention_backend, kda_backend=execution.kda_backend,
+            loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
+            logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,
+        )
+        return cls(config=config, resolved=resolved, source=source, run_dir=run_dir, model=model,
+                   optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
+                   step_config=step_config)
+
+    def restore(self, checkpoint: Path) -> tuple[int, list[int]]:
+        """Load `checkpoint` (after `build`: module construction draws from the global RNG, which
+        this restores); trim the log to it; return (steps done, the epoch's order)."""
+        trainer = load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         if trainer["torch_threads"] != torch.get_num_threads():
             print(f"harts: warning: {checkpoint} was written with {trainer['torch_threads']} torch threads, this run "
                   f"has {torch.get_num_threads()}: the continuation is not bitwise that of an uninterrupted run",
                   file=sys.stderr)
-        dropped, damaged = _truncate_log(run_dir / LOG_NAME, start)
-        print(f"harts: resuming {run_dir} from {checkpoint.name}"
+        dropped, damaged = _truncate_log(self.run_dir / LOG_NAME, trainer["step"])
+        print(f"harts: resuming {self.run_dir} from {checkpoint.name}"
               + (f"; {dropped} logged step(s) after it are redone" if dropped else "")
               + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""), file=sys.stderr)
-    step_config = StepConfig(
-        execution=config.execution.execution, recompute=config.execution.recompute,
-        attention_backend=config.execution.attention_backend, kda_backend=config.execution.kda_backend,
-        loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
-        logprob_chunk_rows=config.execution.logprob_chunk_rows, dtype=config.dtype,
-    )
-    records = []
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:
-        _write(log, _start_record(resolved, checkpoint, start))
-        bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True)
-        for t in range(start, stop):
-            epoch, position = divmod(t, source.num_steps)
-            if position == 0:
-                order = epoch_order(source.num_steps, config.data.shuffle)
-            assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
-            record = _train_step(model, optimizer, scheduler, source, order[position], config, step_config, t + 1)
-            record = {"event": "step", "step": t + 1, "epoch": epoch, **record}
-            _write(log, record)
-            records.append(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
-                            grad_norm=f"{record['grad_norm']:.3g}")
-            every = config.checkpoint.every
-            if t + 1 == stop or (every and (t + 1) % every == 0):
-                started = time.perf_counter()
-                path = save_checkpoint(
-                    run_dir, t + 1, model=model, optimizer=optimizer, scheduler=scheduler, config=resolved, cuda=cuda,
-                    trainer={"epoch_order": order, "torch_threads": torch.get_num_threads(),
-                             "versions": {"torch": torch.__version__}},
-                )
-                _write(log, {"event": "checkpoint", "step": t + 1, "path": str(path.relative_to(run_dir)),
-                             "seconds": time.perf_counter() - started})
-            for hook in on_step_end:
-                hook(record)
-        bar.close()
-    optimizer.remove_hooks()
-    return records
+        return trainer["step"], trainer["epoch_order"]
 
+    def save(self, step: int, order: list[int]) -> dict[str, Any]:
+        """Checkpoint after `step` steps; return the log's checkpoint record."""
+        started = time.perf_counter()
+        path = save_checkpoint(
+            self.run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            config=self.resolved, cuda=self.config.device == "cuda",
+            trainer={"epoch_order": order, "torch_threads": torch.get_num_threads(),
+                     "versions": {"torch": torch.__version__}},
+        )
+        return {"event": "checkpoint", "step": step, "path": str(path.relative_to(self.run_dir)),
+                "seconds": time.perf_counter() - started}
 
-def _train_step(model, optimizer: MasterWeightAdamW, scheduler, source: StepSource, data_index: int,
-                config: TrainConfig, step_config, number: int) -> dict[str, Any]:
-    from harts.objective.step import run_step
-    from harts.planning.microbatch import plan
-    from harts.trees.trie import PrefixIndex
+    def step(self, number: int, data_index: int) -> dict[str, Any]:
+        """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
+        from harts.objective.step import run_step
+        from harts.planning.microbatch import plan
+        from harts.trees.trie import PrefixIndex
 
-    started = time.perf_counter()
-    step = source.step(data_index)
-    if config.data.on_policy:
-        step = replace(step, old_logprobs=None)
-    data_seconds = time.perf_counter() - started
-    start = time.perf_counter()
-    index = PrefixIndex.from_step(step)
-    planned = plan(step, config.execution.capacity, 1, planner=config.execution.planner, index=index)
-    position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
-    microbatches = [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in planned.microbatches]
-    plan_seconds = time.perf_counter() - start
+        config = self.config
+        started = time.perf_counter()
+        step = self.source.step(data_index)
+        if config.data.on_policy:
+            step = replace(step, old_logprobs=None)
+        data_seconds = time.perf_counter() - started
+        start = time.perf_counter()
+        index = PrefixIndex.from_step(step)
+        planned = plan(step, config.execution.capacity, 1, planner=config.execution.planner, index=index)
+        position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
+        microbatches = [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64)
+                        for mb in planned.microbatches]
+        plan_seconds = time.perf_counter() - start
 
-    lr = scheduler.get_last_lr()[0]
-    optimizer.zero_grad()
-    result = run_step(model, step, microbatches, step_config, index=index,
-                      collect_logprobs=step.ref_logprobs is not None)
-    where = f"step {number} ({source.describe(data_index)})"
-    if not math.isfinite(result.loss):
-        hint = ""
-        if step.old_logprobs is not None and len(step.old_logprobs):
-            hint = (f"; the step's old_logprobs go down to {float(step.old_logprobs.min()):.6g}, so the ratio "
-                    "exp(logprob - old_logprob) can overflow: check them, or train on-policy")
-        raise ValueError(f"{where}: the loss is {result.loss}{hint}")
-    start = time.perf_counter()
-    grad_norm = optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
-    if not math.isfinite(grad_norm):
-        raise ValueError(f"{where}: the gradient norm is {grad_norm}")
-    optimizer.step()
-    scheduler.step()
-    update_expert_biases(model, result.tokens_per_expert)
-    optimizer_seconds = time.perf_counter() - start
-    return {
-        "data_step": data_index,
-        "loss": result.loss,
-        "policy_loss": result.policy_loss,
-        "moe_loss": result.moe_loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "clip_fraction": result.clip_fraction,
-        "kl": step_kl(step, result.logprobs),
-        "semantic_tokens": result.num_semantic_tokens,
-        "compact_tokens": index.segment_tree().num_compact_tokens,
-        "rows": result.num_rows,
-        "microbatches": len([m for m in microbatches if len(m)]),
-        "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds, "optimizer": optimizer_seconds,
-                    "total": time.perf_counter() - started},
-    }
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad()
+        result = run_step(self.model, step, microbatches, self.step_config, index=index,
+                          collect_logprobs=step.ref_logprobs is not None)
+        where = f"step {number} ({self.source.describe(data_index)})"
+        if not math.isfinite(result.loss):
+            hint = ""
+            if step.old_logprobs is not None and len(step.old_logprobs):
+                hint = (f"; the step's old_logprobs go down to {float(step.old_logprobs.min()):.6g}, so the ratio "
+                        "exp(logprob - old_logprob) can overflow: check them, or train on-policy")
+            raise ValueError(f"{where}: the loss is {result.loss}{hint}")
+        start = time.perf_counter()
+        grad_norm = self.optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
+        if not math.isfinite(grad_norm):
+            raise ValueError(f"{where}: the gradient norm is {grad_norm}")
+        self.optimizer.step()
+        self.scheduler.step()
+        update_expert_biases(self.model, result.tokens_per_expert)
+        optimizer_seconds = time.perf_counter() - start
+        return {
+            "data_step": data_index,
+            "loss": result.loss,
+            "policy_loss": result.policy_loss,
+            "moe_loss": result.moe_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "clip_fraction": result.clip_fraction,
+            "kl": step_kl(step, result.logprobs),
+            "semantic_tokens": result.num_semantic_tokens,
+            "compact_tokens": index.segment_tree().num_compact_tokens,
+            "rows": result.num_rows,
+            "microbatches": len([m for m in microbatches if len(m)]),
+            "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds,
+                        "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
+        }
 
 
 @torch.no_grad()
-def update_expert_biases(model, tokens_per_expert: list[torch.Tensor]) -> None:
+def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
     """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
     layers = [block.mlp for block in model.blocks if block.is_moe]
     assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
