@@ -135,3 +135,22 @@ def test_run_directory_checks(tmp_path):
         train(_config(**one_step, **{"optimizer.lr": 0.1}), tmp_path, resume=True)
     with pytest.raises(ValueError, match=r"warmup_steps \(2\) exceeds num_steps \(1\)"):
         train(_config(num_steps=1), tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_two_threads(tmp_path):
+    # Slow: two runs of four steps with two intra-op threads (up to 50x slower on a loaded 2-core
+    # machine, see tests/fixtures.py); the other tests run one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = _config(num_steps=4)
+        expected = train(config, tmp_path / "whole")
+        with pytest.raises(Kill):
+            train(config, tmp_path / "parts", on_step_end=[_kill_after(3)])
+        resumed = train(config, tmp_path / "parts", resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert _curve(resumed) == _curve(expected[2:])
+    final, reference_final = _weights(tmp_path / "parts", 4), _weights(tmp_path / "whole", 4)
+    assert all(torch.equal(final[name], reference_final[name]) for name in final)
