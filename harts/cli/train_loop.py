@@ -73,6 +73,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--wandb", action="store_true",
                         help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     for flag, _, keywords in OVERRIDES + LOSS_OVERRIDES:
+        if "action" not in keywords and "choices" not in keywords:
+            keywords = {"metavar": flag.removeprefix("--").replace("-", "_").upper(), **keywords}
         parser.add_argument(flag, dest=_destination(flag), default=None, **keywords)
     parser.set_defaults(run=run_train)
 

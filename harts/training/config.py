@@ -16,6 +16,7 @@ Defaults of the optimizer follow verl's actor (AdamW, lr 1e-6, betas 0.9/0.999, 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,12 +24,11 @@ from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
 from harts.objective.losses import GRPOConfig, PPOConfig
+from harts.objective.step import DTYPES, LOSSES
 from harts.planning.microbatch import PLANNER_NAMES
+from harts.runtime.layout import EXECUTIONS
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("fp32", "bf16")
-EXECUTIONS = ("baseline", "compact")
-LOSSES = ("grpo", "ppo")
 DECAYS = ("constant", "cosine")
 
 
@@ -183,7 +183,7 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
@@ -199,7 +199,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
 
 def train_config_from_dict(data: dict[str, Any], where: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Strictly build a TrainConfig from plain data (a YAML mapping, a checkpoint's config) plus overrides."""
-    data = _copy(data)
+    data = copy.deepcopy(data)
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value, where)
     return from_dict(TrainConfig, data, where)
@@ -226,10 +226,3 @@ def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
         dtype=config.dtype or ("bf16" if cuda else "fp32"),
     )
 
-
-def _copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {key: _copy(value) for key, value in data.items()}
-    if isinstance(data, list):
-        return [_copy(value) for value in data]
-    return data

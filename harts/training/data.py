@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from harts.bench.steps import is_config
+from harts.config import load_config, shipped_config_path
 from harts.trees.io import JSONL_SUFFIXES, NPZ_SUFFIX, read_step, step_files
 from harts.trees.step import Step
+from harts.trees.synth import SynthConfig, generate_step
 
 STEP_FILE = re.compile(r"step_(\d+)(\.npz|\.jsonl|\.jsonl\.gz)")
 
@@ -34,9 +36,6 @@ class StepSource:
     """The data steps named by `trees` (see the module docstring)."""
 
     def __init__(self, trees: str, seed: int, vocab_size: int) -> None:
-        from harts.config import load_config, shipped_config_path
-        from harts.trees.synth import SynthConfig
-
         self.trees, self.seed, self.vocab_size = trees, seed, vocab_size
         self.synth = None
         self.files: list[Path] = []
@@ -55,8 +54,6 @@ class StepSource:
     def step(self, index: int) -> Step:
         assert 0 <= index < self.num_steps, index
         if self.synth is not None:
-            from harts.trees.synth import generate_step
-
             return generate_step(self.synth, self.seed, index)
         return read_step(self.files[index], vocab_size=self.vocab_size)
 

@@ -229,7 +229,7 @@ class _Run:
             hint = ""
             if step.old_logprobs is not None and len(step.old_logprobs):
                 hint = (f"; the step's old_logprobs go down to {float(step.old_logprobs.min()):.6g}, so the ratio "
-                        "exp(logprob - old_logprob) can overflow: check them, or train on-policy")
+                        "exp(logprob - old_logprob) can overflow: check them, or train on-policy (--on-policy)")
             raise ValueError(f"{where}: the loss is {result.loss}{hint}")
         start = time.perf_counter()
         grad_norm = self.optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
