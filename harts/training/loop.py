@@ -19,17 +19,19 @@ Exact resume: the checkpoint holds everything later steps read (weights, fp32 ma
 moments and step counts, the scheduler's step, the RNG states, the epoch's order, the step
 index); planning and the step itself are deterministic functions of the data step and the
 weights. So a run killed after any step and resumed from its last checkpoint repeats the
-uninterrupted run: bitwise on the CPU in fp32 with the same torch thread count (a different one
-is warned about), on CUDA up to the kernels' own nondeterminism. A resumed run must have the
-same resolved config and model config as the checkpoint (the first differing key is named).
+uninterrupted run: bitwise on the CPU (fp32, or bf16 with fp32 masters) with the same torch
+thread count (a different one is warned about), on CUDA up to the kernels' own nondeterminism. A
+resumed run must have the same resolved config and model config as the checkpoint (the first
+differing key is named). With `wandb`, each step record also goes to W&B (harts.training.tracking).
 
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "environment"};
 then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
 clip fraction, KL to the reference policy, S, C, rows, seconds) and {"event": "checkpoint", ...}
 per checkpoint. On resume the records of steps after the checkpoint (done before the stop, about
 to be redone) are removed from the log, and their number is printed.
-Tested in tests/training/test_loop.py (resume exactness by a hook that raises and by max_steps,
-the expert-bias update with the step's counts, non-finite steps, run-directory checks).
+Tested in tests/training/test_loop.py (resume exactness after a hook that raises and after
+max_steps, in fp32, bf16 and with two threads; the expert-bias update with the step's counts;
+non-finite steps; run-directory checks).
 """
 
 from __future__ import annotations
@@ -292,6 +294,7 @@ def _check_fresh(run_dir: Path) -> None:
 
 
 def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any]) -> Path:
+    """The last checkpoint of `run_dir`, whose config must equal `resolved` (else a ValueError naming the key)."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"{run_dir}: no checkpoint to resume from")
