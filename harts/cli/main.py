@@ -17,6 +17,7 @@ from harts import __version__
 from harts.cli import bench as bench_cli
 from harts.cli import plan as plan_cli
 from harts.cli import train as train_cli
+from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.register(commands)
     bench_cli.register(commands)
     train_cli.register(commands)
+    train_loop_cli.register(commands)
     return parser
 
 

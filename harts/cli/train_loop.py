@@ -1,0 +1,130 @@
+"""`harts train`: optimizer steps over a sequence of RL steps, with checkpoints and exact resume.
+
+The configuration is one YAML file (`--config`, read strictly into
+harts.training.config.TrainConfig) whose keys the flags below override; without `--config` the
+flags alone (at least `--model` and `--trees`) make it, and with `--resume` the checkpoint's
+config is the base. The run directory `--out` receives train.jsonl and checkpoints/
+(harts.training.checkpoint). `--resume` continues from the last checkpoint and refuses a config
+that differs from it; `--max-steps N` stops after step N with a checkpoint there. Tested in
+tests/cli/test_train_loop.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harts.cli.args import non_negative_int, positive_int
+
+# (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
+OVERRIDES = [
+    ("--model", "model", {"help": "configs/models NAME or a YAML path"}),
+    ("--trees", "data.trees", {"help": "a trees config (NAME or YAML), a directory of step_NNN files, or one step"}),
+    ("--data-seed", "data.seed", {"type": non_negative_int, "help": "seed of generated steps"}),
+    ("--on-policy", "data.on_policy", {"action": argparse.BooleanOptionalAction,
+                                       "help": "ignore the steps' old log-probs (ratio 1)"}),
+    ("--shuffle", "data.shuffle", {"action": argparse.BooleanOptionalAction,
+                                   "help": "visit each epoch's data steps in a random order"}),
+    ("--num-steps", "num_steps", {"type": positive_int, "help": "optimizer steps (default: one pass over the data)"}),
+    ("--seed", "seed", {"type": non_negative_int, "help": "weight initialisation and RNG seed"}),
+    ("--device", "device", {"choices": ("cpu", "cuda")}),
+    ("--dtype", "dtype", {"choices": ("fp32", "bf16"),
+                          "help": "bf16: bf16 parameters, fp32 master weights, bf16 autocast (default on CUDA)"}),
+    ("--execution", "execution.execution", {"choices": ("baseline", "compact")}),
+    ("--planner", "execution.planner", {"help": "microbatch planner (default: harts / per-trajectory)"}),
+    ("--capacity", "execution.capacity", {"type": positive_int, "help": "T: tokens per microbatch"}),
+    ("--recompute", "execution.recompute", {"action": argparse.BooleanOptionalAction,
+                                            "help": "per-layer activation recomputation"}),
+    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex"}),
+    ("--kda-backend", "execution.kda_backend", {"help": "torch|fla"}),
+    ("--loss", "loss.name", {"choices": ("grpo", "ppo")}),
+    ("--lr", "optimizer.lr", {"type": float, "help": "peak learning rate"}),
+    ("--weight-decay", "optimizer.weight_decay", {"type": float}),
+    ("--max-grad-norm", "optimizer.max_grad_norm", {"type": float, "help": "0 = no clipping"}),
+    ("--warmup-steps", "schedule.warmup_steps", {"type": non_negative_int}),
+    ("--schedule", "schedule.decay", {"choices": ("constant", "cosine"), "help": "decay after the warm-up"}),
+    ("--min-lr-ratio", "schedule.min_lr_ratio", {"type": float, "help": "cosine's floor / peak"}),
+    ("--checkpoint-every", "checkpoint.every", {"type": non_negative_int,
+                                                "help": "save every K steps (0: only the last)"}),
+]
+LOSS_OVERRIDES = [
+    ("--clip-ratio-low", "clip_ratio_low", {"type": float}),
+    ("--clip-ratio-high", "clip_ratio_high", {"type": float}),
+    ("--kl-coef", "kl_coef", {"type": float, "help": "GRPO only"}),
+    ("--aggregation", "aggregation", {"choices": ("token-mean", "seq-mean-token-mean")}),
+]
+
+
+def _destination(flag: str) -> str:
+    return "override_" + flag.removeprefix("--").replace("-", "_")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("train", help="train for N steps with checkpoints and exact resume")
+    parser.add_argument("--config", default=None, help="training config YAML (harts.training.config.TrainConfig)")
+    parser.add_argument("--out", required=True, help="run directory: train.jsonl and checkpoints/")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="stop after this step (with a checkpoint), to continue later with --resume")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
+    for flag, _, keywords in OVERRIDES + LOSS_OVERRIDES:
+        if "action" not in keywords and "choices" not in keywords:
+            keywords = {"metavar": flag.removeprefix("--").replace("-", "_").upper(), **keywords}
+        parser.add_argument(flag, dest=_destination(flag), default=None, **keywords)
+    parser.set_defaults(run=run_train)
+
+
+def build_config(args: argparse.Namespace):
+    """The TrainConfig of the command: --config (or the checkpoint's with --resume, or nothing) plus flags."""
+    from harts.config import load_yaml_mapping
+    from harts.training.checkpoint import latest_checkpoint, read_metadata
+    from harts.training.config import set_dotted, train_config_from_dict
+
+    if args.config is not None:
+        data, where = load_yaml_mapping(args.config), args.config
+    elif args.resume and (checkpoint := latest_checkpoint(args.out)) is not None:
+        data, where = read_metadata(checkpoint)[1]["train"], str(checkpoint / "config.json")
+    else:
+        data, where = {}, "command line"
+    for flag, key, _ in OVERRIDES:
+        value = getattr(args, _destination(flag))
+        if value is not None:
+            set_dotted(data, key, value, where)
+    section = data.get("loss", {})
+    loss = section.get("name", "grpo") if isinstance(section, dict) else "grpo"
+    for flag, key, _ in LOSS_OVERRIDES:
+        value = getattr(args, _destination(flag))
+        if value is None:
+            continue
+        if flag == "--kl-coef" and loss != "grpo":
+            raise ValueError(f"harts train: --kl-coef applies to the grpo loss, not {loss!r}")
+        set_dotted(data, f"loss.{loss}.{key}", value, where)
+    if where == "command line" and not ("model" in data and "trees" in data.get("data", {})):
+        raise ValueError("harts train: give --config FILE, or --model and --trees")
+    return train_config_from_dict(data, where)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from harts.training.loop import LOG_NAME, train
+
+    config = build_config(args)
+    records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress,
+                    wandb=args.wandb)
+    out = Path(args.out)
+    summary = {"steps_run": len(records), "last_step": records[-1]["step"] if records else None,
+               "last": records[-1] if records else None, "log": str(out / LOG_NAME)}
+    if args.json:
+        print(json.dumps(summary))
+    elif records:
+        last = records[-1]
+        print(f"steps {records[0]['step']}..{last['step']}: loss {last['loss']:.6f} (policy {last['policy_loss']:.6f}, "
+              f"moe {last['moe_loss']:.6f}), grad norm {last['grad_norm']:.4g}, lr {last['lr']:.3g}; "
+              f"log {summary['log']}")
+    else:
+        print(f"nothing to do: the last checkpoint of {out} is the run's last step", file=sys.stderr)
+    return 0

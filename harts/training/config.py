@@ -1,0 +1,228 @@
+"""Configuration of `harts train`: one `@dataclass(kw_only=True)` per component, one YAML file.
+
+`TrainConfig` composes `DataConfig`, `ExecutionConfig`, `LossConfig` (GRPOConfig/PPOConfig of
+harts.objective.losses), `OptimizerConfig`, `ScheduleConfig` and `CheckpointConfig`.
+`load_train_config(path, overrides)` reads one YAML file strictly (harts.config: an unknown key,
+a missing required key or a wrong type is an error naming the file and the dotted key) and
+applies dotted-key overrides (the CLI flags: `{"optimizer.lr": 1e-5}`) before validation.
+`resolve(config, num_data_steps)` fills the fields whose defaults depend on others (the number
+of steps, the planner, the backends, the dtype), so that the configuration written into
+checkpoints and logs says everything the loss curve depends on. The run directory, the stop step
+(`--max-steps`) and logging choices are not part of it: they do not change the curve.
+
+Defaults of the optimizer follow verl's actor (AdamW, lr 1e-6, betas 0.9/0.999, weight decay
+0.01, gradient clipping at norm 1.0, constant schedule). Tested in tests/training/test_config.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from harts.config import from_dict, load_yaml_mapping
+from harts.objective.losses import GRPOConfig, PPOConfig
+from harts.objective.step import DTYPES, LOSSES
+from harts.planning.microbatch import PLANNER_NAMES
+from harts.runtime.layout import EXECUTIONS
+
+DEVICES = ("cpu", "cuda")
+DECAYS = ("constant", "cosine")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the steps come from and how they are visited."""
+
+    trees: str
+    """A trees config (shipped NAME or YAML path; step i generated with `generate_step(config, seed, i)`),
+    a directory of step_NNN.{npz,jsonl,jsonl.gz} files (one step each), or one step (a file, or a
+    directory of other step files, read as one step)."""
+    seed: int = 0
+    """Seed of generated steps (a trees config only)."""
+    on_policy: bool = False
+    """Ignore the steps' old log-probs (ratio 1), as in the first epoch on fresh rollouts."""
+    shuffle: bool = False
+    """Visit the data steps of each epoch in a random order (torch's global RNG, seeded by `seed` of
+    the run); otherwise in order. Training for more steps than the data holds starts new epochs."""
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+
+
+@dataclass(kw_only=True)
+class ExecutionConfig:
+    """How each step is planned and executed (harts.objective.step)."""
+
+    execution: str = "compact"
+    """"compact" (each microbatch's trie once) or "baseline" (each trajectory its own sequence)."""
+    planner: str | None = None
+    """Microbatch planner (harts.planning.microbatch); None = "harts" for compact, "per-trajectory" for baseline."""
+    capacity: int = 65536
+    """T: compact tokens per microbatch."""
+    recompute: bool = False
+    """Per-layer activation recomputation."""
+    attention_backend: str | None = None
+    """None = "sdpa" on CPU, "varlen" on CUDA."""
+    kda_backend: str | None = None
+    """None = "torch" on CPU, "fla" on CUDA."""
+    logprob_chunk_rows: int = 4096
+    """Rows per chunk of the compact LM head."""
+
+    def __post_init__(self) -> None:
+        if self.execution not in EXECUTIONS:
+            raise ValueError(f"execution.execution must be one of {EXECUTIONS}, got {self.execution!r}")
+        if self.planner is not None and self.planner not in PLANNER_NAMES:
+            raise ValueError(f"execution.planner must be one of {PLANNER_NAMES}, got {self.planner!r}")
+        if self.capacity < 1 or self.logprob_chunk_rows < 1:
+            raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The policy loss: `name` picks which of the two sections is used."""
+
+    name: str = "grpo"
+    """"grpo" or "ppo"."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW (torch.optim.AdamW) and gradient clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate (the schedule multiplies it)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    """Decoupled weight decay of the matrices (parameters with two or more dimensions)."""
+    weight_decay_vectors: bool = False
+    """Also decay the vectors (norm scales, biases, KDA's A_log and dt_bias); off as in most LLM recipes."""
+    max_grad_norm: float = 1.0
+    """Clip the global 2-norm of all gradients to this; 0 = no clipping (the norm is still reported)."""
+
+    def __post_init__(self) -> None:
+        numbers = {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay,
+                   "max_grad_norm": self.max_grad_norm}
+        for name, value in numbers.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"optimizer.{name} must be a finite number >= 0, got {value}")
+        if self.eps == 0:
+            raise ValueError("optimizer.eps must be > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optimizer.beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Learning-rate factor per step t (0-based): linear warm-up, then constant or cosine decay."""
+
+    warmup_steps: int = 0
+    """Steps t < warmup_steps use (t + 1) / warmup_steps."""
+    decay: str = "constant"
+    """"constant" (1 after warm-up) or "cosine" (from 1 at t = warmup_steps to min_lr_ratio at t = num_steps)."""
+    min_lr_ratio: float = 0.0
+    """Cosine's floor as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay not in DECAYS:
+            raise ValueError(f"schedule.decay must be one of {DECAYS}, got {self.decay!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When checkpoints are written (the final step always has one)."""
+
+    every: int = 0
+    """Save after every `every` steps (0 = only after the last step, or the --max-steps stop)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything the loss curve of `harts train` depends on."""
+
+    model: str
+    """A shipped model config NAME (configs/models) or a YAML path."""
+    data: DataConfig
+    num_steps: int | None = None
+    """Optimizer steps; None = one pass over the data steps."""
+    seed: int = 0
+    """Weight initialisation and the global RNGs (torch, numpy, random)."""
+    device: str = "cpu"
+    dtype: str | None = None
+    """"fp32" or "bf16" (bf16 parameters, fp32 master weights, bf16 autocast); None = bf16 on CUDA, fp32 on CPU."""
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """data["a"]["b"] = value for key "a.b", creating the inner mappings."""
+    *parents, last = key.split(".")
+    node = data
+    for depth, name in enumerate(parents):
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{where}: key '{'.'.join(parents[:depth + 1])}': expected a mapping")
+    node[last] = value
+
+
+def train_config_from_dict(data: dict[str, Any], where: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Strictly build a TrainConfig from plain data (a YAML mapping, a checkpoint's config) plus overrides."""
+    data = copy.deepcopy(data)
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value, where)
+    return from_dict(TrainConfig, data, where)
+
+
+def load_train_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The YAML file at `path` (or nothing: flags only) with dotted-key `overrides`."""
+    data = load_yaml_mapping(path) if path is not None else {}
+    return train_config_from_dict(data, str(path) if path is not None else "command line", overrides)
+
+
+def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
+    """`config` with every None default made explicit (see the fields)."""
+    cuda = config.device == "cuda"
+    execution = config.execution
+    execution = replace(
+        execution,
+        planner=execution.planner or ("harts" if execution.execution == "compact" else "per-trajectory"),
+        attention_backend=execution.attention_backend or ("varlen" if cuda else "sdpa"),
+        kda_backend=execution.kda_backend or ("fla" if cuda else "torch"),
+    )
+    return replace(
+        config, execution=execution, num_steps=config.num_steps or num_data_steps,
+        dtype=config.dtype or ("bf16" if cuda else "fp32"),
+    )
+

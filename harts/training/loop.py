@@ -1,0 +1,359 @@
+"""`train`: the optimizer steps of the hybrid model over a sequence of RL steps, with exact resume.
+
+Step t (0-based; records and checkpoints count the steps done, t + 1):
+1. data step order[t mod M] of the `StepSource` (M data steps; epoch t // M, whose order
+   `epoch_order` gives at its first step), without old log-probs if `data.on_policy`; its
+   microbatches planned (`harts.planning.microbatch.plan`, capacity T, one replica);
+2. `run_step` (forward, GRPO/PPO loss, backward; for bf16 parameters the gradients accumulate in
+   the fp32 masters);
+3. a non-finite loss or gradient norm stops the run with a ValueError naming the step, before
+   anything is updated or saved;
+4. global-norm clipping (the pre-clip norm is logged), AdamW at the step's learning rate, the
+   scheduler's step;
+5. the aux-loss-free expert-bias update of every MoE layer that has an expert bias, from the
+   step's q-weighted routed counts (`StepResult.tokens_per_expert`, summed over microbatches);
+6. a record in RUN/train.jsonl, a checkpoint every `checkpoint.every` steps and after the last
+   step (or the `max_steps` stop), then the `on_step_end(record)` hooks.
+
+Exact resume: the checkpoint holds everything later steps read (weights, fp32 masters, AdamW
+moments and step counts, the scheduler's step, the RNG states, the epoch's order, the step
+index); planning and the step itself are deterministic functions of the data step and the
+weights. So a run killed after any step and resumed from its last checkpoint repeats the
+uninterrupted run: bitwise on the CPU (fp32, or bf16 with fp32 masters) with the same torch
+thread count (a different one is warned about), on CUDA up to the kernels' own nondeterminism. A
+resumed run must have the same resolved config and model config as the checkpoint (the first
+differing key is named). With `wandb`, each step record also goes to W&B (harts.training.tracking).
+
+RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "environment"};
+then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
+clip fraction, KL to the reference policy, S, C, rows, seconds) and {"event": "checkpoint", ...}
+per checkpoint. On resume the records of steps after the checkpoint (done before the stop, about
+to be redone) are removed from the log, and their number is printed.
+Tested in tests/training/test_loop.py (resume exactness after a hook that raises and after
+max_steps, in fp32, bf16 and with two threads; the expert-bias update with the step's counts;
+non-finite steps; run-directory checks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from harts.config import config_to_dict
+from harts.training.checkpoint import (
+    latest_checkpoint, load_checkpoint, read_metadata, remove_stale, save_checkpoint,
+)
+from harts.training.config import TrainConfig, resolve
+from harts.training.data import StepSource, epoch_order
+from harts.training.optim import MasterWeightAdamW, make_scheduler
+from harts.training.tracking import WandbTracker
+
+if TYPE_CHECKING:
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig
+
+LOG_NAME = "train.jsonl"
+
+
+def train(
+    config: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    max_steps: int | None = None,
+    progress: bool = False,
+    wandb: bool = False,
+    on_step_end: Iterable[Callable[[dict[str, Any]], None]] = (),
+) -> list[dict[str, Any]]:
+    """Run `config`'s steps into `run_dir` (from its last checkpoint with `resume`), stopping after
+    step `max_steps` if given (with a checkpoint there); with `wandb`, also log each step to W&B
+    (harts.training.tracking); return the step records of this call."""
+    from harts.model.config import load_model_config
+
+    run_dir = Path(run_dir)
+    model_config = load_model_config(config.model)
+    source = StepSource(config.data.trees, config.data.seed, model_config.vocab_size)
+    config = resolve(config, source.num_steps)
+    if config.schedule.warmup_steps > config.num_steps:
+        raise ValueError(f"schedule.warmup_steps ({config.schedule.warmup_steps}) exceeds num_steps ({config.num_steps})")
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA device is available")
+    resolved = {"train": config_to_dict(config), "model": config_to_dict(model_config)}
+    stop = config.num_steps if max_steps is None else min(config.num_steps, max_steps)
+    checkpoint = _checkpoint_to_resume(run_dir, resolved) if resume else _check_fresh(run_dir)
+    if checkpoint is not None and read_metadata(checkpoint)[0]["step"] >= stop:
+        return []
+
+    run = _Run.build(config, model_config, resolved, source, run_dir)
+    start, order = run.restore(checkpoint) if checkpoint is not None else (0, None)
+    records = []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_record = _start_record(resolved, checkpoint, start)
+    tracker = WandbTracker.start(start_record, run_dir) if wandb else None
+    failed = True
+    try:
+        with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:
+            _write(log, start_record)
+            bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step", disable=not progress,
+                       file=sys.stderr, dynamic_ncols=True)
+            for t in range(start, stop):
+                epoch, position = divmod(t, source.num_steps)
+                if position == 0:
+                    order = epoch_order(source.num_steps, config.data.shuffle)
+                assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
+                record = {"event": "step", "step": t + 1, "epoch": epoch, **run.step(t + 1, order[position])}
+                _write(log, record)
+                records.append(record)
+                if tracker is not None:
+                    tracker.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
+                                grad_norm=f"{record['grad_norm']:.3g}", refresh=False)
+                bar.update(1)
+                every = config.checkpoint.every
+                if t + 1 == stop or (every and (t + 1) % every == 0):
+                    _write(log, run.save(t + 1, order))
+                for hook in on_step_end:
+                    hook(record)
+            bar.close()
+        failed = False
+    finally:
+        if tracker is not None:
+            tracker.finish(failed)
+        run.optimizer.remove_hooks()
+    return records
+
+
+@dataclass
+class _Run:
+    """The model, optimizer and scheduler of a run, and what a step needs besides them."""
+
+    config: TrainConfig
+    resolved: dict[str, Any]
+    source: StepSource
+    run_dir: Path
+    model: HybridModel
+    optimizer: MasterWeightAdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step_config: StepConfig
+
+    @classmethod
+    def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
+              run_dir: Path) -> _Run:
+        from harts.model.model import HybridModel
+        from harts.objective.step import StepConfig
+
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        random.seed(config.seed)
+        with torch.device(config.device):
+            model = HybridModel(model_config)
+        model.init_weights(config.seed)
+        if config.dtype == "bf16":
+            model.to(torch.bfloat16)
+        optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
+        execution = config.execution
+        step_config = StepConfig(
+            execution=execution.execution, recompute=execution.recompute,
+            attention_backend=execution.attention_backend, kda_backend=execution.kda_backend,
+            loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
+            logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,
+        )
+        return cls(config=config, resolved=resolved, source=source, run_dir=run_dir, model=model,
+                   optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
+                   step_config=step_config)
+
+    def restore(self, checkpoint: Path) -> tuple[int, list[int]]:
+        """Load `checkpoint` (after `build`: module construction draws from the global RNG, which
+        this restores); trim the log to it; return (steps done, the epoch's order)."""
+        trainer = load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        if trainer["torch_threads"] != torch.get_num_threads():
+            print(f"harts: warning: {checkpoint} was written with {trainer['torch_threads']} torch threads, this run "
+                  f"has {torch.get_num_threads()}: the continuation is not bitwise that of an uninterrupted run",
+                  file=sys.stderr)
+        dropped, damaged = _truncate_log(self.run_dir / LOG_NAME, trainer["step"])
+        print(f"harts: resuming {self.run_dir} from {checkpoint.name}"
+              + (f"; {dropped} logged step(s) after it are redone" if dropped else "")
+              + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""), file=sys.stderr)
+        return trainer["step"], trainer["epoch_order"]
+
+    def save(self, step: int, order: list[int]) -> dict[str, Any]:
+        """Checkpoint after `step` steps; return the log's checkpoint record."""
+        started = time.perf_counter()
+        path = save_checkpoint(
+            self.run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            config=self.resolved, cuda=self.config.device == "cuda",
+            trainer={"epoch_order": order, "torch_threads": torch.get_num_threads(),
+                     "versions": {"torch": torch.__version__}},
+        )
+        return {"event": "checkpoint", "step": step, "path": str(path.relative_to(self.run_dir)),
+                "seconds": time.perf_counter() - started}
+
+    def step(self, number: int, data_index: int) -> dict[str, Any]:
+        """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
+        from harts.objective.step import run_step
+        from harts.planning.microbatch import plan
+        from harts.trees.trie import PrefixIndex
+
+        config = self.config
+        started = time.perf_counter()
+        step = self.source.step(data_index)
+        if config.data.on_policy:
+            step = replace(step, old_logprobs=None)
+        data_seconds = time.perf_counter() - started
+        start = time.perf_counter()
+        index = PrefixIndex.from_step(step)
+        planned = plan(step, config.execution.capacity, 1, planner=config.execution.planner, index=index)
+        position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
+        microbatches = [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64)
+                        for mb in planned.microbatches]
+        plan_seconds = time.perf_counter() - start
+
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad()
+        result = run_step(self.model, step, microbatches, self.step_config, index=index,
+                          collect_logprobs=step.ref_logprobs is not None)
+        where = f"step {number} ({self.source.describe(data_index)})"
+        if not math.isfinite(result.loss):
+            hint = ""
+            if step.old_logprobs is not None and len(step.old_logprobs):
+                hint = (f"; the step's old_logprobs go down to {float(step.old_logprobs.min()):.6g}, so the ratio "
+                        "exp(logprob - old_logprob) can overflow: check them, or train on-policy (--on-policy)")
+            raise ValueError(f"{where}: the loss is {result.loss}{hint}")
+        start = time.perf_counter()
+        grad_norm = self.optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
+        if not math.isfinite(grad_norm):
+            raise ValueError(f"{where}: the gradient norm is {grad_norm}")
+        self.optimizer.step()
+        self.scheduler.step()
+        update_expert_biases(self.model, result.tokens_per_expert)
+        optimizer_seconds = time.perf_counter() - start
+        return {
+            "data_step": data_index,
+            "loss": result.loss,
+            "policy_loss": result.policy_loss,
+            "moe_loss": result.moe_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "clip_fraction": result.clip_fraction,
+            "kl": step_kl(step, result.logprobs),
+            "semantic_tokens": result.num_semantic_tokens,
+            "compact_tokens": index.segment_tree().num_compact_tokens,
+            "rows": result.num_rows,
+            "microbatches": len([m for m in microbatches if len(m)]),
+            "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds,
+                        "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
+        }
+
+
+@torch.no_grad()
+def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
+    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
+    layers = [block.mlp for block in model.blocks if block.is_moe]
+    assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
+    for layer, counts in zip(layers, tokens_per_expert):
+        if layer.expert_bias is not None:
+            layer.update_expert_bias(counts)
+
+
+def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
+    """Mean k3 KL(π‖π_ref) over the step's loss positions (None without reference log-probs or
+    when it is not finite: a diagnostic, the loss check covers a KL term that enters the loss)."""
+    from harts.objective.losses import k3_kl
+    from harts.objective.targets import semantic_targets_from_step
+
+    if step.ref_logprobs is None:
+        return None
+    targets = semantic_targets_from_step(step)
+    mask = torch.from_numpy(targets.loss_mask)
+    if not bool(mask.any()):
+        return 0.0
+    kl = float(k3_kl(logprobs_S[mask], torch.from_numpy(targets.ref_logprobs)[mask]).mean())
+    return kl if math.isfinite(kl) else None
+
+
+def _check_fresh(run_dir: Path) -> None:
+    """ValueError if `run_dir` holds an earlier run (a fresh run never mixes with one)."""
+    if latest_checkpoint(run_dir) is not None or (run_dir / LOG_NAME).exists():
+        raise ValueError(f"{run_dir}: holds an earlier run (checkpoints or {LOG_NAME}); resume it or choose another "
+                         "directory")
+    remove_stale(run_dir)
+
+
+def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any]) -> Path:
+    """The last checkpoint of `run_dir`, whose config must equal `resolved` (else a ValueError naming the key)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ValueError(f"{run_dir}: no checkpoint to resume from")
+    for stale in remove_stale(run_dir):
+        print(f"harts: removed {stale}, an incomplete checkpoint", file=sys.stderr)
+    _, saved = read_metadata(checkpoint)
+    difference = first_difference(saved, resolved)
+    if difference is not None:
+        key, then, now = difference
+        raise ValueError(f"{checkpoint / 'config.json'}: '{key}' is {then!r} in the checkpoint but {now!r} now; "
+                         "resume with the checkpoint's config")
+    return checkpoint
+
+
+def first_difference(then: Any, now: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """(dotted key, old, new) of the first difference between two JSON-like values, or None."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        for key in sorted(set(then) | set(now), key=str):
+            found = first_difference(then.get(key, "<absent>"), now.get(key, "<absent>"), f"{prefix}{key}.")
+            if found is not None:
+                return found
+        return None
+    # A JSON round trip turns tuples into lists: compare through JSON.
+    if json.dumps(then) != json.dumps(now):
+        return prefix.rstrip("."), then, now
+    return None
+
+
+def _truncate_log(path: Path, step: int) -> tuple[int, int]:
+    """Keep the records of `path` up to step `step`; return (step records removed, unreadable lines removed)."""
+    if not path.exists():
+        return 0, 0
+    kept, dropped, damaged = [], 0, 0
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                damaged += 1  # a line cut short by a kill
+                continue
+            if isinstance(record.get("step"), int) and record["step"] > step:
+                dropped += record.get("event") == "step"
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return dropped, damaged
+
+
+def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int) -> dict[str, Any]:
+    from harts.bench.records import environment
+
+    return {"event": "start", "resumed_from": checkpoint.name if checkpoint else None, "step": step,
+            "torch_threads": torch.get_num_threads(), "config": resolved, "environment": environment()}
+
+
+def _write(log, record: dict[str, Any]) -> None:
+    log.write(json.dumps(record, allow_nan=False) + "\n")
+    log.flush()

@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from harts.cli.main import main
+from tests.fixtures import one_thread  # noqa: F401
+
+# The tiny model on the tiny trees config (two data steps): three steps cross into a second epoch.
+TINY = ["--model", "tiny", "--trees", "tiny", "--num-steps", "3", "--capacity", "1024", "--lr", "1e-3",
+        "--warmup-steps", "1", "--schedule", "cosine", "--no-progress", "--json"]
+
+
+def _run(capsys, *argv) -> dict:
+    assert main(["train", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _steps(run_dir) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "train.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in lines if r["event"] == "step"]
+
+
+def test_train_stop_and_resume_end_to_end(capsys, tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    summary = _run(capsys, *TINY, "--out", str(whole))
+    assert summary["steps_run"] == 3 and summary["last_step"] == 3
+    assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["step_000003"]
+    assert _run(capsys, *TINY, "--out", str(parts), "--max-steps", "2")["last_step"] == 2
+    resumed = _run(capsys, "--out", str(parts), "--resume", "--no-progress", "--json")  # the checkpoint's config
+    assert resumed["steps_run"] == 1 and resumed["last"]["loss"] == summary["last"]["loss"]
+    assert _steps(parts) == _steps(whole)
+    start = json.loads((whole / "train.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["config"]["train"]["optimizer"]["lr"] == 1e-3
+    assert start["config"]["model"]["name"] == "tiny" and start["environment"]["versions"]["torch"]
+    record = _steps(whole)[-1]
+    assert {"loss", "policy_loss", "moe_loss", "grad_norm", "lr", "clip_fraction", "kl", "semantic_tokens",
+            "compact_tokens", "rows"} <= set(record)
+    assert record["epoch"] == 1 and record["data_step"] == 0 and record["rows"] < record["semantic_tokens"]
+
+
+def test_config_file_with_flag_overrides(capsys, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text("model: tiny\nnum_steps: 1\ndata: {trees: tiny}\nexecution: {capacity: 1024}\n"
+                      "loss: {name: ppo}\noptimizer: {lr: 1.0e-4}\n")
+    _run(capsys, "--config", str(config), "--out", str(tmp_path / "run"), "--lr", "2e-4", "--execution", "baseline",
+         "--clip-ratio-high", "0.28", "--no-progress", "--json")
+    resolved = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "config.json").read_text())["train"]
+    assert resolved["optimizer"]["lr"] == 2e-4 and resolved["execution"]["execution"] == "baseline"
+    assert resolved["execution"]["planner"] == "per-trajectory" and resolved["loss"]["ppo"]["clip_ratio_high"] == 0.28
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "tiny"], "harts: error: harts train: give --config FILE, or --model and --trees"),
+        (["--config", "{tmp}/bad.yaml"], "harts: error: {tmp}/bad.yaml: unknown key 'optimizer.lrr' (allowed: "),
+        (["--model", "tiny", "--trees", "tiny", "--loss", "ppo", "--kl-coef", "0.1"],
+         "harts: error: harts train: --kl-coef applies to the grpo loss, not 'ppo'"),
+        (["--model", "tiny", "--trees", "tiny", "--lr", "nan"], "harts: error: command line: optimizer.lr must be a finite"),
+        (["--resume", "--model", "tiny", "--trees", "tiny"], "harts: error: {tmp}/run: no checkpoint to resume from"),
+    ],
+    ids=["no-model", "unknown-key", "kl-with-ppo", "nan-lr", "nothing-to-resume"],
+)
+def test_bad_invocations_fail_in_one_line(capsys, tmp_path, argv, message):
+    (tmp_path / "bad.yaml").write_text("model: tiny\ndata: {trees: tiny}\noptimizer: {lrr: 1}\n")
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    assert main(["train", *argv, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith(message.format(tmp=tmp_path)) and captured.out == ""

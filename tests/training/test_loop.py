@@ -1,0 +1,156 @@
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from harts.model.moe import updated_expert_bias
+from harts.objective import step as step_module
+from harts.training.config import load_train_config
+from harts.training.loop import LOG_NAME, train
+
+MICRO = str(Path(__file__).with_name("micro-trees.yaml"))
+BAD_STEP = str(Path(__file__).parents[1] / "data" / "bad_inputs" / "verify-old-logprobs-minus-1000.jsonl")
+CURVE = ("step", "epoch", "data_step", "loss", "policy_loss", "moe_loss", "grad_norm", "lr", "clip_fraction", "kl",
+         "semantic_tokens", "compact_tokens", "rows")
+
+
+def _config(**overrides):
+    """Six steps over the three micro steps (two epochs, shuffled), warm-up then cosine, clipping
+    active on some steps, checkpoints every 2 steps: every piece of resumable state matters."""
+    values = {"model": "tiny", "data.trees": MICRO, "data.shuffle": True, "num_steps": 6, "seed": 3,
+              "execution.capacity": 1024, "optimizer.lr": 3e-3, "optimizer.max_grad_norm": 0.05,
+              "schedule.warmup_steps": 2, "schedule.decay": "cosine", "checkpoint.every": 2}
+    return load_train_config(None, {**values, **overrides})
+
+
+def _curve(records):
+    return [{key: record[key] for key in CURVE} for record in records]
+
+
+def _logged_steps(run_dir):
+    with (Path(run_dir) / LOG_NAME).open() as handle:
+        return [json.loads(line) for line in handle if json.loads(line)["event"] == "step"]
+
+
+def _weights(run_dir, step):
+    return safetensors.torch.load_file(str(Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=[
+    "fp32",
+    # Slow: ~8 s for the reference and both resume tests with bf16 parameters and fp32 masters on
+    # the CPU (the masters' round trip alone is checked fast in test_checkpoint.py).
+    pytest.param("bf16", marks=pytest.mark.slow),
+])
+def reference(request, tmp_path_factory):
+    """The uninterrupted run: (dtype, run directory, its step records)."""
+    run_dir = tmp_path_factory.mktemp(f"reference-{request.param}")
+    return request.param, run_dir, train(_config(dtype=request.param), run_dir)
+
+
+class Kill(Exception):
+    pass
+
+
+def _kill_after(step):
+    def hook(record):
+        if record["step"] == step:
+            raise Kill
+
+    return hook
+
+
+def test_resume_after_a_kill_repeats_the_uninterrupted_run(reference, tmp_path):
+    dtype, reference_dir, expected = reference
+    assert [r["step"] for r in expected] == [1, 2, 3, 4, 5, 6]
+    assert len({r["loss"] for r in expected}) == 6
+    assert 0 < sum(r["grad_norm"] > 0.05 for r in expected) < 6  # clipping active on some steps
+    assert [r["data_step"] for r in expected[:3]] != [r["data_step"] for r in expected[3:]]  # two shuffled epochs
+    with pytest.raises(Kill):
+        train(_config(dtype=dtype), tmp_path, on_step_end=[_kill_after(3)])  # checkpoint at 2, step 3 lost
+    resumed = train(_config(dtype=dtype), tmp_path, resume=True)
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert _curve(resumed) == _curve(expected[2:])  # bitwise: == on floats
+    assert _curve(_logged_steps(tmp_path)) == _curve(expected)  # the killed step 3's record was replaced
+    final, reference_final = _weights(tmp_path, 6), _weights(reference_dir, 6)
+    assert final.keys() == reference_final.keys()
+    assert all(torch.equal(final[name], reference_final[name]) for name in final)
+    assert any(name.endswith("expert_bias") for name in final)
+
+
+def test_resume_after_max_steps_repeats_the_uninterrupted_run(reference, tmp_path):
+    dtype, _, expected = reference
+    first = train(_config(dtype=dtype), tmp_path, max_steps=4)
+    assert (tmp_path / "checkpoints" / "step_000004").is_dir()  # the stop saves, though 4 is a multiple of 2 anyway
+    rest = train(_config(dtype=dtype), tmp_path, resume=True, max_steps=5)
+    last = train(_config(dtype=dtype), tmp_path, resume=True)
+    assert _curve(first + rest + last) == _curve(expected)
+    assert (tmp_path / "checkpoints" / "step_000005").is_dir()
+    assert train(_config(dtype=dtype), tmp_path, resume=True) == []  # done
+
+
+def test_expert_bias_follows_the_steps_counts(tmp_path, monkeypatch):
+    results = []
+
+    def recording(*args, **kwargs):
+        results.append(run_step(*args, **kwargs))
+        return results[-1]
+
+    run_step = step_module.run_step
+    monkeypatch.setattr(step_module, "run_step", recording)
+    train(_config(num_steps=2), tmp_path)
+    weights = _weights(tmp_path, 2)
+    names = [f"blocks.{i}.mlp.expert_bias" for i in (1, 2, 3)]  # tiny: a dense layer, then three MoE layers
+    assert sorted(n for n in weights if n.endswith("expert_bias")) == names
+    rate = 1e-3  # tiny's bias_update_rate (the MoEConfig default)
+    moved = []
+    for layer, name in enumerate(names):
+        expected = torch.zeros(4)
+        for result in results:
+            counts = result.tokens_per_expert[layer]
+            assert float(counts.sum()) == result.num_semantic_tokens * 2  # q-weighted: S tokens × top-2
+            expected = updated_expert_bias(counts, expected, rate)
+        assert torch.equal(weights[name], expected), name
+        moved.append(bool(expected.any()))
+    assert any(moved)
+
+
+def test_a_non_finite_loss_stops_before_any_update(tmp_path):
+    with pytest.raises(ValueError, match=r"step 1 \(.*minus-1000.jsonl\): the loss is inf; the step's old_logprobs "
+                                         r"go down to -1000"):
+        train(_config(**{"data.trees": BAD_STEP, "data.shuffle": False}), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_run_directory_checks(tmp_path):
+    one_step = {"num_steps": 1, "schedule.warmup_steps": 0}
+    with pytest.raises(ValueError, match="no checkpoint to resume from"):
+        train(_config(**one_step), tmp_path, resume=True)
+    train(_config(**one_step), tmp_path)
+    with pytest.raises(ValueError, match="holds an earlier run"):
+        train(_config(**one_step), tmp_path)
+    with pytest.raises(ValueError, match=r"config.json: 'train.optimizer.lr' is 0.003 in the checkpoint but 0.1 now"):
+        train(_config(**one_step, **{"optimizer.lr": 0.1}), tmp_path, resume=True)
+    with pytest.raises(ValueError, match=r"warmup_steps \(2\) exceeds num_steps \(1\)"):
+        train(_config(num_steps=1), tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_two_threads(tmp_path):
+    # Slow: two runs of four steps with two intra-op threads (up to 50x slower on a loaded 2-core
+    # machine, see tests/fixtures.py); the other tests run one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = _config(num_steps=4)
+        expected = train(config, tmp_path / "whole")
+        with pytest.raises(Kill):
+            train(config, tmp_path / "parts", on_step_end=[_kill_after(3)])
+        resumed = train(config, tmp_path / "parts", resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert _curve(resumed) == _curve(expected[2:])
+    final, reference_final = _weights(tmp_path / "parts", 4), _weights(tmp_path / "whole", 4)
+    assert all(torch.equal(final[name], reference_final[name]) for name in final)
