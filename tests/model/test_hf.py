@@ -359,6 +359,7 @@ CONFIG_ERRORS = {
     "kv-heads": ({"num_key_value_heads": 1}, "field 'num_key_value_heads' = 1"),
     "missing-hidden-size": ({"hidden_size": None}, "missing field 'hidden_size'"),
     "string-size": ({"hidden_size": "64"}, "field 'hidden_size' must be an integer, got '64'"),
+    "bool-size": ({"hidden_size": True}, "field 'hidden_size' must be an integer, got True"),
     "layers-uncovered": ({"linear_attn_config": {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
                                                  "kda_layers": [1, 2], "full_attn_layers": [4]}},
                          "field 'linear_attn_config' kda_layers and full_attn_layers must list each"),
