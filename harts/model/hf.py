@@ -17,8 +17,9 @@ Tensor names and shapes are those of Moonshot's modeling_kimi.py, which transfor
 - KDA: q/k/v/b/o projections as they are; {q,k,v}_conv1d [C, 1, W] -> {q,k,v}_conv [C, W] (the
   last column multiplies the row itself in both); A_log [1, 1, H, 1] -> [H]; f_a/f_b_proj ->
   f_proj[0]/[1], g_a/g_b_proj -> g_proj[0]/[1] (rank = head_dim); o_norm is the gated RMSNorm's weight.
-- MLA: q_proj (or q_a_proj, q_a_layernorm, q_b_proj -> q_proj[0], [1], [2]), kv_a_proj_with_mqa ->
-  kv_a_proj, kv_a_layernorm -> kv_norm, kv_b_proj, o_proj.
+- MLA: q_proj (or, with q_lora_rank, which transformers reads but Moonshot's code refuses:
+  q_a_proj, q_a_layernorm, q_b_proj -> q_proj[0], [1], [2]), kv_a_proj_with_mqa -> kv_a_proj,
+  kv_a_layernorm -> kv_norm, kv_b_proj, o_proj.
 - MoE: gate.weight -> router_weight, gate.e_score_correction_bias -> expert_bias; experts.{e}.w1
   (gate) and w3 (up) [F, D] -> gate_up_proj[e] [D, 2F] (gate first), w2 [D, F] -> down_proj[e]
   [F, D]; shared_experts.{gate,up,down}_proj likewise -> shared_gate_up_proj / shared_down_proj.
@@ -32,7 +33,8 @@ eps 1e-6 (`mla.latent_norm_eps`), any MLA layer list (`mla_layers`: the 48B mode
 MLA). Everything else already agrees: pre-norm blocks, SiLU short convs, gate
 -exp(A_log)·softplus(f + dt_bias), sigmoid β, L2-normalised q/k with scale K^-1/2, sigmoid-gated
 RMSNorm output, MLA scale (nope + rope)^-1/2, sigmoid routing with the bias used for selection
-only, renormalised top-k weights × routed_scaling_factor, an ungated shared expert.
+only, top-k weights renormalised when k > 1 (as Moonshot's code; transformers also divides a
+single weight by itself) × routed_scaling_factor, an ungated shared expert.
 Refused with a ValueError naming the field (config.json) or the feature (saving a model): other
 model types, group-limited routing (num_expert_group > 1), softmax routing, moe_renormalize off
 with top-k > 1, MoE layers not every layer (moe_layer_freq), a dense model (num_experts null),
@@ -46,10 +48,10 @@ coefficients, bias update rate, expert backend, MoE init std) travel under confi
 key; without it they take their defaults (name: the directory's name).
 
 Invariant: every tensor of the layout fills exactly one region of one model tensor, so loading
-then saving (or the reverse) reproduces every parameter bitwise. Tested (tests/model/test_hf.py)
-against transformers' `KimiLinearForCausalLM` (its own conversion mapping and its pure-PyTorch
-KDA) on tiny random checkpoints written in this layout, by round trips, and by one check per
-refused or malformed input.
+then saving (or the reverse) reproduces every parameter bitwise. Tested against transformers'
+`KimiLinearForCausalLM` (its own conversion mapping and its pure-PyTorch KDA) on tiny random
+checkpoints written in this layout (tests/model/test_hf_reference.py), by round trips, and by one
+check per refused or malformed input (tests/model/test_hf.py).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ FP32_SUFFIXES = (".A_log", ".dt_bias", ".gate.weight", ".gate.e_score_correction
 """Tensors that `save_hf_checkpoint(dtype=...)` keeps in fp32, as Kimi-Linear keeps its decay
 parameters and router in fp32."""
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
                 torch.bfloat16: "bfloat16"}
 # HARTS fields that config.json's Kimi-Linear keys do not carry, by ModelConfig section.
@@ -495,9 +497,9 @@ def load_hf_checkpoint(path: str | Path) -> tuple[HybridModel, ModelConfig]:
         if shape != slot.shape:
             raise ValueError(f"{file}: tensor '{name}' has shape {list(shape)}, expected {list(slot.shape)} "
                              f"from {config_path}")
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in _SAFETENSORS_FLOATS:
             raise ValueError(f"{file}: tensor '{name}' has dtype {dtype}, expected a floating type "
-                             f"({', '.join(_SAFETENSORS_DTYPES)})")
+                             f"({', '.join(_SAFETENSORS_FLOATS)})")
     missing = [name for name in slots if name not in stored]
     if missing:
         raise ValueError(f"{source}: missing tensor '{missing[0]}' ({len(missing)} missing in all)")

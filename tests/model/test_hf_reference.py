@@ -8,7 +8,8 @@ KDA (`chunk_kimi_delta_attention`'s reference path; with fla installed transform
 fla's Triton `chunk_kda`, which needs a GPU), its MLA, router, experts and norms. HARTS loads the same
 files with `load_hf_checkpoint` and runs `HybridModel` on a baseline layout. Logits must agree to
 fp32 rounding; `save_hf_checkpoint` of the loaded model must read back in transformers to the
-same logits.
+same logits. A slow variant runs transformers' default path instead, fla's Triton `chunk_kda` (the
+kernel Moonshot's modeling_kimi.py calls), under the Triton interpreter in a subprocess.
 
 Tolerance: both sides compute in fp32 with different algorithms (transformers' chunked KDA with
 chunk 64 and its conv1d, HARTS's chunked KDA and gather conv, different matmul shapes and
@@ -20,6 +21,10 @@ logits by O(1), as the planted swaps showed.
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +36,7 @@ from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
 from harts.runtime.layout import baseline_layout
 from tests.trees.helpers import make_step
 
+ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (70, 37)
 """Two sequences, one crossing the 64-row KDA chunk boundary of both implementations."""
 TOLERANCE = 1e-4
@@ -231,3 +237,41 @@ def test_logits_match_transformers(tmp_path, torch_kda, case):
     saved = tmp_path / "saved"
     save_hf_checkpoint(model, saved, max_shard_bytes=40_000)
     assert max_error(reference_logits(saved, sequences), expected) <= TOLERANCE
+
+
+def kernel_of(function) -> object:
+    """The implementation transformers' hub-kernel wrapper `function` dispatches to."""
+    cells = dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__)))
+    return cells["implementation"]
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_on_fla_kernels(tmp_path):
+    """transformers' default KDA path (fla's chunk_kda) under the Triton interpreter: about a minute
+    on CPU, hence slow. The variable must be set before any kernel is defined: a subprocess
+    (this module as a script, patched as tests/ops/kda/interpreter.py patches the interpreter)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "tests.model.test_hf_reference", str(tmp_path / "kimi")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["kernel"] == "fla.ops.kda.chunk", result
+    assert result["max_error"] <= TOLERANCE, result
+
+
+def _fla_kernel_result(root: Path) -> dict:
+    config = kimi_config()
+    write_kimi_checkpoint(root, config, seed=42)
+    rng = np.random.default_rng(42)
+    sequences = [rng.integers(0, config["vocab_size"], n).tolist() for n in LENGTHS]
+    expected = reference_logits(root, sequences)
+    model, _ = load_hf_checkpoint(root)
+    return {"kernel": kernel_of(modeling_kimi_linear.chunk_kimi_delta_attention).__module__,
+            "max_error": max_error(harts_logits(model, sequences), expected)}
+
+
+if __name__ == "__main__":
+    from tests.ops.kda.interpreter import patch_interpreter
+
+    patch_interpreter()
+    print(json.dumps(_fla_kernel_result(Path(sys.argv[1]))))
