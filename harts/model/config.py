@@ -2,8 +2,13 @@
 
 `ModelConfig` composes one small dataclass per component. Layer i is an MLA layer when
 (i + 1) is a multiple of `layers_per_group` (groups of `layers_per_group - 1` KDA layers then one
-MLA layer, as in Ling-3 / Kimi Linear), else a KDA layer. The first `num_dense_layers` layers use
+MLA layer, as in Ling-3 / Kimi Linear), else a KDA layer; an explicit `mla_layers` list replaces
+that pattern (Kimi-Linear-48B ends on an extra MLA layer). The first `num_dense_layers` layers use
 a dense SwiGLU MLP, the rest the MoE MLP.
+
+The options whose defaults keep HARTS's own layers and that exist to reproduce Kimi-Linear's
+checkpoints exactly (harts.model.hf): `KDAConfig.output_gate_bias`, `MLAConfig.use_rope`,
+`MLAConfig.latent_norm_eps` and `ModelConfig.mla_layers`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class KDAConfig:
     """Rank of the low-rank decay-gate and output-gate projections (default: head_dim)."""
     chunk_size: int = 64
     """B: the chunked kernel's chunk length (chunks aligned at multiples of B)."""
+    output_gate_bias: bool = True
+    """A bias on the output gate's full-rank projection (fla's KDA layer has one; Kimi-Linear's
+    g_b_proj has none)."""
 
 
 @dataclass(kw_only=True)
@@ -42,6 +50,13 @@ class MLAConfig:
     q_lora_rank: int | None = None
     """Low-rank query compression (None = a full query projection)."""
     rope_theta: float = 10000.0
+    use_rope: bool = True
+    """Rotate the decoupled qk_rope_head_dim part of the query and of the shared key. False keeps
+    that part unrotated (Kimi-Linear's NoPE MLA, `mla_use_nope`): positionless attention with
+    qk head dim qk_nope_head_dim + qk_rope_head_dim."""
+    latent_norm_eps: float | None = None
+    """Epsilon of the RMSNorms of the compressed KV and of the low-rank query (None: the model's
+    norm_eps). Kimi-Linear and DeepSeek use 1e-6 there whatever their rms_norm_eps."""
 
 
 @dataclass(kw_only=True)
@@ -63,10 +78,19 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
+    mla_layers: list[int] | None = None
+    """0-based indices of the MLA layers, strictly increasing; replaces the layers_per_group pattern
+    (None: the pattern)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.layers_per_group < 1:
             raise ValueError("num_layers and layers_per_group must be >= 1")
+        if self.mla_layers is not None:
+            inside = all(0 <= i < self.num_layers for i in self.mla_layers)
+            if not inside or any(a >= b for a, b in zip(self.mla_layers, self.mla_layers[1:])):
+                raise ValueError(
+                    f"mla_layers must rise strictly inside [0, {self.num_layers}), got {self.mla_layers}"
+                )
         if self.moe.hidden_size != self.hidden_size:
             raise ValueError(f"moe.hidden_size ({self.moe.hidden_size}) must equal hidden_size ({self.hidden_size})")
         if not 0 <= self.num_dense_layers <= self.num_layers:
@@ -75,6 +99,8 @@ class ModelConfig:
             raise ValueError("dense_hidden_size must be >= 1 when num_dense_layers > 0")
 
     def layer_kind(self, index: int) -> str:
+        if self.mla_layers is not None:
+            return "mla" if index in self.mla_layers else "kda"
         return "mla" if (index + 1) % self.layers_per_group == 0 else "kda"
 
     def layer_kinds(self) -> list[str]:

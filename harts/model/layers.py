@@ -8,10 +8,12 @@ the same weights compute the same function (tests/model/test_equivalence.py).
 
 - `KDALayer`: q/k/v projections, short causal conv (width 4) + SiLU on each, low-rank decay gate
   g = -exp(A_log)·softplus(f(x) + dt_bias) (per channel, log space), β = sigmoid(b(x)), KDA with
-  L2-normalised q/k, output gate + RMSNorm (o = RMSNorm(o)·sigmoid(gate)), output projection.
+  L2-normalised q/k, output gate + RMSNorm (o = RMSNorm(o)·sigmoid(gate)), output projection;
+  the gate's full-rank projection has a bias unless `output_gate_bias` is off (Kimi-Linear).
 - `MLALayer`: DeepSeek-V2 multi-head latent attention: optional low-rank query, KV compressed
   to `kv_lora_rank` + a shared decoupled RoPE key; RoPE on the original path positions (or
-  NoPE when qk_rope_head_dim = 0).
+  NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
+  but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
 head dim, F = v head dim of MLA.
@@ -82,7 +84,9 @@ class KDALayer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim))
         self.b_proj = nn.Linear(hidden, heads, bias=False)
-        self.g_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=True))
+        self.g_proj = nn.Sequential(
+            nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=config.output_gate_bias)
+        )
         self.o_norm = RMSNorm(head_dim, norm_eps)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
@@ -120,16 +124,17 @@ class MLALayer(nn.Module):
         self.config = config
         heads = config.num_heads
         self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        latent_eps = norm_eps if config.latent_norm_eps is None else config.latent_norm_eps
         if config.q_lora_rank:
             self.q_proj = nn.Sequential(
                 nn.Linear(hidden, config.q_lora_rank, bias=False),
-                RMSNorm(config.q_lora_rank, norm_eps),
+                RMSNorm(config.q_lora_rank, latent_eps),
                 nn.Linear(config.q_lora_rank, heads * self.qk_head_dim, bias=False),
             )
         else:
             self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(config.kv_lora_rank, norm_eps)
+        self.kv_norm = RMSNorm(config.kv_lora_rank, latent_eps)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
         )
@@ -144,11 +149,12 @@ class MLALayer(nn.Module):
         kv = self.kv_b_proj(self.kv_norm(compressed)).view(rows, heads, config.qk_nope_head_dim + config.v_head_dim)
         k_nope, v = kv.split([config.qk_nope_head_dim, config.v_head_dim], dim=-1)
         if config.qk_rope_head_dim:
-            q_nope, q_rope = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-            q_rope = apply_rope(q_rope, layout.positions, config.rope_theta)
-            k_rope = apply_rope(k_rope.unsqueeze(1), layout.positions, config.rope_theta).expand(-1, heads, -1)
-            q = torch.cat([q_nope, q_rope], dim=-1)
-            k = torch.cat([k_nope, k_rope], dim=-1)
+            k_rope = k_rope.unsqueeze(1)
+            if config.use_rope:
+                q_nope, q_rope = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
+                q = torch.cat([q_nope, apply_rope(q_rope, layout.positions, config.rope_theta)], dim=-1)
+                k_rope = apply_rope(k_rope, layout.positions, config.rope_theta)
+            k = torch.cat([k_nope, k_rope.expand(-1, heads, -1)], dim=-1)
         else:
             k = k_nope
         o = layout.attention(q, k, v, self.scale)

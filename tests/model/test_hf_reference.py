@@ -1,0 +1,277 @@
+"""harts.model.hf against an independent Kimi-Linear: transformers' `KimiLinearForCausalLM`.
+
+The checkpoint is written here, in Moonshot's layout (modeling_kimi.py's names and shapes,
+enumerated in this file, not by harts.model.hf), with random values, two shards and an index. The
+reference reads it with `from_pretrained` (transformers' own conversion mapping of that layout,
+checked strict: no missing, unexpected or mis-shaped key) and runs its own forward: PyTorch
+KDA (`chunk_kimi_delta_attention`'s reference path; with fla installed transformers would pick
+fla's Triton `chunk_kda`, which needs a GPU), its MLA, router, experts and norms. HARTS loads the same
+files with `load_hf_checkpoint` and runs `HybridModel` on a baseline layout. Logits must agree to
+fp32 rounding; `save_hf_checkpoint` of the loaded model must read back in transformers to the
+same logits. A slow variant runs transformers' default path instead, fla's Triton `chunk_kda` (the
+kernel Moonshot's modeling_kimi.py calls), under the Triton interpreter in a subprocess.
+
+Tolerance: both sides compute in fp32 with different algorithms (transformers' chunked KDA with
+chunk 64 and its conv1d, HARTS's chunked KDA and gather conv, different matmul shapes and
+summation orders), so they differ by accumulated rounding: ~1e-6 relative per op over a few
+layers. The logits are O(1)-O(10) here (unit-variance weights), measured max differences are ~1e-6;
+we allow 1e-4 · max|logit|. A mapping error (a swapped projection, expert or norm) changes the
+logits by O(1), as the planted swaps showed.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.models.kimi_linear import modeling_kimi_linear
+
+from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
+from harts.runtime.layout import baseline_layout
+from tests.trees.helpers import make_step
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = (70, 37)
+"""Two sequences, one crossing the 64-row KDA chunk boundary of both implementations."""
+TOLERANCE = 1e-4
+LATENT_SCALE = 3e-3
+"""The MLA latents (inputs of kv_a_layernorm and q_a_layernorm) get an RMS of ~3e-3, so that
+their norm's eps (1e-6 in Kimi-Linear whatever rms_norm_eps) changes the logits."""
+
+
+def kimi_config(**changes) -> dict:
+    """A tiny config.json in the shape of Kimi-Linear-48B-A3B's (5 layers: KDA, KDA, KDA, MLA, MLA)."""
+    config = {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": 97,
+        "hidden_size": 48,
+        "num_hidden_layers": 5,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 80,
+        "linear_attn_config": {"num_heads": 3, "head_dim": 16, "short_conv_kernel_size": 4,
+                               "kda_layers": [1, 2, 3], "full_attn_layers": [4, 5]},
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 10,
+        "mla_use_nope": True,
+        "num_experts": 6,
+        "num_experts_per_token": 2,
+        "moe_intermediate_size": 20,
+        "num_shared_experts": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.446,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+    config.update(changes)
+    return config
+
+
+def kimi_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random tensors named and shaped as Moonshot's modeling_kimi.py stores them. Matrices have
+    unit-variance outputs (the MLA latents: LATENT_SCALE), norms sit near 1, the decay and routing
+    parameters are spread so that every path (decay, expert bias, shared expert) changes the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    linear = config["linear_attn_config"]
+    heads, dim, width = linear["num_heads"], linear["head_dim"], linear["short_conv_kernel_size"]
+    tensors = {}
+
+    def matrix(name, rows, cols):
+        tensors[name] = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+
+    def norm(name, size):
+        tensors[name] = 1 + 0.3 * torch.randn(size, generator=gen)
+
+    tensors["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        attn = layer + "self_attn."
+        norm(layer + "input_layernorm.weight", hidden)
+        norm(layer + "post_attention_layernorm.weight", hidden)
+        if i + 1 in linear["full_attn_layers"]:
+            mla_heads = config["num_attention_heads"]
+            qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+            rank = config["kv_lora_rank"]
+            if config["q_lora_rank"]:
+                matrix(attn + "q_a_proj.weight", config["q_lora_rank"], hidden)
+                tensors[attn + "q_a_proj.weight"] *= LATENT_SCALE
+                norm(attn + "q_a_layernorm.weight", config["q_lora_rank"])
+                matrix(attn + "q_b_proj.weight", mla_heads * qk, config["q_lora_rank"])
+            else:
+                matrix(attn + "q_proj.weight", mla_heads * qk, hidden)
+            matrix(attn + "kv_a_proj_with_mqa.weight", rank + config["qk_rope_head_dim"], hidden)
+            tensors[attn + "kv_a_proj_with_mqa.weight"][:rank] *= LATENT_SCALE
+            norm(attn + "kv_a_layernorm.weight", rank)
+            matrix(attn + "kv_b_proj.weight", mla_heads * (config["qk_nope_head_dim"] + config["v_head_dim"]), rank)
+            matrix(attn + "o_proj.weight", hidden, mla_heads * config["v_head_dim"])
+        else:
+            for name in ("q", "k", "v"):
+                matrix(attn + f"{name}_proj.weight", heads * dim, hidden)
+                tensors[attn + f"{name}_conv1d.weight"] = torch.rand(heads * dim, 1, width, generator=gen) - 0.5
+            tensors[attn + "A_log"] = torch.empty(1, 1, heads, 1).uniform_(1, 16, generator=gen).log()
+            tensors[attn + "dt_bias"] = torch.randn(heads * dim, generator=gen) - 2
+            matrix(attn + "f_a_proj.weight", dim, hidden)
+            matrix(attn + "f_b_proj.weight", heads * dim, dim)
+            matrix(attn + "b_proj.weight", heads, hidden)
+            matrix(attn + "g_a_proj.weight", dim, hidden)
+            matrix(attn + "g_b_proj.weight", heads * dim, dim)
+            norm(attn + "o_norm.weight", dim)
+            matrix(attn + "o_proj.weight", hidden, heads * dim)
+        if i < config["first_k_dense_replace"]:
+            size = config["intermediate_size"]
+            matrix(layer + "mlp.gate_proj.weight", size, hidden)
+            matrix(layer + "mlp.up_proj.weight", size, hidden)
+            matrix(layer + "mlp.down_proj.weight", hidden, size)
+            continue
+        moe, size = layer + "block_sparse_moe.", config["moe_intermediate_size"]
+        matrix(moe + "gate.weight", config["num_experts"], hidden)
+        tensors[moe + "gate.e_score_correction_bias"] = 0.2 * torch.randn(config["num_experts"], generator=gen)
+        for e in range(config["num_experts"]):
+            matrix(moe + f"experts.{e}.w1.weight", size, hidden)
+            matrix(moe + f"experts.{e}.w2.weight", hidden, size)
+            matrix(moe + f"experts.{e}.w3.weight", size, hidden)
+        shared = size * config["num_shared_experts"]
+        matrix(moe + "shared_experts.gate_proj.weight", shared, hidden)
+        matrix(moe + "shared_experts.up_proj.weight", shared, hidden)
+        matrix(moe + "shared_experts.down_proj.weight", hidden, shared)
+    norm("model.norm.weight", hidden)
+    matrix("lm_head.weight", vocab, hidden)
+    return tensors
+
+
+def write_kimi_checkpoint(root, config: dict, seed: int) -> None:
+    """config.json, two shards (layers split in the middle, as HF shards are) and the index."""
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config))
+    tensors = kimi_tensors(config, seed)
+    names = list(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for k, part in enumerate(halves):
+        file = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, str(root / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture
+def torch_kda(monkeypatch):
+    """transformers' own PyTorch KDA instead of fla's Triton kernel (CPU has no Triton driver)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    wrapped = modeling_kimi_linear.chunk_kimi_delta_attention
+    monkeypatch.setattr(modeling_kimi_linear, "chunk_kimi_delta_attention", wrapped.__wrapped__)
+
+
+def reference_logits(root, sequences) -> list[torch.Tensor]:
+    model, info = transformers.KimiLinearForCausalLM.from_pretrained(
+        root, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+    )
+    problems = {key: value for key, value in info.items() if value}
+    assert not problems, problems
+    model.eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+
+
+def harts_logits(model, sequences) -> list[torch.Tensor]:
+    step = make_step(sequences)
+    config = model.config
+    layout = baseline_layout(step, np.arange(len(sequences)), conv_size=config.kda.conv_size,
+                             chunk_size=config.kda.chunk_size)
+    with torch.no_grad():
+        hidden, _ = model(layout.input_ids, layout)
+        logits = model.lm_head(hidden)
+    return list(logits.split(list(step.lengths)))
+
+
+def max_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    """max |Δ| over every logit, relative to the largest reference logit."""
+    scale = max(float(e.abs().max()) for e in expected)
+    return max(float((a - e).abs().max()) for a, e in zip(actual, expected)) / scale
+
+
+CASES = {
+    "q-full-rank": {},
+    "q-low-rank": {"q_lora_rank": 16},
+    "no-scaling-two-dense": {"routed_scaling_factor": 1.0, "first_k_dense_replace": 2},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(tmp_path, torch_kda, case):
+    config = kimi_config(**CASES[case])
+    root = tmp_path / "kimi"
+    write_kimi_checkpoint(root, config, seed=42)
+    rng = np.random.default_rng(42)
+    sequences = [rng.integers(0, config["vocab_size"], n).tolist() for n in LENGTHS]
+    expected = reference_logits(root, sequences)
+    assert min(float(e.std()) for e in expected) > 0.5, "logits too flat to compare"
+
+    model, _ = load_hf_checkpoint(root)
+    assert max_error(harts_logits(model, sequences), expected) <= TOLERANCE
+
+    saved = tmp_path / "saved"
+    save_hf_checkpoint(model, saved, max_shard_bytes=40_000)
+    assert max_error(reference_logits(saved, sequences), expected) <= TOLERANCE
+
+
+def kernel_of(function) -> object:
+    """The implementation transformers' hub-kernel wrapper `function` dispatches to."""
+    cells = dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__)))
+    return cells["implementation"]
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_on_fla_kernels(tmp_path):
+    """transformers' default KDA path (fla's chunk_kda) under the Triton interpreter: about a minute
+    on CPU, hence slow. The variable must be set before any kernel is defined: a subprocess
+    (this module as a script, patched as tests/ops/kda/interpreter.py patches the interpreter)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "tests.model.test_hf_reference", str(tmp_path / "kimi")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["kernel"] == "fla.ops.kda.chunk", result
+    assert result["max_error"] <= TOLERANCE, result
+
+
+def _fla_kernel_result(root: Path) -> dict:
+    config = kimi_config()
+    write_kimi_checkpoint(root, config, seed=42)
+    rng = np.random.default_rng(42)
+    sequences = [rng.integers(0, config["vocab_size"], n).tolist() for n in LENGTHS]
+    expected = reference_logits(root, sequences)
+    model, _ = load_hf_checkpoint(root)
+    return {"kernel": kernel_of(modeling_kimi_linear.chunk_kimi_delta_attention).__module__,
+            "max_error": max_error(harts_logits(model, sequences), expected)}
+
+
+if __name__ == "__main__":
+    from tests.ops.kda.interpreter import patch_interpreter
+
+    patch_interpreter()
+    print(json.dumps(_fla_kernel_result(Path(sys.argv[1]))))
