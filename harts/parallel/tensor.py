@@ -104,7 +104,8 @@ def shard_kda(sharder: Sharder, layer: KDALayer, rank: int, size: int) -> list[s
     for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj[1], layer.g_proj[1]):
         sharder.cut(linear, "weight", 0, channels)
         _set_linear_sizes(linear)
-    sharder.cut(layer.g_proj[1], "bias", 0, channels)
+    if layer.g_proj[1].bias is not None:  # Kimi-Linear's output gate has none
+        sharder.cut(layer.g_proj[1], "bias", 0, channels)
     for attribute in ("q_conv", "k_conv", "v_conv", "dt_bias"):
         sharder.cut(layer, attribute, 0, channels)
     sharder.cut(layer, "A_log", 0, heads)

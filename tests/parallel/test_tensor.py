@@ -35,8 +35,10 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
 
 def _layer(kind: str, generator: torch.Generator):
     hidden = CONFIG.hidden_size
-    if kind == "kda":
-        layer = KDALayer(hidden, replace(CONFIG.kda, head_dim=16, chunk_size=16), CONFIG.norm_eps)
+    if kind in ("kda", "kda-kimi"):
+        # Kimi-Linear's output gate has no bias (harts.model.hf loads checkpoints that way).
+        kda = replace(CONFIG.kda, head_dim=16, chunk_size=16, output_gate_bias=kind == "kda")
+        layer = KDALayer(hidden, kda, CONFIG.norm_eps)
         layer.reset_kda_parameters(generator)
     elif kind == "mla":
         layer = MLALayer(hidden, replace(CONFIG.mla, q_lora_rank=48), CONFIG.norm_eps)
@@ -51,7 +53,7 @@ def _layer(kind: str, generator: torch.Generator):
     return layer.double()
 
 
-SHARD = {"kda": shard_kda, "mla": shard_mla, "mla-full-query": shard_mla, "swiglu": shard_swiglu}
+SHARD = {"kda": shard_kda, "kda-kimi": shard_kda, "mla": shard_mla, "mla-full-query": shard_mla, "swiglu": shard_swiglu}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
