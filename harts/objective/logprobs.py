@@ -21,7 +21,7 @@ buffer give H_c = −Σ exp(z − lse)·(z − lse). It keeps only the inputs (h
 alive), lse (and H) (C floats each) and the index arrays (O(S)); the chunk's logits are dropped
 before the next chunk is formed. The backward recomputes each chunk's logits, turns them in place
 into
-    ∂L/∂z_c = Σ_{s: m(s)=c} g_s·onehot(y_s) − (Σ_{s: m(s)=c} g_s)·p_c − (Σ_{s: m(s)=c} h_s)·p_c ⊙ (log p_c + H_c),
+    ∂L/∂z_c = Σ_{m(s)=c} g_s·onehot(y_s) − (Σ_{m(s)=c} g_s)·p_c − (Σ_{m(s)=c} h_s)·p_c ⊙ (log p_c + H_c)
 i.e. Σ_s g_s·(onehot(y_s) − p_c) for the log-probs (each position's gradient formed on its own:
 labels and upstream gradients of positions sharing a row all survive) plus, for the entropy's
 upstream gradients h_s, ∂H/∂z = −p ⊙ (log p + H); then ∂L/∂(hidden @ Wᵀ) = ∂L/∂z / T,
