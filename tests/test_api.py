@@ -28,6 +28,7 @@ from harts.objective.losses import GRPOConfig, PPOConfig, grpo_loss, ppo_loss
 from harts.objective.step import StepConfig
 from harts.runtime.layout import baseline_layout
 from harts.trees.step import TOKEN_DTYPE, Step
+from tests.fixtures import one_thread  # noqa: F401  (autouse fixture: one intra-op thread, predictable times)
 
 VOCAB = 256
 PAD = VOCAB + 7  # never a valid token: reading padding fails the vocabulary check or the comparison
@@ -225,6 +226,23 @@ def test_logprobs_match_each_sequence_alone(model, case, temperature):
         assert out.num_rows == out.num_tokens
 
 
+@pytest.mark.parametrize("case", ["grpo-4x8-verl", "grpo-4x8-left", "grpo-4x8-packed", "grpo-4x8-trajectories"])
+def test_step_keeps_only_values_the_loss_reads(case):
+    """The converted step holds the batch's per-token values where the loss mask is 1 and 0
+    elsewhere (per-sequence advantages stay per sequence): the NaN at padding and unmasked
+    positions is not copied (a step can be written and read back)."""
+    _, pairs, fields, batch, _, _ = case_data(case)
+    step = api.as_batch(batch).step
+    mask = np.concatenate([f["loss_mask"] for f in fields]).astype(bool)
+    assert np.array_equal(step.loss_mask.astype(bool), mask)
+    assert np.array_equal(step.tokens, np.concatenate([p + r for p, r in pairs]))
+    for got, name in ((step.old_logprobs, "old_log_probs"), (step.ref_logprobs, "ref_log_probs"),
+                      (step.advantages(), "advantages")):
+        want = np.concatenate([np.broadcast_to(f[name], len(f["loss_mask"])) for f in fields])
+        per_sequence = np.ndim(fields[0][name]) == 0
+        assert np.array_equal(got, (want if per_sequence else np.where(mask, want, 0)).astype(np.float32)), name
+
+
 def test_baseline_execution_and_moe_loss_agree(model):
     """The API's baseline execution (each sequence its own packed sequence, one call) gives the same
     log-probs and MoE loss as the compact one (the MoE loss is a batch quantity: no per-trajectory twin)."""
@@ -280,8 +298,8 @@ def reference_loss(model, pairs, fields, places, size, config, temperature):
     common = dict(advantages_S=data["advantages"], loss_mask_S=data["loss_mask"].bool(), old_logprobs_S=data["old"],
                   trajectory_index_S=row)
     if config.loss == "grpo":
-        return grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=data["ref"], **common)
-    return ppo_loss(logprobs, config=config.ppo, **common)
+        return grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=data["ref"], **common), common["loss_mask_S"]
+    return ppo_loss(logprobs, config=config.ppo, **common), common["loss_mask_S"]
 
 
 def gradients(model):
@@ -305,12 +323,15 @@ def test_loss_and_gradients_match_each_sequence_alone(model, case, loss):
     result.policy_loss.backward()
     got = gradients(model)
     model.zero_grad(set_to_none=True)
-    expected = reference_loss(model, pairs, fields, places, size, config, temperature)
+    expected, mask = reference_loss(model, pairs, fields, places, size, config, temperature)
     expected.loss.backward()
     want = gradients(model)
     model.zero_grad(set_to_none=True)
 
-    assert abs(float(result.policy_loss.detach() - expected.loss.detach())) <= 1e-6 * abs(float(expected.loss.detach()))
+    # The loss is a mean of per-token terms that partly cancel (advantages of both signs): its
+    # fp32 error is relative to the terms' size, not to the (possibly small) loss.
+    scale = float(expected.per_token_loss.detach().abs()[mask].mean())
+    assert abs(float(result.policy_loss.detach() - expected.loss.detach())) <= 1e-6 * scale
     assert 0 < float(result.clip_fraction) < 1
     assert abs(float(result.clip_fraction - expected.clip_fraction)) <= 1e-6
     if config.loss == "grpo":

@@ -87,6 +87,10 @@ BAD_OPTIONS = {
         ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--kl-coef", "-0.1"],
         "train-step", "argument --kl-coef: expected a finite number >= 0, got '-0.1'",
     ),
+    "verify-kl-coef-inf": (
+        ["verify", "--model", "tiny", "--trees", STEP, "--kl-coef", "inf"],
+        "verify", "argument --kl-coef: expected a finite number >= 0, got 'inf'",
+    ),
     "verify-clip-ratio-high-nan": (
         ["verify", "--model", "tiny", "--trees", STEP, "--clip-ratio-high", "nan"],
         "verify", "argument --clip-ratio-high: expected a finite number >= 0, got 'nan'",
