@@ -44,7 +44,10 @@ hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked token
 this batch (token-mean: masked tokens; seq-mean-token-mean: sequences with a masked token) unless
 `normalizer` gives the step-level count of a batch split into micro-batches; `loss` adds the MoE
 losses (q-weighted, DESIGN §4), `policy_loss` and `moe_loss` are its parts. Without
-`old_log_probs` the step is on-policy (ratio 1); GRPO's KL term needs `ref_log_probs`.
+`old_log_probs` the step is on-policy (ratio 1); GRPO's KL term needs `ref_log_probs`. A batch
+runs as one microbatch (its whole trie in one forward): split a large step as the trainer
+already does, keeping each GRPO group in one micro-batch so that its prompt is shared, and pass
+`normalizer`.
 
 Invariant (tests/test_api.py): for left, right and two-sided padding, GRPO groups sharing prompts
 and batches without sharing, the outputs equal those of each sequence run alone through the model
@@ -181,10 +184,11 @@ def _fields(batch: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> d
         if name not in allowed:
             known = ", ".join(sorted(set(allowed) | {a for a, n in ALIASES.items() if n in allowed}))
             raise ValueError(f"{where}: unknown field {key!r} (accepted: {known})")
+        if batch[key] is None:
+            continue
         if name in fields:
             raise ValueError(f"{where}: field {key!r} given twice (under two of its names)")
-        if batch[key] is not None:
-            fields[name] = batch[key]
+        fields[name] = batch[key]
     if "input_ids" not in fields:
         raise ValueError(f"{where}: field 'input_ids' is required")
     return fields
