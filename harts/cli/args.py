@@ -55,6 +55,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type of a coefficient or clip ratio: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def non_finite_fields(value, prefix: str = "") -> list[str]:
     """`field = value` for every number in nested dicts/lists of `value` that is NaN or infinite."""
     if isinstance(value, dict):

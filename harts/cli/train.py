@@ -3,6 +3,10 @@
 Microbatches come from a planner (`--planner`, default: `harts` for the compact execution and
 for `verify`, `per-trajectory` for the baseline) at capacity `--capacity`; `verify` runs both
 executions on the same microbatches, so every quantity must agree (issue 5's equivalence).
+The loss's hyper-parameters come from `--loss-config` (a YAML of `GRPOConfig` or `PPOConfig`
+fields, per `--loss`, loaded strictly) and the flags `--clip-ratio-low`, `--clip-ratio-high`,
+`--kl-coef` (GRPO), `--dual-clip-ratio` (PPO) and `--aggregation`, which override the file; the
+resolved config is printed with the results (`loss_config`). Tested in tests/cli/test_train.py.
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ import json
 import sys
 from dataclasses import replace
 
-from harts.cli.args import non_negative_int, positive_int
+from harts.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+"""harts.objective.losses.AGGREGATIONS, repeated so that building the parser imports no torch."""
+LOSS_FLAGS = {"grpo": ("clip_ratio_low", "clip_ratio_high", "kl_coef", "aggregation"),
+              "ppo": ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "aggregation")}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -37,6 +47,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=positive_int, default=65536, help="T: tokens per microbatch")
     parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
     parser.add_argument("--loss", choices=("grpo", "ppo"), default="grpo")
+    loss = parser.add_argument_group("loss hyper-parameters (flags override --loss-config)")
+    loss.add_argument("--loss-config", metavar="PATH",
+                      help="YAML mapping of GRPOConfig or PPOConfig fields (per --loss); unknown keys are errors")
+    loss.add_argument("--clip-ratio-low", type=non_negative_float,
+                      help="epsilon_low < 1: the ratio is clipped below at 1 - epsilon_low (default 0.2)")
+    loss.add_argument("--clip-ratio-high", type=non_negative_float,
+                      help="epsilon_high: the ratio is clipped above at 1 + epsilon_high (default 0.2; DAPO 0.28)")
+    loss.add_argument("--kl-coef", type=non_negative_float,
+                      help="GRPO only: beta of the k3 KL penalty (default 0; > 0 needs ref_logprobs)")
+    loss.add_argument("--dual-clip-ratio", type=positive_float, help="PPO only: dual clip c > 1 (default: none)")
+    loss.add_argument("--aggregation", choices=AGGREGATIONS, help="token-mean (default) or seq-mean-token-mean")
     parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200)")
     parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
@@ -69,6 +90,27 @@ def _setup(args: argparse.Namespace):
     return model, step, index
 
 
+def _loss_config(args: argparse.Namespace):
+    """The GRPOConfig or PPOConfig of `--loss`: `--loss-config`'s fields, then the flags given."""
+    from harts.config import load_config
+    from harts.objective.losses import GRPOConfig, PPOConfig
+
+    flags = {name: getattr(args, name) for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef",
+                                                      "dual_clip_ratio", "aggregation")
+             if getattr(args, name) is not None}
+    for name in flags:
+        if name not in LOSS_FLAGS[args.loss]:
+            other = "ppo" if args.loss == "grpo" else "grpo"
+            raise ValueError(f"--{name.replace('_', '-')} applies to --loss {other} only (this is --loss {args.loss})")
+    cls = GRPOConfig if args.loss == "grpo" else PPOConfig
+    if args.loss_config is not None:
+        return load_config(args.loss_config, cls, **flags)
+    try:
+        return cls(**flags)
+    except ValueError as error:
+        raise ValueError(f"loss options: {error}") from None
+
+
 def _step_config(args: argparse.Namespace, execution: str, **extra):
     from harts.objective.step import StepConfig
 
@@ -77,8 +119,15 @@ def _step_config(args: argparse.Namespace, execution: str, **extra):
         execution=execution, recompute=args.recompute, loss=args.loss, dtype=args.dtype,
         attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
         kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
-        **extra,
+        **{args.loss: _loss_config(args)}, **extra,
     )
+
+
+def _loss_summary(config) -> dict:
+    """The resolved loss of a StepConfig, for the printed results."""
+    from harts.config import config_to_dict
+
+    return {"loss": config.loss, **config_to_dict(config.grpo if config.loss == "grpo" else config.ppo)}
 
 
 def _microbatches(step, index, args, planner: str, dp: int = 1):
@@ -101,13 +150,15 @@ def run_train_step(args: argparse.Namespace) -> int:
     if args.parallel:
         return _run_parallel(args, verify=False)
     check_torchrun(None)
+    config = _step_config(args, args.execution)
     model, step, index = _setup(args)
     planner = args.planner or ("harts" if args.execution == "compact" else "per-trajectory")
     plan, microbatches = _microbatches(step, index, args, planner)
-    result = run_step(model, step, microbatches, _step_config(args, args.execution), index=index)
+    result = run_step(model, step, microbatches, config, index=index)
     summary = {
         "execution": args.execution,
         "planner": planner,
+        "loss_config": _loss_summary(config),
         "microbatches": len([m for m in microbatches if len(m)]),
         "loss": result.loss,
         "policy_loss": result.policy_loss,
@@ -138,13 +189,12 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.parallel:
         return _run_parallel(args, verify=True)
     check_torchrun(None)
+    reference, candidate = _step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)
     model, step, index = _setup(args)
     _, microbatches = _microbatches(step, index, args, args.planner)
-    report = compare_executions(
-        model, step, microbatches, _step_config(args, "baseline"),
-        _step_config(args, "compact", replay=not args.no_replay), index=index,
-    )
+    report = compare_executions(model, step, microbatches, reference, candidate, index=index)
     report["compact_tokens"] = index.segment_tree().num_compact_tokens
+    report["loss_config"] = _loss_summary(reference)
     _check_finite(report, step, "verify")
     if args.json:
         print(json.dumps(report))
@@ -186,6 +236,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     parallel = load_parallel_config(args.parallel)
     check_torchrun(parallel)
+    loss_config = _loss_summary(_step_config(args, "baseline"))
     config = load_model_config(args.model)
     parallel.check_model(config)
     step = read_step(args.trees, vocab_size=config.vocab_size)
@@ -196,7 +247,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     plan, microbatches = _microbatches(step, index, args, planner, dp=parallel.dp)
     common = (config, args.seed, step, microbatches)
     head = {"parallel": parallel.name, "world_size": parallel.world_size, "planner": planner,
-            "microbatches": len(microbatches)}
+            "microbatches": len(microbatches), "loss_config": loss_config}
     try:
         if verify:
             candidates = [_step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)]

@@ -1,26 +1,34 @@
 """Compact log-probs: next-token log-probabilities of semantic positions from compact rows.
 
 `compact_logprobs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)` returns
-λ_s = z[m(s), y_s] − lse[m(s)] for every requested semantic position s, where z = hidden @ Wᵀ are
-the LM-head logits of the compact rows (DESIGN §5). The S positions may be any subset of the
-step's semantic positions in any order (typically all of them in original batch order, or only
-those that carry a loss); several may map to the same compact row with different targets.
+λ_s = z[m(s), y_s] − lse[m(s)] for every requested semantic position s, where z = hidden @ Wᵀ / T
+are the LM-head logits of the compact rows at temperature T (default 1; DESIGN §5). The S
+positions may be any subset of the step's semantic positions in any order (typically all of them
+in original batch order, or only those that carry a loss); several may map to the same compact
+row with different targets. With `return_entropy=True` it also returns the entropy
+H_s = −Σ_v p_v log p_v of the tempered distribution p = softmax(z[m(s)]) of every position: a
+function of the row alone, so it is computed once per compact row (C values) and gathered to the
+S positions.
 
 Legend: C compact rows, D hidden size, V vocabulary, S requested semantic positions, n rows of
 one chunk.
 
 Work and memory. Rows are processed in chunks of `chunk_rows`. The forward computes each chunk's
-fp32 logits once, their log-sum-exp, and reads every target logit out of the same chunk (exact:
-the value that entered the log-sum-exp, and an O(S) gather instead of an O(S·D) dot product per
-position). It keeps only the inputs (hidden, weight: already alive), lse (C floats) and the
-index arrays (O(S)); the chunk's logits are dropped before the next chunk is formed. The backward
-recomputes each chunk's logits, turns them in place into
-    ∂L/∂z_c = Σ_{s: m(s)=c} g_s·onehot(y_s) − (Σ_{s: m(s)=c} g_s)·softmax(z_c),
-i.e. Σ_s g_s·(onehot(y_s) − softmax(z_c)), each position's gradient formed on its own (labels
-and upstream gradients of positions sharing a row all survive), then dhidden = dz @ W and
-dW += dzᵀ @ hidden chunk by chunk. So the largest temporary is one n×V fp32 buffer (plus an
-fp32 copy of W and an fp32 dW accumulator of V×D when the inputs are not fp32); nothing S×V
-is ever built and no C×V tensor outlives its chunk. Vocabulary work: O(C·V·D) matmuls + O(S).
+fp32 logits once (divided by T in place), their log-sum-exp, and reads every target logit out of
+the same chunk (exact: the value that entered the log-sum-exp, and an O(S) gather instead of an
+O(S·D) dot product per position); with entropy, the chunk's log-probs z − lse and one more n×V
+buffer give H_c = −Σ exp(z − lse)·(z − lse). It keeps only the inputs (hidden, weight: already
+alive), lse (and H) (C floats each) and the index arrays (O(S)); the chunk's logits are dropped
+before the next chunk is formed. The backward recomputes each chunk's logits, turns them in place
+into
+    ∂L/∂z_c = Σ_{m(s)=c} g_s·onehot(y_s) − (Σ_{m(s)=c} g_s)·p_c − (Σ_{m(s)=c} h_s)·p_c ⊙ (log p_c + H_c)
+i.e. Σ_s g_s·(onehot(y_s) − p_c) for the log-probs (each position's gradient formed on its own:
+labels and upstream gradients of positions sharing a row all survive) plus, for the entropy's
+upstream gradients h_s, ∂H/∂z = −p ⊙ (log p + H); then ∂L/∂(hidden @ Wᵀ) = ∂L/∂z / T,
+dhidden = that @ W and dW += thatᵀ @ hidden chunk by chunk. So the largest temporary is one n×V
+fp32 buffer (two with entropy gradients; plus an fp32 copy of W and an fp32 dW accumulator of V×D
+when the inputs are not fp32); nothing S×V is ever built and no C×V tensor outlives its chunk.
+Vocabulary work: O(C·V·D) matmuls + O(S).
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
 bf16 hidden states and weights give fp32 logits and fp32 log-probs; gradients are returned in
@@ -33,13 +41,15 @@ inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, t
 `torch.use_deterministic_algorithms(True)` is set.
 
 Reference: `naive_compact_logprobs` expands hidden to the S semantic rows, builds the S×V
-logits, applies log_softmax and gathers, all under autograd; the tests compare forward and both
-gradients with it.
+logits, divides by T, applies log_softmax, gathers and sums −p·log p, all under autograd; the
+tests (tests/objective/test_logprobs.py) compare forward and both gradients with it, entropy and
+temperatures ≠ 1 included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -69,7 +79,8 @@ def _tensor_cores(hidden_CD: torch.Tensor, weight_VD: torch.Tensor):
 
 
 def _check_inputs(
-    hidden_CD: torch.Tensor, weight_VD: torch.Tensor, compact_index_S: torch.Tensor, targets_S: torch.Tensor
+    hidden_CD: torch.Tensor, weight_VD: torch.Tensor, compact_index_S: torch.Tensor, targets_S: torch.Tensor,
+    temperature: float,
 ) -> None:
     if hidden_CD.dim() != 2 or weight_VD.dim() != 2:
         raise ValueError(
@@ -90,6 +101,10 @@ def _check_inputs(
             f"compact_logprobs: compact_index and targets must be int64, got {compact_index_S.dtype} "
             f"and {targets_S.dtype}"
         )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"compact_logprobs: temperature must be a finite number > 0, got {temperature!r}")
     if compact_index_S.numel():
         num_rows, vocab = hidden_CD.shape[0], weight_VD.shape[0]
         if int(compact_index_S.min()) < 0 or int(compact_index_S.max()) >= num_rows:
@@ -98,14 +113,24 @@ def _check_inputs(
             raise ValueError(f"compact_logprobs: targets out of range [0, {vocab})")
 
 
+def _tempered_logits(hidden_nD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = hidden @ Wᵀ / T (a fresh n×V buffer; the division is skipped at T = 1, where it is exact)."""
+    logits_nV = hidden_nD @ weight_VD.T
+    if temperature != 1.0:
+        logits_nV.div_(temperature)
+    return logits_nV
+
+
 class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows):
+    def forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy):
         with _tensor_cores(hidden_CD, weight_VD):
-            return _CompactLogprobs._forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows)
+            return _CompactLogprobs._forward(
+                ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy
+            )
 
     @staticmethod
-    def _forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows):
+    def _forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy):
         num_rows = hidden_CD.shape[0]
         dtype = _compute_dtype(hidden_CD.dtype)
         weight_f = weight_VD.to(dtype)
@@ -119,36 +144,51 @@ class _CompactLogprobs(torch.autograd.Function):
         ).tolist()
 
         lse_C = torch.empty(num_rows, dtype=dtype, device=hidden_CD.device)
+        entropy_C = torch.empty(num_rows, dtype=dtype, device=hidden_CD.device) if return_entropy else None
         out_sorted_S = torch.empty(len(order_S), dtype=dtype, device=hidden_CD.device)
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
-            logits_nV = hidden_CD[r0:r1].to(dtype) @ weight_f.T
+            logits_nV = _tempered_logits(hidden_CD[r0:r1].to(dtype), weight_f, temperature)
             lse_C[r0:r1] = torch.logsumexp(logits_nV, dim=-1)
             local = rows_sorted_S[p0:p1] - r0
             out_sorted_S[p0:p1] = logits_nV[local, targets_sorted_S[p0:p1]] - lse_C[r0:r1][local]
+            if return_entropy:
+                log_p_nV = logits_nV.sub_(lse_C[r0:r1, None])
+                entropy_C[r0:r1] = -(log_p_nV.exp().mul_(log_p_nV).sum(dim=-1))
             del logits_nV
         logprobs_S = torch.empty_like(out_sorted_S)
         logprobs_S[order_S] = out_sorted_S
 
-        ctx.save_for_backward(hidden_CD, weight_VD, lse_C, order_S, rows_sorted_S, targets_sorted_S)
-        ctx.starts, ctx.bounds = starts, bounds
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden_CD, weight_VD, lse_C, entropy_C, order_S, rows_sorted_S, targets_sorted_S)
+        ctx.starts, ctx.bounds, ctx.temperature = starts, bounds, temperature
+        if return_entropy:
+            return logprobs_S, entropy_C[compact_index_S]
         return logprobs_S
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_S):
+    def backward(ctx, grad_S, grad_entropy_S=None):
         hidden_CD, weight_VD = ctx.saved_tensors[:2]
         with _tensor_cores(hidden_CD, weight_VD):
-            return _CompactLogprobs._backward(ctx, grad_S)
+            return _CompactLogprobs._backward(ctx, grad_S, grad_entropy_S)
 
     @staticmethod
-    def _backward(ctx, grad_S):
-        hidden_CD, weight_VD, lse_C, order_S, rows_sorted_S, targets_sorted_S = ctx.saved_tensors
+    def _backward(ctx, grad_S, grad_entropy_S):
+        hidden_CD, weight_VD, lse_C, entropy_C, order_S, rows_sorted_S, targets_sorted_S = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_S is None and grad_entropy_S is None:
+            return None, None, None, None, None, None, None
         dtype = lse_C.dtype
         weight_f = weight_VD.to(dtype)
-        grad_sorted_S = grad_S[order_S].to(dtype)
-        grad_sum_C = torch.zeros_like(lse_C).index_add_(0, rows_sorted_S, grad_sorted_S)
+        temperature = ctx.temperature
+        grad_sorted_S = None if grad_S is None else grad_S[order_S].to(dtype)
+        grad_sum_C = torch.zeros_like(lse_C)
+        if grad_sorted_S is not None:
+            grad_sum_C.index_add_(0, rows_sorted_S, grad_sorted_S)
+        grad_entropy_C = None
+        if grad_entropy_S is not None:
+            grad_entropy_C = torch.zeros_like(lse_C).index_add_(0, rows_sorted_S, grad_entropy_S[order_S].to(dtype))
 
         grad_hidden = torch.empty_like(hidden_CD) if need_hidden else None
         grad_weight_f = torch.zeros_like(weight_f) if need_weight else None
@@ -156,18 +196,28 @@ class _CompactLogprobs(torch.autograd.Function):
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
             hidden_nD = hidden_CD[r0:r1].to(dtype)
-            grad_logits_nV = hidden_nD @ weight_f.T
-            grad_logits_nV.sub_(lse_C[r0:r1, None]).exp_().mul_(-grad_sum_C[r0:r1, None])
-            grad_logits_nV.index_put_(
-                (rows_sorted_S[p0:p1] - r0, targets_sorted_S[p0:p1]), grad_sorted_S[p0:p1], accumulate=True
-            )
+            grad_logits_nV = _tempered_logits(hidden_nD, weight_f, temperature).sub_(lse_C[r0:r1, None])
+            if grad_entropy_C is None:
+                grad_logits_nV.exp_().mul_(-grad_sum_C[r0:r1, None])
+            else:
+                # −p ⊙ (Σg + Σh·(log p + H)), built on the log-probs in place beside one buffer of p.
+                p_nV = grad_logits_nV.exp()
+                grad_logits_nV.add_(entropy_C[r0:r1, None]).mul_(grad_entropy_C[r0:r1, None])
+                grad_logits_nV.add_(grad_sum_C[r0:r1, None]).mul_(p_nV).neg_()
+                del p_nV
+            if grad_sorted_S is not None:
+                grad_logits_nV.index_put_(
+                    (rows_sorted_S[p0:p1] - r0, targets_sorted_S[p0:p1]), grad_sorted_S[p0:p1], accumulate=True
+                )
+            if temperature != 1.0:
+                grad_logits_nV.div_(temperature)
             if need_hidden:
                 grad_hidden[r0:r1] = (grad_logits_nV @ weight_f).to(hidden_CD.dtype)
             if need_weight:
                 grad_weight_f.addmm_(grad_logits_nV.T, hidden_nD)
             del grad_logits_nV
         grad_weight = grad_weight_f.to(weight_VD.dtype) if need_weight else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def compact_logprobs(
@@ -177,19 +227,26 @@ def compact_logprobs(
     targets_S: torch.Tensor,
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> torch.Tensor:
-    """Log-probabilities λ_s of targets y_s under the logits of compact rows m(s).
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities λ_s of targets y_s under the tempered logits of compact rows m(s).
 
     Args:
         hidden_CD: final hidden states of the C compact rows (after the final norm), [C, D].
         lm_head_weight_VD: LM-head weight, [V, D] (logits = hidden @ weightᵀ, no bias).
         compact_index_S: int64 [S], m(s): the compact row whose logits predict position s's target.
         targets_S: int64 [S], y_s: the next token of position s (in [0, V)).
-        chunk_rows: compact rows per chunk; peak extra memory is one chunk_rows×V fp32 buffer.
+        chunk_rows: compact rows per chunk; peak extra memory is one chunk_rows×V fp32 buffer
+            (two with entropy).
+        temperature: T > 0; the distribution is softmax(logits / T) (the sampling temperature of
+            the rollouts, as RL trainers divide the logits by it).
+        return_entropy: also return H_s, the entropy of position s's tempered distribution.
 
     Returns:
-        [S] log-probs in fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden and weight
-        through a backward that recomputes each chunk's logits.
+        λ [S] in fp32 (fp64 for fp64 inputs), and with `return_entropy` the pair (λ [S], H [S]);
+        both differentiable w.r.t. hidden and weight through a backward that recomputes each
+        chunk's logits.
 
     Example:
         >>> hidden = torch.randn(5, 8, requires_grad=True)
@@ -197,11 +254,14 @@ def compact_logprobs(
         >>> m = torch.tensor([0, 1, 2, 1, 3, 4])   # positions 1 and 3 share compact row 1
         >>> y = torch.tensor([3, 7, 2, 9, 0, 4])
         >>> compact_logprobs(hidden, weight, m, y, chunk_rows=2).sum().backward()
+        >>> logprobs, entropy = compact_logprobs(hidden, weight, m, y, temperature=0.7, return_entropy=True)
     """
     if chunk_rows < 1:
         raise ValueError(f"compact_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
-    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)
-    return _CompactLogprobs.apply(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, chunk_rows)
+    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, temperature)
+    return _CompactLogprobs.apply(
+        hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, chunk_rows, float(temperature), return_entropy
+    )
 
 
 def naive_compact_logprobs(
@@ -209,12 +269,20 @@ def naive_compact_logprobs(
     lm_head_weight_VD: torch.Tensor,
     compact_index_S: torch.Tensor,
     targets_S: torch.Tensor,
-) -> torch.Tensor:
-    """Reference for `compact_logprobs`: expand to S rows, full S×V logits, log_softmax, gather."""
-    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S)
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `compact_logprobs`: expand to S rows, full S×V logits / T, log_softmax, gather
+    (and −Σ p·log p), all under autograd."""
+    _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, temperature)
     dtype = _compute_dtype(hidden_CD.dtype)
-    logits_SV = hidden_CD[compact_index_S].to(dtype) @ lm_head_weight_VD.to(dtype).T
-    return torch.log_softmax(logits_SV, dim=-1).gather(1, targets_S[:, None])[:, 0]
+    logits_SV = hidden_CD[compact_index_S].to(dtype) @ lm_head_weight_VD.to(dtype).T / temperature
+    log_p_SV = torch.log_softmax(logits_SV, dim=-1)
+    logprobs_S = log_p_SV.gather(1, targets_S[:, None])[:, 0]
+    if return_entropy:
+        return logprobs_S, -(log_p_SV.exp() * log_p_SV).sum(dim=-1)
+    return logprobs_S
 
 
 @torch.no_grad()

@@ -113,36 +113,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def microbatch_logprobs(
+    model: HybridModel, layout: Layout, targets_S: torch.Tensor, config: StepConfig, device: torch.device, *,
+    temperature: float = 1.0, return_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list]:
+    """(λ, entropy or None, MoE loss, MoE aux) of one microbatch: the model over the layout's rows,
+    then the compact LM head at `temperature` for the targets `targets_S` of its semantic positions
+    (`layout.semantic_rows` order)."""
+    with autocast_context(device, config):
+        hidden, auxes = model(layout.input_ids, layout, recompute=config.recompute)
+    weight = model.lm_head.weight
+    if DTYPES[config.dtype] is not None:
+        # The LM head in the training dtype like every other matmul (log-probs stay fp32).
+        hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
+    out = compact_logprobs(
+        hidden, weight, layout.semantic_rows, targets_S, chunk_rows=config.logprob_chunk_rows,
+        temperature=temperature, return_entropy=return_entropy,
+    )
+    logprobs, entropy = out if return_entropy else (out, None)
+    moe = sum((aux.loss for aux in auxes), hidden.new_zeros((), dtype=torch.float32))
+    return logprobs, entropy, moe, auxes
+
+
+def policy_loss_of(
+    logprobs_S: torch.Tensor, config: StepConfig, *, advantages_S: torch.Tensor, loss_mask_S: torch.Tensor,
+    old_logprobs_S: torch.Tensor | None, ref_logprobs_S: torch.Tensor | None, trajectory_index_S: torch.Tensor,
+    normalizer: float,
+) -> PolicyLoss:
+    """`config.loss` (GRPO with `config.grpo`, or PPO with `config.ppo`, which has no KL term and
+    ignores `ref_logprobs_S`) of the log-probs λ; all tensors [S], one order."""
+    common = dict(
+        advantages_S=advantages_S, loss_mask_S=loss_mask_S, old_logprobs_S=old_logprobs_S,
+        trajectory_index_S=trajectory_index_S, normalizer=normalizer,
+    )
+    if config.loss == "grpo":
+        return grpo_loss(logprobs_S, config=config.grpo, ref_logprobs_S=ref_logprobs_S, **common)
+    return ppo_loss(logprobs_S, config=config.ppo, **common)
+
+
 def microbatch_loss(
     model: HybridModel, layout: Layout, targets: SemanticTargets, sem_index: np.ndarray, config: StepConfig,
     normalizer: float, device: torch.device,
 ) -> tuple[PolicyLoss, torch.Tensor, torch.Tensor, list]:
     """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch."""
-    with autocast_context(device, config):
-        hidden, auxes = model(layout.input_ids, layout, recompute=config.recompute)
     sem = torch.from_numpy(sem_index).to(device)
-    weight = model.lm_head.weight
-    if DTYPES[config.dtype] is not None:
-        # The LM head in the training dtype like every other matmul (log-probs stay fp32).
-        hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
-    logprobs = compact_logprobs(
-        hidden, weight, layout.semantic_rows, torch.from_numpy(targets.targets).to(device)[sem],
-        chunk_rows=config.logprob_chunk_rows,
+    logprobs, _, moe, auxes = microbatch_logprobs(
+        model, layout, torch.from_numpy(targets.targets).to(device)[sem], config, device
     )
 
     def pick(array):
         return None if array is None else torch.from_numpy(array).to(device)[sem]
 
-    common = dict(
-        advantages_S=pick(targets.advantages), loss_mask_S=pick(targets.loss_mask),
-        old_logprobs_S=pick(targets.old_logprobs), trajectory_index_S=pick(targets.trajectory_index),
-        normalizer=normalizer,
+    policy = policy_loss_of(
+        logprobs, config, advantages_S=pick(targets.advantages), loss_mask_S=pick(targets.loss_mask),
+        old_logprobs_S=pick(targets.old_logprobs), ref_logprobs_S=pick(targets.ref_logprobs),
+        trajectory_index_S=pick(targets.trajectory_index), normalizer=normalizer,
     )
-    if config.loss == "grpo":
-        policy = grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=pick(targets.ref_logprobs), **common)
-    else:
-        policy = ppo_loss(logprobs, config=config.ppo, **common)
-    moe = sum((aux.loss for aux in auxes), hidden.new_zeros((), dtype=torch.float32))
     return policy, moe, logprobs, auxes
 
 

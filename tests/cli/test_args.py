@@ -83,6 +83,27 @@ BAD_OPTIONS = {
         ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--seed", "-2"],
         "train-step", "argument --seed: expected a non-negative integer, got '-2'",
     ),
+    "train-step-kl-coef-negative": (
+        ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--kl-coef", "-0.1"],
+        "train-step", "argument --kl-coef: expected a finite number >= 0, got '-0.1'",
+    ),
+    "verify-kl-coef-inf": (
+        ["verify", "--model", "tiny", "--trees", STEP, "--kl-coef", "inf"],
+        "verify", "argument --kl-coef: expected a finite number >= 0, got 'inf'",
+    ),
+    "verify-clip-ratio-high-nan": (
+        ["verify", "--model", "tiny", "--trees", STEP, "--clip-ratio-high", "nan"],
+        "verify", "argument --clip-ratio-high: expected a finite number >= 0, got 'nan'",
+    ),
+    "verify-clip-ratio-low-text": (
+        ["verify", "--model", "tiny", "--trees", STEP, "--clip-ratio-low", "low"],
+        "verify", "argument --clip-ratio-low: expected a finite number >= 0, got 'low'",
+    ),
+    "train-step-dual-clip-inf": (
+        ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--loss", "ppo",
+         "--dual-clip-ratio", "inf"],
+        "train-step", "argument --dual-clip-ratio: expected a finite number > 0, got 'inf'",
+    ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }
 

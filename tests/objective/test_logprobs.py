@@ -25,12 +25,21 @@ def _random_problem(dtype, *, num_rows=37, hidden=24, vocab=101, num_positions=1
     return hidden_CD.to(dtype), weight_VD.to(dtype), compact_index, targets, grad_S
 
 
-def _forward_backward(function, hidden_CD, weight_VD, compact_index, targets, grad_S, **kwargs):
+def _forward_backward(function, hidden_CD, weight_VD, compact_index, targets, grad_S, entropy_grad_S=None, **kwargs):
+    """(λ, [H,] dhidden, dweight) of upstream gradients grad_S on λ (and entropy_grad_S on H: then
+    the entropy is requested; a None gradient leaves that output out of the loss)."""
     hidden_CD = hidden_CD.detach().clone().requires_grad_()
     weight_VD = weight_VD.detach().clone().requires_grad_()
-    logprobs = function(hidden_CD, weight_VD, compact_index, targets, **kwargs)
-    logprobs.backward(grad_S.to(logprobs.dtype))
-    return logprobs.detach(), hidden_CD.grad, weight_VD.grad
+    if entropy_grad_S is None and "return_entropy" not in kwargs:
+        logprobs = function(hidden_CD, weight_VD, compact_index, targets, **kwargs)
+        logprobs.backward(grad_S.to(logprobs.dtype))
+        return logprobs.detach(), hidden_CD.grad, weight_VD.grad
+    logprobs, entropy = function(hidden_CD, weight_VD, compact_index, targets, return_entropy=True, **{
+        k: v for k, v in kwargs.items() if k != "return_entropy"})
+    outputs, grads = zip(*[(out, g.to(out.dtype)) for out, g in ((logprobs, grad_S), (entropy, entropy_grad_S))
+                           if g is not None])
+    torch.autograd.backward(outputs, grads)
+    return logprobs.detach(), entropy.detach(), hidden_CD.grad, weight_VD.grad
 
 
 def _relative(a, b):
@@ -50,6 +59,58 @@ def test_matches_naive(dtype, chunk_rows):
     assert _relative(fast[2], naive[2]) <= grad_tol
 
 
+# Which outputs carry an upstream gradient: both, the log-probs only (entropy returned but unused:
+# its backward terms are skipped) or the entropy only (no one-hot terms).
+GRADIENTS = {"both": (True, True), "logprobs-only": (True, False), "entropy-only": (False, True)}
+
+
+@pytest.mark.parametrize("grads", GRADIENTS)
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("chunk_rows", [1, 16, 1000], ids=lambda n: f"chunk{n}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_temperature_and_entropy_match_naive(dtype, chunk_rows, temperature, grads):
+    """λ and H of softmax(z / T), forward and both gradients, against the S×V reference. fp32: the
+    reference sums S×V terms in another order; measured errors are ~1e-6 (H ≈ log V ≈ 4.6 summed
+    over 101 terms), so 1e-5 as for the log-probs."""
+    hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(dtype)
+    entropy_grad_S = torch.randn(len(targets), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with_logprobs, with_entropy = GRADIENTS[grads]
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S if with_logprobs else None,
+               entropy_grad_S if with_entropy else None)
+    kwargs = dict(temperature=temperature, return_entropy=True)
+    fast = _forward_backward(compact_logprobs, *problem, chunk_rows=chunk_rows, **kwargs)
+    naive = _forward_backward(naive_compact_logprobs, *problem, **kwargs)
+    forward_tol, grad_tol = TOLERANCES[dtype]
+    assert fast[0].dtype == fast[1].dtype == dtype
+    assert float((fast[0] - naive[0]).abs().max()) <= forward_tol
+    assert float((fast[1] - naive[1]).abs().max()) <= forward_tol
+    assert _relative(fast[2], naive[2]) <= grad_tol
+    assert _relative(fast[3], naive[3]) <= grad_tol
+
+
+def test_temperature_is_a_logit_scale():
+    """softmax(z / T) computed from scratch: λ at T equals λ of the weight divided by T at T = 1
+    (fp64: the two differ only by the rounding of one division per logit)."""
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float64)
+    tempered = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8, temperature=0.5)
+    scaled = compact_logprobs(hidden_CD, weight_VD / 0.5, compact_index, targets, chunk_rows=8)
+    assert float((tempered - scaled).abs().max()) <= 1e-12
+    assert float((tempered - compact_logprobs(hidden_CD, weight_VD, compact_index, targets)).abs().max()) > 1e-2
+
+
+def test_entropy_is_per_row():
+    """Positions on one row get the row's entropy, bitwise (gathered, not recomputed), and it is
+    that of the row's full distribution: between 0 and log V."""
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float64)
+    _, entropy = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8, return_entropy=True)
+    per_row = torch.full((hidden_CD.shape[0],), float("nan"), dtype=torch.float64)
+    per_row[compact_index] = entropy
+    assert torch.equal(entropy, per_row[compact_index])
+    probs = torch.softmax(hidden_CD @ weight_VD.T, dim=-1)
+    assert torch.allclose(per_row, -(probs * probs.log()).sum(-1), rtol=0, atol=1e-12)
+    assert (per_row > 0).all() and (per_row < np.log(weight_VD.shape[0])).all()
+
+
 def test_shared_row_gradients_are_summed_per_position():
     # Two positions on one row with different targets and upstream gradients, one on another row.
     hidden_CD, weight_VD, _, _, _ = _random_problem(torch.float64, num_rows=2, vocab=7)
@@ -67,13 +128,16 @@ def test_shared_row_gradients_are_summed_per_position():
     assert torch.allclose(grad_weight, torch.outer(grad_logits, hidden_CD[0]), rtol=0, atol=1e-12)
 
 
-def test_gradcheck():
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "with-entropy"])
+def test_gradcheck(entropy):
     hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(
         torch.float64, num_rows=6, hidden=5, vocab=9, num_positions=14
     )
     inputs = (hidden_CD.requires_grad_(), weight_VD.requires_grad_())
     assert torch.autograd.gradcheck(
-        lambda h, w: compact_logprobs(h, w, compact_index, targets, chunk_rows=4), inputs
+        lambda h, w: compact_logprobs(
+            h, w, compact_index, targets, chunk_rows=4, temperature=0.8 if entropy else 1.0, return_entropy=entropy
+        ), inputs
     )
 
 
@@ -90,15 +154,17 @@ def test_gradient_of_one_input_only(needs):
     assert (weight_VD.grad if needs == "hidden" else hidden_CD.grad) is None
 
 
-def test_keeps_nothing_vocabulary_sized():
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "with-entropy"])
+def test_keeps_nothing_vocabulary_sized(entropy):
     hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32, num_rows=40, vocab=200)
     hidden_CD.requires_grad_()
-    logprobs = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8)
-    saved = logprobs.grad_fn.saved_tensors
+    out = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=8, return_entropy=entropy)
+    saved = [t for t in (out[0] if entropy else out).grad_fn.saved_tensors if t is not None]
     largest_input = max(hidden_CD.numel(), weight_VD.numel(), len(targets))
     vocab_sized = [t.shape for t in saved if t.numel() > largest_input]
     assert vocab_sized == []
-    assert sum(t.numel() for t in saved) <= hidden_CD.numel() + weight_VD.numel() + 40 + 3 * len(targets)
+    rows = 40 * (2 if entropy else 1)  # lse (and the entropy) per compact row
+    assert sum(t.numel() for t in saved) <= hidden_CD.numel() + weight_VD.numel() + rows + 3 * len(targets)
 
 
 def test_bf16_inputs_give_fp32_logprobs():
@@ -148,12 +214,12 @@ def test_empty_positions():
     "case",
     [
         "row-out-of-range", "target-out-of-range", "negative-row", "int32-index", "length-mismatch",
-        "hidden-size", "chunk0",
+        "hidden-size", "chunk0", "temperature0", "temperature-nan", "temperature-inf",
     ],
 )
 def test_bad_inputs(case):
     hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32)
-    chunk_rows = 4
+    chunk_rows, temperature = 4, 1.0
     if case == "row-out-of-range":
         compact_index = compact_index.clone()
         compact_index[3] = hidden_CD.shape[0]
@@ -169,10 +235,12 @@ def test_bad_inputs(case):
         targets = targets[:-1]
     elif case == "hidden-size":
         weight_VD = weight_VD[:, :-1]
+    elif case.startswith("temperature"):
+        temperature = {"temperature0": 0.0, "temperature-nan": float("nan"), "temperature-inf": float("inf")}[case]
     else:
         chunk_rows = 0
     with pytest.raises(ValueError, match="compact_logprobs"):
-        compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows)
+        compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows, temperature=temperature)
 
 
 def test_iter_compact_logits_covers_all_rows():

@@ -1,0 +1,574 @@
+"""HARTS on an RL trainer's batch: log-probs, entropy and the GRPO/PPO loss of a padded, packed or
+listed batch of trajectories, with every shared prefix computed once.
+
+An RL framework (verl, OpenRLHF, AReaL, slime, ...) hands its actor a batch of trajectories in its
+own layout. `padded_batch`, `packed_batch` and `trajectory_batch` turn such a batch into a HARTS
+step (`harts.trees.step.Step`) and remember the way back; `logprobs(model, batch)` and
+`policy_loss(model, batch)` run a `HybridModel` over the step's compact rows (DESIGN §4: the trie of
+the batch, so identical prefixes, such as a prompt shared by a GRPO group, are computed once) and
+return every per-token output in the batch's own layout and shape. Both also take the raw batch (a
+mapping or a list) and convert it. Nothing here knows about layers: the model runs through
+`harts.objective.step` exactly as `harts train-step` runs it.
+
+Layouts (per-token fields are indexed by the token they describe: the value at position t belongs
+to token t *as a target*, predicted from the tokens before it, DESIGN §5):
+
+- padded (`padded_batch`): a mapping of `input_ids` int [B, L] and `attention_mask` [B, L] (0/1
+  or bool), whose 1s must form one contiguous run per row: left padding (OpenRLHF's `sequences`,
+  and any prompt-only left padding), right padding, or both (verl: a left-padded prompt followed
+  by a right-padded response). `padding_side` ("left"/"right") is optional and then checked;
+  by default it is read off the mask. Padding tokens are never read. Optional per-token fields,
+  each [B, L], or [B, R] with R < L meaning the LAST R columns (verl's `responses`-shaped tensors,
+  OpenRLHF's `action_mask`-shaped ones): `loss_mask` (or verl's name `response_mask`; 0/1, 1 only
+  on real tokens, never on a row's first real token), `old_log_probs`, `ref_log_probs` (or verl's
+  `ref_log_prob`), and `advantages` ([B, L], [B, R] or [B]: one per sequence).
+- packed (`packed_batch`): `input_ids` int [T] and `cu_seqlens` int [B + 1] (sequence b is
+  `input_ids[cu_seqlens[b]:cu_seqlens[b + 1]]`, no padding), per-token fields [T] (`advantages`
+  [T] or [B]). Frameworks that align log-probs with the *predicting* position instead
+  (labels = roll(input_ids, -1), as AReaL's actor does) shift by one within each sequence: HARTS's
+  value at t is theirs at t − 1.
+- a list of trajectories (`trajectory_batch`): mappings with `input_ids` int [n] and the same
+  per-token fields [n] (`advantages` [n] or a number).
+
+Outputs, in the batch's layout ([B, L] padded, [T] packed, a list of [n] tensors): `log_probs`
+at position t is log p(token t | the sequence's tokens before t) under softmax(logits / T) (T =
+`temperature`), `entropy` at t is the entropy of that same distribution (the one that predicts
+token t), and both are 0 where nothing is predicted: padding and each sequence's first real token
+(`mask` is True exactly where a prediction exists). This is verl's alignment: its response-shaped
+log-probs and entropy ([B, R]) are `out.log_probs[:, -R:]` and `out.entropy[:, -R:]`.
+Values that a loss mask of 0 excludes (advantages, old and reference log-probs there) are never
+read, so padding may hold anything; where the loss mask is 1 they must be finite.
+
+The loss (`policy_loss`) is `harts.objective.losses` GRPO or PPO with the config's
+hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked tokens, normalised over
+this batch (token-mean: masked tokens; seq-mean-token-mean: sequences with a masked token) unless
+`normalizer` gives the step-level count of a batch split into micro-batches; `loss` adds the MoE
+losses (q-weighted, DESIGN §4), `policy_loss` and `moe_loss` are its parts. Without
+`old_log_probs` the step is on-policy (ratio 1); GRPO's KL term needs `ref_log_probs`. A batch
+runs as one microbatch (its whole trie in one forward): split a large step as the trainer
+already does, keeping each GRPO group in one micro-batch so that its prompt is shared, and pass
+`normalizer`.
+
+Invariant (tests/test_api.py): for left, right and two-sided padding, GRPO groups sharing prompts
+and batches without sharing, the outputs equal those of each sequence run alone through the model
+(fp32 CPU, ≤ 1e-5), with temperature and entropy, and the loss and every parameter gradient equal
+the per-trajectory ones. Legend: B sequences, L padded length, R response columns, T packed
+tokens, S semantic tokens (real tokens of all sequences), C compact rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from harts.model.model import HybridModel
+from harts.objective.losses import PolicyLoss
+from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, policy_loss_of, step_normalizer
+from harts.objective.targets import semantic_targets_from_step
+from harts.trees.step import TOKEN_DTYPE, Step
+from harts.trees.trie import PrefixIndex
+
+PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs")
+ALIASES = {"response_mask": "loss_mask", "ref_log_prob": "ref_log_probs"}
+"""Other frameworks' names of the same fields (verl's)."""
+PADDING_SIDES = ("left", "right")
+
+
+@dataclass(frozen=True, eq=False)
+class RLBatch:
+    """A batch as a HARTS step, with the way back to the batch's own layout."""
+
+    step: Step
+    """The sequences as trajectories, in batch order (trajectory k = sequence k)."""
+    kind: str
+    """"padded", "packed" or "trajectories"."""
+    shape: tuple[int, ...]
+    """(B, L) padded, (T,) packed, (B,) for a list."""
+    flat_index: np.ndarray
+    """int64 [S]: where each of the step's tokens sits in the batch, flattened (padded: b·L + t)."""
+    has_loss_mask: bool
+    has_advantages: bool
+    locate: Callable[[int], str]
+    """The batch coordinates of step token k, for error messages ("row 3, column 17")."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.step.num_trajectories
+
+    def prediction_mask(self) -> torch.Tensor:
+        """bool, the batch's layout: True where a token is predicted (real, not a sequence's first)."""
+        has_prediction = np.ones(self.step.num_semantic_tokens, dtype=bool)
+        has_prediction[self.step.offsets[:-1]] = False
+        return self.to_layout(torch.from_numpy(has_prediction))
+
+    def to_layout(self, values_S: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """Values of the step's tokens [S] (step order) placed in the batch's layout, zero at
+        padding (differentiable)."""
+        if self.kind == "padded":
+            flat_index = torch.from_numpy(self.flat_index).to(values_S.device)
+            zeros = values_S.new_zeros(math.prod(self.shape))
+            return zeros.index_copy(0, flat_index, values_S).view(self.shape)
+        if self.kind == "packed":
+            return values_S
+        return list(values_S.split(self.step.lengths.tolist()))
+
+    def targets_from_predictions(self, values_S: torch.Tensor) -> torch.Tensor:
+        """Values of the semantic positions [S] (position i of a trajectory predicts token i + 1)
+        moved to the tokens they predict: out[k] = values[k − 1], 0 at each trajectory's first token."""
+        shifted = torch.cat([values_S.new_zeros(1), values_S[:-1]])
+        first = torch.from_numpy(self.step.offsets[:-1]).to(values_S.device)
+        return shifted.index_fill(0, first, 0)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenOutputs:
+    """Per-token outputs in the batch's layout (module docstring: alignment)."""
+
+    log_probs: torch.Tensor | list[torch.Tensor]
+    """fp32: log p(token t | tokens before t) at temperature T; 0 where `mask` is False."""
+    entropy: torch.Tensor | list[torch.Tensor] | None
+    """fp32: the entropy of the distribution that predicts token t (when asked for)."""
+    mask: torch.Tensor | list[torch.Tensor]
+    """bool: where a prediction exists (a real token that is not its sequence's first)."""
+    num_rows: int
+    """Rows the model computed: C compact rows (S for the baseline execution)."""
+    num_tokens: int
+    """S: real tokens of the batch."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchLoss(TokenOutputs):
+    """The policy loss of a batch, with its per-token outputs."""
+
+    loss: torch.Tensor
+    """Scalar to back-propagate: policy_loss + moe_loss."""
+    policy_loss: torch.Tensor
+    """The GRPO/PPO loss (`harts.objective.losses`)."""
+    moe_loss: torch.Tensor
+    """The model's MoE auxiliary losses (q-weighted over compact rows)."""
+    clip_fraction: torch.Tensor
+    """Fraction of loss-masked tokens whose clipped surrogate term is active."""
+    kl: torch.Tensor | None
+    """Mean k3 KL estimate over loss-masked tokens (GRPO with reference log-probs)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch conversion
+
+
+def _numpy(value: Any, where: str, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            tensor = tensor.float()
+        return tensor.numpy()
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise ValueError(f"{where}: field '{name}': expected a tensor or array of numbers")
+    return array
+
+
+def _fields(batch: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> dict[str, Any]:
+    """The batch's fields under their canonical names (aliases resolved); unknown names refused, so
+    a misspelled optional field (which would silently change the loss) cannot pass."""
+    if not hasattr(batch, "keys"):
+        raise ValueError(f"{where}: expected a mapping of field names to tensors, got {type(batch).__name__}")
+    fields: dict[str, Any] = {}
+    for key in batch.keys():
+        name = ALIASES.get(key, key)
+        if name not in allowed:
+            known = ", ".join(sorted(set(allowed) | {a for a, n in ALIASES.items() if n in allowed}))
+            raise ValueError(f"{where}: unknown field {key!r} (accepted: {known})")
+        if batch[key] is None:
+            continue
+        if name in fields:
+            raise ValueError(f"{where}: field {key!r} given twice (under two of its names)")
+        fields[name] = batch[key]
+    if "input_ids" not in fields:
+        raise ValueError(f"{where}: field 'input_ids' is required")
+    return fields
+
+
+def _integers(array: np.ndarray, where: str, name: str) -> np.ndarray:
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{where}: field '{name}': expected integers, got {array.dtype}")
+    return array.astype(np.int64)
+
+
+def _zero_one(array: np.ndarray, where: str, name: str) -> np.ndarray:
+    if array.dtype != bool:
+        if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
+            raise ValueError(f"{where}: field '{name}': expected 0/1 values, got {array.dtype}")
+        bad = np.argwhere((array != 0) & (array != 1))
+        if len(bad):
+            index = tuple(int(i) for i in bad[0])
+            raise ValueError(f"{where}: field '{name}': expected 0/1 values, got {array[index].item()!r} at index "
+                             f"{list(index)}")
+    return array.astype(bool)
+
+
+def _build(
+    kind: str, shape: tuple[int, ...], flat_index: np.ndarray, offsets: np.ndarray, tokens: np.ndarray,
+    per_token: dict[str, np.ndarray], per_sequence_advantages: np.ndarray | None, where: str,
+    locate: Callable[[int], str],
+) -> RLBatch:
+    """The step of flat per-token arrays [S] (values at the real tokens, batch order), checked."""
+    size, num = int(offsets[-1]), len(offsets) - 1
+    bad = np.flatnonzero((tokens < 0) | (tokens > np.iinfo(TOKEN_DTYPE).max))
+    if len(bad):
+        raise ValueError(f"{where}: field 'input_ids': token {int(tokens[bad[0]])} at {locate(int(bad[0]))} "
+                         "is not a token id (>= 0)")
+    loss_mask = per_token.get("loss_mask", np.zeros(size, dtype=bool))
+    first_masked = np.flatnonzero(loss_mask[offsets[:-1]])
+    if len(first_masked):
+        k = int(offsets[first_masked[0]])
+        raise ValueError(f"{where}: field 'loss_mask': 1 at {locate(k)}, the first token of its sequence "
+                         "(nothing predicts it)")
+    values = {}
+    for name in ("advantages", "old_log_probs", "ref_log_probs"):
+        if name not in per_token:
+            continue
+        array = per_token[name].astype(np.float64)
+        bad = np.flatnonzero(loss_mask & ~np.isfinite(array))
+        if len(bad):
+            raise ValueError(f"{where}: field '{name}': {array[bad[0]]} at {locate(int(bad[0]))}, where the loss "
+                             "mask is 1 (must be finite)")
+        # Values the loss mask excludes are never read: padding may hold anything.
+        values[name] = np.where(loss_mask, array, 0.0).astype(np.float32)
+    if per_sequence_advantages is not None:
+        array = per_sequence_advantages.astype(np.float64)
+        bad = np.flatnonzero(~np.isfinite(array))
+        if len(bad):
+            raise ValueError(
+                f"{where}: field 'advantages': {array[bad[0]]} for sequence {int(bad[0])} (must be finite)"
+            )
+    has_advantages = per_sequence_advantages is not None or "advantages" in values
+    if not has_advantages:
+        per_sequence_advantages = np.zeros(num)
+    step = Step(
+        ids=tuple(str(b) for b in range(num)),
+        trees=tuple(str(b) for b in range(num)),
+        offsets=offsets,
+        tokens=tokens.astype(TOKEN_DTYPE),
+        loss_mask=loss_mask.astype(np.uint8),
+        rewards=np.zeros(num, dtype=np.float32),
+        advantage_per_trajectory=(
+            None if per_sequence_advantages is None else per_sequence_advantages.astype(np.float32)
+        ),
+        advantage_per_token=values.get("advantages") if per_sequence_advantages is None else None,
+        old_logprobs=values.get("old_log_probs"),
+        ref_logprobs=values.get("ref_log_probs"),
+        source=where,
+    )
+    return RLBatch(
+        step=step, kind=kind, shape=shape, flat_index=flat_index, has_loss_mask="loss_mask" in per_token,
+        has_advantages=has_advantages, locate=locate,
+    )
+
+
+def padded_batch(batch: Mapping[str, Any], *, padding_side: str | None = None) -> RLBatch:
+    """A padded batch ([B, L] `input_ids` and `attention_mask`, module docstring) as a HARTS step.
+
+    Args:
+        batch: a mapping (dict, TensorDict, ...) of `input_ids`, `attention_mask` and optional
+            `loss_mask`/`response_mask`, `advantages`, `old_log_probs`, `ref_log_probs`/`ref_log_prob`
+            (tensors or arrays, any device); other names are refused.
+        padding_side: "left" (real tokens end at column L − 1), "right" (they start at column 0), or
+            None: any one contiguous run per row (left, right, or verl's prompt-left/response-right).
+    """
+    where = "padded batch"
+    if padding_side is not None and padding_side not in PADDING_SIDES:
+        raise ValueError(f"{where}: padding_side must be one of {PADDING_SIDES} or None, got {padding_side!r}")
+    fields = _fields(batch, ("input_ids", "attention_mask", *PER_TOKEN_FIELDS), where)
+    input_ids = _integers(_numpy(fields["input_ids"], where, "input_ids"), where, "input_ids")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{where}: field 'input_ids': expected a non-empty [B, L] array, got shape {input_ids.shape}")
+    num, length = input_ids.shape
+    if "attention_mask" not in fields:
+        raise ValueError(f"{where}: field 'attention_mask' is required (it says where the padding is)")
+    attention = _zero_one(_numpy(fields["attention_mask"], where, "attention_mask"), where, "attention_mask")
+    if attention.shape != input_ids.shape:
+        raise ValueError(f"{where}: field 'attention_mask': shape {attention.shape} != input_ids' {input_ids.shape}")
+    counts = attention.sum(axis=1)
+    first = attention.argmax(axis=1)
+    last = length - 1 - attention[:, ::-1].argmax(axis=1)
+    for b in np.flatnonzero(counts == 0):
+        raise ValueError(f"{where}: field 'attention_mask': row {int(b)} has no real token")
+    for b in np.flatnonzero(last - first + 1 != counts):
+        hole = int(first[b] + np.argmin(attention[b, first[b]:]))
+        raise ValueError(f"{where}: field 'attention_mask': row {int(b)} is not one contiguous run of real "
+                         f"tokens (0 at column {hole} between 1s)")
+    if padding_side == "left":
+        for b in np.flatnonzero(last != length - 1):
+            raise ValueError(f"{where}: padding_side 'left' but row {int(b)} has padding after its last real token "
+                             f"(column {int(last[b])})")
+    if padding_side == "right":
+        for b in np.flatnonzero(first != 0):
+            raise ValueError(f"{where}: padding_side 'right' but row {int(b)} starts with padding (first real token "
+                             f"at column {int(first[b])})")
+
+    def full_width(name: str, array: np.ndarray) -> np.ndarray:
+        """[B, L] of a [B, L] or [B, R] (last R columns) field; columns before R are 0."""
+        if array.ndim != 2 or array.shape[0] != num or not 0 < array.shape[1] <= length:
+            raise ValueError(f"{where}: field '{name}': expected shape [{num}, L] or [{num}, R] with R <= L = "
+                             f"{length}, got {array.shape}")
+        if array.shape[1] == length:
+            return array
+        full = np.zeros((num, length), dtype=array.dtype)
+        full[:, length - array.shape[1]:] = array
+        return full
+
+    real = attention.reshape(-1)
+    per_token: dict[str, np.ndarray] = {}
+    per_sequence_advantages = None
+    if "loss_mask" in fields:
+        mask = full_width("loss_mask", _zero_one(_numpy(fields["loss_mask"], where, "loss_mask"), where, "loss_mask"))
+        outside = np.flatnonzero(mask.reshape(-1) & ~real)
+        if len(outside):
+            b, t = divmod(int(outside[0]), length)
+            raise ValueError(f"{where}: field 'loss_mask': 1 at row {b}, column {t}, which is padding "
+                             "(attention_mask 0)")
+        per_token["loss_mask"] = mask.reshape(-1)[real]
+    for name in ("advantages", "old_log_probs", "ref_log_probs"):
+        if name not in fields:
+            continue
+        array = _numpy(fields[name], where, name)
+        if not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
+            raise ValueError(f"{where}: field '{name}': expected numbers, got {array.dtype}")
+        if name == "advantages" and array.ndim == 1:
+            if array.shape != (num,):
+                raise ValueError(f"{where}: field 'advantages': expected [{num}] (one per sequence) or a per-token "
+                                 f"array, got {array.shape}")
+            per_sequence_advantages = array
+            continue
+        per_token[name] = full_width(name, array).reshape(-1)[real]
+    offsets = np.zeros(num + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat_index = np.flatnonzero(real)
+
+    def locate(k: int) -> str:
+        b, t = divmod(int(flat_index[k]), length)
+        return f"row {b}, column {t}"
+
+    return _build(
+        "padded", (num, length), flat_index, offsets, input_ids.reshape(-1)[real], per_token,
+        per_sequence_advantages, where, locate,
+    )
+
+
+def packed_batch(batch: Mapping[str, Any]) -> RLBatch:
+    """A packed batch (`input_ids` [T], `cu_seqlens` [B + 1], per-token fields [T]) as a HARTS step."""
+    where = "packed batch"
+    fields = _fields(batch, ("input_ids", "cu_seqlens", *PER_TOKEN_FIELDS), where)
+    input_ids = _integers(_numpy(fields["input_ids"], where, "input_ids"), where, "input_ids")
+    if input_ids.ndim != 1 or not len(input_ids):
+        raise ValueError(f"{where}: field 'input_ids': expected a non-empty [T] array, got shape {input_ids.shape}")
+    if "cu_seqlens" not in fields:
+        raise ValueError(
+            f"{where}: field 'cu_seqlens' is required (sequence b is input_ids[cu_seqlens[b]:cu_seqlens[b + 1]])"
+        )
+    offsets = _integers(_numpy(fields["cu_seqlens"], where, "cu_seqlens"), where, "cu_seqlens")
+    total = len(input_ids)
+    if offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(f"{where}: field 'cu_seqlens': expected [B + 1] offsets from 0 to T = {total}, got "
+                         f"{offsets.tolist() if offsets.size <= 8 else offsets.shape}")
+    empty = np.flatnonzero(np.diff(offsets) <= 0)
+    if len(empty):
+        raise ValueError(f"{where}: field 'cu_seqlens': sequence {int(empty[0])} is empty or reversed "
+                         f"({int(offsets[empty[0]])} to {int(offsets[empty[0] + 1])})")
+    return _flat("packed", (total,), input_ids, offsets, fields, where)
+
+
+def trajectory_batch(trajectories: Sequence[Mapping[str, Any]]) -> RLBatch:
+    """A list of trajectories (mappings of `input_ids` [n] and per-token fields [n]; `advantages`
+    may be a number) as a HARTS step."""
+    where = "trajectory batch"
+    if isinstance(trajectories, Mapping) or not isinstance(trajectories, Sequence) or not len(trajectories):
+        raise ValueError(f"{where}: expected a non-empty list of trajectories (mappings)")
+    pieces: dict[str, list[np.ndarray]] = {}
+    lengths, names = [], None
+    for i, trajectory in enumerate(trajectories):
+        here = f"{where}: trajectory {i}"
+        fields = _fields(trajectory, ("input_ids", *PER_TOKEN_FIELDS), here)
+        if names is None:
+            names = set(fields)
+        elif set(fields) != names:
+            raise ValueError(f"{here}: has fields {sorted(fields)} but trajectory 0 has {sorted(names)} "
+                             "(give an optional field for every trajectory or for none)")
+        tokens = _integers(_numpy(fields["input_ids"], here, "input_ids"), here, "input_ids")
+        if tokens.ndim != 1 or not len(tokens):
+            raise ValueError(f"{here}: field 'input_ids': expected a non-empty [n] array, got shape {tokens.shape}")
+        lengths.append(len(tokens))
+        for name, value in fields.items():
+            array = _numpy(value, here, name)
+            if name == "advantages" and array.ndim == 0:
+                array = np.full(len(tokens), array.item(), dtype=np.float64)
+            if array.shape != tokens.shape:
+                raise ValueError(
+                    f"{here}: field '{name}': shape {array.shape} does not match input_ids' {tokens.shape}"
+                )
+            pieces.setdefault(name, []).append(array)
+    flat = {name: np.concatenate(arrays) for name, arrays in pieces.items()}
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    input_ids = _integers(flat.pop("input_ids"), where, "input_ids")
+    return _flat("trajectories", (len(lengths),), input_ids, offsets, flat, where)
+
+
+def _flat(kind: str, shape: tuple[int, ...], input_ids: np.ndarray, offsets: np.ndarray, fields: dict[str, Any],
+          where: str) -> RLBatch:
+    """Packed and listed batches: per-token fields [T] (advantages [T] or [B])."""
+    total, num = len(input_ids), len(offsets) - 1
+    per_token: dict[str, np.ndarray] = {}
+    per_sequence_advantages = None
+    for name in PER_TOKEN_FIELDS:
+        if name not in fields:
+            continue
+        array = _numpy(fields[name], where, name)
+        if name == "loss_mask":
+            array = _zero_one(array, where, name)
+        elif not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
+            raise ValueError(f"{where}: field '{name}': expected numbers, got {array.dtype}")
+        if name == "advantages" and array.shape == (num,) and num != total:
+            per_sequence_advantages = array
+            continue
+        if array.shape != (total,):
+            raise ValueError(f"{where}: field '{name}': expected shape ({total},), got {array.shape}")
+        per_token[name] = array
+
+    def locate(k: int) -> str:
+        b = int(np.searchsorted(offsets, k, side="right") - 1)
+        return f"sequence {b}, token {k - int(offsets[b])}"
+
+    return _build(kind, shape, np.arange(total, dtype=np.int64), offsets, input_ids, per_token,
+                   per_sequence_advantages, where, locate)
+
+
+def as_batch(batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> RLBatch:
+    """`batch` as an RLBatch: as given; a mapping with `cu_seqlens` → `packed_batch`; another mapping
+    → `padded_batch` (padding side read off the mask); a list of mappings → `trajectory_batch`."""
+    if isinstance(batch, RLBatch):
+        return batch
+    if hasattr(batch, "keys"):
+        return packed_batch(batch) if "cu_seqlens" in batch.keys() else padded_batch(batch)
+    return trajectory_batch(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model execution
+
+
+def default_config(model: HybridModel) -> StepConfig:
+    """The compact execution with the backends `harts train-step` picks for the model's device (sdpa
+    and the PyTorch KDA on CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    return StepConfig(attention_backend="varlen" if cuda else "sdpa", kda_backend="fla" if cuda else "torch")
+
+
+def _run(model: HybridModel, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool):
+    vocab = model.config.vocab_size
+    too_large = np.flatnonzero(batch.step.tokens >= vocab)
+    if len(too_large):
+        k = int(too_large[0])
+        raise ValueError(f"{batch.step.source}: field 'input_ids': token {int(batch.step.tokens[k])} at "
+                         f"{batch.locate(k)} is outside the model's vocabulary [0, {vocab})")
+    device = next(model.parameters()).device
+    members = np.arange(batch.num_sequences)
+    index = PrefixIndex.from_step(batch.step) if config.execution == "compact" else None
+    layout = build_layout(batch.step, members, model, config, index).to(device)
+    targets = semantic_targets_from_step(batch.step)
+    logprobs_S, entropy_S, moe, _ = microbatch_logprobs(
+        model, layout, torch.from_numpy(targets.targets).to(device), config, device,
+        temperature=temperature, return_entropy=entropy,
+    )
+    return layout, targets, logprobs_S, entropy_S, moe
+
+
+def _outputs(batch: RLBatch, logprobs_S: torch.Tensor, entropy_S: torch.Tensor | None, num_rows: int) -> dict:
+    return dict(
+        log_probs=batch.to_layout(batch.targets_from_predictions(logprobs_S)),
+        entropy=None if entropy_S is None else batch.to_layout(batch.targets_from_predictions(entropy_S)),
+        mask=batch.prediction_mask(),
+        num_rows=num_rows,
+        num_tokens=batch.step.num_semantic_tokens,
+    )
+
+
+def logprobs(
+    model: HybridModel,
+    batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    config: StepConfig | None = None,
+) -> TokenOutputs:
+    """Per-token log-probs (and entropy) of `batch` under `model`, in the batch's layout.
+
+    Args:
+        model: the policy (or reference) model; its parameters' device is where it runs.
+        batch: an RLBatch, or a padded/packed mapping or list of trajectories (`as_batch`).
+        temperature: T > 0: log-probs and entropy of softmax(logits / T).
+        entropy: also return the entropy of every predicting distribution.
+        config: execution (compact or baseline), recompute, dtype and backends; default
+            `default_config(model)`.
+
+    Returns:
+        TokenOutputs on the model's device, differentiable w.r.t. the model's parameters unless
+        called under `torch.no_grad()` (as for old or reference log-probs).
+    """
+    batch = as_batch(batch)
+    config = config or default_config(model)
+    layout, _, logprobs_S, entropy_S, _ = _run(model, batch, config, temperature, entropy)
+    return TokenOutputs(**_outputs(batch, logprobs_S, entropy_S, layout.num_rows))
+
+
+def policy_loss(
+    model: HybridModel,
+    batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    *,
+    config: StepConfig | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    normalizer: float | None = None,
+) -> BatchLoss:
+    """The GRPO/PPO loss of `batch` (needs a loss mask and advantages), its MoE losses and per-token
+    outputs; `result.loss.backward()` accumulates the parameters' gradients.
+
+    Args:
+        model, batch, temperature, entropy: as for `logprobs`.
+        config: `loss` ("grpo"/"ppo") with its `grpo`/`ppo` hyper-parameters, and the execution
+            settings; default `default_config(model)` (GRPO, clip 0.2/0.2, no KL, token-mean).
+        normalizer: the aggregation's denominator (masked tokens, or sequences for
+            seq-mean-token-mean) of the whole step when `batch` is one micro-batch of it; default:
+            this batch's own count.
+    """
+    batch = as_batch(batch)
+    config = config or default_config(model)
+    if not batch.has_loss_mask:
+        raise ValueError(f"{batch.step.source}: policy_loss needs a loss mask (field 'loss_mask' or 'response_mask')")
+    if not batch.has_advantages:
+        raise ValueError(f"{batch.step.source}: policy_loss needs field 'advantages'")
+    if config.loss == "grpo" and config.grpo.kl_coef > 0 and batch.step.ref_logprobs is None:
+        raise ValueError(f"{batch.step.source}: GRPO with kl_coef > 0 needs field 'ref_log_probs'")
+    layout, targets, logprobs_S, entropy_S, moe = _run(model, batch, config, temperature, entropy)
+    device = logprobs_S.device
+
+    def tensor(array):
+        return None if array is None else torch.from_numpy(array).to(device)
+
+    policy: PolicyLoss = policy_loss_of(
+        logprobs_S, config, advantages_S=tensor(targets.advantages), loss_mask_S=tensor(targets.loss_mask),
+        old_logprobs_S=tensor(targets.old_logprobs), ref_logprobs_S=tensor(targets.ref_logprobs),
+        trajectory_index_S=tensor(targets.trajectory_index),
+        normalizer=step_normalizer(targets, config) if normalizer is None else float(normalizer),
+    )
+    return BatchLoss(
+        **_outputs(batch, logprobs_S, entropy_S, layout.num_rows),
+        loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
+        kl=policy.kl,
+    )

@@ -1,0 +1,501 @@
+"""harts/api.py: an RL batch through HARTS equals each of its sequences run alone through the model.
+
+The reference is independent of the API: every sequence is cut out of the batch by the test's own
+bookkeeping, run alone (its own one-trajectory baseline layout), its full S×V logits divided by T,
+log_softmax, gathered at the next token and placed where the test put that token. Batches: GRPO
+groups (4 prompts × 8 samples, some samples sharing a response prefix, one a duplicate) in verl's
+two-sided padding with response-shaped [B, R] fields and [B] advantages, left padding, right
+padding, packed and listed; and a batch without sharing. Padding holds a token id outside the
+vocabulary and NaN in every float field, and unmasked positions hold NaN too, so a read of either
+shows up. fp32 on the CPU: log-probs and entropy within 1e-5 (as tests/model/test_equivalence.py:
+the compact rows run the same math in other call shapes), the loss within 1e-6 relative and every
+parameter gradient within 1e-4 relative (‖Δg‖ / ‖g‖ per parameter, the equivalence test's bound;
+measured: about 1e-6).
+"""
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harts import api
+from harts.model.config import load_model_config
+from harts.model.model import HybridModel
+from harts.objective.losses import GRPOConfig, PPOConfig, grpo_loss, ppo_loss
+from harts.objective.step import StepConfig
+from harts.runtime.layout import baseline_layout
+from harts.trees.step import TOKEN_DTYPE, Step
+from tests.fixtures import one_thread  # noqa: F401  (autouse fixture: one intra-op thread, predictable times)
+
+VOCAB = 256
+PAD = VOCAB + 7  # never a valid token: reading padding fails the vocabulary check or the comparison
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(seed=42)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def grpo_sequences(rng, num_prompts=4, samples=8):
+    """(prompt, response) pairs: each prompt sampled `samples` times; in each group sample 1 shares
+    sample 0's first 5 response tokens and sample 2 repeats sample 0."""
+    pairs = []
+    for _ in range(num_prompts):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(6, 25))).tolist()
+        responses = [rng.integers(0, VOCAB, int(rng.integers(3, 30))).tolist() for _ in range(samples)]
+        responses[1] = responses[0][:5] + responses[1]
+        responses[2] = list(responses[0])
+        pairs += [(prompt, response) for response in responses]
+    return pairs
+
+
+def unshared_sequences(rng, num=6):
+    """No two sequences share even their first token: C = S."""
+    firsts = rng.choice(VOCAB, num, replace=False)
+    return [([int(f), *rng.integers(0, VOCAB, int(rng.integers(2, 10))).tolist()],
+             rng.integers(0, VOCAB, int(rng.integers(3, 20))).tolist()) for f in firsts]
+
+
+def rl_fields(rng, pairs, per_token_advantages):
+    """Per-sequence RL data, indexed by token as a target: loss mask on the response, advantages,
+    old/ref log-probs (NaN wherever the loss mask is 0: never to be read)."""
+    out = []
+    for prompt, response in pairs:
+        n = len(prompt) + len(response)
+        mask = np.zeros(n, dtype=np.int64)
+        mask[len(prompt):] = 1
+
+        def masked(values):
+            return np.where(mask == 1, values, np.nan)
+
+        advantage = rng.standard_normal()
+        out.append(dict(
+            loss_mask=mask,
+            advantages=masked(rng.standard_normal(n)) if per_token_advantages else advantage,
+            old_log_probs=masked(-rng.random(n) * 3 - 2),
+            ref_log_probs=masked(-rng.random(n) * 3 - 2),
+        ))
+    return out
+
+
+def make_batch(layout, pairs, fields):
+    """The batch mapping in `layout` and where each sequence's token i sits in it (flat index)."""
+    tokens = [np.asarray(p + r) for p, r in pairs]
+    num = len(tokens)
+    if layout in ("packed", "trajectories"):
+        offsets = np.cumsum([0] + [len(t) for t in tokens])
+        places = [np.arange(offsets[b], offsets[b + 1]) for b in range(num)]
+        if layout == "trajectories":
+            return [dict(input_ids=torch.from_numpy(t), **{k: torch.as_tensor(v) for k, v in f.items()})
+                    for t, f in zip(tokens, fields)], places
+        batch = dict(input_ids=torch.from_numpy(np.concatenate(tokens)), cu_seqlens=torch.from_numpy(offsets))
+        for name in fields[0]:
+            if np.ndim(fields[0][name]) == 0:
+                batch[name] = torch.tensor([float(f[name]) for f in fields])
+            else:
+                batch[name] = torch.from_numpy(np.concatenate([f[name] for f in fields]))
+        return batch, places
+    if layout == "verl":
+        # Prompt left-padded to P columns, response right-padded to R columns; per-token fields
+        # response-shaped [B, R] (the last R columns), advantages [B].
+        width_p = max(len(p) for p, _ in pairs)
+        width_r = max(len(r) for _, r in pairs)
+        length = width_p + width_r
+        starts = [width_p - len(p) for p, _ in pairs]
+    else:
+        length = max(len(t) for t in tokens) + 3
+        starts = [length - len(t) if layout == "left" else 0 for t in tokens]
+    input_ids = np.full((num, length), PAD, dtype=np.int64)
+    attention = np.zeros((num, length), dtype=np.int64)
+    places = []
+    for b, t in enumerate(tokens):
+        input_ids[b, starts[b]:starts[b] + len(t)] = t
+        attention[b, starts[b]:starts[b] + len(t)] = 1
+        places.append(b * length + starts[b] + np.arange(len(t)))
+    batch = dict(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention))
+    for name in fields[0]:
+        if np.ndim(fields[0][name]) == 0:
+            batch[name] = torch.tensor([float(f[name]) for f in fields])
+            continue
+        full = np.full((num, length), 0 if name == "loss_mask" else np.nan)
+        for b, f in enumerate(fields):
+            full.reshape(-1)[places[b]] = f[name]
+        if layout == "verl":
+            full = full[:, width_p:]
+        batch[{"loss_mask": "response_mask", "ref_log_probs": "ref_log_prob"}.get(name, name) if layout == "verl"
+              else name] = torch.from_numpy(full.astype(np.int64 if name == "loss_mask" else np.float32))
+    return batch, places
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-trajectory reference
+
+
+def alone(model, tokens, temperature):
+    """(λ [n], H [n]) of one sequence run alone, token-aligned (index 0: nothing predicts it)."""
+    n = len(tokens)
+    step = Step(ids=("x",), trees=("x",), offsets=np.array([0, n]), tokens=np.asarray(tokens, dtype=TOKEN_DTYPE),
+                loss_mask=np.zeros(n, dtype=np.uint8), rewards=np.zeros(1, dtype=np.float32),
+                advantage_per_trajectory=np.zeros(1, dtype=np.float32))
+    kda = model.config.kda
+    layout = baseline_layout(step, np.array([0]), conv_size=kda.conv_size, chunk_size=kda.chunk_size)
+    hidden, _ = model(layout.input_ids, layout)
+    log_p = torch.log_softmax(hidden @ model.lm_head.weight.T / temperature, dim=-1)
+    zero = log_p.new_zeros(1)
+    logprobs = torch.cat([zero, log_p[:-1].gather(1, torch.as_tensor(tokens[1:])[:, None])[:, 0]])
+    entropy = torch.cat([zero, -(log_p.exp() * log_p).sum(-1)[:-1]])
+    return logprobs, entropy
+
+
+def reference(model, pairs, places, size, temperature):
+    """Per-trajectory λ and H, flat over the batch's positions (0 elsewhere), and the mask."""
+    logprobs, entropy = torch.zeros(size), torch.zeros(size)
+    mask = torch.zeros(size, dtype=torch.bool)
+    for (prompt, response), place in zip(pairs, places):
+        lp, h = alone(model, prompt + response, temperature)
+        index = torch.from_numpy(place)
+        logprobs, entropy = logprobs.index_put((index,), lp), entropy.index_put((index,), h)
+        mask[index[1:]] = True
+    return logprobs, entropy, mask
+
+
+def flat(values):
+    return torch.cat(values) if isinstance(values, list) else values.reshape(-1)
+
+
+def num_unique_prefixes(pairs):
+    return len({tuple((p + r)[: i + 1]) for p, r in pairs for i in range(len(p + r))})
+
+
+CASES = {
+    # name: (layout, sequences, per-token advantages)
+    "grpo-4x8-verl": ("verl", "grpo", False),
+    "grpo-4x8-left": ("left", "grpo", True),
+    "grpo-4x8-right": ("right", "grpo", True),
+    "grpo-4x8-packed": ("packed", "grpo", False),
+    "grpo-4x8-trajectories": ("trajectories", "grpo", True),
+    "no-sharing-right": ("right", "unshared", True),
+    "no-sharing-left": ("left", "unshared", False),
+}
+
+
+def case_data(name, seed=0):
+    layout, kind, per_token = CASES[name]
+    rng = np.random.default_rng(42 + seed)
+    pairs = grpo_sequences(rng) if kind == "grpo" else unshared_sequences(rng)
+    fields = rl_fields(rng, pairs, per_token)
+    batch, places = make_batch(layout, pairs, fields)
+    size = (batch["input_ids"].numel() if isinstance(batch, dict) else sum(len(t["input_ids"]) for t in batch))
+    return layout, pairs, fields, batch, places, size
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs and entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+@pytest.mark.parametrize("case", CASES)
+def test_logprobs_match_each_sequence_alone(model, case, temperature):
+    layout, pairs, _, batch, places, size = case_data(case)
+    with torch.no_grad():
+        out = api.logprobs(model, batch, temperature=temperature, entropy=True)
+        expected_lp, expected_h, expected_mask = reference(model, pairs, places, size, temperature)
+    if layout in ("verl", "left", "right"):
+        assert out.log_probs.shape == out.entropy.shape == out.mask.shape == batch["input_ids"].shape
+    elif layout == "trajectories":
+        assert [len(x) for x in out.log_probs] == [len(p + r) for p, r in pairs]
+    assert torch.equal(flat(out.mask), expected_mask)
+    assert float((flat(out.log_probs) - expected_lp).abs().max()) <= 1e-5
+    assert float((flat(out.entropy) - expected_h).abs().max()) <= 1e-5
+    # Where nothing is predicted the outputs are exactly 0.
+    assert not flat(out.log_probs)[~expected_mask].any() and not flat(out.entropy)[~expected_mask].any()
+    assert out.num_tokens == sum(len(p + r) for p, r in pairs)
+    assert out.num_rows == num_unique_prefixes(pairs)
+    if CASES[case][1] == "grpo":
+        assert out.num_rows < 0.8 * out.num_tokens
+    else:
+        assert out.num_rows == out.num_tokens
+
+
+@pytest.mark.parametrize("case", ["grpo-4x8-verl", "grpo-4x8-left", "grpo-4x8-packed", "grpo-4x8-trajectories"])
+def test_step_keeps_only_values_the_loss_reads(case):
+    """The converted step holds the batch's per-token values where the loss mask is 1 and 0
+    elsewhere (per-sequence advantages stay per sequence): the NaN at padding and unmasked
+    positions is not copied (a step can be written and read back)."""
+    _, pairs, fields, batch, _, _ = case_data(case)
+    step = api.as_batch(batch).step
+    mask = np.concatenate([f["loss_mask"] for f in fields]).astype(bool)
+    assert np.array_equal(step.loss_mask.astype(bool), mask)
+    assert np.array_equal(step.tokens, np.concatenate([p + r for p, r in pairs]))
+    for got, name in ((step.old_logprobs, "old_log_probs"), (step.ref_logprobs, "ref_log_probs"),
+                      (step.advantages(), "advantages")):
+        want = np.concatenate([np.broadcast_to(f[name], len(f["loss_mask"])) for f in fields])
+        per_sequence = np.ndim(fields[0][name]) == 0
+        assert np.array_equal(got, (want if per_sequence else np.where(mask, want, 0)).astype(np.float32)), name
+
+
+def test_baseline_execution_and_moe_loss_agree(model):
+    """The API's baseline execution (each sequence its own packed sequence, one call) gives the same
+    log-probs and MoE loss as the compact one (the MoE loss is a batch quantity: no per-trajectory twin)."""
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    with torch.no_grad():
+        compact = api.policy_loss(model, batch)
+        baseline = api.policy_loss(model, batch, config=StepConfig(execution="baseline"))
+    assert baseline.num_rows == baseline.num_tokens > compact.num_rows
+    assert float((compact.log_probs - baseline.log_probs).abs().max()) <= 1e-5
+    assert abs(float(compact.moe_loss - baseline.moe_loss)) <= 1e-6
+    assert torch.equal(compact.loss, compact.policy_loss + compact.moe_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss and its gradients
+
+
+LOSSES = {
+    "grpo-kl-clip-higher": StepConfig(loss="grpo", grpo=GRPOConfig(clip_ratio_high=0.28, kl_coef=0.1)),
+    "ppo-dual-clip-seq-mean": StepConfig(
+        loss="ppo", ppo=PPOConfig(dual_clip_ratio=3.0, aggregation="seq-mean-token-mean")
+    ),
+}
+
+
+def near_policy(model, pairs, fields, rng, temperature):
+    """The fields with old/ref log-probs = the current ones (alone) + noise where the loss mask is 1,
+    so that part of the tokens is clipped."""
+    with torch.no_grad():
+        current = [alone(model, p + r, temperature)[0].numpy() for p, r in pairs]
+    out = []
+    for f, lp in zip(fields, current):
+        mask = f["loss_mask"] == 1
+        out.append(dict(f, **{name: np.where(mask, np.minimum(lp + 0.3 * rng.standard_normal(len(lp)), 0), np.nan)
+                              for name in ("old_log_probs", "ref_log_probs")}))
+    return out
+
+
+def reference_loss(model, pairs, fields, places, size, config, temperature):
+    """The loss of `harts.objective.losses` over the batch's positions, from per-trajectory log-probs."""
+    logprobs, _, _ = reference(model, pairs, places, size, temperature)
+    data = {name: torch.zeros(size, dtype=torch.float32) for name in ("loss_mask", "advantages", "old", "ref")}
+    row = torch.zeros(size, dtype=torch.int64)
+    for b, (f, place) in enumerate(zip(fields, places)):
+        index = torch.from_numpy(place)
+        mask = f["loss_mask"] == 1
+        data["loss_mask"][index] = torch.from_numpy(mask.astype(np.float32))
+        data["advantages"][index] = torch.from_numpy(np.where(mask, np.broadcast_to(f["advantages"], mask.shape), 0)
+                                                     .astype(np.float32))
+        data["old"][index] = torch.from_numpy(np.where(mask, f["old_log_probs"], 0).astype(np.float32))
+        data["ref"][index] = torch.from_numpy(np.where(mask, f["ref_log_probs"], 0).astype(np.float32))
+        row[index] = b
+    common = dict(advantages_S=data["advantages"], loss_mask_S=data["loss_mask"].bool(), old_logprobs_S=data["old"],
+                  trajectory_index_S=row)
+    if config.loss == "grpo":
+        return grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=data["ref"], **common), common["loss_mask_S"]
+    return ppo_loss(logprobs, config=config.ppo, **common), common["loss_mask_S"]
+
+
+def gradients(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "case, loss",
+    [("grpo-4x8-verl", "grpo-kl-clip-higher"), ("grpo-4x8-verl", "ppo-dual-clip-seq-mean"),
+     ("grpo-4x8-right", "ppo-dual-clip-seq-mean"), ("no-sharing-left", "grpo-kl-clip-higher")],
+)
+def test_loss_and_gradients_match_each_sequence_alone(model, case, loss):
+    layout, pairs, fields, _, places, size = case_data(case)
+    temperature = 0.8
+    fields = near_policy(model, pairs, fields, np.random.default_rng(7), temperature)
+    batch, _ = make_batch(layout, pairs, fields)
+    config = LOSSES[loss]
+
+    model.zero_grad(set_to_none=True)
+    result = api.policy_loss(model, batch, config=config, temperature=temperature)
+    result.policy_loss.backward()
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+    expected, mask = reference_loss(model, pairs, fields, places, size, config, temperature)
+    expected.loss.backward()
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    # The loss is a mean of per-token terms that partly cancel (advantages of both signs): its
+    # fp32 error is relative to the terms' size, not to the (possibly small) loss.
+    scale = float(expected.per_token_loss.detach().abs()[mask].mean())
+    assert abs(float(result.policy_loss.detach() - expected.loss.detach())) <= 1e-6 * scale
+    assert 0 < float(result.clip_fraction) < 1
+    assert abs(float(result.clip_fraction - expected.clip_fraction)) <= 1e-6
+    if config.loss == "grpo":
+        assert abs(float(result.kl - expected.kl)) <= 1e-6
+    assert got.keys() == want.keys() and len(got) == len(list(model.parameters()))
+    worst = max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0)
+    assert worst <= 1e-4
+
+
+def test_normalizer_is_the_step_count(model):
+    """A micro-batch's loss with the step's token count N is its own token-mean × (own count / N)."""
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    own = int(batch["response_mask"].sum())
+    with torch.no_grad():
+        alone_loss = api.policy_loss(model, batch).policy_loss
+        of_step = api.policy_loss(model, batch, normalizer=4 * own).policy_loss
+    assert abs(float(of_step) - float(alone_loss) / 4) <= 1e-7
+
+
+def test_entropy_is_differentiable(model):
+    """An entropy bonus back-propagates: its gradient equals the per-trajectory one."""
+    layout, pairs, _, batch, places, size = case_data("grpo-4x8-left")
+    model.zero_grad(set_to_none=True)
+    out = api.logprobs(model, batch, temperature=0.7, entropy=True)
+    out.entropy.sum().backward()
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+    reference(model, pairs, places, size, 0.7)[1].sum().backward()
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+    assert max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0) <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding side and bad input
+
+
+def _padded(rows_real):
+    """input_ids/attention_mask with real tokens at the given (start, stop) column ranges, L = 8."""
+    ids = torch.full((len(rows_real), 8), PAD)
+    attention = torch.zeros(len(rows_real), 8, dtype=torch.int64)
+    for b, (lo, hi) in enumerate(rows_real):
+        ids[b, lo:hi] = torch.arange(lo, hi) + 1
+        attention[b, lo:hi] = 1
+    return dict(input_ids=ids, attention_mask=attention)
+
+
+@pytest.mark.parametrize("side, ok", [("left", True), ("right", False), (None, True)])
+def test_padding_side_is_checked(side, ok):
+    batch = _padded([(3, 8), (0, 8)])
+    if ok:
+        converted = api.padded_batch(batch, padding_side=side)
+        assert converted.step.lengths.tolist() == [5, 8]
+        assert converted.step.trajectory_tokens(0).tolist() == [4, 5, 6, 7, 8]
+    else:
+        message = r"padding_side 'right' but row 0 starts with padding \(first real token at column 3\)"
+        with pytest.raises(ValueError, match=message):
+            api.padded_batch(batch, padding_side=side)
+
+
+def _bad(case):
+    """(function, arguments, message) of each malformed input."""
+    base = _padded([(2, 8), (0, 6)])
+    mask = torch.zeros(2, 8, dtype=torch.int64)
+    mask[0, 5:], mask[1, 3:6] = 1, 1
+    with_mask = dict(base, loss_mask=mask)
+    cases = {
+        "hole-in-attention": (dict(base, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1], [1] * 8])),
+                              r"padded batch: field 'attention_mask': row 0 is not one contiguous run of real tokens "
+                              r"\(0 at column 2 between 1s\)"),
+        "empty-row": (dict(base, attention_mask=torch.tensor([[0] * 8, [1] * 8])),
+                      "field 'attention_mask': row 0 has no real token"),
+        "attention-not-0-1": (dict(base, attention_mask=base["attention_mask"] * 2),
+                              r"field 'attention_mask': expected 0/1 values, got 2 at index \[0, 2\]"),
+        "float-input-ids": (dict(base, input_ids=base["input_ids"].float()),
+                            "field 'input_ids': expected integers, got float32"),
+        "loss-mask-on-padding": (dict(base, loss_mask=mask.index_put((torch.tensor([1]), torch.tensor([7])),
+                                                                     torch.tensor([1]))),
+                                 r"field 'loss_mask': 1 at row 1, column 7, which is padding"),
+        "loss-mask-on-first-token": (dict(base, loss_mask=torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0], [0] * 8])),
+                                     r"field 'loss_mask': 1 at row 0, column 2, the first token of its sequence"),
+        "nan-advantage-where-masked": (
+            dict(with_mask, advantages=torch.where(torch.arange(8) == 4, float("nan"), torch.ones(2, 8))),
+            r"field 'advantages': nan at row 1, column 4, where the loss mask is 1"),
+        "inf-old-log-prob-in-response": (
+            dict(with_mask, old_log_probs=torch.tensor([[0.0] * 7 + [-float("inf")]] * 2)[:, 4:]),
+            r"field 'old_log_probs': -inf at row 0, column 7, where the loss mask is 1"),
+        "wider-than-input": (dict(with_mask, advantages=torch.zeros(2, 9)),
+                             r"field 'advantages': expected shape \[2, L\] or \[2, R\] with R <= L = 8"),
+        "misspelled-field": (dict(with_mask, old_logprobs=torch.zeros(2, 8)),
+                             r"padded batch: unknown field 'old_logprobs' \(accepted: .*old_log_probs"),
+        "two-names": (dict(with_mask, response_mask=mask), "field 'response_mask' given twice"),
+        "no-attention-mask": ({"input_ids": base["input_ids"]}, "field 'attention_mask' is required"),
+        "bad-padding-side": ((base,), "padding_side must be one of"),
+        "cu-seqlens-short": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4])},
+                             r"packed batch: field 'cu_seqlens': expected \[B \+ 1\] offsets from 0 to T = 6"),
+        "cu-seqlens-empty-sequence": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4, 4, 6])},
+                                      "packed batch: field 'cu_seqlens': sequence 1 is empty"),
+        "packed-nan-old": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4, 6]),
+                            "loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]),
+                            "old_log_probs": torch.tensor([0, 0, 0, 0, 0, float("nan")])},
+                           "packed batch: field 'old_log_probs': nan at sequence 1, token 1"),
+        "trajectory-length": ([{"input_ids": torch.arange(4), "loss_mask": torch.tensor([0, 1, 1])}],
+                              r"trajectory batch: trajectory 0: field 'loss_mask': shape \(3,\) does not match"),
+        "trajectory-missing-field": (
+            [{"input_ids": torch.arange(4), "advantages": 1.0}, {"input_ids": torch.arange(3)}],
+            "trajectory batch: trajectory 1: has fields"),
+    }
+    return cases[case]
+
+
+BAD = ["hole-in-attention", "empty-row", "attention-not-0-1", "float-input-ids", "loss-mask-on-padding",
+       "loss-mask-on-first-token", "nan-advantage-where-masked", "inf-old-log-prob-in-response", "wider-than-input",
+       "misspelled-field", "two-names", "no-attention-mask", "bad-padding-side", "cu-seqlens-short",
+       "cu-seqlens-empty-sequence", "packed-nan-old", "trajectory-length", "trajectory-missing-field"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_batches_are_refused_with_the_place(case):
+    batch, message = _bad(case)
+    with pytest.raises(ValueError, match=message):
+        if case == "bad-padding-side":
+            api.padded_batch(*batch, padding_side="top")
+        else:
+            api.as_batch(batch)
+
+
+@pytest.mark.parametrize("case", ["token-outside-vocabulary", "no-loss-mask", "no-advantages", "kl-without-ref"])
+def test_bad_requests_are_refused(model, case):
+    batch = _padded([(2, 8), (0, 6)])
+    mask = torch.zeros(2, 8, dtype=torch.int64)
+    mask[:, 5] = 1
+    config = None
+    if case == "token-outside-vocabulary":
+        batch["input_ids"][1, 3] = VOCAB
+        message = rf"padded batch: field 'input_ids': token {VOCAB} at row 1, column 3 is outside the model's vocab"
+        batch.update(loss_mask=mask, advantages=torch.ones(2))
+    elif case == "no-loss-mask":
+        batch.update(advantages=torch.ones(2))
+        message = "policy_loss needs a loss mask"
+    elif case == "no-advantages":
+        batch.update(loss_mask=mask)
+        message = "policy_loss needs field 'advantages'"
+    else:
+        batch.update(loss_mask=mask, advantages=torch.ones(2))
+        config = StepConfig(grpo=GRPOConfig(kl_coef=0.1))
+        message = "kl_coef > 0 needs field 'ref_log_probs'"
+    with pytest.raises(ValueError, match=message):
+        api.policy_loss(model, batch, config=config)
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's example runs
+
+
+def readme_example() -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Library: RL batch API", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the section has one Python example"
+    return blocks[0]
+
+
+def test_readme_example_runs(capsys):
+    exec(compile(readme_example(), "README.md (Library: RL batch API)", "exec"), {})
+    rows, tokens = map(int, re.search(r"(\d+) rows computed for (\d+) tokens", capsys.readouterr().out).groups())
+    assert rows < tokens  # the groups' prompts are shared
