@@ -14,7 +14,6 @@ measured: about 1e-6).
 """
 
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

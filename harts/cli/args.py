@@ -22,48 +22,42 @@ def index_list(text: str) -> list[int]:
     return values
 
 
+# Counts and sizes meet int64 arrays (token counts, capacities): larger integers are refused.
+INT_LIMIT = 1 << 62
+
+
+def _number(text: str, kind: type, minimum: float, inclusive: bool, expected: str):
+    """`text` as an int below INT_LIMIT or a finite float, of at least (or, not `inclusive`, above)
+    `minimum`."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    # An int has no NaN and may be too large for a float: compare it with the limit instead.
+    bounded = value < INT_LIMIT if kind is int else math.isfinite(value)
+    if not (bounded and (value >= minimum if inclusive else value > minimum)):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count or size: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _number(text, int, 1, True, "a positive integer below 2^62")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type of a seed: an integer >= 0 (numpy's seeds are non-negative)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+    return _number(text, int, 0, True, "a non-negative integer below 2^62")
 
 
 def positive_float(text: str) -> float:
     """argparse type of a duration: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+    return _number(text, float, 0.0, False, "a finite number > 0")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type of a coefficient or clip ratio: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+    return _number(text, float, 0.0, True, "a finite number >= 0")
 
 
 def non_finite_fields(value, prefix: str = "") -> list[str]:

@@ -19,7 +19,7 @@ whole trees this reaches the volume bound's count when trees exceed T or leave g
 task prompt, a microbatch the system prompt), and unlike a contiguous cut of the sorted order it
 pairs a tree's tail with any other tree. Deterministic (ties: lowest rank, lowest microbatch).
 
-`root_subtrees` and `tree_parts` give the parts. Legend: K microbatches (`count`), T capacity.
+`tree_parts` gives the parts (`RankWork.root_subtrees`, recursively). Legend: K microbatches (`count`), T capacity.
 Tested in tests/planning/test_fragment_packing.py: coverage, capacity, the work formula above
 against the trie of every microbatch, and the count reached on hand-built trees.
 """
@@ -35,32 +35,19 @@ from harts.planning.rank_work import RankWork
 _SPANNED = np.iinfo(np.int64).max
 
 
-def root_subtrees(rw: RankWork, ranks: list[int]) -> list[list[int]]:
-    """Sorted ranks split where consecutive members share only the set's common prefix (>= 2 members)."""
-    shared = [rw.lcp(a, b) for a, b in zip(ranks, ranks[1:])]
-    root = min(shared)
-    runs = [[ranks[0]]]
-    for depth, b in zip(shared, ranks[1:]):
-        if depth == root:
-            runs.append([b])
-        else:
-            runs[-1].append(b)
-    return runs
-
-
 def tree_parts(rw: RankWork, ranks: list[int], capacity: int) -> list[list[int]]:
     """The root-level subtrees of a cluster, each split the same way again while its trie exceeds T
     (a single trajectory always fits: longer ones are refused before planning)."""
     if len(ranks) == 1:
         return [ranks]
     parts = []
-    pending = root_subtrees(rw, ranks)[::-1]
+    pending = rw.root_subtrees(ranks)[::-1]
     while pending:
         part = pending.pop()
         if rw.trie(part) <= capacity:
             parts.append(part)
         else:
-            pending.extend(root_subtrees(rw, part)[::-1])
+            pending.extend(rw.root_subtrees(part)[::-1])
     return parts
 
 
@@ -175,7 +162,7 @@ def _fill_empty(rw: RankWork, bins: list[list[int]]) -> list[list[int]] | None:
     empty = [k for k, members in enumerate(bins) if not members]
     if not empty:
         return bins
-    groups = [_clusters(rw, members) for members in bins]
+    groups = [rw.clusters(members) for members in bins]
     for k in empty:
         donors = [(rw.trie(group), group[0], j, group) for j, held in enumerate(groups) if len(held) >= 2
                   for group in held]
@@ -185,7 +172,7 @@ def _fill_empty(rw: RankWork, bins: list[list[int]]) -> list[list[int]] | None:
             if not splittable:
                 return None
             _, _, j, group = max(splittable)
-            subtrees = root_subtrees(rw, group)
+            subtrees = rw.root_subtrees(group)
             taken = min(subtrees, key=lambda sub: (rw.trie(sub), sub[0]))
             kept = sorted(set(group) - set(taken))
             groups[j] = [g if g is not group else kept for g in groups[j]]
@@ -194,16 +181,3 @@ def _fill_empty(rw: RankWork, bins: list[list[int]]) -> list[list[int]] | None:
             groups[j] = [g for g in groups[j] if g is not taken]
         groups[k] = [taken]
     return [sorted(r for group in held for r in group) for held in groups]
-
-
-def _clusters(rw: RankWork, members: list[int]) -> list[list[int]]:
-    """A sorted member list split where consecutive members share only the common prefix g0."""
-    if not members:
-        return []
-    out = [[members[0]]]
-    for a, b in zip(members, members[1:]):
-        if rw.lcp(a, b) == rw.common_prefix:
-            out.append([b])
-        else:
-            out[-1].append(b)
-    return out

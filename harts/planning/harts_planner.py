@@ -234,7 +234,7 @@ def whole_cluster_plan(rw: RankWork, capacity: int, dp: int,
     fragments = FragmentPacker(rw, clusters, capacity).best(first, dp, num_counts=config.fragment_counts,
                                                             num_orders=config.fragment_orders)
     if fragments is not None:
-        owned = [(group, k) for k, members in enumerate(fragments) for group in _clusters(rw, members)]
+        owned = [(group, k) for k, members in enumerate(fragments) for group in rw.clusters(members)]
         cluster_of = np.searchsorted(starts, [group[0] for group, _ in owned], side="right") - 1
         packed = _balanced(rw, [(group, int(c)) for (group, _), c in zip(owned, cluster_of)], len(fragments), dp,
                            capacity, config, np.asarray([k for _, k in owned], dtype=np.int64), best_fit=False)
@@ -791,7 +791,7 @@ def _repack(rw: RankWork, bins: list[list[int]], capacity: int, dp: int) -> list
     room), or first-fit-decreasing when that fails.
     """
     g0 = rw.common_prefix
-    clusters = [c for b in bins for c in _clusters(rw, b)]
+    clusters = [c for b in bins for c in rw.clusters(b)]
     sizes = [rw.trie(c) - g0 for c in clusters]
     room = capacity - g0
     order = sorted(range(len(clusters)), key=lambda i: (-sizes[i], clusters[i][0]))
@@ -839,17 +839,6 @@ def _gather(clusters: list[list[int]], assignment: list[int], count: int) -> lis
     return [sorted(b) for b in bins]
 
 
-def _clusters(rw: RankWork, members: list[int]) -> list[list[int]]:
-    """Split a sorted member list where consecutive members share only the common prefix g0."""
-    out = [[members[0]]]
-    for a, b in zip(members, members[1:]):
-        if rw.lcp(a, b) == rw.common_prefix:
-            out.append([b])
-        else:
-            out[-1].append(b)
-    return out
-
-
 def _balance(state: _State, dp: int, config: HartsConfig) -> None:
     """Move trajectories or move/swap whole clusters while the (W, critical path, largest replica) key drops.
 
@@ -867,7 +856,7 @@ def _balance(state: _State, dp: int, config: HartsConfig) -> None:
 
     def clusters_of(k: int) -> list[list[int]]:
         if k not in cache:
-            cache[k] = _clusters(rw, state.bins[k])
+            cache[k] = rw.clusters(state.bins[k])
             sizes[k] = [rw.trie(cl) for cl in cache[k]]
         return cache[k]
 

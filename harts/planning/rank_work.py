@@ -10,7 +10,9 @@ without touching tokens:
 - `share(ranks, x, skip)`: the longest prefix x shares with a sorted set (its sorted neighbours
   there, optionally ignoring one member), so adding x costs len(x) - share and removing it
   saves the same;
-- `insert_cost(ranks, block)` and `cheapest_split(ranks)`: the same arithmetic for blocks.
+- `insert_cost(ranks, block)` and `cheapest_split(ranks)`: the same arithmetic for blocks;
+- `root_subtrees(ranks)` and `clusters(members)`: a sorted set split under its own root fork, or
+  where only the step's common prefix g0 is shared (task trees).
 
 Also the helpers shared by the planners to reach K ≡ 0 mod D: `split_to_multiple` (cheapest
 splits), `pad_to_dp` (empty microbatches, only below D trajectories) and `no_plan_error`.
@@ -137,6 +139,32 @@ class RankWork:
         if 0 < at < len(ranks):
             cost += self.lcp(ranks[at - 1], ranks[at])
         return cost
+
+    def root_subtrees(self, ranks: list[int]) -> list[list[int]]:
+        """Sorted ranks (>= 2) split where consecutive members share only the set's common prefix: the
+        subtrees under the set's root fork."""
+        shared = [self.lcp(a, b) for a, b in zip(ranks, ranks[1:])]
+        root = min(shared)
+        runs = [[ranks[0]]]
+        for depth, b in zip(shared, ranks[1:]):
+            if depth == root:
+                runs.append([b])
+            else:
+                runs[-1].append(b)
+        return runs
+
+    def clusters(self, members: list[int]) -> list[list[int]]:
+        """Sorted members split where consecutive members share only the step's common prefix g0 (the
+        task trees among them, or their pieces)."""
+        if not members:
+            return []
+        out = [[members[0]]]
+        for a, b in zip(members, members[1:]):
+            if self.lcp(a, b) == self.common_prefix:
+                out.append([b])
+            else:
+                out[-1].append(b)
+        return out
 
     def cheapest_split(self, ranks: list[int]) -> tuple[int, int]:
         """(cost, position): splitting `ranks` into [:position] and [position:] adds `cost` work."""

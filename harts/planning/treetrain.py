@@ -154,7 +154,7 @@ def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixI
         current = replica_parts[r]
         while len(current) < target:
             widest = max((p for p in current if len(p) >= 2), key=lambda p: (len(p), -p[0]))
-            current = [q for p in current for q in (_root_subtrees(rw, p) if p is widest else [p])]
+            current = [q for p in current for q in (rw.root_subtrees(p) if p is widest else [p])]
         bins, info = _solve_replica(rw, part_nodes, current, capacity, config, count=target, hint=hints[r])
         solutions[r] = bins
         details["replicas"][r]["equalised"] = info
@@ -222,7 +222,7 @@ def _lend_trajectories(rw: RankWork, replica_parts: list[list[list[int]]], hints
             part = min(parts, key=lambda p: (rw.trie(p), p[0]))
             while len(part) > count[donor] - target:
                 parts.remove(part)
-                parts.extend(_root_subtrees(rw, part))
+                parts.extend(rw.root_subtrees(part))
                 part = min(parts, key=lambda p: (rw.trie(p), p[0]))
             parts.remove(part)
             replica_parts[r].append(part)
@@ -233,19 +233,6 @@ def _lend_trajectories(rw: RankWork, replica_parts: list[list[list[int]]], hints
             touched.setdefault(r, set()).add(donor)
             touched.setdefault(donor, set())
     return touched
-
-
-def _root_subtrees(rw: RankWork, ranks: list[int]) -> list[list[int]]:
-    """Split sorted ranks where consecutive members share only the set's common prefix."""
-    shared = [rw.lcp(a, b) for a, b in zip(ranks, ranks[1:])]
-    root = min(shared)
-    runs = [[ranks[0]]]
-    for depth, b in zip(shared, ranks[1:]):
-        if depth == root:
-            runs.append([b])
-        else:
-            runs[-1].append(b)
-    return runs
 
 
 def _tree_parts(step: Step, rw: RankWork, capacity: int) -> list[list[int]]:
@@ -260,7 +247,7 @@ def _tree_parts(step: Step, rw: RankWork, capacity: int) -> list[list[int]]:
         if rw.trie(ranks) <= capacity:
             parts.append(ranks)
         else:
-            pending.extend(reversed(_root_subtrees(rw, ranks)))
+            pending.extend(reversed(rw.root_subtrees(ranks)))
     return sorted(parts)
 
 

@@ -33,19 +33,19 @@ BAD_OPTIONS = {
     ),
     "capacity-zero": (
         ["plan", "microbatches", STEP, "--capacity", "0", "--dp", "2"],
-        "plan microbatches", "argument --capacity: expected a positive integer, got '0'",
+        "plan microbatches", "argument --capacity: expected a positive integer below 2^62, got '0'",
     ),
     "capacity-negative": (
         ["plan", "microbatches", STEP, "--capacity", "-512", "--dp", "2"],
-        "plan microbatches", "argument --capacity: expected a positive integer, got '-512'",
+        "plan microbatches", "argument --capacity: expected a positive integer below 2^62, got '-512'",
     ),
     "dp-zero": (
         ["plan", "microbatches", STEP, "--capacity", "4096", "--dp", "0"],
-        "plan microbatches", "argument --dp: expected a positive integer, got '0'",
+        "plan microbatches", "argument --dp: expected a positive integer below 2^62, got '0'",
     ),
     "dp-fraction": (
         ["plan", "microbatches", STEP, "--capacity", "4096", "--dp", "1.5"],
-        "plan microbatches", "argument --dp: expected a positive integer, got '1.5'",
+        "plan microbatches", "argument --dp: expected a positive integer below 2^62, got '1.5'",
     ),
     "dp-missing": (
         ["plan", "microbatches", STEP, "--capacity", "4096"],
@@ -53,15 +53,15 @@ BAD_OPTIONS = {
     ),
     "vocab-size-zero": (
         ["trees", "validate", STEP, "--vocab-size", "0"],
-        "trees validate", "argument --vocab-size: expected a positive integer, got '0'",
+        "trees validate", "argument --vocab-size: expected a positive integer below 2^62, got '0'",
     ),
     "vocab-size-negative": (
         ["trees", "stats", STEP, "--vocab-size", "-1"],
-        "trees stats", "argument --vocab-size: expected a positive integer, got '-1'",
+        "trees stats", "argument --vocab-size: expected a positive integer below 2^62, got '-1'",
     ),
     "seed-negative": (
         ["trees", "synth", "--config", "configs/trees/tiny.yaml", "--seed", "-1", "--out", "{tmp}/synth"],
-        "trees synth", "argument --seed: expected a non-negative integer, got '-1'",
+        "trees synth", "argument --seed: expected a non-negative integer below 2^62, got '-1'",
     ),
     "bench-planning-time-limit-nan": (
         ["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--time-limit", "nan", "--out", "{tmp}/p.json"],
@@ -69,19 +69,19 @@ BAD_OPTIONS = {
     ),
     "bench-speedup-repeats-zero": (
         ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--repeats", "0", "--out", "{tmp}/s.json"],
-        "bench speedup", "argument --repeats: expected a positive integer, got '0'",
+        "bench speedup", "argument --repeats: expected a positive integer below 2^62, got '0'",
     ),
     "bench-fidelity-capacity-negative": (
         ["bench", "fidelity", "--model", "tiny", "--trees", STEP, "--capacity", "-1", "--out", "{tmp}/f.json"],
-        "bench fidelity", "argument --capacity: expected a positive integer, got '-1'",
+        "bench fidelity", "argument --capacity: expected a positive integer below 2^62, got '-1'",
     ),
     "verify-capacity-zero": (
         ["verify", "--model", "tiny", "--trees", STEP, "--capacity", "0"],
-        "verify", "argument --capacity: expected a positive integer, got '0'",
+        "verify", "argument --capacity: expected a positive integer below 2^62, got '0'",
     ),
     "train-step-seed-negative": (
         ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--seed", "-2"],
-        "train-step", "argument --seed: expected a non-negative integer, got '-2'",
+        "train-step", "argument --seed: expected a non-negative integer below 2^62, got '-2'",
     ),
     "train-step-kl-coef-negative": (
         ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--kl-coef", "-0.1"],
@@ -103,6 +103,10 @@ BAD_OPTIONS = {
         ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--loss", "ppo",
          "--dual-clip-ratio", "inf"],
         "train-step", "argument --dual-clip-ratio: expected a finite number > 0, got 'inf'",
+    ),
+    "capacity-beyond-int64": (
+        ["plan", "microbatches", STEP, "--capacity", "1" + "0" * 400, "--dp", "2"],
+        "plan microbatches", "argument --capacity: expected a positive integer below 2^62, got '1" + "0" * 400 + "'",
     ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harts.planning.fragment_packing import FragmentPacker, root_subtrees, tree_parts
+from harts.planning.fragment_packing import FragmentPacker, tree_parts
 from harts.planning.rank_work import RankWork
 from harts.trees.trie import PrefixIndex
 
@@ -35,7 +35,7 @@ def test_root_subtrees_split_where_only_the_common_prefix_is_shared():
     step = make_step([shared + [1, 1, 5], shared + [1, 1, 6], shared + [2, 7], shared + [3], shared + [3, 8]])
     rw = RankWork(PrefixIndex.from_step(step))
     names = [rw.order.tolist().index(k) for k in range(5)]
-    groups = root_subtrees(rw, list(range(5)))
+    groups = rw.root_subtrees(list(range(5)))
     assert [sorted(rw.order[g].tolist()) for g in groups] == [[0, 1], [2], [3, 4]]
     assert sorted(r for g in groups for r in g) == sorted(names)
 

@@ -193,7 +193,7 @@ def test_repack_and_balance(seed):
     if repacked is not None:
         _check_partition(rw, repacked, capacity)
         assert len(repacked) % dp == 0 and all(repacked)
-        clusters = [c for b in bins for c in hp._clusters(rw, b)]
+        clusters = [c for b in bins for c in rw.clusters(b)]
         g0 = rw.common_prefix
         assert _works(rw, repacked).sum() <= len(repacked) * g0 + sum(rw.trie(c) - g0 for c in clusters)
     state = hp._State(rw, bins, capacity)
