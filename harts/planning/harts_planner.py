@@ -109,6 +109,11 @@ class HartsConfig:
     than this fraction of g0: cuts that cheap can pay for the microbatches they empty (the
     paper's trees cut for >= 0.83·g0, and the trajectory-level search gained nothing there in
     0.3-0.9 s per step)."""
+    refine_packed_max_trajectories: int = 4000
+    """...and only on steps of at most this many trajectories: on the `paper-4x` step (9,431 trajectories)
+    the refinement took 3.5 of the plan's 4.3 s on 2 cores and left W unchanged (30,781,717 tokens; on an
+    earlier 4× step it saved 0.05%); on the ten `paper` steps (2,400-2,600 trajectories) it lowered W on
+    two, by 0.02% and 0.08%."""
     neighbor_window: int = 12
     """Boundary moves and swaps look this many ranks either side of a trajectory."""
     room_candidates: int = 16
@@ -166,7 +171,7 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
         if packed is not None:
             details["clusters_split"] = packed[2]
             candidates.append((objective(packed[1], dp), "cluster-packing", packed[0], packed[1]))
-            if _cheap_split(rw, config.refine_packed_split_ratio):
+            if rw.num <= config.refine_packed_max_trajectories and _cheap_split(rw, config.refine_packed_split_ratio):
                 refined = refine(rw, packed[0], capacity, dp, config)
                 refined_works = np.asarray([rw.trie(b) for b in refined], dtype=np.int64)
                 candidates.append((objective(refined_works, dp), "cluster-packing+refine", refined, refined_works))
