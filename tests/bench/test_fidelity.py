@@ -141,6 +141,22 @@ def test_cpu_deep_step_0_reaches_deep_handoffs():
     assert (counts[:5] >= 700).all(), counts
 
 
+def test_gpu_deep_step_0_reaches_deep_handoffs():
+    """configs/trees/gpu-deep.yaml, step 0 (seed 0) at T = 65,536 with the h200 model's KDA chunk: the
+    cpu-deep shape scaled to the GPU holds thousands of positions at every depth 0 to 6, as its comment says."""
+    from harts.bench.steps import iter_steps
+    from harts.model.config import load_model_config
+    from harts.trees.trie import PrefixIndex
+
+    (_, step, _), = iter_steps("configs/trees/gpu-deep.yaml", 0, [0])
+    index = PrefixIndex.from_step(step)
+    microbatches = _plan_members(step, 65536, "harts", index)
+    chunk = load_model_config("h200").kda.chunk_size
+    counts = np.bincount(position_handoff_depth(step, microbatches, index, chunk))
+    assert len(microbatches) == 4 and len(counts) == 7, counts
+    assert counts[6] >= 5000 and (counts >= 5000).all(), counts
+
+
 def test_compare_on_hand_computed_logits():
     # Vocabulary 2 and an identity LM head: the hidden states are the logits. Reference [1, 1] gives
     # p = (1/2, 1/2); candidate [1 + ln 3, 1] gives q = (3/4, 1/4).
