@@ -69,11 +69,10 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
                     break
                 if device in held:
                     continue
-                handle = os.open(directory / f"device-{device}.lock", os.O_RDWR | os.O_CREAT, 0o600)
                 try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(handle)
+                    handle = os.open(directory / f"device-{device}.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                except FileExistsError:
+                    pass
                 else:
                     held[device] = handle
             if len(held) == count:
@@ -85,8 +84,9 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
             time.sleep(poll_s)
         yield sorted(held, key=devices.index)
     finally:
-        for handle in held.values():
-            os.close(handle)  # closing the descriptor drops its flock
+        for device, handle in held.items():
+            os.close(handle)
+            os.unlink(directory / f"device-{device}.lock")
 
 
 def run(count: int, pool_size: int, command: list[str]) -> int:

@@ -189,12 +189,13 @@ def test_wandb_failure_is_one_warning(clean_env, monkeypatch, tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("how", ["variable", "flag"])
-def test_disabled_does_not_import_wandb(clean_env, monkeypatch, tmp_path, how):
+def test_disabled_does_not_import_wandb(clean_env, monkeypatch, tmp_path, capsys, how):
     if how == "variable":
         monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.setitem(sys.modules, "wandb", None)  # an import would raise
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import would raise (and warn)
     options = WandbOptions(mode="disabled" if how == "flag" else None)
     assert log_records([speedup(0)], options, directory=tmp_path) == []
+    assert capsys.readouterr().err == ""
 
 
 def test_default_directory_is_under_reports(clean_env, monkeypatch, tmp_path):
@@ -299,3 +300,24 @@ def test_report_artifact(clean_env, tmp_path):
     kind, files = run["artifacts"]["report-speedup"]
     assert kind == "report" and sorted(files) == ["speedup.csv", "speedup.pdf"]
     assert Path(files["speedup.pdf"]).read_bytes() == b"%PDF-1.4 not a real figure"
+
+
+def test_bench_planning_offline_runs_per_step_and_planner(clean_env, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    out = tmp_path / "planning.json"
+    code = main(["bench", "planning", "--trees", "tiny", "--steps", "0,1", "--capacity", "512", "--dp", "2",
+                 "--planners", "harts,greedy-trie", "--repeats", "2", "--out", str(out)])
+    assert code == 0
+    records = {(r["config"]["planner"], r["config"]["step"]): r for r in json.loads(out.read_text())}
+    runs = [read_offline_run(d) for d in (tmp_path / "wb" / "wandb").glob("offline-run-*")]
+    assert sorted(run["run"].display_name for run in runs) == [
+        f"planning/tiny/{planner}/step{step}" for planner in ("greedy-trie", "harts") for step in (0, 1)]
+    for run in runs:
+        _, _, planner, step = run["run"].display_name.split("/")
+        record = records[(planner, int(step[4:]))]
+        assert [row["repeat"] for row in run["history"]] == [1, 2]
+        assert [row["plan_seconds"] for row in run["history"]] == pytest.approx(
+            record["results"]["plan_seconds_each"], rel=1e-12)
+        assert run["summary"]["compact_tokens"] == record["results"]["compact_tokens"]
+        kind, files = run["artifacts"][wandb_log.artifact_name(run["run"].display_name)]
+        assert kind == "benchmark-record" and json.loads(Path(files["record.json"]).read_text()) == record
