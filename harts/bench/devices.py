@@ -69,10 +69,11 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
                     break
                 if device in held:
                     continue
+                handle = os.open(directory / f"device-{device}.lock", os.O_RDWR | os.O_CREAT, 0o600)
                 try:
-                    handle = os.open(directory / f"device-{device}.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                except FileExistsError:
-                    pass
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(handle)
                 else:
                     held[device] = handle
             if len(held) == count:
@@ -84,9 +85,8 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
             time.sleep(poll_s)
         yield sorted(held, key=devices.index)
     finally:
-        for device, handle in held.items():
-            os.close(handle)
-            os.unlink(directory / f"device-{device}.lock")
+        for handle in held.values():
+            os.close(handle)  # closing the descriptor drops its flock
 
 
 def run(count: int, pool_size: int, command: list[str]) -> int:
