@@ -176,6 +176,7 @@ def test_slurm_job_scripts_for_the_speedup_target(workdir):
         flags = " ".join(argv[:-1])
         assert f"-p gpu -t {speedup['runtime']} --mem {speedup['mem_mb']}" in flags
         assert f"--cpus-per-task={speedup['threads']}" in flags and f"--gpus={world}" in flags
+        assert "--nodes=1" in flags, "a job's ranks are spawned on its node"
         script = argv[-1]
         assert script.startswith("--wrap=") and "--executor slurm-jobstep" in script
         assert f"--target-jobs 'speedup_step:model=h200,parallel={parallel},planner=harts,step=000'" in script
