@@ -234,11 +234,12 @@ def read_wandb_file(path: Path) -> list[bytes]:
 
 
 def read_offline_run(run_dir: str | Path) -> dict:
-    """What an offline run directory holds: its run record, history rows ({key: value}), summary updates,
+    """What an offline run directory holds: its run record, history rows ({key: value}) and the time each was
+    logged (`logged_at`, W&B's `_timestamp`: Unix seconds), summary updates,
     artifacts ({name: (type, {file: local path})}) and the number of system-metrics (stats) records."""
     from wandb.proto import wandb_internal_pb2
 
-    run = {"run": None, "history": [], "summary": {}, "artifacts": {}, "stats": 0}
+    run = {"run": None, "history": [], "logged_at": [], "summary": {}, "artifacts": {}, "stats": 0}
     for payload in read_wandb_file(next(Path(run_dir).glob("*.wandb"))):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
@@ -248,6 +249,7 @@ def read_offline_run(run_dir: str | Path) -> dict:
         elif kind == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             run["history"].append({k: v for k, v in row.items() if not k.startswith("_")})
+            run["logged_at"].append(row["_timestamp"])
         elif kind == "summary":
             run["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                    for item in record.summary.update if item.key or item.nested_key})
@@ -278,6 +280,10 @@ def test_bench_speedup_offline_run_has_live_history_and_the_record(clean_env, mo
     order = [(row["repeat"], next(k.split("/")[0] for k in row if k != "repeat")) for row in run["history"]]
     assert order == [(0, "baseline"), (0, "compact"), (1, "baseline"), (1, "compact"), (2, "baseline"),
                      (2, "compact")]
+    # Live, not buffered until the record is done: every phase after the first row ran between the first row's
+    # and the last row's logging.
+    later_phases_s = sum(value for row in run["history"][1:] for key, value in row.items() if key.endswith("/fbg_s"))
+    assert run["logged_at"][-1] - run["logged_at"][0] >= 0.9 * later_phases_s > 0
     (record,) = json.loads(out.read_text())
     for execution in ("baseline", "compact"):
         timed = [row[f"{execution}/fbg_s"] for row in run["history"] if f"{execution}/fbg_s" in row][1:]
