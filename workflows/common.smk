@@ -69,7 +69,7 @@ def job(rule):
 # through `python -m harts.bench.devices --take {resources.gpu} --pool {resources.gpu_pool}`, which gives each its
 # own devices of this pool (CUDA_VISIBLE_DEVICES). 0 without that resource (the CPU and SLURM profiles: a SLURM
 # job's allocation holds its own devices), and the wrapper then runs the command unchanged. A resource, not a
-# param, so that changing it reruns nothing.
+# param, so that changing it reruns nothing. (Snakemake >= 9.27: an unset resource reads as value None.)
 GPU_POOL = workflow.global_resources.get("gpu").value or 0
 
 
