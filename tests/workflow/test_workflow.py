@@ -11,6 +11,7 @@ repository's Snakefile, so nothing under the repository's data/ or reports/ is t
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import os
@@ -254,6 +255,14 @@ def _failed_lines(workdir: Path, record: str) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
 
 
+def _report_contents(html: str) -> tuple[dict, dict[str, list[str]]]:
+    """What a `snakemake --report` HTML file embeds: its results ({path: {..., "data_uri"}}) and categories
+    ({category: [path, ...]}, over the subcategories)."""
+    results = json.loads(re.search(r"var results = (\{.*?\});\n", html, re.DOTALL).group(1))
+    categories = json.loads(re.search(r"var categories = (\{.*?\});\n", html, re.DOTALL).group(1))
+    return results, {name: [p for files in sub.values() for p in files] for name, sub in categories.items()}
+
+
 def _speedup_steps(output: str) -> list[str]:
     """The records of the dry run's speedup_step jobs."""
     return re.findall(r"^rule speedup_step:\n(?:    .*\n)*?    output: (\S+)", output, re.MULTILINE)
@@ -364,7 +373,11 @@ def test_tiny_profile_end_to_end(workdir):
     dp2.write_text(dp2.read_text(encoding="utf-8").replace("# edited\n", ""), encoding="utf-8")
     result = snakemake(workdir, "--workflow-profile", "tiny", "--report", "reports/report.html")
     assert result.returncode == 0, result.stderr[-3000:]
-    html = (reports / "report.html").read_text(encoding="utf-8")
-    for name in ("speedup.pdf", "speedup.csv", "planning.pdf", "planning.csv", "fidelity.pdf", "fidelity.csv",
-                 "summary.md", "Speedup", "Planning", "Fidelity"):
-        assert name in html, name
+    results, categories = _report_contents((reports / "report.html").read_text(encoding="utf-8"))
+    assert {category: sorted(files) for category, files in categories.items()} == {
+        "Speedup": ["reports/speedup.csv", "reports/speedup.pdf"],
+        "Planning": ["reports/planning.csv", "reports/planning.pdf"],
+        "Fidelity": ["reports/fidelity.csv", "reports/fidelity.pdf"], "Summary": ["reports/summary.md"]}
+    assert sorted(results) == sorted(path for files in categories.values() for path in files)
+    for path, result in results.items():
+        assert base64.b64decode(result["data_uri"].split("base64,", 1)[1]) == (workdir / path).read_bytes(), path
