@@ -1,9 +1,12 @@
 # HARTS pipeline: synthetic or ingested steps -> planning, speedup and fidelity records (reports/raw/, written by
 # the `harts` CLI) -> PDF/CSV reports and reports/summary.md. The workflow holds no logic of its own: rules call
 # `harts ...` or thin scripts (workflows/scripts/) that import harts.report.
-#   snakemake --cores all reports/speedup.pdf                              the default profile (CPU, small)
-#   snakemake --cores all --workflow-profile profiles/h200 reports/summary.md   one GPU
-# Sizes: configs/pipeline*.yaml (schema: workflows/schemas/pipeline.schema.yaml); profiles: profiles/*/.
+#   snakemake reports/speedup.pdf                                   the default profile (CPU, small)
+#   snakemake --workflow-profile profiles/h200 reports/summary.md   one GPU
+#   snakemake --workflow-profile profiles/slurm --configfile configs/pipeline-paper.yaml    a SLURM cluster
+#   snakemake --report reports/report.html                          the reports and CSVs in one HTML file
+# Sizes and per-rule threads, runtime and memory: configs/pipeline*.yaml (schema:
+# workflows/schemas/pipeline.schema.yaml); where and how jobs run: profiles/*/ (README "Pipeline").
 
 from pathlib import Path
 
@@ -42,6 +45,18 @@ include: "workflows/planning.smk"
 include: "workflows/speedup.smk"
 include: "workflows/fidelity.smk"
 include: "workflows/reports.smk"
+
+
+# Cheap rules that read a few JSON files run where Snakemake runs, never in a cluster queue.
+localrules:
+    speedup_config,
+    report_speedup,
+    report_planning,
+    report_fidelity,
+    summary,
+
+
+report: "workflows/report/workflow.rst"
 
 
 rule all:

@@ -59,6 +59,49 @@ def _check_config():
 _check_config()
 
 
+def job(rule):
+    """The pipeline config's `resources.RULE`: threads, runtime (minutes) and mem_mb of the rule's jobs (the
+    SLURM profile asks for them; locally threads are capped at --cores)."""
+    return config["resources"][rule]
+
+
+# The host's GPUs that a local GPU profile gives the pipeline (`--resources gpu=M`): GPU jobs run their command
+# through `python -m harts.bench.devices --take {resources.gpu} --pool {resources.gpu_pool}`, which gives each its
+# own devices of this pool (CUDA_VISIBLE_DEVICES). 0 without that resource (the CPU and SLURM profiles: a SLURM
+# job's allocation holds its own devices), and the wrapper then runs the command unchanged. A resource, not a
+# param, so that changing it reruns nothing. (Snakemake >= 9.27: an unset resource reads as value None.)
+GPU_POOL = workflow.global_resources.get("gpu").value or 0
+
+
+# Exit status 1 of a `harts bench` command: its records are written, some with an `error` field. The shell command
+# of a measurement ends in `|| { test $? -eq 1 && echo "<UTC time> error rows in RECORD" >> FAILED; }`, so that
+# the job succeeds (the reports show the error rows) and a line goes to the record's `.failed` file, whose
+# line count is the job's param `failed_attempts`: it has changed at the next run, which therefore retries the
+# case (Snakemake reruns a job whose params changed), and it stays as it was after a success. Any other failure
+# fails the job.
+def failures_file(record):
+    return str(Path(record).with_suffix(".failed"))
+
+
+def failed_attempts(record):
+    """The failed attempts so far of the measurement writing `record` (lines of its `.failed` file). Its params
+    take the record's path from the wildcards: Snakemake does not track a param computed from `output`."""
+    path = Path(failures_file(record))
+    return len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
+
+
+def speedup_record(wildcards):
+    return f"reports/raw/speedup/{wildcards.model}/{wildcards.parallel}/{wildcards.planner}/step_{wildcards.step}.json"
+
+
+def fidelity_record(wildcards):
+    return f"reports/raw/fidelity/{wildcards.model}/{wildcards.parallel}.json"
+
+
+def planning_record(wildcards):
+    return f"reports/raw/planning/{wildcards.dataset}.json"
+
+
 def synth_config(wildcards):
     return config["datasets"][wildcards.dataset]["synth"]
 

@@ -1,6 +1,5 @@
-# Planning quality and time per step, every planner of the config on every listed step of a dataset.
-# Exit status 1 of a bench command means "records written, some with an `error` field": the records are
-# kept (a failed case is a row in the report, not a gap); any other failure fails the job.
+# Planning quality and time per step, every planner of the config on every listed step of a dataset (CPU work:
+# the OR-Tools planner's CP-SAT runs 2 workers). A planner that fails on a step is an error row (common.smk).
 
 
 rule planning:
@@ -19,7 +18,14 @@ rule planning:
         planners=comma(config["planning"]["planners"]),
         time_limit=config["planning"]["time_limit_s"],
         repeats=config["planning"]["repeats"],
-    threads: workflow.cores
+        record=planning_record,
+        failures=lambda wildcards: failures_file(planning_record(wildcards)),
+        failed_attempts=lambda wildcards: failed_attempts(planning_record(wildcards)),
+    threads: job("planning")["threads"]
+    resources:
+        runtime=job("planning")["runtime"],
+        mem_mb=job("planning")["mem_mb"],
+        measurement=1,
     log:
         "reports/logs/planning/{dataset}.log",
     benchmark:
@@ -29,4 +35,5 @@ rule planning:
         " --seed {params.seed} --steps {params.steps} --capacity {params.capacity} --dp {params.dp}"
         " --planners {params.planners} --time-limit {params.time_limit} --repeats {params.repeats}"
         " --out {output.records}"
-        " 2>&1 | tee {log} || [ $? -eq 1 ]"
+        ' 2>&1 | tee {log} || {{ test $? -eq 1 && echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) error rows in {params.record}"'
+        ' >> {params.failures}; }}'

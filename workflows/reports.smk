@@ -1,12 +1,15 @@
-# Reports from the records: PDF + CSV per experiment, and reports/summary.md with every table.
+# Reports from the records: PDF + CSV per experiment, and reports/summary.md with every table. These rules and
+# speedup_config are local rules (Snakefile: localrules): they read a few JSON files, and on a cluster they run
+# on the host that runs Snakemake instead of waiting in a queue. Their outputs go into `snakemake --report`
+# (report: captions in workflows/report/); each report's PDF and CSV is also a W&B artifact (harts.bench.wandb_log).
 
 
 rule report_speedup:
     input:
         speedup_records(),
     output:
-        pdf="reports/speedup.pdf",
-        csv="reports/speedup.csv",
+        pdf=report("reports/speedup.pdf", category="Speedup", caption="report/speedup.rst"),
+        csv=report("reports/speedup.csv", category="Speedup", caption="report/speedup.rst"),
     log:
         "reports/logs/report/speedup.log",
     script:
@@ -17,8 +20,8 @@ rule report_planning:
     input:
         planning_records(),
     output:
-        pdf="reports/planning.pdf",
-        csv="reports/planning.csv",
+        pdf=report("reports/planning.pdf", category="Planning", caption="report/planning.rst"),
+        csv=report("reports/planning.csv", category="Planning", caption="report/planning.rst"),
     params:
         ours=config["planning"]["planners"][0],
         baseline=config["planning"]["planners"][1],
@@ -32,8 +35,8 @@ rule report_fidelity:
     input:
         fidelity_records(),
     output:
-        pdf="reports/fidelity.pdf",
-        csv="reports/fidelity.csv",
+        pdf=report("reports/fidelity.pdf", category="Fidelity", caption="report/fidelity.rst"),
+        csv=report("reports/fidelity.csv", category="Fidelity", caption="report/fidelity.rst"),
     log:
         "reports/logs/report/fidelity.log",
     script:
@@ -48,7 +51,7 @@ rule summary:
         trees=trees_records(),
         reports=multiext("reports/", "speedup.pdf", "planning.pdf", "fidelity.pdf"),
     output:
-        "reports/summary.md",
+        report("reports/summary.md", category="Summary", caption="report/summary.rst"),
     params:
         ours=config["planning"]["planners"][0],
         baseline=config["planning"]["planners"][1],

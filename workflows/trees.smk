@@ -1,5 +1,6 @@
 # Steps on disk, data/trees/{dataset}/step_NNN.npz: generated from a trees config (one job per step) or
-# ingested from agent logs (step 000); and a trees-build record per step (S, C, trie build time and memory).
+# ingested from agent logs (step 000); and a trees-build record per step (S, C, trie build time and memory,
+# timed: one `measurement`). Threads, runtime and memory: the config's resources.RULE.
 
 
 rule synth_trees:
@@ -14,6 +15,10 @@ rule synth_trees:
         seed=config["seed"],
         index=lambda wildcards: int(wildcards.step),
         scratch=lambda wildcards: f"data/trees/{wildcards.dataset}/synth/tmp-{wildcards.step}",
+    threads: job("synth_trees")["threads"]
+    resources:
+        runtime=job("synth_trees")["runtime"],
+        mem_mb=job("synth_trees")["mem_mb"],
     log:
         "reports/logs/synth_trees/{dataset}/step_{step}.log",
     benchmark:
@@ -36,6 +41,10 @@ rule ingest_trees:
     params:
         format=lambda wildcards: ingest_spec(wildcards.dataset)["format"],
         tokenizer=lambda wildcards: ingest_spec(wildcards.dataset)["tokenizer"],
+    threads: job("ingest_trees")["threads"]
+    resources:
+        runtime=job("ingest_trees")["runtime"],
+        mem_mb=job("ingest_trees")["mem_mb"],
     log:
         "reports/logs/ingest_trees/{dataset}/step_{step}.log",
     benchmark:
@@ -49,7 +58,11 @@ rule trees_record:
         "data/trees/{dataset}/step_{step}.npz",
     output:
         "reports/raw/trees/{dataset}/step_{step}.json",
-    threads: workflow.cores
+    threads: job("trees_record")["threads"]
+    resources:
+        runtime=job("trees_record")["runtime"],
+        mem_mb=job("trees_record")["mem_mb"],
+        measurement=1,
     log:
         "reports/logs/trees_record/{dataset}/step_{step}.log",
     benchmark:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
 
 
@@ -32,6 +33,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/attention/backends.json")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import error_message, make_record, write_records
-    from harts.bench.wandb_log import log_records
+    from harts.bench.wandb_log import log_records, options
     from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
     from harts.ops.attention.groups import group_attention
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 records.append(make_record("attention", config, error=message))
                 print(f"{execution:8} {backend:7} failed: {message}", file=sys.stderr)
             write_records(records, Path(args.out))
-    log_records(records)
+    log_records(records, options(args))
     return 0 if all("error" not in r for r in records) else 1
 
 

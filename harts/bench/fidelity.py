@@ -71,6 +71,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
 
 PAPER = {
@@ -107,6 +108,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "recomputation on its ranks vs the single-process baseline (no replay ablation); "
                              "spawned here, or started by torchrun: rank 0 writes the record")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -510,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
-    from harts.bench.wandb_log import log_records
+    from harts.bench.wandb_log import log_records, options
     from harts.bench.steps import first_trees, iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
@@ -573,7 +575,7 @@ def run(args: argparse.Namespace) -> int:
             return 128 + signal.SIGTERM
     write_records(records, out)
     print(format_fidelity(records[0]))
-    log_records(records)
+    log_records(records, options(args))
     return 0 if "error" not in records[0] else 1
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/planning/kda_calls.json")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -153,7 +155,7 @@ def _time_mode(tree: SegmentTree, chunk: int, replay: bool, repeats: int) -> dic
 
 def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
-    from harts.bench.wandb_log import log_records
+    from harts.bench.wandb_log import log_records, options
 
     print(f"generating a random tree of {args.segments:,} segments ...", file=sys.stderr)
     max_length = args.max_length or args.chunk
@@ -191,5 +193,5 @@ def run(args: argparse.Namespace) -> int:
         )
     write_records(records, Path(args.out))
     print(f"wrote {args.out} ({records[0]['environment']['hardware']['cpu']})")
-    log_records(records)
+    log_records(records, options(args))
     return 0 if all("error" not in r for r in records) else 1

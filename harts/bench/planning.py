@@ -27,6 +27,9 @@ the machine, the index build time, on how many steps HARTS's W equals the lower 
 `harts.planning.bounds` (proven optimal), and the OR-Tools planner's reading and CP-SAT solves
 (`solve_note`: how many proven optimal, how many stopped at the time limit).
 
+W&B (harts.bench.wandb_log, `--wandb-*`): one run per record, logged as soon as its step is
+planned (every repeat a history row: plan seconds with and without the index, CPU seconds).
+
 The OR-Tools planner's options (`--time-limit`, `--replica-assignment`, `--slot-order`, see
 harts.planning.treetrain; defaults: the paper's description) go to it alone, are recorded in the
 config's `options`, and the resolved reading, limit and per-solve statuses in the results' `details`;
@@ -43,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harts.bench import wandb_log
 from harts.cli.args import index_list, non_negative_int, positive_int
 
 # DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
@@ -75,6 +79,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_treetrain_options(parser)
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -107,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from harts.bench.records import make_record, write_records
-    from harts.bench.wandb_log import log_records
     from harts.cli.plan_microbatches import treetrain_options as planner_options
     from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.planning.microbatch import plan, plan_metrics, validate
@@ -131,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         from ortools.sat.python import cp_model  # noqa: F401
 
     records = []
+    # One W&B run per record (step and planner), logged as soon as its step is planned.
+    tracker = wandb_log.BenchLogger(wandb_log.options(args))
     progress = tqdm(total=len(steps) * len(args.planners) * args.repeats, desc="bench planning", unit="plan",
                     file=sys.stderr, disable=None)
     for step_index in steps:
@@ -169,9 +175,14 @@ def run(args: argparse.Namespace) -> int:
                 "step": step_index, "capacity": capacity, "dp": args.dp, "planner": name, "options": options[name],
                 "repeats": args.repeats,
             }
+            tracker.start("planning", config)
             if name in errors:
                 records.append(make_record("planning", config, error=errors[name]))
+                tracker.finish(records[-1])
                 continue
+            for repeat, (timed, cpu_seconds, alone) in enumerate(runs[name]):
+                tracker.log({"repeat": repeat + 1, "plan_seconds": timed.plan_seconds, "plan_cpu_seconds": cpu_seconds,
+                             "plan_seconds_without_index": alone.plan_seconds})
             result = runs[name][0][0]
             metrics = plan_metrics(result, lower_bound, step.num_semantic_tokens)
             results = {
@@ -199,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
                                        for r, _, alone in runs[name] for other in (r, alone)),
             }
             records.append(make_record("planning", config, results))
+            tracker.finish(records[-1])
     progress.close()
+    tracker.close()
 
     out = Path(args.out)
     write_records(records, out)
@@ -223,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
     for record in failed:
         print(f"error: step {record['config']['step']} {record['config']['planner']}: {record['error']}",
               file=sys.stderr)
-    log_records(records)
     return 1 if failed else 0
 
 

@@ -54,6 +54,11 @@ the record says so in `breakdown_skipped`. The baseline's MFU (on CUDA) divides 
 peak. Started by torchrun (one node or several), every rank runs the command: rank 0 measures,
 prints and writes the records, the others run their part of each step quietly; the first failed
 step ends the run (its error record on rank 0), since the ranks are out of step after it.
+
+W&B (harts.bench.wandb_log, `--wandb-*`): each record is one run, opened before its step is
+measured; in one process every warm-up and timed repeat of each execution is a history row as soon
+as it finishes (`repeat`, `baseline/forward_s`, ..., `compact/fbg_s`); under --parallel the ranks'
+repeats come back together at the end of the step and are logged then.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from harts.bench import wandb_log
 from harts.cli.args import index_list, non_negative_int, positive_int
 
 BREAKDOWN_MICROBATCHES = 4
@@ -110,6 +116,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "or started by torchrun: rank 0 writes the records)")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -417,7 +424,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
             with PeakMemory(device) as memory:
                 result = run_step(model, step, microbatches[name], configs[name], index=index,
                                   progress=progress["phase"])
-            progress["finished"].append({"phase": progress["phase"], **result.seconds})
+            _phase_done(progress, name, repeat + 1, result.seconds)
             model.zero_grad(set_to_none=True)
             # One process: one rank, and no gradient reduction.
             samples[name].append([{**result.seconds, "grad_reduce": 0.0, "grad_reduction_alone": 0.0}])
@@ -594,8 +601,17 @@ def _warm(model, step, microbatches, config, index, progress: dict[str, Any]) ->
     else:
         first = next(m for m in microbatches if len(m))
         result = run_step(model, step.subset(first), [np.arange(len(first))], config)
-    progress["finished"].append({"phase": progress["phase"], **result.seconds})
+    _phase_done(progress, config.execution, 0, result.seconds)
     model.zero_grad(set_to_none=True)
+
+
+def _phase_done(progress: dict[str, Any], execution: str, repeat: int, seconds: dict[str, float]) -> None:
+    """Keep a finished step's seconds for an error row, and log them live (`progress["log"]`, W&B history:
+    repeat 0 is the warm-up; in one process F+B+G is F+B)."""
+    progress["finished"].append({"phase": progress["phase"], **seconds})
+    if "log" in progress:
+        progress["log"]({"repeat": repeat, execution: {**{f"{k}_s": v for k, v in seconds.items()},
+                                                       "fbg_s": seconds["forward"] + seconds["backward"]}})
 
 
 def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression) -> dict[str, Any]:
@@ -661,7 +677,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
-    from harts.bench.wandb_log import log_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
@@ -685,6 +700,13 @@ def run(args: argparse.Namespace) -> int:
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
     records = []
+    # One W&B run per record, opened before the step is measured and logged to while it runs.
+    tracker = wandb_log.BenchLogger(wandb_log.options(args))
+
+    def keep(record: dict[str, Any]) -> None:
+        records.append(record)
+        tracker.finish(record)
+
     # `timeout` and schedulers stop a long run with SIGTERM: end it as an error row that keeps the
     # phase it reached and the seconds of every step it finished, and write every record.
     terminated = False
@@ -704,7 +726,8 @@ def run(args: argparse.Namespace) -> int:
                 }
                 print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
                       file=sys.stderr)
-                progress: dict[str, Any] = {"phase": "planning", "finished": []}
+                tracker.start("speedup", config)
+                progress: dict[str, Any] = {"phase": "planning", "finished": [], "log": tracker.log}
                 current = (config, progress)
                 try:
                     if parallel is None:
@@ -712,11 +735,15 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         progress["phase"] = f"--parallel {parallel.name}"
                         results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
-                    records.append(make_record("speedup", config, results))
+                        # The ranks' timings come back at the end: each repeat's history row then.
+                        for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in EXECUTIONS))):
+                            tracker.log({"repeat": repeat + 1, **{name: {"fbg_s": value}
+                                                                  for name, value in zip(EXECUTIONS, pair)}})
+                    keep(make_record("speedup", config, results))
                     current = None
                 except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
                     if current is not None:
-                        records.append(_error_row(config, progress, error, device))
+                        keep(_error_row(config, progress, error, device))
                         current = None
                     if isinstance(error, Terminated):
                         raise
@@ -726,13 +753,13 @@ def run(args: argparse.Namespace) -> int:
         except Terminated as error:
             terminated = True
             if current is not None:  # stopped while writing another error's row
-                records.append(_error_row(*current, error, device))
+                keep(_error_row(*current, error, device))
         write_records(records, out)
     print(format_table(records))
     print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps([headline(r) for r in records]))
-    log_records(records)
+    tracker.close()
     if terminated:
         return 128 + signal.SIGTERM
     return 0 if all("error" not in r for r in records) else 1

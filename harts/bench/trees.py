@@ -16,6 +16,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
 
 
@@ -28,6 +29,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--out", default="reports/raw/trees/build.json")
+    wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -43,7 +45,7 @@ def build(step):
 
 def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
-    from harts.bench.wandb_log import log_records
+    from harts.bench.wandb_log import log_records, options
     from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
@@ -90,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
         f"{peak / 2**20:,.0f} MiB = {results['peak_over_token_array']:.2f}x the token array "
         f"({step.tokens.nbytes / 2**20:,.0f} MiB) on {record['environment']['hardware']['cpu']}; wrote {args.out}"
     )
-    log_records([record])
+    log_records([record], options(args))
     return 0

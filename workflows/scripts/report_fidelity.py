@@ -1,10 +1,12 @@
-"""Snakemake adapter: reports/fidelity.pdf and .csv (harts.report.fidelity)."""
+"""Snakemake adapter: reports/fidelity.pdf and .csv (harts.report.fidelity), logged to W&B as an artifact."""
 
 from contextlib import redirect_stderr, redirect_stdout
 
+from harts.bench.wandb_log import log_report
 from harts.report.fidelity import write_fidelity_report
 
 snakemake = globals()["snakemake"]
 with open(snakemake.log[0], "w", encoding="utf-8") as log, redirect_stdout(log), redirect_stderr(log):
     rows = write_fidelity_report(list(snakemake.input), snakemake.output.pdf, snakemake.output.csv)
     print(f"{len(rows)} row(s) -> {snakemake.output.pdf}, {snakemake.output.csv}")
+    log_report("fidelity", [snakemake.output.pdf, snakemake.output.csv], records=list(snakemake.input))

@@ -1,7 +1,8 @@
-"""Snakemake adapter: reports/planning.pdf and .csv (harts.report.planning)."""
+"""Snakemake adapter: reports/planning.pdf and .csv (harts.report.planning), logged to W&B as an artifact."""
 
 from contextlib import redirect_stderr, redirect_stdout
 
+from harts.bench.wandb_log import log_report
 from harts.report.planning import write_planning_report
 
 snakemake = globals()["snakemake"]
@@ -9,3 +10,4 @@ with open(snakemake.log[0], "w", encoding="utf-8") as log, redirect_stdout(log),
     rows = write_planning_report(list(snakemake.input), snakemake.output.pdf, snakemake.output.csv,
                                  ours=snakemake.params.ours, baseline=snakemake.params.baseline)
     print(f"{len(rows)} row(s) -> {snakemake.output.pdf}, {snakemake.output.csv}")
+    log_report("planning", [snakemake.output.pdf, snakemake.output.csv], records=list(snakemake.input))

@@ -1,0 +1,100 @@
+"""harts.bench.devices: jobs of a local multi-GPU pipeline get disjoint devices, wait while none are free,
+get them back from a holder that ended (also a killed one), and see them as CUDA_VISIBLE_DEVICES."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from harts.bench import devices
+from harts.bench.devices import main, pool, take
+
+POOLS = {
+    "count": ({}, 3, ["0", "1", "2"]),
+    "visible-devices": ({"CUDA_VISIBLE_DEVICES": "4,5, 6,7"}, 3, ["4", "5", "6"]),
+}
+
+
+@pytest.mark.parametrize("case", list(POOLS), ids=list(POOLS))
+def test_pool(case):
+    environ, size, expected = POOLS[case]
+    assert pool(size, environ) == expected
+
+
+def test_pool_larger_than_the_visible_devices():
+    with pytest.raises(ValueError, match="gpu=3: CUDA_VISIBLE_DEVICES lists only 2 devices"):
+        pool(3, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_holders_get_disjoint_devices_and_the_lowest_free(tmp_path):
+    ids = ["0", "1", "2", "3"]
+    with take(2, ids, tmp_path) as first, take(1, ids, tmp_path) as second:
+        assert (first, second) == (["0", "1"], ["2"])
+        with take(1, ids, tmp_path) as third:
+            assert third == ["3"]
+    with take(4, ids, tmp_path) as everything:
+        assert everything == ids, "all devices were given back"
+
+
+def test_a_holder_waits_until_a_device_is_free(tmp_path, capsys):
+    ids = ["0", "1"]
+    released = []
+
+    def hold():
+        with take(2, ids, tmp_path):
+            holding.set()
+            time.sleep(0.5)
+            released.append(time.monotonic())
+
+    holding = threading.Event()
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait()
+    with take(1, ids, tmp_path, poll_s=0.05) as got:
+        taken = time.monotonic()
+    thread.join()
+    assert got == ["0"] and taken >= released[0]
+    assert "waiting for 1 free GPUs of 0,1" in capsys.readouterr().err
+
+
+def test_a_killed_holder_leaves_no_stale_claim(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from harts.bench.devices import take\n"
+                               f"with take(1, ['0'], Path({str(tmp_path)!r})):\n"
+                               "    print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    with take(1, ["0"], tmp_path, poll_s=60) as got:  # a stale claim would wait a minute
+        assert got == ["0"]
+
+
+def test_the_command_sees_its_devices_and_its_status_is_returned(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("HARTS_DEVICE_LOCKS", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    script = "import os, sys; print('child sees', os.environ['CUDA_VISIBLE_DEVICES']); sys.exit(3)"
+    with take(1, ["2", "3", "5"], tmp_path):  # another job holds device 2
+        code = main(["--take", "2", "--pool", "3", "--", sys.executable, "-c", script])
+    out, err = capfd.readouterr()
+    assert code == 3 and "child sees 3,5" in out and "CUDA_VISIBLE_DEVICES=3,5" in err
+
+
+@pytest.mark.parametrize("take_, pool_", [(0, 4), (2, 0)], ids=["cpu-job", "no-pool"])
+def test_no_assignment_runs_the_command_unchanged(take_, pool_, monkeypatch, capfd):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    monkeypatch.setattr(devices, "take", None)  # taking a device would fail
+    script = "import os; print('child sees', os.environ['CUDA_VISIBLE_DEVICES'])"
+    assert main(["--take", str(take_), "--pool", str(pool_), "--", sys.executable, "-c", script]) == 0
+    assert "child sees 7" in capfd.readouterr().out
+
+
+def test_more_devices_than_the_pool_is_an_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HARTS_DEVICE_LOCKS", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert main(["--take", "4", "--pool", "2", "--", "true"]) == 2
+    assert capsys.readouterr().err == "harts: error: a job asks for 4 GPUs, the pool holds 2 (0,1)\n"
