@@ -42,6 +42,7 @@ include: "workflows/planning.smk"
 include: "workflows/speedup.smk"
 include: "workflows/fidelity.smk"
 include: "workflows/reports.smk"
+include: "workflows/rl.smk"
 
 
 rule all:

@@ -1,0 +1,60 @@
+"""`harts rl`: records of both executions per seed (config, environment, results), a failed run as an
+error record with exit status 1, bad input as one line with exit status 2."""
+
+import json
+
+import pytest
+
+import harts.rl.loop
+from harts.cli.main import main
+from tests.fixtures import one_thread  # noqa: F401
+from tests.rl.test_loop import TINY
+
+
+def test_records_of_both_executions(capsys, tmp_path):
+    out = tmp_path / "rl.json"
+    assert main(["rl", "--config", str(TINY), "--out", str(out), "--seeds", "1", "--num-steps", "1", "--no-progress",
+                 "--json"]) == 0
+    summaries = json.loads(capsys.readouterr().out)
+    records = json.loads(out.read_text())
+    assert [(r["benchmark"], r["config"]["seed"], r["config"]["execution"]) for r in records] == [
+        ("rl", 1, "compact"), ("rl", 1, "baseline")]
+    for record, summary in zip(records, summaries):
+        assert record["environment"]["git"]["sha"] and record["environment"]["hardware"]["cpu_count"]
+        assert record["config"]["rl"]["num_steps"] == 1 and record["config"]["model"]["name"] == "tiny"
+        assert "outside" in record["config"]["timing"]
+        results = record["results"]
+        assert [s["step"] for s in results["steps"]] == [0, 1] and results["warm_start"]["steps"] == 2
+        assert summary == {"seed": 1, "execution": record["config"]["execution"], **results["summary"]}
+        assert results["summary"]["reward_first"] == results["steps"][0]["reward"]
+
+
+def test_a_failed_run_is_an_error_record(capsys, tmp_path, monkeypatch):
+    def fail(config, seed, **kwargs):
+        raise ValueError(f"seed {seed}, compact, step 1: the loss is nan")
+
+    monkeypatch.setattr(harts.rl.loop, "run_seed", fail)
+    out = tmp_path / "rl.jsonl"
+    assert main(["rl", "--config", str(TINY), "--out", str(out), "--no-progress"]) == 1
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["config"]["seed"], r["config"]["execution"]) for r in records] == [
+        (0, "compact"), (0, "baseline"), (1, "compact"), (1, "baseline")]
+    assert all(r["error"] == "ValueError: seed %d, compact, step 1: the loss is nan" % r["config"]["seed"]
+               for r in records)
+    assert "seed 0 compact: error: ValueError" in capsys.readouterr().out
+
+
+def test_a_missing_config_is_one_line(capsys, tmp_path):
+    assert main(["rl", "--config", "no/such.yaml", "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == "harts: error: no/such.yaml: no such config file\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "-1"], "harts: error: rl: argument --seeds: expected non-negative"),
+    (["--num-steps", "0"], "harts: error: rl: argument --num-steps: expected a positive"),
+], ids=["negative-seed", "no-steps"])
+def test_bad_options_are_one_line(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["rl", "--config", str(TINY), *argv, "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1

@@ -1,0 +1,61 @@
+# Online RL (the paper's §5.3): GRPO on rollout trees the model samples itself, the compact execution and the
+# per-trajectory baseline side by side from the same initial weights and sampling seeds. One job per seed of an
+# RL config (configs/rl/NAME.yaml, which lists its seeds), both executions in lockstep inside the job, every step
+# logged to W&B as it ends (offline by default); the report plots both reward curves with their seed spread.
+#   snakemake --cores all reports/rl.pdf          the default CPU run (configs/rl/cpu.yaml)
+#   snakemake --cores all reports/rl-NAME.pdf     any configs/rl/NAME.yaml (rl-tiny: the tests' few steps)
+# A job is one process with one torch thread, so `--cores N` runs N seeds at a time; the two executions of a
+# seed share their process and machine, which is what the per-step time comparison needs.
+
+from harts.rl.config import load_rl_config
+
+DEFAULT_RL = "cpu"
+
+
+def rl_records(name):
+    return [f"reports/raw/rl/{name}/seed_{seed:03d}.json" for seed in load_rl_config(f"configs/rl/{name}.yaml").seeds]
+
+
+rule rl_seed:
+    input:
+        "configs/rl/{rl}.yaml",
+    output:
+        "reports/raw/rl/{rl}/seed_{seed}.json",
+    wildcard_constraints:
+        rl=NAME,
+        seed=r"\d{3}",
+    resources:
+        torch_threads=1,
+    log:
+        "reports/logs/rl/{rl}/seed_{seed}.log",
+    benchmark:
+        "reports/benchmarks/rl/{rl}/seed_{seed}.tsv"
+    shell:
+        "OMP_NUM_THREADS={resources.torch_threads} harts rl --config {input} --seeds {wildcards.seed} --out {output}"
+        " --wandb --no-progress 2>&1 | tee {log} || [ $? -eq 1 ]"
+
+
+rule report_rl:
+    input:
+        lambda wildcards: rl_records(wildcards.rl),
+    output:
+        pdf="reports/rl-{rl}.pdf",
+        csv="reports/rl-{rl}.csv",
+    wildcard_constraints:
+        rl=NAME,
+    log:
+        "reports/logs/report/rl-{rl}.log",
+    script:
+        "scripts/report_rl.py"
+
+
+rule report_rl_default:
+    input:
+        rl_records(DEFAULT_RL),
+    output:
+        pdf="reports/rl.pdf",
+        csv="reports/rl.csv",
+    log:
+        "reports/logs/report/rl.log",
+    script:
+        "scripts/report_rl.py"
