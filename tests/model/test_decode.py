@@ -1,6 +1,7 @@
 """Incremental decoding (harts.model.decode) against the full forward of the baseline layout.
 
-fp32 on the CPU: the logits of every position fed token by token equal the full forward's (max
+fp32 on the CPU: three rollouts decoded together (a batch row each), the logits of every position fed
+token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
 models with and without the MLA rope part and with NoPE; a fork continues two rollouts from one
@@ -69,14 +70,17 @@ def feed(model, cache, columns: list[list[int]]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("length", [1, 5, 37])
 def test_token_by_token_equals_full_forward(models, variant, length):
+    """Three rollouts decoded together, one token each per step, each against its own full forward."""
     model = models[variant]
-    tokens = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    cache = empty_cache(model, batch_size=1, capacity=64)
-    decoded = torch.cat(feed(model, cache, [[t] for t in tokens]))
-    reference = full_logits(model, tokens)
-    assert reference.abs().max() > 0.5, "logits too small to test anything"
-    assert (decoded - reference).abs().max() <= TOLERANCE
-    assert cache.lengths.tolist() == [length]
+    generator = torch.Generator().manual_seed(length)
+    sequences = torch.randint(0, model.config.vocab_size, (3, length), generator=generator).tolist()
+    cache = empty_cache(model, batch_size=3, capacity=64)
+    decoded = torch.stack(feed(model, cache, [list(column) for column in zip(*sequences)]), dim=1)  # [3, L, V]
+    for row, tokens in enumerate(sequences):
+        reference = full_logits(model, tokens)
+        assert reference.abs().max() > 0.5, "logits too small to test anything"
+        assert (decoded[row] - reference).abs().max() <= TOLERANCE
+    assert cache.lengths.tolist() == [length] * 3
 
 
 @pytest.mark.parametrize("fork_at", [3, 21])
