@@ -59,22 +59,30 @@ def replay(trajectory, task) -> tuple[list[int], Episode]:
     return agent, episode
 
 
-@pytest.mark.parametrize("weights", ["warm", "initial"])
-def test_logprobs_are_the_full_forwards(model, weights):
+@pytest.mark.parametrize("weights, temperature, top_p", [
+    ("warm", 1.0, 1.0), ("initial", 1.0, 1.0), ("warm", 0.7, 1.0), ("warm", 1.3, 0.8),
+], ids=["warm", "initial", "warm-temperature", "warm-temperature-top-p"])
+def test_logprobs_are_the_full_forwards(model, weights, temperature, top_p):
+    """Each agent token's recorded log-prob is the log of the sampling distribution (temperature,
+    nucleus) built from the full forward's logits at the previous position; every sampled token is
+    inside the nucleus."""
     if weights == "initial":
         # Near-uniform over 256 tokens: most episodes end on a malformed token.
         model = HybridModel(load_model_config("tiny"))
         model.init_weights(seed=3)
     tasks = _tasks()
-    trajectories = _generate(model, seed=0, tasks=tasks)
+    config = RolloutConfig(tasks_per_step=3, samples_per_task=3, retry_prob=1.0, temperature=temperature, top_p=top_p)
+    trajectories = _generate(model, seed=0, tasks=tasks, config=config)
     agent_tokens = 0
     for trajectory in trajectories:
         agent, episode = replay(trajectory, tasks[trajectory.tree])
         assert (trajectory.reward, trajectory.malformed) == (ENV.reward(episode), episode.malformed)
-        logprobs = torch.log_softmax(full_logits(model, trajectory.tokens), dim=-1)
+        probs = sampling_distribution(full_logits(model, trajectory.tokens), temperature, top_p)
         assert trajectory.loss_mask == [int(i in agent) for i in range(len(trajectory.tokens))]
         for i, token in enumerate(trajectory.tokens):
-            expected = logprobs[i - 1, token].item() if i in agent else 0.0
+            if i in agent:
+                assert probs[i - 1, token] > 0, "sampled outside the nucleus"
+            expected = math.log(probs[i - 1, token].item()) if i in agent else 0.0
             assert abs(trajectory.logprobs[i] - expected) <= 1e-5
         agent_tokens += len(agent)
     malformed = [t.malformed for t in trajectories]
