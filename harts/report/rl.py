@@ -8,7 +8,7 @@ record per step (reward, KL, loss, S/C, the step's times). Output:
 - PDF: (1) the reward curves of both executions: per step the mean over seeds, smoothed by a
   centred moving average over `SMOOTHING` steps, with the band from the lowest to the highest seed
   (each seed smoothed the same way), the paper's statement beside them and our values at steps 0,
-  N/4, N/2 and N (the smoothed mean, and the raw mean over seeds); (2) KL to the initial policy,
+  N/4, N/2 and N (the smoothed mean with its seed band, and the raw mean over seeds); (2) KL to the initial policy,
   loss, S/C of the step's trees and the time per training step of each execution (median over
   seeds, sampling dashed); (3) the table per execution.
 Agreement of the curves is summarised as the fraction of steps at which the two seed bands
@@ -87,8 +87,9 @@ def checkpoints(num_steps: int) -> list[int]:
 
 
 def reward_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per execution the smoothed mean and raw mean at the checkpoints, the seed count; and the
-    fraction of steps where the two executions' seed bands (min..max of the smoothed seeds) overlap."""
+    """Per execution at the checkpoints: the smoothed mean over seeds, its seed band (lowest and
+    highest smoothed seed), the raw mean over seeds; the seed count; and the fraction of steps where
+    the two executions' seed bands overlap."""
     rewards = curves(records, "reward")
     summary: dict[str, Any] = {"executions": {}}
     bands = {}
@@ -99,6 +100,8 @@ def reward_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         summary["executions"][execution] = {
             "seeds": values.shape[0], "steps": steps,
             "smoothed": [float(smoothed.mean(axis=0)[t]) for t in steps],
+            "low": [float(smoothed.min(axis=0)[t]) for t in steps],
+            "high": [float(smoothed.max(axis=0)[t]) for t in steps],
             "raw": [float(values.mean(axis=0)[t]) for t in steps],
         }
     if {"compact", "baseline"} <= set(bands):
@@ -134,10 +137,11 @@ def _reward_figure(records, lines: list[str], summary: dict[str, Any]):
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
     ax.set_title(f"mean over seeds, moving average over {SMOOTHING} steps; band: lowest to highest seed")
-    text = [PAPER_STATEMENT, "", "Ours (reward: smoothed mean / raw mean over seeds):"]
+    text = [PAPER_STATEMENT, "", "Ours (reward: smoothed mean [seed band] / raw mean over seeds):"]
     for execution, info in summary["executions"].items():
         text.append(f"{EXECUTION_LABELS.get(execution, execution)} ({info['seeds']} seeds):")
-        text += [f"  step {t}: {s:.3f} / {r:.3f}" for t, s, r in zip(info["steps"], info["smoothed"], info["raw"])]
+        text += [f"  step {t}: {s:.3f} [{lo:.3f}-{hi:.3f}] / {r:.3f}" for t, s, lo, hi, r in
+                 zip(info["steps"], info["smoothed"], info["low"], info["high"], info["raw"])]
     if "band_overlap" in summary:
         text += ["", f"Seed bands overlap at {summary['band_overlap']:.0%} of the steps."]
     times = {e: statistics.median(train.ravel()) for e, (train, _) in _seconds(records).items()}
