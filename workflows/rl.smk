@@ -2,18 +2,12 @@
 # per-trajectory baseline side by side from the same initial weights and sampling seeds. One job per seed of an
 # RL config (configs/rl/NAME.yaml, which lists its seeds), both executions in lockstep inside the job, every step
 # logged to W&B as it ends (offline by default); the report plots both reward curves with their seed spread.
-#   snakemake --cores all reports/rl.pdf          the default CPU run (configs/rl/cpu.yaml)
+#   snakemake --cores all reports/rl.pdf          the pipeline config's RL config (rl.config: cpu by default,
+#                                                 h200 in the GPU profiles)
 #   snakemake --cores all reports/rl-NAME.pdf     any configs/rl/NAME.yaml (rl-tiny: the tests' few steps)
-# A job is one process with one torch thread, so `--cores N` runs N seeds at a time; the two executions of a
-# seed share their process and machine, which is what the per-step time comparison needs.
-
-from harts.rl.config import load_rl_config
-
-DEFAULT_RL = "cpu"
-
-
-def rl_records(name):
-    return [f"reports/raw/rl/{name}/seed_{seed:03d}.json" for seed in load_rl_config(f"configs/rl/{name}.yaml").seeds]
+# reports/rl.pdf is not part of `all` (the default CPU run takes about half an hour). A CPU job is one process with
+# one torch thread, so `--cores N` runs N seeds at a time; a CUDA job asks for one `gpu`. The two executions of a
+# seed share their process and device, which is what the per-step time comparison needs.
 
 
 rule rl_seed:
@@ -26,6 +20,7 @@ rule rl_seed:
         seed=r"\d{3}",
     resources:
         torch_threads=1,
+        gpu=lambda wildcards: 1 if rl_config(wildcards.rl).device == "cuda" else 0,
     log:
         "reports/logs/rl/{rl}/seed_{seed}.log",
     benchmark:
@@ -51,7 +46,7 @@ rule report_rl:
 
 rule report_rl_default:
     input:
-        rl_records(DEFAULT_RL),
+        rl_records(config["rl"]["config"]),
     output:
         pdf="reports/rl.pdf",
         csv="reports/rl.csv",

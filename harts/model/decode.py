@@ -146,7 +146,9 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     return layer.o_proj(o.reshape(batch, -1).to(x_BD.dtype))
 
 
-def _mla_step(layer: MLALayer, x_BD: torch.Tensor, cache: MLACache, positions_B: torch.Tensor) -> torch.Tensor:
+def _mla_step(layer: MLALayer, x_BD: torch.Tensor, cache: MLACache, positions_B: torch.Tensor,
+              length: int) -> torch.Tensor:
+    """`length`: cached positions to attend over (the longest rollout's, this token included)."""
     config = layer.config
     batch, heads = x_BD.shape[0], config.num_heads
     rows = torch.arange(batch, device=x_BD.device)
@@ -159,7 +161,6 @@ def _mla_step(layer: MLALayer, x_BD: torch.Tensor, cache: MLACache, positions_B:
     cache.latent_BTR[rows, positions_B] = layer.kv_norm(compressed)
     cache.rope_BTE[rows, positions_B] = k_rope
 
-    length = int(positions_B.max()) + 1
     kv = layer.kv_b_proj(cache.latent_BTR[:, :length]).view(batch, length, heads, -1)
     k_nope, v = kv.split([config.qk_nope_head_dim, config.v_head_dim], dim=-1)
     if config.qk_rope_head_dim:
@@ -183,16 +184,17 @@ def decode_step(model: HybridModel, cache: DecodeCache, tokens_B: torch.Tensor) 
     if cache.batch_size and int(cache.lengths.max()) >= cache.capacity:
         raise ValueError(f"decode_step: a rollout reached the cache capacity of {cache.capacity} positions")
     positions = cache.lengths
+    length = int(positions.max()) + 1 if cache.batch_size else 0
     x = model.embed(tokens_B)
     for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
         h = block.mixer_norm(x)
         if isinstance(layer_cache, KDACache):
             x = x + _kda_step(block.mixer, h, layer_cache)
         else:
-            x = x + _mla_step(block.mixer, h, layer_cache, positions)
+            x = x + _mla_step(block.mixer, h, layer_cache, positions, length)
         h = block.mlp_norm(x)
         x = x + (block.mlp(h)[0] if block.is_moe else block.mlp(h))
     hidden = model.final_norm(x)
     cache.lengths = positions + 1
-    dtype = compute_dtype(hidden)
-    return hidden.to(dtype) @ model.lm_head.weight.to(dtype).T
+    # In the weights' dtype, as the training step's LM head (bf16 parameters: a bf16 matmul).
+    return (hidden @ model.lm_head.weight.T).to(compute_dtype(hidden))
