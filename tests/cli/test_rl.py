@@ -4,6 +4,7 @@ error record with exit status 1, bad input as one line with exit status 2."""
 import json
 
 import pytest
+import torch
 
 import harts.rl.loop
 from harts.cli.main import main
@@ -58,3 +59,13 @@ def test_bad_options_are_one_line(capsys, tmp_path, argv, message):
         main(["rl", "--config", str(TINY), *argv, "--out", str(tmp_path / "x.json")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1
+
+
+def test_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is available")
+    config = tmp_path / "gpu.yaml"
+    config.write_text(TINY.read_text(encoding="utf-8") + "device: cuda\n", encoding="utf-8")
+    assert main(["rl", "--config", str(config), "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == f"harts: error: {config}: device cuda: no CUDA device is available\n"
+    assert not (tmp_path / "x.json").exists()

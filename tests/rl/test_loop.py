@@ -64,6 +64,22 @@ def test_a_run_is_deterministic_per_seed(tiny_run):
     assert other[0]["loss"] != tiny_run[1]["compact"][0]["loss"]
 
 
+def test_bf16_parameters():
+    """The CUDA default dtype on the CPU: bf16 weights (sampling decodes in bf16) with fp32 masters; both
+    executions start from the same policy and trees and take a finite step."""
+    tiny = load_rl_config(TINY)
+    config = _config(dtype="bf16", num_steps=1, warm_start=replace(tiny.warm_start, steps=0),
+                     rollout=replace(tiny.rollout, retry_prob=1.0))
+    assert initial_model(config, 0).embed.weight.dtype == torch.bfloat16
+    _, records = run_seed(config, seed=0)
+    compact, baseline = records["compact"], records["baseline"]
+    for key in ("reward", "trajectories", "semantic_tokens", "compact_tokens"):
+        assert compact[0][key] == baseline[0][key], key
+    assert compact[0]["kl"] == baseline[0]["kl"] == 0.0
+    assert all(np.isfinite(r["loss"]) and r["kl"] is not None for r in compact + baseline)
+    assert compact[1]["kl"] > 0 and baseline[1]["kl"] > 0
+
+
 def test_step_from_trajectories():
     def trajectory(tree, sample, retry, tokens, reward):
         return Trajectory(tree=tree, sample=sample, retry=retry, tokens=tokens, loss_mask=[0] + [1] * (len(tokens) - 1),
