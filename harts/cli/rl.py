@@ -1,12 +1,13 @@
 """`harts rl`: online GRPO on self-sampled rollout trees, compact and per-trajectory execution side by side.
 
-`harts rl --config configs/rl/cpu-small.yaml --out reports/raw/rl/cpu-small/seed_000.json --seeds 0`
+`harts rl --config configs/rl/cpu.yaml --out reports/raw/rl/cpu/seed_000.json --seeds 0`
 runs, for each seed, the config's executions in lockstep from the same initial weights and
 sampling seeds (harts.rl.loop) and writes one record per (seed, execution) (harts.bench.records:
 config, environment, git sha, hardware; results: the step records and a summary). A run that
 fails (a non-finite loss or gradient) becomes a record with an `error` and the command exits 1
-after the other seeds ran; a bad config or option exits 2. `--wandb` logs every step live (one W&B
-run per seed). Tested in tests/cli/test_rl.py.
+after the other seeds ran; a bad config or option exits 2. `--device`, `--dtype` and the backends
+override the config's (`--device cuda`: bf16 and the GPU backends unless given). `--wandb` logs every
+step live (one W&B run per seed). Tested in tests/cli/test_rl.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from harts.cli.args import index_list, positive_int
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("rl", help="online GRPO on self-sampled rollout trees, both executions side by side")
-    parser.add_argument("--config", required=True, help="RL config YAML (harts.rl.config.RLConfig), e.g. configs/rl/cpu-small.yaml")
+    parser.add_argument("--config", required=True,
+                        help="RL config YAML (harts.rl.config.RLConfig): configs/rl/cpu.yaml, tiny.yaml, h200.yaml")
     parser.add_argument("--out", required=True, help="records file (.json: a list; .jsonl: one record per line)")
     parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
                         help="run these seeds (default: the config's seeds)")
     parser.add_argument("--num-steps", type=positive_int, default=None, metavar="N", help="override num_steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override device")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="override dtype (bf16: bf16 parameters with fp32 master weights)")
+    parser.add_argument("--attention-backend", default=None, help="override execution.attention_backend (sdpa|varlen|...)")
+    parser.add_argument("--kda-backend", default=None, help="override execution.kda_backend (torch|fla)")
     parser.add_argument("--wandb", action="store_true",
                         help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -58,7 +65,14 @@ def run_rl(args: argparse.Namespace) -> int:
     config = load_rl_config(args.config)
     if args.num_steps is not None:
         config = replace(config, num_steps=args.num_steps)
-    config = resolve(config)
+    if args.device is not None and args.device != config.device:
+        # The dtype and backends default by device: a config's CPU choices do not carry over to CUDA.
+        config = replace(config, device=args.device, dtype=None,
+                         execution=replace(config.execution, attention_backend=None, kda_backend=None))
+    config = replace(config, dtype=args.dtype or config.dtype, execution=replace(
+        config.execution, attention_backend=args.attention_backend or config.execution.attention_backend,
+        kda_backend=args.kda_backend or config.execution.kda_backend))
+    config = resolve(config, where=args.config)
     seeds = args.seeds if args.seeds is not None else config.seeds
     if config.device == "cuda":
         import torch

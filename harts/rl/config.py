@@ -7,7 +7,8 @@ execution itself is each run's, from `executions`) and the training pieces of `h
 (`LossConfig`, `OptimizerConfig`, `ScheduleConfig` of harts.training.config). `load_rl_config(path)`
 reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
 error naming the file and the dotted key); `resolve` makes the defaults that depend on the device
-explicit, so that a record's config says everything its curves depend on. Tested in
+explicit, so that a record's config says everything its curves depend on, and refuses backends
+the model cannot run (fla's KDA needs chunks of 64: the `tiny` model has 16). Tested in
 tests/rl/test_config.py.
 """
 
@@ -18,12 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harts.config import load_config
+from harts.model.config import load_model_config
+from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
 from harts.objective.step import DTYPES
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
 from harts.runtime.layout import EXECUTIONS
 from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
+
+ATTENTION_BACKENDS = tuple(ATTENTION_BACKEND_FUNCTIONS)
+KDA_BACKENDS = ("torch", "fla")
 
 
 @dataclass(kw_only=True)
@@ -119,12 +125,22 @@ def load_rl_config(path: str | Path) -> RLConfig:
     return load_config(path, RLConfig)
 
 
-def resolve(config: RLConfig) -> RLConfig:
-    """`config` with the device-dependent defaults (dtype, backends) made explicit."""
+def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
+    """`config` with the device-dependent defaults (dtype, backends) made explicit; a ValueError
+    (starting with `where`) for a choice the model cannot run."""
     cuda = config.device == "cuda"
     execution = replace(
         config.execution,
         attention_backend=config.execution.attention_backend or ("varlen" if cuda else "sdpa"),
         kda_backend=config.execution.kda_backend or ("fla" if cuda else "torch"),
     )
+    if execution.kda_backend not in KDA_BACKENDS:
+        raise ValueError(f"{where}: execution.kda_backend must be one of {KDA_BACKENDS}, got {execution.kda_backend!r}")
+    if execution.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{where}: execution.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {execution.attention_backend!r}")
+    chunk = load_model_config(config.model).kda.chunk_size
+    if execution.kda_backend == "fla" and chunk != 64:
+        raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
+                         f"{config.model} has {chunk}; set execution.kda_backend: torch")
     return replace(config, dtype=config.dtype or ("bf16" if cuda else "fp32"), execution=execution)

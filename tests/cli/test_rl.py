@@ -65,7 +65,16 @@ def test_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is available")
     config = tmp_path / "gpu.yaml"
-    config.write_text(TINY.read_text(encoding="utf-8") + "device: cuda\n", encoding="utf-8")
+    text = TINY.read_text(encoding="utf-8").replace("model: tiny", "model: cpu-small")
+    config.write_text(text + "device: cuda\n", encoding="utf-8")
     assert main(["rl", "--config", str(config), "--out", str(tmp_path / "x.json")]) == 2
     assert capsys.readouterr().err == f"harts: error: {config}: device cuda: no CUDA device is available\n"
     assert not (tmp_path / "x.json").exists()
+
+
+def test_device_override_takes_the_devices_defaults(capsys, tmp_path):
+    """`--device cuda` on a CPU config: bf16 and fla by default, which the tiny model (chunks of 16) cannot run."""
+    assert main(["rl", "--config", str(TINY), "--device", "cuda", "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == (f"harts: error: {TINY}: execution.kda_backend fla needs the model's KDA "
+                                       "chunk_size 64, model tiny has 16; set execution.kda_backend: torch\n")
+

@@ -1,5 +1,6 @@
 """The RL config: the shipped files load, defaults resolve by device, bad values name their key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,25 @@ def test_shipped_configs_load(path):
 
 def test_resolve_by_device(tmp_path):
     path = tmp_path / "rl.yaml"
-    path.write_text("name: x\nmodel: tiny\ndevice: cuda\n")
+    path.write_text("name: x\nmodel: cpu-small\ndevice: cuda\n")
     config = resolve(load_rl_config(path))
     assert (config.dtype, config.execution.attention_backend, config.execution.kda_backend) == ("bf16", "varlen", "fla")
-    path.write_text("name: x\nmodel: tiny\n")
+    path.write_text("name: x\nmodel: cpu-small\n")
     config = resolve(load_rl_config(path))
     assert (config.dtype, config.execution.attention_backend, config.execution.kda_backend) == ("fp32", "sdpa", "torch")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("device: cuda\n", "execution.kda_backend fla needs the model's KDA chunk_size 64, model tiny has 16; set "
+                       "execution.kda_backend: torch"),
+    ("execution: {kda_backend: triton}\n", "execution.kda_backend must be one of ('torch', 'fla'), got 'triton'"),
+    ("execution: {attention_backend: flash}\n", "execution.attention_backend must be one of"),
+], ids=["fla-with-chunks-of-16", "kda-backend", "attention-backend"])
+def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: tiny\n" + text)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+        resolve(load_rl_config(path), where=path)
 
 
 @pytest.mark.parametrize("text, message", [
