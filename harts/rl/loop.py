@@ -239,6 +239,9 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         learner.optimizer.step()
         learner.scheduler.step()
         update_expert_biases(learner.model, result.tokens_per_expert)
+        # The optimizer's kernels are asynchronous on CUDA: its time is up to their end, as run_step's phases.
+        if learner.model.embed.weight.is_cuda:
+            torch.cuda.synchronize(learner.model.embed.weight.device)
     optimizer_seconds = time.perf_counter() - start
 
     samples = [tr for tr in trajectories if tr.retry is None]
