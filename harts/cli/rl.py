@@ -3,7 +3,8 @@
 `harts rl --config configs/rl/cpu.yaml --out reports/raw/rl/cpu/seed_000.json --seeds 0`
 runs, for each seed, the config's executions in lockstep from the same initial weights and
 sampling seeds (harts.rl.loop) and writes one record per (seed, execution) (harts.bench.records:
-config, environment, git sha, hardware; results: the step records and a summary). A run that
+config, environment as the seed's run started, git sha, hardware; results: the step records and a
+summary). A run that
 fails (a non-finite loss or gradient) becomes a record with an `error` and the command exits 1
 after the other seeds ran; a bad config or option exits 2. `--device`, `--dtype` and the backends
 override the config's (`--device cuda`: bf16 and the GPU backends unless given). `--wandb` logs every
@@ -82,21 +83,25 @@ def run_rl(args: argparse.Namespace) -> int:
     records, failed = [], False
     for seed in seeds:
         tracker, seed_failed = None, False
+        # The environment as the seed's run starts (git sha and dirty flag of the code that runs, not of
+        # whatever the checkout holds minutes later when the record is written).
+        started = environment()
         if args.wandb:
-            tracker = RLTracker.start({"config": run_config(config, seed), "environment": environment()})
+            tracker = RLTracker.start({"config": run_config(config, seed), "environment": started})
         try:
             warm, by_execution = run_seed(config, seed, progress=not args.no_progress, tracker=tracker)
         except ValueError as error:
             seed_failed = failed = True
-            records += [make_record("rl", {**run_config(config, seed), "execution": e}, error=error_message(error))
-                        for e in config.executions]
+            seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
+                                        error=error_message(error)) for e in config.executions]
         else:
-            records += [make_record("rl", {**run_config(config, seed), "execution": e},
-                                    {"warm_start": warm, "steps": steps, "summary": summary(steps)})
-                        for e, steps in by_execution.items()]
+            seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
+                                        {"warm_start": warm, "steps": steps, "summary": summary(steps)})
+                            for e, steps in by_execution.items()]
         finally:
             if tracker is not None:
                 tracker.finish(seed_failed)
+        records += [{**record, "environment": started} for record in seed_records]
     write_records(records, args.out)
     summaries = [{"seed": r["config"]["seed"], "execution": r["config"]["execution"],
                   **(r["results"]["summary"] if "results" in r else {"error": r["error"]})} for r in records]

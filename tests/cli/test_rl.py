@@ -6,22 +6,34 @@ import json
 import pytest
 import torch
 
+import harts.bench.records
 import harts.rl.loop
+from harts.bench.records import environment, git_state
 from harts.cli.main import main
 from tests.fixtures import one_thread  # noqa: F401
 from tests.rl.test_loop import TINY
 
 
-def test_records_of_both_executions(capsys, tmp_path):
+def test_records_of_both_executions(capsys, tmp_path, monkeypatch):
     out = tmp_path / "rl.json"
+    run_seed, at_start = harts.rl.loop.run_seed, git_state()
+
+    def run_then_commit(*args, **kwargs):
+        result = run_seed(*args, **kwargs)
+        monkeypatch.setattr(harts.bench.records, "git_state", lambda: {"sha": "committed later", "dirty": False})
+        return result
+
+    # The records give the environment as the run started (the code that ran), not as they are written.
+    monkeypatch.setattr(harts.rl.loop, "run_seed", run_then_commit)
     assert main(["rl", "--config", str(TINY), "--out", str(out), "--seeds", "1", "--num-steps", "1", "--no-progress",
                  "--json"]) == 0
     summaries = json.loads(capsys.readouterr().out)
     records = json.loads(out.read_text())
     assert [(r["benchmark"], r["config"]["seed"], r["config"]["execution"]) for r in records] == [
         ("rl", 1, "compact"), ("rl", 1, "baseline")]
+    assert environment()["git"]["sha"] == "committed later"
     for record, summary in zip(records, summaries):
-        assert record["environment"]["git"]["sha"] and record["environment"]["hardware"]["cpu_count"]
+        assert record["environment"]["git"] == at_start and record["environment"]["hardware"]["cpu_count"]
         assert record["config"]["rl"]["num_steps"] == 1 and record["config"]["model"]["name"] == "tiny"
         assert "outside" in record["config"]["timing"]
         results = record["results"]
