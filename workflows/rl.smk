@@ -5,7 +5,7 @@
 #   snakemake --cores all reports/rl.pdf          the pipeline config's RL config (rl.config: cpu by default,
 #                                                 h200 in the GPU profiles)
 #   snakemake --cores all reports/rl-NAME.pdf     any configs/rl/NAME.yaml (rl-tiny: the tests' few steps)
-# reports/rl.pdf is not part of `all` (the default CPU run takes about half an hour). A CPU job is one process with
+# reports/rl.pdf is not part of `all` (the default CPU run takes 10-11 minutes on an idle 2-core machine). A CPU job is one process with
 # one torch thread, so `--cores N` runs N seeds at a time; a CUDA job asks for one `gpu`. The two executions of a
 # seed share their process and device, which is what the per-step time comparison needs.
 
