@@ -1,5 +1,6 @@
-"""`harts rl`: records of both executions per seed (config, environment, results), a failed run as an
-error record with exit status 1, bad input as one line with exit status 2."""
+"""`harts rl`: records of both executions per seed (config, the environment as the run started, results),
+a failed run as an error record with exit status 1, bad input (options, device cuda without a GPU, a KDA
+backend the model cannot run) as one line with exit status 2."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""The online RL loop: both executions from the same initial policy agree at step 0 and train; a run is
-deterministic per seed; the step built from trees (GRPO within each tree), the log-prob shift of the
+"""The online RL loop: both executions from the same initial policy agree at step 0 and train (also with
+bf16 parameters, the CUDA default); a run is deterministic per seed; the step built from trees (GRPO within each tree), the log-prob shift of the
 reference, the warm start; (slow) the reward rises over 40 steps in both executions."""
 
 from dataclasses import replace
