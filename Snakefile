@@ -45,6 +45,7 @@ include: "workflows/planning.smk"
 include: "workflows/speedup.smk"
 include: "workflows/fidelity.smk"
 include: "workflows/reports.smk"
+include: "workflows/rl.smk"
 
 
 # Cheap rules that read a few JSON files run where Snakemake runs, never in a cluster queue.
@@ -53,6 +54,8 @@ localrules:
     report_speedup,
     report_planning,
     report_fidelity,
+    report_rl,
+    report_rl_default,
     summary,
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from harts.parallel.config import load_parallel_config
+from harts.rl.config import load_rl_config
 
 # Jobs run `harts` of the environment Snakemake runs in (where harts is installed), also when Snakemake
 # was started as .venv/bin/snakemake without activating the environment.
@@ -47,6 +48,11 @@ def _check_config():
                 raise ValueError(f"pipeline config: {section}.parallel: no file {path}")
             if load_parallel_config(str(path)).name != name:
                 raise ValueError(f"{path}: its `name` must be {name!r} (records are labelled by it)")
+    rl = Path(f"configs/rl/{config['rl']['config']}.yaml")
+    if not rl.is_file():
+        raise ValueError(f"pipeline config: rl.config: no file {rl}")
+    if load_rl_config(rl).name != config["rl"]["config"]:
+        raise ValueError(f"{rl}: its `name` must be {config['rl']['config']!r} (records are labelled by it)")
     for name in config["planning"]["datasets"]:
         if name not in SYNTH_DATASETS:
             raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
@@ -158,6 +164,15 @@ def used_steps():
 
 def trees_records():
     return [f"reports/raw/trees/{dataset}/step_{step:03d}.json" for dataset, step in used_steps()]
+
+
+def rl_config(name):
+    return load_rl_config(f"configs/rl/{name}.yaml")
+
+
+def rl_records(name):
+    """The records of every seed of configs/rl/NAME.yaml, one file per seed."""
+    return [f"reports/raw/rl/{name}/seed_{seed:03d}.json" for seed in rl_config(name).seeds]
 
 
 def comma(values):

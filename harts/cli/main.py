@@ -16,6 +16,7 @@ import sys
 from harts import __version__
 from harts.cli import bench as bench_cli
 from harts.cli import plan as plan_cli
+from harts.cli import rl as rl_cli
 from harts.cli import train as train_cli
 from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(commands)
     train_cli.register(commands)
     train_loop_cli.register(commands)
+    rl_cli.register(commands)
     return parser
 
 

@@ -199,6 +199,24 @@ def test_slurm_job_scripts_for_the_speedup_target(workdir):
     assert (workdir / "reports/speedup.pdf").is_file()
 
 
+@pytest.mark.parametrize("profile", list(PROFILES), ids=list(PROFILES))
+def test_dry_run_rl_report(workdir, profile):
+    """reports/rl.pdf: one rl_seed job per seed of the pipeline config's RL config (CUDA jobs ask for a GPU);
+    not part of `all`."""
+    from harts.rl.config import load_rl_config
+
+    name = yaml.safe_load((REPO / PROFILES[profile][0]).read_text(encoding="utf-8")).get("rl", {}).get("config", "cpu")
+    rl = load_rl_config(REPO / "configs" / "rl" / f"{name}.yaml")
+    result = snakemake(workdir, "-n", "--workflow-profile", profile, "reports/rl.pdf")
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = job_counts(result.stdout)
+    assert counts["rl_seed"] == len(rl.seeds) and counts["report_rl_default"] == 1
+    for seed in rl.seeds:
+        assert f"reports/raw/rl/{name}/seed_{seed:03d}.json" in result.stdout
+    assert ("gpu=1" in result.stdout) == (rl.device == "cuda")
+    assert "rl_seed" not in job_counts(snakemake(workdir, "-n", "--workflow-profile", profile).stdout)
+
+
 BAD_CONFIGS = {
     "unknown-key": ({"speedup": {"warmup": 3}}, "Additional properties are not allowed ('warmup' was unexpected)"),
     "unknown-planner": ({"planning": {"planners": ["harts", "magic"]}}, "'magic' is not one of"),
@@ -213,6 +231,7 @@ BAD_CONFIGS = {
     "resources-missing-field": ({"resources": {"planning": {"threads": 2}}}, "'runtime' is a required property"),
     "resources-zero-threads": ({"resources": {"speedup_step": {"threads": 0, "runtime": 5, "mem_mb": 100}}},
                                "0 is less than the minimum of 1"),
+    "missing-rl-config": ({"rl": {"config": "nope"}}, "rl.config: no file configs/rl/nope.yaml"),
 }
 
 

@@ -1,0 +1,119 @@
+"""`harts rl`: online GRPO on self-sampled rollout trees, compact and per-trajectory execution side by side.
+
+`harts rl --config configs/rl/cpu.yaml --out reports/raw/rl/cpu/seed_000.json --seeds 0`
+runs, for each seed, the config's executions in lockstep from the same initial weights and
+sampling seeds (harts.rl.loop) and writes one record per (seed, execution) (harts.bench.records:
+config, environment as the seed's run started, git sha, hardware; results: the step records and a
+summary). A run that
+fails (a non-finite loss or gradient) becomes a record with an `error` and the command exits 1
+after the other seeds ran; a bad config or option exits 2. `--device`, `--dtype` and the backends
+override the config's (`--device cuda`: bf16 and the GPU backends unless given). `--wandb` logs every
+step live (one W&B run per seed). Tested in tests/cli/test_rl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+from harts.cli.args import index_list, positive_int
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("rl", help="online GRPO on self-sampled rollout trees, both executions side by side")
+    parser.add_argument("--config", required=True,
+                        help="RL config YAML (harts.rl.config.RLConfig): configs/rl/cpu.yaml, tiny.yaml, h200.yaml")
+    parser.add_argument("--out", required=True, help="records file (.json: a list; .jsonl: one record per line)")
+    parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
+                        help="run these seeds (default: the config's seeds)")
+    parser.add_argument("--num-steps", type=positive_int, default=None, metavar="N", help="override num_steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override device")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="override dtype (bf16: bf16 parameters with fp32 master weights)")
+    parser.add_argument("--attention-backend", default=None, help="override execution.attention_backend (sdpa|varlen|...)")
+    parser.add_argument("--kda-backend", default=None, help="override execution.kda_backend (torch|fla)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    parser.set_defaults(run=run_rl)
+
+
+def summary(steps: list[dict]) -> dict:
+    """Reward at the first and last step, and medians of the per-step times over the update steps."""
+    updates = [s for s in steps if s["update"]]
+
+    def median(key: str) -> float:
+        return statistics.median(s["seconds"][key] for s in updates)
+
+    return {
+        "reward_first": steps[0]["reward"], "reward_last": steps[-1]["reward"],
+        "kl_last": steps[-1]["kl"], "compression_mean": statistics.fmean(s["compression"] for s in steps),
+        "train_seconds_median": median("train"), "forward_backward_seconds_median": statistics.median(
+            s["seconds"]["forward"] + s["seconds"]["backward"] for s in updates),
+        "sample_seconds_median": median("sample"), "reference_seconds_median": median("reference"),
+    }
+
+
+def run_rl(args: argparse.Namespace) -> int:
+    from harts.bench.records import environment, error_message, make_record, write_records
+    from harts.rl.config import load_rl_config, resolve
+    from harts.rl.loop import run_config, run_seed
+    from harts.rl.tracking import RLTracker
+
+    config = load_rl_config(args.config)
+    if args.num_steps is not None:
+        config = replace(config, num_steps=args.num_steps)
+    if args.device is not None and args.device != config.device:
+        # The dtype and backends default by device: a config's CPU choices do not carry over to CUDA.
+        config = replace(config, device=args.device, dtype=None,
+                         execution=replace(config.execution, attention_backend=None, kda_backend=None))
+    config = replace(config, dtype=args.dtype or config.dtype, execution=replace(
+        config.execution, attention_backend=args.attention_backend or config.execution.attention_backend,
+        kda_backend=args.kda_backend or config.execution.kda_backend))
+    config = resolve(config, where=args.config)
+    seeds = args.seeds if args.seeds is not None else config.seeds
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{args.config}: device cuda: no CUDA device is available")
+    records, failed = [], False
+    for seed in seeds:
+        tracker, seed_failed = None, False
+        # The environment as the seed's run starts (git sha and dirty flag of the code that runs, not of
+        # whatever the checkout holds minutes later when the record is written).
+        started = environment()
+        if args.wandb:
+            tracker = RLTracker.start({"config": run_config(config, seed), "environment": started})
+        try:
+            warm, by_execution = run_seed(config, seed, progress=not args.no_progress, tracker=tracker)
+        except ValueError as error:
+            seed_failed = failed = True
+            seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
+                                        error=error_message(error)) for e in config.executions]
+        else:
+            seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
+                                        {"warm_start": warm, "steps": steps, "summary": summary(steps)})
+                            for e, steps in by_execution.items()]
+        finally:
+            if tracker is not None:
+                tracker.finish(seed_failed)
+        records += [{**record, "environment": started} for record in seed_records]
+    write_records(records, args.out)
+    summaries = [{"seed": r["config"]["seed"], "execution": r["config"]["execution"],
+                  **(r["results"]["summary"] if "results" in r else {"error": r["error"]})} for r in records]
+    if args.json:
+        print(json.dumps(summaries))
+    else:
+        for s in summaries:
+            if "error" in s:
+                print(f"seed {s['seed']} {s['execution']}: error: {s['error']}")
+            else:
+                print(f"seed {s['seed']} {s['execution']}: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, "
+                      f"KL {s['kl_last']:.4g}, S/C {s['compression_mean']:.2f}, training step "
+                      f"{s['train_seconds_median']:.3f} s (sampling {s['sample_seconds_median']:.3f} s, outside it)")
+        print(f"records: {args.out}")
+    return 1 if failed else 0

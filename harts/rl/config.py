@@ -1,0 +1,146 @@
+"""Configuration of `harts rl`: one strict YAML file (configs/rl/NAME.yaml).
+
+`RLConfig` composes the environment (`harts.rollout.env.LookupEnvConfig`), the supervised warm
+start that makes the initial policy (`WarmStartConfig`), the sampling of trees
+(`harts.rollout.generate.RolloutConfig`), how a step is executed (`RLExecutionConfig`; the
+execution itself is each run's, from `executions`) and the training pieces of `harts train`
+(`LossConfig`, `OptimizerConfig`, `ScheduleConfig` of harts.training.config). `load_rl_config(path)`
+reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
+error naming the file and the dotted key); `resolve` makes the defaults that depend on the device
+explicit, so that a record's config says everything its curves depend on, and refuses backends
+the model cannot run (fla's KDA needs chunks of 64: the `tiny` model has 16). Tested in
+tests/rl/test_config.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from harts.config import load_config
+from harts.model.config import load_model_config
+from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
+from harts.objective.step import DTYPES
+from harts.planning.microbatch import PLANNER_NAMES
+from harts.rollout.env import LookupEnvConfig
+from harts.rollout.generate import RolloutConfig
+from harts.runtime.layout import EXECUTIONS
+from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
+
+ATTENTION_BACKENDS = tuple(ATTENTION_BACKEND_FUNCTIONS)
+KDA_BACKENDS = ("torch", "fla")
+
+
+@dataclass(kw_only=True)
+class RLExecutionConfig:
+    """How each training step is planned and run (harts.objective.step); the execution is the run's."""
+
+    capacity: int = 4096
+    """T: compact tokens per microbatch."""
+    planner_compact: str = "harts"
+    planner_baseline: str = "per-trajectory"
+    """Microbatch planners of the two executions (harts.planning.microbatch)."""
+    recompute: bool = False
+    attention_backend: str | None = None
+    """None = "sdpa" on CPU, "varlen" on CUDA."""
+    kda_backend: str | None = None
+    """None = "torch" on CPU, "fla" on CUDA."""
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
+        for name in ("planner_compact", "planner_baseline"):
+            if getattr(self, name) not in PLANNER_NAMES:
+                raise ValueError(f"execution.{name} must be one of {PLANNER_NAMES}, got {getattr(self, name)!r}")
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """Supervised steps on a scripted agent's episodes before RL (the initial policy of both executions)."""
+
+    steps: int = 120
+    """Optimizer steps (0: RL from the random initialisation)."""
+    episodes: int = 64
+    """Demonstration episodes per step (one task each)."""
+    accuracy: float = 0.5
+    """Probability that the scripted agent takes the optimal action at a decision (else a random legal one)."""
+    lr: float = 3e-3
+    """AdamW's learning rate (no weight decay; gradients clipped at norm 1)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.episodes < 1:
+            raise ValueError(f"warm_start.steps must be >= 0 and warm_start.episodes >= 1, got {self.steps}, {self.episodes}")
+        if not 0 <= self.accuracy <= 1:
+            raise ValueError(f"warm_start.accuracy must be in [0, 1], got {self.accuracy}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"warm_start.lr must be a finite number > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """Everything the reward, loss and KL curves of `harts rl` depend on."""
+
+    name: str
+    """Labels the records, the W&B runs and the report."""
+    model: str
+    """A shipped model config NAME (configs/models) or a YAML path."""
+    num_steps: int = 120
+    """GRPO updates per run: steps 0..num_steps−1 sample and update, step num_steps samples the
+    final policy (its reward, KL and loss, no update)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """One pair of runs per seed: the same initial weights, tasks and sampling seeds in both executions."""
+    executions: list[str] = field(default_factory=lambda: ["compact", "baseline"])
+    device: str = "cpu"
+    dtype: str | None = None
+    """"fp32" or "bf16" (bf16 parameters with fp32 masters, as `harts train`); None = bf16 on CUDA, fp32 on CPU."""
+    env: LookupEnvConfig = field(default_factory=LookupEnvConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    execution: RLExecutionConfig = field(default_factory=RLExecutionConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not self.seeds or min(self.seeds) < 0 or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct integers >= 0, at least one, got {self.seeds}")
+        if not self.executions or len(set(self.executions)) != len(self.executions) or not set(
+                self.executions) <= set(EXECUTIONS):
+            raise ValueError(f"executions must be distinct names of {EXECUTIONS}, got {self.executions}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.loss.name != "grpo":
+            raise ValueError(f"loss.name must be 'grpo' (the RL loop computes GRPO advantages), got {self.loss.name!r}")
+
+    def planner(self, execution: str) -> str:
+        return self.execution.planner_compact if execution == "compact" else self.execution.planner_baseline
+
+
+def load_rl_config(path: str | Path) -> RLConfig:
+    return load_config(path, RLConfig)
+
+
+def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
+    """`config` with the device-dependent defaults (dtype, backends) made explicit; a ValueError
+    (starting with `where`) for a choice the model cannot run."""
+    cuda = config.device == "cuda"
+    execution = replace(
+        config.execution,
+        attention_backend=config.execution.attention_backend or ("varlen" if cuda else "sdpa"),
+        kda_backend=config.execution.kda_backend or ("fla" if cuda else "torch"),
+    )
+    if execution.kda_backend not in KDA_BACKENDS:
+        raise ValueError(f"{where}: execution.kda_backend must be one of {KDA_BACKENDS}, got {execution.kda_backend!r}")
+    if execution.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{where}: execution.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {execution.attention_backend!r}")
+    chunk = load_model_config(config.model).kda.chunk_size
+    if execution.kda_backend == "fla" and chunk != 64:
+        raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
+                         f"{config.model} has {chunk}; set execution.kda_backend: torch")
+    return replace(config, dtype=config.dtype or ("bf16" if cuda else "fp32"), execution=execution)

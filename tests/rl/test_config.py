@@ -1,0 +1,62 @@
+"""The RL config: the shipped files load, defaults resolve by device, bad values name their key."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from harts.rl.config import load_rl_config, resolve
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs" / "rl").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_configs_load(path):
+    config = resolve(load_rl_config(path))
+    assert config.name == path.stem and config.executions == ["compact", "baseline"]
+    assert config.dtype in ("fp32", "bf16") and config.execution.kda_backend in ("torch", "fla")
+
+
+def test_resolve_by_device(tmp_path):
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: cpu-small\ndevice: cuda\n")
+    config = resolve(load_rl_config(path))
+    assert (config.dtype, config.execution.attention_backend, config.execution.kda_backend) == ("bf16", "varlen", "fla")
+    path.write_text("name: x\nmodel: cpu-small\n")
+    config = resolve(load_rl_config(path))
+    assert (config.dtype, config.execution.attention_backend, config.execution.kda_backend) == ("fp32", "sdpa", "torch")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("device: cuda\n", "execution.kda_backend fla needs the model's KDA chunk_size 64, model tiny has 16; set "
+                       "execution.kda_backend: torch"),
+    ("execution: {kda_backend: triton}\n", "execution.kda_backend must be one of ('torch', 'fla'), got 'triton'"),
+    ("execution: {attention_backend: flash}\n", "execution.attention_backend must be one of"),
+], ids=["fla-with-chunks-of-16", "kda-backend", "attention-backend"])
+def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: tiny\n" + text)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+        resolve(load_rl_config(path), where=path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: tiny\n", "missing required key 'name'"),
+    ("name: x\nmodel: tiny\nrollout: {samples: 4}\n", "unknown key 'rollout.samples'"),
+    ("name: x\nmodel: tiny\nseeds: [0, 0]\n", "seeds must be distinct"),
+    ("name: x\nmodel: tiny\nexecutions: [compact, replay]\n", "executions must be distinct names"),
+    ("name: x\nmodel: tiny\nnum_steps: 0\n", "num_steps must be >= 1"),
+    ("name: x\nmodel: tiny\nloss: {name: ppo}\n", "loss.name must be 'grpo'"),
+    ("name: x\nmodel: tiny\nexecution: {planner_compact: magic}\n", "execution.planner_compact must be one of"),
+    ("name: x\nmodel: tiny\nwarm_start: {accuracy: 1.5}\n", "warm_start.accuracy must be in"),
+    ("name: x\nmodel: tiny\nenv: {num_values: 40}\n", "num_values must be in"),
+    ("name: x\nmodel: tiny\nrollout: {top_p: 0}\n", "rollout.top_p must be in"),
+], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "accuracy",
+        "values", "top-p"])
+def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "rl.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        load_rl_config(path)
+    assert str(error.value).startswith(str(path))

@@ -1,0 +1,129 @@
+"""The online RL loop: both executions from the same initial policy agree at step 0 and train (also with
+bf16 parameters, the CUDA default); a run is deterministic per seed; the step built from trees (GRPO within each tree), the log-prob shift of the
+reference, the warm start; (slow) the reward rises over 40 steps in both executions."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harts.rl.config import load_rl_config, resolve
+from harts.rl.loop import initial_model, make_step, run_seed, step_from_trajectories, target_logprobs, warm_start
+from harts.rollout.env import LookupEnv
+from harts.rollout.generate import Trajectory
+from harts.trees.step import grpo_advantages
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "rl" / "tiny.yaml"
+
+
+def _config(**changes):
+    return resolve(replace(load_rl_config(TINY), **changes))
+
+
+def _without_seconds(records):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    return run_seed(_config(), seed=0)
+
+
+def test_both_executions_start_from_the_same_policy_and_trees(tiny_run):
+    warm, records = tiny_run
+    compact, baseline = records["compact"], records["baseline"]
+    assert warm["steps"] == 2 and warm["nll_last"] < warm["nll_first"]
+    assert [r["step"] for r in compact] == [0, 1, 2, 3] and [r["update"] for r in compact] == [True] * 3 + [False]
+    first_c, first_b = compact[0], baseline[0]
+    for key in ("reward", "reward_all", "trajectories", "semantic_tokens", "compact_tokens", "tool_calls"):
+        assert first_c[key] == first_b[key], key
+    # The policy is the reference at step 0: the same weights, the same execution, the same rows.
+    assert first_c["kl"] == first_b["kl"] == 0.0
+    assert first_c["loss"] == pytest.approx(first_b["loss"], rel=1e-5, abs=1e-7)
+    assert first_c["compression"] > 2, "the prefix and the prompts are shared"
+    for c, b in zip(compact, baseline):
+        assert b["rows"] == b["semantic_tokens"] and c["rows"] == c["compact_tokens"] < c["semantic_tokens"]
+        assert c["compression"] == c["semantic_tokens"] / c["compact_tokens"]
+    assert all(r["kl"] > 0 for r in compact[1:] + baseline[1:]), "an update moves the policy away from the reference"
+    last = compact[-1]
+    assert last["grad_norm"] is None and last["lr"] is None and last["seconds"]["backward"] == 0.0
+    seconds = compact[0]["seconds"]
+    parts = ("plan", "layout", "forward", "backward", "optimizer")
+    assert seconds["train"] == pytest.approx(sum(seconds[k] for k in parts)) and seconds["sample"] > 0
+
+
+def test_a_run_is_deterministic_per_seed(tiny_run):
+    again = run_seed(_config(), seed=0)
+    assert again[0] == tiny_run[0]
+    for execution in ("compact", "baseline"):
+        assert _without_seconds(again[1][execution]) == _without_seconds(tiny_run[1][execution])
+    other = run_seed(_config(num_steps=1, executions=["compact"]), seed=1)[1]["compact"]
+    assert other[0]["loss"] != tiny_run[1]["compact"][0]["loss"]
+
+
+def test_bf16_parameters():
+    """The CUDA default dtype on the CPU: bf16 weights (sampling decodes in bf16) with fp32 masters; both
+    executions start from the same policy and trees and take a finite step."""
+    tiny = load_rl_config(TINY)
+    config = _config(dtype="bf16", num_steps=1, warm_start=replace(tiny.warm_start, steps=0),
+                     rollout=replace(tiny.rollout, retry_prob=1.0))
+    assert initial_model(config, 0).embed.weight.dtype == torch.bfloat16
+    _, records = run_seed(config, seed=0)
+    compact, baseline = records["compact"], records["baseline"]
+    for key in ("reward", "trajectories", "semantic_tokens", "compact_tokens"):
+        assert compact[0][key] == baseline[0][key], key
+    assert compact[0]["kl"] == baseline[0]["kl"] == 0.0
+    assert all(np.isfinite(r["loss"]) and r["kl"] is not None for r in compact + baseline)
+    assert compact[1]["kl"] > 0 and baseline[1]["kl"] > 0
+
+
+def test_step_from_trajectories():
+    def trajectory(tree, sample, retry, tokens, reward):
+        return Trajectory(tree=tree, sample=sample, retry=retry, tokens=tokens, loss_mask=[0] + [1] * (len(tokens) - 1),
+                          logprobs=[0.0] * len(tokens), forked_at=1, reward=reward)
+
+    trajectories = [trajectory(0, 0, None, [1, 5, 6], 1.0), trajectory(1, 0, None, [1, 7], 0.0),
+                    trajectory(0, 0, 0, [1, 5, 7, 8], 0.0), trajectory(1, 1, None, [1, 9], 1.0)]
+    step = step_from_trajectories(trajectories)
+    assert step.ids == ("t0/s0", "t1/s0", "t0/s0/r0", "t1/s1") and step.trees == ("t0", "t1", "t0", "t1")
+    assert step.offsets.tolist() == [0, 3, 5, 9, 11] and step.tokens.tolist() == [1, 5, 6, 1, 7, 1, 5, 7, 8, 1, 9]
+    assert step.loss_mask.tolist() == [0, 1, 1, 0, 1, 0, 1, 1, 1, 0, 1]
+    assert step.advantage_per_trajectory.tolist() == grpo_advantages(np.array([1.0, 0.0, 0.0, 1.0]),
+                                                                     step.trees).tolist()
+    assert step.advantage_per_trajectory[0] > 0 > step.advantage_per_trajectory[2]
+    assert step.old_logprobs is None and step.ref_logprobs is None
+    explicit = make_step(["a"], ["a"], [[1, 2]], [[0, 1]], [0.5], np.array([2.0]))
+    assert explicit.advantage_per_trajectory.tolist() == [2.0] and explicit.rewards.tolist() == [0.5]
+
+
+def test_target_logprobs_move_each_position_to_the_token_it_predicts():
+    step = make_step(["a", "b"], ["t", "t"], [[1, 2, 3], [1, 4]], [[0, 1, 1], [0, 1]], [0.0, 1.0], np.zeros(2))
+    # Position p predicts token p + 1; the last position of a trajectory predicts nothing.
+    logprobs = torch.tensor([-0.1, -0.2, -9.0, -0.4, -9.0])
+    assert target_logprobs(step, logprobs).tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, -0.4])
+
+
+def test_warm_start_is_deterministic_and_learns():
+    config = _config(warm_start=replace(load_rl_config(TINY).warm_start, steps=6))
+    env = LookupEnv(config.env)
+    first, second = initial_model(config, 3), initial_model(config, 3)
+    summary = warm_start(first, env, config, seed=3)
+    assert warm_start(second, env, config, seed=3) == summary
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert summary["nll_last"] < summary["nll_first"] and 0 < summary["demonstration_reward"] < 1
+    assert warm_start(initial_model(config, 3), env, _config(warm_start=replace(config.warm_start, steps=0)),
+                      seed=3) == {"steps": 0}
+
+
+@pytest.mark.slow
+def test_the_reward_rises_in_both_executions():
+    """40 steps of the shipped CPU config (two seeds' worth of trees per step), about 3 minutes: slow
+    because learning needs that many steps."""
+    config = resolve(replace(load_rl_config(REPO / "configs" / "rl" / "cpu.yaml"), num_steps=40))
+    _, records = run_seed(config, seed=0)
+    for execution, steps in records.items():
+        rewards = np.array([s["reward"] for s in steps])
+        assert rewards[-10:].mean() > rewards[:10].mean() + 0.1, (execution, rewards)
