@@ -75,6 +75,12 @@ def options(args: argparse.Namespace) -> WandbOptions:
     return WandbOptions(project=args.wandb_project, group=args.wandb_group, mode=args.wandb_mode)
 
 
+def requested(args: argparse.Namespace) -> bool:
+    """Whether a command that logs only on request (`harts train`, `harts rl`) was asked to: `--wandb` or
+    any `--wandb-*` flag."""
+    return bool(args.wandb or args.wandb_project or args.wandb_group or args.wandb_mode)
+
+
 def wandb_mode(environ: dict[str, str] | None = None, flag: str | None = None) -> str:
     env = os.environ if environ is None else environ
     if env.get("WANDB_MODE"):

@@ -18,6 +18,7 @@ import json
 import statistics
 from dataclasses import replace
 
+from harts.bench import wandb_log
 from harts.cli.args import index_list, positive_int
 
 
@@ -35,7 +36,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-backend", default=None, help="override execution.attention_backend (sdpa|varlen|...)")
     parser.add_argument("--kda-backend", default=None, help="override execution.kda_backend (torch|fla)")
     parser.add_argument("--wandb", action="store_true",
-                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
+                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise; "
+                             "implied by any --wandb-* flag)")
+    wandb_log.add_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.set_defaults(run=run_rl)
@@ -86,8 +89,9 @@ def run_rl(args: argparse.Namespace) -> int:
         # The environment as the seed's run starts (git sha and dirty flag of the code that runs, not of
         # whatever the checkout holds minutes later when the record is written).
         started = environment()
-        if args.wandb:
-            tracker = RLTracker.start({"config": run_config(config, seed), "environment": started})
+        if wandb_log.requested(args):
+            tracker = RLTracker.start({"config": run_config(config, seed), "environment": started},
+                                      wandb_log.options(args))
         try:
             warm, by_execution = run_seed(config, seed, progress=not args.no_progress, tracker=tracker)
         except ValueError as error:

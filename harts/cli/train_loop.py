@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
 
 # (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
@@ -71,7 +72,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     parser.add_argument("--wandb", action="store_true",
-                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise)")
+                        help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise; "
+                             "implied by any --wandb-* flag)")
+    wandb_log.add_arguments(parser)
     for flag, _, keywords in OVERRIDES + LOSS_OVERRIDES:
         if "action" not in keywords and "choices" not in keywords:
             keywords = {"metavar": flag.removeprefix("--").replace("-", "_").upper(), **keywords}
@@ -114,7 +117,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress,
-                    wandb=args.wandb)
+                    wandb=wandb_log.requested(args), wandb_options=wandb_log.options(args))
     out = Path(args.out)
     summary = {"steps_run": len(records), "last_step": records[-1]["step"] if records else None,
                "last": records[-1] if records else None, "log": str(out / LOG_NAME)}

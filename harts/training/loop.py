@@ -58,6 +58,7 @@ from harts.training.checkpoint import (
 from harts.training.config import TrainConfig, resolve
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
+from harts.bench.wandb_log import WandbOptions
 from harts.training.tracking import WandbTracker
 
 if TYPE_CHECKING:
@@ -75,10 +76,12 @@ def train(
     max_steps: int | None = None,
     progress: bool = False,
     wandb: bool = False,
+    wandb_options: WandbOptions | None = None,
     on_step_end: Iterable[Callable[[dict[str, Any]], None]] = (),
 ) -> list[dict[str, Any]]:
     """Run `config`'s steps into `run_dir` (from its last checkpoint with `resume`), stopping after
     step `max_steps` if given (with a checkpoint there); with `wandb`, also log each step to W&B
+    (`wandb_options`: the `--wandb-*` flags)
     (harts.training.tracking); return the step records of this call."""
     from harts.model.config import load_model_config
 
@@ -103,7 +106,7 @@ def train(
     records = []
     run_dir.mkdir(parents=True, exist_ok=True)
     start_record = _start_record(resolved, checkpoint, start)
-    tracker = WandbTracker.start(start_record, run_dir) if wandb else None
+    tracker = WandbTracker.start(start_record, run_dir, wandb_options) if wandb else None
     failed = True
     try:
         with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:

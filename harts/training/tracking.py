@@ -1,14 +1,19 @@
 """Optional Weights & Biases logging of a training run: one W&B run per `harts train` invocation.
 
-`WandbTracker.start(start_record, run_dir)` opens a run in the mode harts.bench.wandb_log picks
-(offline unless WANDB_MODE, WANDB_API_KEY or a sweep agent say otherwise; offline runs under
-$WANDB_DIR or reports/wandb, for `wandb sync` later) with the resolved config, the start
-record's allow-listed environment and `resumed_from`; `log(record)` logs every finite number of
-a step record (nested keys flattened, `seconds/forward`) at W&B step = the training step, so a
-resumed run's curve continues where the checkpoint left off; `finish(failed)` closes the run and
-shuts the W&B service down so offline files are complete. As for the benchmarks, W&B never fails
-a run: whatever it raises becomes one warning line and logging stops; W&B's own git, code and
-system capture are off. Tested with a stand-in `wandb` module in tests/training/test_tracking.py.
+`WandbTracker.start(start_record, run_dir, options)` opens a run the way the benchmarks do
+(harts.bench.wandb_log): the mode from WANDB_MODE, else `--wandb-mode`, else offline unless
+WANDB_API_KEY or a sweep agent say online; project, group, name, job type and tags from the
+`--wandb-*` flags over our defaults, and none whose environment variable (WANDB_PROJECT,
+WANDB_RUN_GROUP, WANDB_NAME, WANDB_JOB_TYPE, WANDB_TAGS) is set, so W&B reads the variable;
+offline runs under $WANDB_DIR or reports/wandb, for `wandb sync` later. The run's config is the
+resolved config, the start record's allow-listed environment and `resumed_from`; `log(record)`
+logs every finite number of a step record (nested keys flattened, `seconds/forward`) at W&B step =
+the training step, so a resumed run's curve continues where the checkpoint left off;
+`finish(failed)` closes the run and shuts the W&B service down so offline files are complete. As
+for the benchmarks, W&B never fails a run: whatever it raises becomes one warning line and logging
+stops; W&B's system metrics are on, its git, code and host-metadata capture off. Subclasses
+(harts.rl.tracking) name their runs through `identity` and `run_config`. Tested with a stand-in
+`wandb` module in tests/training/test_tracking.py.
 """
 
 from __future__ import annotations
@@ -18,43 +23,51 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harts.bench.wandb_log import DEFAULT_DIR, DEFAULT_PROJECT, INIT_TIMEOUT_S, flatten_metrics, wandb_mode
+from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
+                                   wandb_mode)
 
 
 class WandbTracker:
-    def __init__(self) -> None:
+    def __init__(self, options: WandbOptions | None = None) -> None:
+        self.options = options or WandbOptions()
         self.run = None
         self._wandb = None
         self._offline_dir: Path | None = None
 
     @classmethod
-    def start(cls, start_record: dict[str, Any], run_dir: str | Path) -> WandbTracker:
-        tracker = cls()
-        mode = wandb_mode()
+    def start(cls, start_record: dict[str, Any], run_dir: str | Path | None = None,
+              options: WandbOptions | None = None) -> WandbTracker:
+        tracker = cls(options)
+        mode = wandb_mode(flag=tracker.options.mode)
         if mode != "disabled":
-            tracker._guard(tracker._init, start_record, Path(run_dir), mode)
+            tracker._guard(tracker._init, start_record, run_dir, mode)
         return tracker
 
-    def _init(self, start_record: dict[str, Any], run_dir: Path, mode: str) -> None:
+    def identity(self, start_record: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+        """wandb.init's group, job_type, name and tags of this run (before flags and variables)."""
+        train = start_record["config"]["train"]
+        tags = [train["model"], train["execution"]["execution"], train["execution"]["planner"], train["device"],
+                train["dtype"], train["loss"]["name"]]
+        return {"group": f"train/{train['model']}", "job_type": "train", "name": run_dir.name,
+                "tags": sorted({str(t)[:64] for t in tags})}
+
+    def run_config(self, start_record: dict[str, Any]) -> dict[str, Any]:
+        environment = {k: v for k, v in start_record["environment"].items() if k != "utc"}
+        return {**start_record["config"], "environment": environment, "resumed_from": start_record["resumed_from"]}
+
+    def _init(self, start_record: dict[str, Any], run_dir: str | Path | None, mode: str) -> None:
         import wandb
 
         directory = Path(os.environ.get("WANDB_DIR") or DEFAULT_DIR)
         directory.mkdir(parents=True, exist_ok=True)
-        train = start_record["config"]["train"]
-        environment = {k: v for k, v in start_record["environment"].items() if k != "utc"}
         settings = wandb.Settings(
-            silent=True, console="off", init_timeout=INIT_TIMEOUT_S, x_disable_stats=True, x_disable_meta=True,
+            silent=True, console="off", init_timeout=INIT_TIMEOUT_S, x_disable_meta=True,
             x_disable_machine_info=True, disable_git=True, disable_code=True, save_code=False,
         )
-        tags = [train["model"], train["execution"]["execution"], train["execution"]["planner"], train["device"],
-                train["dtype"], train["loss"]["name"]]
+        identity = self.identity(start_record, None if run_dir is None else Path(run_dir))
         self._wandb = wandb
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, dir=str(directory), mode=mode,
-            config={**start_record["config"], "environment": environment, "resumed_from": start_record["resumed_from"]},
-            settings=settings, group=f"train/{train['model']}", job_type="train", name=run_dir.name,
-            tags=sorted({str(t)[:64] for t in tags}),
-        )
+        self.run = wandb.init(dir=str(directory), mode=mode, config=self.run_config(start_record), settings=settings,
+                              **init_arguments(identity, self.options))
         if mode == "offline":
             self._offline_dir = Path(self.run.dir).parent
 

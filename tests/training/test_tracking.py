@@ -8,7 +8,8 @@ from harts.training.config import load_train_config
 from harts.training.loop import train
 
 MICRO = str(Path(__file__).with_name("micro-trees.yaml"))
-WANDB_VARIABLES = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SWEEP_ID", "WANDB_DIR", "WANDB_PROJECT")
+WANDB_VARIABLES = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SWEEP_ID", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_GROUP",
+                   "WANDB_TAGS", "WANDB_NAME", "WANDB_JOB_TYPE")
 
 
 def _config():
@@ -63,7 +64,9 @@ def test_each_step_is_logged_at_its_training_step(wandb_env, monkeypatch, tmp_pa
     assert first.kwargs["mode"] == "offline" and first.kwargs["dir"] == str(tmp_path / "wandb")
     assert first.kwargs["group"] == "train/tiny" and first.kwargs["name"] == "run"
     assert first.kwargs["config"]["train"]["optimizer"]["lr"] == 1e-3 and "git" in first.kwargs["config"]["environment"]
-    assert first.kwargs["settings"]["disable_git"] and first.kwargs["settings"]["x_disable_stats"]
+    # W&B's system metrics on (as the benchmarks' runs), its git capture off.
+    assert first.kwargs["settings"]["disable_git"] and not first.kwargs["settings"].get("x_disable_stats")
+    assert first.kwargs["project"] == "harts"
     assert (first.kwargs["config"]["resumed_from"], second.kwargs["config"]["resumed_from"]) == (None, "step_000002")
     assert [step for step, _ in first.logged] == [1, 2] and [step for step, _ in second.logged] == [3]
     metrics = second.logged[0][1]
