@@ -138,8 +138,10 @@ class HartsConfig:
     orders tried at the smallest counts."""
     balance_rounds: int = 100
     """Cluster packing: most rounds of priced moves and swaps per start (a round that takes nothing ends it)."""
-    balance_batch: int = 128
-    """Cluster packing: best priced candidates tried per round, each checked against the exact critical path."""
+    balance_batch: int = 512
+    """Cluster packing: best priced candidates tried per round, each checked against the exact critical path.
+    At 128 the last slot of `paper` step 7 kept 2.17% imbalance (P95 over the step's 17 slots); at 512 the ten
+    `paper` steps' P95 is 0.64-1.90% with the same W on every step and the same plan time (0.4-0.8 s)."""
 
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
