@@ -78,6 +78,8 @@ def run_rl(args: argparse.Namespace) -> int:
         kda_backend=args.kda_backend or config.execution.kda_backend))
     config = resolve(config, where=args.config)
     seeds = args.seeds if args.seeds is not None else config.seeds
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"harts rl: --seeds {','.join(map(str, seeds))}: a seed is repeated")
     if config.device == "cuda":
         import torch
 
@@ -85,7 +87,8 @@ def run_rl(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.config}: device cuda: no CUDA device is available")
     records, failed = [], False
     for seed in seeds:
-        tracker, seed_failed = None, False
+        # Failed until run_seed returns: any exception (not only a ValueError) closes the W&B run as failed.
+        tracker, seed_failed = None, True
         # The environment as the seed's run starts (git sha and dirty flag of the code that runs, not of
         # whatever the checkout holds minutes later when the record is written).
         started = environment()
@@ -95,10 +98,11 @@ def run_rl(args: argparse.Namespace) -> int:
         try:
             warm, by_execution = run_seed(config, seed, progress=not args.no_progress, tracker=tracker)
         except ValueError as error:
-            seed_failed = failed = True
+            failed = True
             seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
                                         error=error_message(error)) for e in config.executions]
         else:
+            seed_failed = False
             seed_records = [make_record("rl", {**run_config(config, seed), "execution": e},
                                         {"warm_start": warm, "steps": steps, "summary": summary(steps)})
                             for e, steps in by_execution.items()]
@@ -106,7 +110,8 @@ def run_rl(args: argparse.Namespace) -> int:
             if tracker is not None:
                 tracker.finish(seed_failed)
         records += [{**record, "environment": started} for record in seed_records]
-    write_records(records, args.out)
+        # After every seed: a later seed that crashes (a bug, out of memory) does not lose the finished ones.
+        write_records(records, args.out)
     summaries = [{"seed": r["config"]["seed"], "execution": r["config"]["execution"],
                   **(r["results"]["summary"] if "results" in r else {"error": r["error"]})} for r in records]
     if args.json:
@@ -117,7 +122,7 @@ def run_rl(args: argparse.Namespace) -> int:
                 print(f"seed {s['seed']} {s['execution']}: error: {s['error']}")
             else:
                 print(f"seed {s['seed']} {s['execution']}: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, "
-                      f"KL {s['kl_last']:.4g}, S/C {s['compression_mean']:.2f}, training step "
+                      f"KL {'n/a' if s['kl_last'] is None else format(s['kl_last'], '.4g')}, S/C {s['compression_mean']:.2f}, training step "
                       f"{s['train_seconds_median']:.3f} s (sampling {s['sample_seconds_median']:.3f} s, outside it)")
         print(f"records: {args.out}")
     return 1 if failed else 0

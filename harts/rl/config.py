@@ -23,7 +23,7 @@ from harts.model.config import load_model_config
 from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
 from harts.objective.step import DTYPES
 from harts.planning.microbatch import PLANNER_NAMES
-from harts.rollout.env import LookupEnvConfig
+from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
 from harts.runtime.layout import EXECUTIONS
 from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
@@ -139,7 +139,17 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     if execution.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{where}: execution.attention_backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {execution.attention_backend!r}")
-    chunk = load_model_config(config.model).kda.chunk_size
+    model = load_model_config(config.model)
+    env_vocab = LookupEnv(config.env).vocab_size
+    if env_vocab > model.vocab_size:
+        raise ValueError(f"{where}: env.text_vocab: the environment's {env_vocab} tokens exceed model "
+                         f"{config.model}'s vocabulary ({model.vocab_size})")
+    # The training step is on-policy at temperature 1 (ratio 1, no old log-probs): sampling from another
+    # distribution would make every update off-policy without saying so.
+    if config.rollout.temperature != 1.0 or config.rollout.top_p != 1.0:
+        raise ValueError(f"{where}: rollout.temperature and rollout.top_p must be 1 for harts rl (its GRPO step is "
+                         f"on-policy at temperature 1), got {config.rollout.temperature} and {config.rollout.top_p}")
+    chunk = model.kda.chunk_size
     if execution.kda_backend == "fla" and chunk != 64:
         raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
                          f"{config.model} has {chunk}; set execution.kda_backend: torch")

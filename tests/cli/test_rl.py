@@ -58,6 +58,36 @@ def test_a_failed_run_is_an_error_record(capsys, tmp_path, monkeypatch):
     assert "seed 0 compact: error: ValueError" in capsys.readouterr().out
 
 
+def test_a_crash_keeps_the_finished_seeds_and_fails_the_wandb_run(capsys, tmp_path, monkeypatch):
+    """A seed that raises anything but a ValueError (a bug, CUDA out of memory) propagates, but the seeds
+    finished before it are on disk and its W&B run is closed as failed."""
+    from harts.rl.tracking import RLTracker
+
+    finished = []
+    monkeypatch.setattr(RLTracker, "start", classmethod(lambda cls, record, options=None: cls(options)))
+    monkeypatch.setattr(RLTracker, "finish", lambda self, failed: finished.append(failed))
+    run_seed = harts.rl.loop.run_seed
+
+    def crash_on_seed_1(config, seed, **kwargs):
+        if seed == 1:
+            raise RuntimeError("CUDA out of memory")
+        return run_seed(config, seed, **kwargs)
+
+    monkeypatch.setattr(harts.rl.loop, "run_seed", crash_on_seed_1)
+    out = tmp_path / "rl.json"
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        main(["rl", "--config", str(TINY), "--out", str(out), "--seeds", "0,1", "--num-steps", "1", "--no-progress",
+              "--wandb"])
+    assert finished == [False, True]
+    records = json.loads(out.read_text())
+    assert [(r["config"]["seed"], r["config"]["execution"]) for r in records] == [(0, "compact"), (0, "baseline")]
+
+
+def test_repeated_seeds_are_refused(capsys, tmp_path):
+    assert main(["rl", "--config", str(TINY), "--out", str(tmp_path / "x.json"), "--seeds", "0,0"]) == 2
+    assert capsys.readouterr().err == "harts: error: harts rl: --seeds 0,0: a seed is repeated\n"
+
+
 def test_a_missing_config_is_one_line(capsys, tmp_path):
     assert main(["rl", "--config", "no/such.yaml", "--out", str(tmp_path / "x.json")]) == 2
     assert capsys.readouterr().err == "harts: error: no/such.yaml: no such config file\n"

@@ -60,3 +60,17 @@ def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as error:
         load_rl_config(path)
     assert str(error.value).startswith(str(path))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("env: {text_vocab: 200}\n", "env.text_vocab: the environment's 264 tokens exceed model tiny's vocabulary (256)"),
+    ("rollout: {temperature: 0.7}\n", "rollout.temperature and rollout.top_p must be 1 for harts rl"),
+    ("rollout: {top_p: 0.9}\n", "rollout.temperature and rollout.top_p must be 1 for harts rl"),
+], ids=["env-vocab-over-the-model", "temperature", "top-p"])
+def test_resolve_refuses_what_the_run_would_get_wrong(tmp_path, text, message):
+    """Before the warm start: an environment the model cannot embed (an IndexError minutes later), and
+    sampling that would make the on-policy GRPO step silently off-policy."""
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: tiny\n" + text)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+        resolve(load_rl_config(path), where=path)
