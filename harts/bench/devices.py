@@ -56,7 +56,7 @@ def lock_dir(environ: dict[str, str] | None = None) -> Path:
 
 @contextmanager
 def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S) -> Iterator[list[str]]:
-    """Hold `count` of `devices` (the lowest free ones) for the block; waits while fewer are free."""
+    """Hold `count` of `devices` (the lowest free ones) for the block; waits, holding none, while fewer are free."""
     if count > len(devices):
         raise ValueError(f"a job asks for {count} GPUs, the pool holds {len(devices)} ({','.join(devices) or 'none'})")
     directory.mkdir(parents=True, exist_ok=True)
@@ -78,6 +78,11 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
                     held[device] = handle
             if len(held) == count:
                 break
+            # All or nothing: holding some devices while waiting for more would deadlock two jobs that each
+            # took part of what the other needs (two pipelines sharing a host's devices).
+            for handle in held.values():
+                os.close(handle)
+            held.clear()
             if not said:
                 print(f"harts: waiting for {count} free GPUs of {','.join(devices)} (locks in {directory})",
                       file=sys.stderr)

@@ -61,6 +61,43 @@ def test_a_holder_waits_until_a_device_is_free(tmp_path, capsys):
     assert "waiting for 1 free GPUs of 0,1" in capsys.readouterr().err
 
 
+def test_a_waiting_job_holds_no_device(tmp_path):
+    """A job waiting for 2 of devices 0 and 1 while 1 is taken must not sit on 0: two pipelines on one host
+    that each held part of what the other waits for would wait forever."""
+    ids = ["0", "1"]
+    release_one = threading.Event()
+    got: dict[str, list[str]] = {}
+
+    def hold_one():
+        with take(1, ["1"], tmp_path):
+            one_held.set()
+            release_one.wait()
+
+    def wait_for_two():
+        with take(2, ids, tmp_path, poll_s=0.02) as devices:
+            got["two"] = devices
+
+    def take_zero():
+        with take(1, ["0"], tmp_path, poll_s=0.02) as devices:
+            got["zero"] = devices
+
+    one_held = threading.Event()
+    holder = threading.Thread(target=hold_one)
+    holder.start()
+    one_held.wait()
+    waiter = threading.Thread(target=wait_for_two, daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    other = threading.Thread(target=take_zero, daemon=True)
+    other.start()
+    other.join(timeout=5)
+    assert got.get("zero") == ["0"], "the waiting job kept device 0"
+    release_one.set()
+    holder.join()
+    waiter.join(timeout=5)
+    assert got.get("two") == ids
+
+
 def test_a_killed_holder_leaves_no_stale_claim(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from harts.bench.devices import take\n"
