@@ -233,6 +233,28 @@ def display_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tup
     return header, table
 
 
+def check_one_run(records: list[dict[str, Any]]) -> None:
+    """The records are one run's: the same resolved RL config but for the seeds (a `--num-steps`, `--device`
+    or `--dtype` override keeps the config's name, and curves of different lengths or devices must not be
+    averaged), and each (seed, execution) once."""
+    def without_seeds(record):
+        return {k: v for k, v in record["config"].get("rl", {}).items() if k != "seeds"}
+
+    first = without_seeds(records[0])
+    seen = set()
+    for record in records:
+        here = without_seeds(record)
+        if here != first:
+            keys = sorted(k for k in set(first) | set(here) if first.get(k) != here.get(k))
+            raise ValueError(f"rl report: seed {record['config'].get('seed')} ({record['config'].get('execution')}) "
+                             f"was run with other settings than seed {records[0]['config'].get('seed')}: "
+                             f"rl.{', rl.'.join(keys)}")
+        key = (record["config"].get("seed"), record["config"].get("execution"))
+        if key in seen:
+            raise ValueError(f"rl report: seed {key[0]} ({key[1]}) appears twice in the records")
+        seen.add(key)
+
+
 def write_rl_report(record_paths: list[str | Path], pdf: str | Path, csv: str | Path) -> list[dict[str, Any]]:
     """Write the PDF and CSV; return the CSV rows."""
     records = load_records(record_paths, "rl")
@@ -241,6 +263,7 @@ def write_rl_report(record_paths: list[str | Path], pdf: str | Path, csv: str | 
     names = {r["config"].get("name") for r in records}
     if len(names) != 1:
         raise ValueError(f"rl report: the records are of several RL configs ({', '.join(sorted(map(str, names)))})")
+    check_one_run(records)
     rows = rl_rows(records)
     write_csv(csv, RL_COLUMNS, rows)
     if all("error" in r for r in records):

@@ -17,9 +17,10 @@ NUM_STEPS = 8
 
 
 def rl_record(execution: str, seed: int, rewards, *, train_s: float = 0.5, name: str = "tiny",
-              error: str | None = None) -> dict:
+              error: str | None = None, device: str = "cpu", num_steps: int = NUM_STEPS) -> dict:
     """A `harts rl` record of one (seed, execution): step t has reward rewards[t]; the last step has no update."""
-    config = {"rl": {"model": "tiny", "device": "cpu", "dtype": "fp32", "rollout": {"tasks_per_step": 2}},
+    config = {"rl": {"model": "tiny", "device": device, "dtype": "fp32", "rollout": {"tasks_per_step": 2},
+                     "num_steps": num_steps, "seeds": [0, 1]},
               "name": name, "seed": seed, "execution": execution, "timing": "sampling outside the step"}
     if error:
         return make_record("rl", config, error=error)
@@ -105,4 +106,18 @@ def test_records_of_two_configs_are_refused(tmp_path):
     path = write(tmp_path, "mixed.json", [rl_record("compact", 0, constant(0.2)),
                                           rl_record("compact", 0, constant(0.2), name="cpu")])
     with pytest.raises(ValueError, match=r"records are of several RL configs \(cpu, tiny\)"):
+        write_rl_report([path], tmp_path / "rl.pdf", tmp_path / "rl.csv")
+
+
+@pytest.mark.parametrize("second, message", [
+    (lambda: rl_record("baseline", 1, constant(0.2)[:5], num_steps=4), r"seed 1 \(baseline\) was run with other settings than seed 0: "
+                                                          r"rl\.num_steps"),
+    (lambda: rl_record("compact", 1, constant(0.2), device="cuda"), r"other settings than seed 0: rl\.device"),
+    (lambda: rl_record("compact", 0, constant(0.3)), r"seed 0 \(compact\) appears twice"),
+], ids=["fewer-steps", "other-device", "duplicate"])
+def test_records_of_other_runs_are_refused(tmp_path, second, message):
+    """A --num-steps or --device override keeps the config's name: such records would be averaged with
+    the others (the curves cut to the shortest run) without a word."""
+    path = write(tmp_path, "mixed.json", [rl_record("compact", 0, constant(0.2)), second()])
+    with pytest.raises(ValueError, match=message):
         write_rl_report([path], tmp_path / "rl.pdf", tmp_path / "rl.csv")
