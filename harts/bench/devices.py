@@ -100,14 +100,22 @@ def run(count: int, pool_size: int, command: list[str]) -> int:
         return subprocess.call(command)
     with take(count, pool(pool_size), lock_dir()) as devices:
         print(f"harts: CUDA_VISIBLE_DEVICES={','.join(devices)}", file=sys.stderr)
-        child = subprocess.Popen(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)})
+        children: list[subprocess.Popen] = []
+        received: list[int] = []
 
         def forward(signum, frame) -> None:
-            child.send_signal(signum)
+            received.append(signum)
+            for child in children:
+                child.send_signal(signum)
 
+        # Installed before the child starts: a signal in between must not end this process (and free the
+        # devices) while the child goes on to use them.
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return child.wait()
+            children.append(subprocess.Popen(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}))
+            for signum in received:
+                children[0].send_signal(signum)
+            return children[0].wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

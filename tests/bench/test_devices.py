@@ -3,6 +3,7 @@ get them back from a holder that ended (also a killed one), and see them as CUDA
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -135,3 +136,19 @@ def test_more_devices_than_the_pool_is_an_error(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert main(["--take", "4", "--pool", "2", "--", "true"]) == 2
     assert capsys.readouterr().err == "harts: error: a job asks for 4 GPUs, the pool holds 2 (0,1)\n"
+
+
+def test_a_signal_to_the_wrapper_reaches_the_command(tmp_path):
+    """Snakemake stops a job with SIGTERM to the wrapper: the command gets it (and ends while its devices are
+    still held), and the wrapper returns the command's status."""
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (print('command got SIGTERM', flush=True), sys.exit(3)))\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(30)\n")
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "harts.bench.devices", "--take", "1", "--pool", "1", "--", sys.executable, "-c", child],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HARTS_DEVICE_LOCKS": str(tmp_path)})
+    assert wrapper.stdout.readline() == "ready\n"
+    wrapper.terminate()
+    out, _ = wrapper.communicate(timeout=20)
+    assert wrapper.returncode == 3 and "command got SIGTERM" in out
