@@ -56,7 +56,7 @@ from harts.rollout.env import CALL, LookupEnv
 from harts.rollout.generate import Trajectory, generate_trees
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
 from harts.trees.trie import PrefixIndex
-from harts.training.loop import step_kl, update_expert_biases
+from harts.training.loop import apply_update, step_kl
 from harts.training.config import OptimizerConfig
 from harts.training.optim import MasterWeightAdamW, make_scheduler
 
@@ -233,12 +233,8 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
     grad_norm = None
     start = time.perf_counter()
     if update:
-        grad_norm = learner.optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
-        if not math.isfinite(grad_norm):
-            raise ValueError(f"{where}: the gradient norm is {grad_norm}")
-        learner.optimizer.step()
-        learner.scheduler.step()
-        update_expert_biases(learner.model, result.tokens_per_expert)
+        grad_norm = apply_update(learner.model, learner.optimizer, learner.scheduler, config.optimizer.max_grad_norm,
+                                 result.tokens_per_expert, where)
         # The optimizer's kernels are asynchronous on CUDA: its time is up to their end, as run_step's phases.
         if learner.model.embed.weight.is_cuda:
             torch.cuda.synchronize(learner.model.embed.weight.device)

@@ -237,12 +237,8 @@ class _Run:
                         "exp(logprob - old_logprob) can overflow: check them, or train on-policy (--on-policy)")
             raise ValueError(f"{where}: the loss is {result.loss}{hint}")
         start = time.perf_counter()
-        grad_norm = self.optimizer.clip_grad_norm(config.optimizer.max_grad_norm)
-        if not math.isfinite(grad_norm):
-            raise ValueError(f"{where}: the gradient norm is {grad_norm}")
-        self.optimizer.step()
-        self.scheduler.step()
-        update_expert_biases(self.model, result.tokens_per_expert)
+        grad_norm = apply_update(self.model, self.optimizer, self.scheduler, config.optimizer.max_grad_norm,
+                                 result.tokens_per_expert, where)
         optimizer_seconds = time.perf_counter() - start
         return {
             "data_step": data_index,
@@ -263,6 +259,20 @@ class _Run:
 
 
 @torch.no_grad()
+def apply_update(model: HybridModel, optimizer, scheduler, max_grad_norm: float,
+                 tokens_per_expert: list[torch.Tensor], where: str) -> float:
+    """One optimizer update after a step's backward (`harts train` and `harts rl`): clip to the global norm
+    (a ValueError naming `where` if it is not finite), AdamW step, schedule step, expert-bias update; the
+    norm before clipping."""
+    grad_norm = optimizer.clip_grad_norm(max_grad_norm)
+    if not math.isfinite(grad_norm):
+        raise ValueError(f"{where}: the gradient norm is {grad_norm}")
+    optimizer.step()
+    scheduler.step()
+    update_expert_biases(model, tokens_per_expert)
+    return grad_norm
+
+
 def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
     """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
     layers = [block.mlp for block in model.blocks if block.is_moe]
