@@ -28,7 +28,11 @@ function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
 - "grouped": `dispatch` sorts the N·k (row, expert) pairs by expert once (tokens per expert
   give the group offsets), `grouped_experts` runs two `torch._grouped_mm` calls, `combine`
-  scatter-adds the weighted outputs. An expert-parallel wrapper replaces `dispatch`/`combine`.
+  puts the outputs back in (row, slot) order and takes each row's weighted sum of its k outputs
+  as one batched [1, k] × [k, D] product. Both moves are gathers by a permutation (the sort
+  order and its inverse) whose backward is the gather by the other one, and the k copies of a
+  row meet in a sum over a [N, k, D] view: no scatter-add (atomics) forward or backward, and
+  no weighted [N·k, D] temporary. An expert-parallel wrapper replaces `dispatch`/`combine`.
   `torch._grouped_mm(mat_a [R, K], mat_b [G, K, N], offs=int32 cumulative ends) -> [R, N]`
   exists in torch 2.11 (DESIGN §4 measures it on an H200) and 2.13; its meta checks ask for
   bf16 operands with 16-byte-aligned strides (D and F multiples of 8), so on CUDA run the layer
@@ -47,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from harts.ops.attention.groups import permute_rows
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "loop", "grouped")
@@ -122,6 +128,8 @@ class DispatchPlan:
 
     order_R: torch.Tensor
     """int64 flat (row·k + slot) indices of the routed pairs, sorted by expert (stable)."""
+    inverse_R: torch.Tensor
+    """int64 inverse permutation of `order_R`: the routed row of pair (row·k + slot)."""
     token_R: torch.Tensor
     """int64 source row of each routed row."""
     tokens_per_expert_E: torch.Tensor
@@ -255,6 +263,24 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+class _DispatchRows(torch.autograd.Function):
+    """x[token_R] for token_R = order_R // k (each row k times, in expert order); the backward
+    gathers the gradients back into (row, slot) order by the inverse permutation and sums each
+    row's k slots, instead of indexing's accumulating scatter."""
+
+    @staticmethod
+    def forward(ctx, x_ND, token_R, inverse_R, top_k):
+        ctx.save_for_backward(inverse_R)
+        ctx.top_k = top_k
+        return x_ND.index_select(0, token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (inverse_R,) = ctx.saved_tensors
+        grad_NKD = grad_RD.index_select(0, inverse_R).view(-1, ctx.top_k, grad_RD.shape[1])
+        return grad_NKD.sum(dim=1), None, None, None
+
+
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = (x @ gate_up).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ down
@@ -308,9 +334,11 @@ class MoE(nn.Module):
         """Routed rows sorted by expert, and the plan to combine them."""
         flat_experts = routing.experts_NK.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
         token = torch.div(order, self.config.top_k, rounding_mode="floor")
         counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
-        return x_ND[token], DispatchPlan(order_R=order, token_R=token, tokens_per_expert_E=counts)
+        plan = DispatchPlan(order_R=order, inverse_R=inverse, token_R=token, tokens_per_expert_E=counts)
+        return _DispatchRows.apply(x_ND, token, inverse, self.config.top_k), plan
 
     def grouped_experts(self, x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Expert MLPs on rows sorted by expert, two grouped GEMMs."""
@@ -333,9 +361,9 @@ class MoE(nn.Module):
         self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int
     ) -> torch.Tensor:
         """[N, D] in the combine dtype (fp32; fp64 for fp64 rows): Σ_experts weight · output."""
-        weights_R = routing.probs_NK.reshape(-1)[plan.order_R]
-        out = y_RD.new_zeros(num_rows, y_RD.shape[1], dtype=weights_R.dtype)
-        return out.index_add_(0, plan.token_R, y_RD.to(weights_R.dtype) * weights_R[:, None])
+        probs_NK = routing.probs_NK
+        y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], -1)
+        return torch.bmm(probs_NK.unsqueeze(1), y_NKD.to(probs_NK.dtype)).squeeze(1)
 
     def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Reference path: [N, D] in the combine dtype, one gather / MLP / scatter-add per expert."""
