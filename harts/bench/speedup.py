@@ -100,6 +100,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--params", choices=("fp32", "bf16"), default=None,
+                        help="parameter dtype: bf16 = bf16 parameters with every microbatch's gradients added "
+                             "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
+                             "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--compact-attention-backend", default=None,
@@ -683,11 +687,13 @@ def run(args: argparse.Namespace) -> int:
     from harts.model.model import HybridModel
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
+    from harts.training.optim import Fp32Gradients
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    params_name = parameter_dtype(args.params, dtype_name, args.parallel)
     model_config = load_model_config(args.model)
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     check_torchrun(parallel)
@@ -697,6 +703,9 @@ def run(args: argparse.Namespace) -> int:
         with device:
             model = HybridModel(model_config)
         model.init_weights(args.model_seed)
+        if params_name == "bf16":
+            model.to(torch.bfloat16)
+            Fp32Gradients(model.named_parameters())  # its hooks stay on the parameters for the run
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/speedup/{model_config.name}{suffix}.json")
     records = []
@@ -717,7 +726,7 @@ def run(args: argparse.Namespace) -> int:
                 config = {
                     "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
                     "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-                    "recompute": args.recompute, "repeats": args.repeats,
+                    "params": params_name, "recompute": args.recompute, "repeats": args.repeats,
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
                     "parallel_config": config_to_dict(parallel) if parallel else None,
@@ -763,6 +772,18 @@ def run(args: argparse.Namespace) -> int:
     if terminated:
         return 128 + signal.SIGTERM
     return 0 if all("error" not in r for r in records) else 1
+
+
+def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None) -> str:
+    """The parameters' dtype of a run: `--params`, or bf16 for a bf16 run in one process, else fp32."""
+    if requested is None:
+        return "bf16" if dtype_name == "bf16" and parallel is None else "fp32"
+    if requested == "bf16" and dtype_name != "bf16":
+        raise ValueError("--params bf16 needs --dtype bf16 (bf16 parameters under fp32 compute are not a mode)")
+    if requested == "bf16" and parallel is not None:
+        raise ValueError("--params bf16 is not implemented with --parallel: its gradient reduction works on the "
+                         "parameters' .grad, which the fp32 accumulation frees")
+    return requested
 
 
 def _follow_rank_zero(args, parallel, model_config, dtype_name) -> int:

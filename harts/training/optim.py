@@ -112,7 +112,35 @@ class MasterWeightAdamW:
         self._hooks = []
 
 
-def _accumulate_into(master: torch.Tensor):
+class Fp32Gradients:
+    """megatron's main_grad without an optimizer (benchmarks of forward + backward): after every
+    backward each lower-precision parameter's gradient is added into an fp32 buffer (`grads[name]`,
+    allocated at the first backward and kept) and the bf16 one is freed; fp32 parameters keep
+    their own `.grad`. The same hook as `MasterWeightAdamW`'s."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
+        self._slots: dict[str, _GradSlot] = {}
+        self._hooks = []
+        for name, param in named_parameters:
+            if param.requires_grad and param.dtype != torch.float32:
+                slot = self._slots[name] = _GradSlot()
+                self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_into(slot)))
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {name: slot.grad for name, slot in self._slots.items()}
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+class _GradSlot:
+    grad: torch.Tensor | None = None
+
+
+def _accumulate_into(master):
     def hook(param: nn.Parameter) -> None:
         if master.grad is None:
             master.grad = param.grad.to(torch.float32)

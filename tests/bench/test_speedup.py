@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from harts.bench.speedup import (
     HEADLINE_KEYS,
@@ -429,3 +430,42 @@ def test_model_flops_both_ways_on_the_tiny_config():
     flops = estimate_model_flops(config, tokens, pairs)
     assert flops["matmul"] == 3 * matmul * tokens
     assert flops["attention"] == 3 * (3 * kda_chunk * tokens + 2 * 2 * (24 + 16) * pairs)
+
+
+def test_bf16_parameters_with_fp32_gradients(tree_step_path, tmp_path, capsys, monkeypatch):
+    import harts.objective.step as step_module
+
+    run_step = step_module.run_step
+    seen = []
+
+    def spy(model, *args, **kwargs):
+        result = run_step(model, *args, **kwargs)
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        seen.append((matrices[0].dtype, any(p.grad is not None for p in matrices)))
+        return result
+
+    monkeypatch.setattr(step_module, "run_step", spy)
+    path, step = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--dtype", "bf16",
+                                 "--params", "bf16", "--no-breakdown"], tmp_path, capsys)
+    assert code == 0, records
+    (record,) = records
+    assert record["config"]["params"] == "bf16" and record["config"]["dtype"] == "bf16"
+    _check_record(record, step, "single", 1)
+    # Every step ran on bf16 weights, and their gradients went to the fp32 buffers, not .grad.
+    assert seen and all(found == (torch.bfloat16, False) for found in seen)
+
+
+@pytest.mark.parametrize(("params", "dtype", "parallel", "expected"), [
+    (None, "bf16", None, "bf16"), (None, "bf16", "dp2", "fp32"), (None, "fp32", None, "fp32"),
+    ("fp32", "bf16", None, "fp32"), ("bf16", "fp32", None, "needs --dtype bf16"),
+    ("bf16", "bf16", "dp2", "not implemented with --parallel"),
+], ids=["default-bf16", "default-parallel", "default-fp32", "fp32", "bf16-under-fp32", "bf16-parallel"])
+def test_parameter_dtype(params, dtype, parallel, expected):
+    from harts.bench.speedup import parameter_dtype
+
+    if expected in ("bf16", "fp32"):
+        assert parameter_dtype(params, dtype, parallel) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            parameter_dtype(params, dtype, parallel)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from harts.training.config import OptimizerConfig, ScheduleConfig
-from harts.training.optim import MasterWeightAdamW, lr_factor, make_scheduler
+from harts.training.optim import Fp32Gradients, MasterWeightAdamW, lr_factor, make_scheduler
 
 
 def _plain_model(seed: int = 42, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -118,6 +118,29 @@ def test_bf16_gradients_accumulate_in_fp32():
     optimizer.remove_hooks()
     layer(torch.ones(1, 1, dtype=torch.bfloat16)).sum().backward()
     assert master.grad is None and layer.weight.grad is not None
+
+
+def test_fp32_gradients_of_bf16_parameters_without_an_optimizer():
+    # As above, for the benchmarks' fp32 gradient buffers: fp32 parameters keep their own .grad.
+    model = nn.ModuleDict({"low": nn.Linear(1, 1, bias=False).to(torch.bfloat16), "full": nn.Linear(1, 1, bias=False)})
+    nn.init.ones_(model["low"].weight)
+    nn.init.ones_(model["full"].weight)
+
+    def backward(scale):
+        x = torch.full((1, 1), scale)
+        (model["low"](x.to(torch.bfloat16)).float().sum() + model["full"](x).sum()).backward()
+
+    gradients = Fp32Gradients(model.named_parameters())
+    assert set(gradients.grads) == {"low.weight"}
+    for scale in (1.0, 2.0 ** -9):
+        backward(scale)
+    assert model["low"].weight.grad is None
+    grad = gradients.grads["low.weight"]
+    assert grad.dtype == torch.float32 and float(grad) == 1.0 + 2.0 ** -9
+    assert float(model["full"].weight.grad) == 1.0 + 2.0 ** -9
+    gradients.remove()
+    backward(1.0)
+    assert model["low"].weight.grad is not None and float(gradients.grads["low.weight"]) == 1.0 + 2.0 ** -9
 
 
 @pytest.mark.parametrize(
