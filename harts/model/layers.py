@@ -15,6 +15,8 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
   but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
+- `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
+  dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
 head dim, F = v head dim of MLA.
 """
@@ -31,6 +33,24 @@ from harts.model.config import KDAConfig, MLAConfig
 from harts.runtime.layout import Layout
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · weight over the last dim, computed in fp32 and rounded once to x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool | None = None) -> torch.Tensor:
+    """`rms_norm_reference`'s function through `F.rms_norm`, which on CUDA is torch's fused kernel
+    (one pass, fp32 inside, one rounding) instead of seven elementwise kernels over fp32 copies.
+    `fused=None`: fused on CUDA when x and weight have one dtype (bf16 parameters), else the reference."""
+    if fused is None:
+        fused = x.is_cuda and weight.dtype == x.dtype
+    if fused:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps).to(x.dtype)
+    return rms_norm_reference(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -38,9 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def apply_rope(x_RHE: torch.Tensor, positions_R: torch.Tensor, theta: float) -> torch.Tensor:
