@@ -125,9 +125,12 @@ class KDALayer(nn.Module):
         x_PD = layout.kda_rows(x_RD)
         rows = x_PD.shape[0]
         shape = (rows, self.num_heads, self.head_dim)
-        q = F.silu(layout.causal_conv(self.q_proj(x_PD), self.q_conv)).view(shape)
-        k = F.silu(layout.causal_conv(self.k_proj(x_PD), self.k_conv)).view(shape)
-        v = F.silu(layout.causal_conv(self.v_proj(x_PD), self.v_conv)).view(shape)
+        # q, k and v as one GEMM and one conv over their concatenated channels (the same function
+        # as three: every channel has its own weights), a third of the kernels.
+        qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])
+        qkv = F.silu(layout.causal_conv(F.linear(x_PD, qkv_weight), conv_weight))
+        q, k, v = (part.reshape(shape) for part in qkv.chunk(3, dim=-1))
         gate = self.f_proj(x_PD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
         g = -self.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
         beta = torch.sigmoid(self.b_proj(x_PD).float())
