@@ -32,11 +32,13 @@ Vocabulary work: O(C·V·D) matmuls + O(S).
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
 bf16 hidden states and weights give fp32 logits and fp32 log-probs; gradients are returned in
-the inputs' dtypes. For bf16/fp16 hidden states and weight on CUDA the fp32 matmuls run on TF32 tensor cores
-(8x the fp32 rate of an H200): bf16 and fp16 values are exact in TF32, so the logits are the fp32
-products accumulated in fp32 as before; only the backward's fp32 logit gradients are rounded to
-TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head would use). fp32 and fp64
-inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
+the inputs' dtypes. For bf16/fp16 hidden states and weight on CUDA the logits (forward, and their
+recomputation in backward) come from the bf16/fp16 tensor cores with an fp32 result
+(`mm(..., out_dtype=float32)`: the products are exact and accumulate in fp32, so the values are
+those of an fp32 matmul, at twice the TF32 rate), and the backward's two gradient matmuls run on
+TF32 tensor cores: bf16 and fp16 values are exact in TF32; only the fp32 logit gradients are
+rounded to TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head would use). fp32 and
+fp64 inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
 `index_put_(accumulate=True)`) are deterministic on CPU; on CUDA they use atomics unless
 `torch.use_deterministic_algorithms(True)` is set.
 
@@ -113,9 +115,18 @@ def _check_inputs(
             raise ValueError(f"compact_logprobs: targets out of range [0, {vocab})")
 
 
+def _half_precision_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> bool:
+    """Logits straight from bf16/fp16 operands of one dtype on CUDA (see Precision)."""
+    return hidden_CD.is_cuda and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in (torch.bfloat16, torch.float16)
+
+
 def _tempered_logits(hidden_nD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z = hidden @ Wᵀ / T (a fresh n×V buffer; the division is skipped at T = 1, where it is exact)."""
-    logits_nV = hidden_nD @ weight_VD.T
+    """z = hidden @ Wᵀ / T in fp32 or fp64 (a fresh n×V buffer; the division is skipped at T = 1, where
+    it is exact); bf16/fp16 operands (CUDA only) through their tensor cores with an fp32 result."""
+    if hidden_nD.dtype in (torch.bfloat16, torch.float16):
+        logits_nV = torch.mm(hidden_nD, weight_VD.T, out_dtype=torch.float32)
+    else:
+        logits_nV = hidden_nD @ weight_VD.T
     if temperature != 1.0:
         logits_nV.div_(temperature)
     return logits_nV
@@ -133,7 +144,8 @@ class _CompactLogprobs(torch.autograd.Function):
     def _forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy):
         num_rows = hidden_CD.shape[0]
         dtype = _compute_dtype(hidden_CD.dtype)
-        weight_f = weight_VD.to(dtype)
+        half = _half_precision_logits(hidden_CD, weight_VD)
+        weight_f = weight_VD if half else weight_VD.to(dtype)
         # Positions sorted by compact row: each chunk owns one contiguous range of them.
         order_S = torch.argsort(compact_index_S, stable=True)
         rows_sorted_S = compact_index_S[order_S]
@@ -148,7 +160,8 @@ class _CompactLogprobs(torch.autograd.Function):
         out_sorted_S = torch.empty(len(order_S), dtype=dtype, device=hidden_CD.device)
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
-            logits_nV = _tempered_logits(hidden_CD[r0:r1].to(dtype), weight_f, temperature)
+            hidden_nD = hidden_CD[r0:r1] if half else hidden_CD[r0:r1].to(dtype)
+            logits_nV = _tempered_logits(hidden_nD, weight_f, temperature)
             lse_C[r0:r1] = torch.logsumexp(logits_nV, dim=-1)
             local = rows_sorted_S[p0:p1] - r0
             out_sorted_S[p0:p1] = logits_nV[local, targets_sorted_S[p0:p1]] - lse_C[r0:r1][local]
@@ -180,6 +193,7 @@ class _CompactLogprobs(torch.autograd.Function):
         if grad_S is None and grad_entropy_S is None:
             return None, None, None, None, None, None, None
         dtype = lse_C.dtype
+        half = _half_precision_logits(hidden_CD, weight_VD)
         weight_f = weight_VD.to(dtype)
         temperature = ctx.temperature
         grad_sorted_S = None if grad_S is None else grad_S[order_S].to(dtype)
@@ -196,7 +210,9 @@ class _CompactLogprobs(torch.autograd.Function):
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
             hidden_nD = hidden_CD[r0:r1].to(dtype)
-            grad_logits_nV = _tempered_logits(hidden_nD, weight_f, temperature).sub_(lse_C[r0:r1, None])
+            grad_logits_nV = _tempered_logits(
+                hidden_CD[r0:r1] if half else hidden_nD, weight_VD if half else weight_f, temperature
+            ).sub_(lse_C[r0:r1, None])
             if grad_entropy_C is None:
                 grad_logits_nV.exp_().mul_(-grad_sum_C[r0:r1, None])
             else:
