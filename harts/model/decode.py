@@ -113,9 +113,10 @@ def empty_cache(model: HybridModel, batch_size: int, capacity: int) -> DecodeCac
 
 def _conv(x_BC: torch.Tensor, previous_BWC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
     """The training path's causal conv for one position (`Layout.causal_conv`, same summation order)."""
-    out = x_BC * weight_CW[:, -1].to(x_BC.dtype)
+    weight_CW = weight_CW.to(x_BC.dtype)
+    out = x_BC * weight_CW[:, -1]
     for j in range(1, weight_CW.shape[1]):
-        out = out + previous_BWC[:, j - 1] * weight_CW[:, -1 - j].to(x_BC.dtype)
+        out = torch.addcmul(out, previous_BWC[:, j - 1], weight_CW[:, -1 - j])
     return out
 
 

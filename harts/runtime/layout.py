@@ -70,6 +70,7 @@ class Layout:
     kda_backend: str = "torch"
     info: dict = field(default_factory=dict)
     """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
+    _conv_exception_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -112,14 +113,38 @@ class Layout:
         )
 
     def causal_conv(self, x_PC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv of KDA rows along each row's path; weight[:, -1] multiplies the row itself."""
+        """Depthwise causal conv of KDA rows along each row's path; weight[:, -1] multiplies the row itself.
+
+        Row p's j-th predecessor is row p − j for all but a few rows (a path's first W − 1 rows; in
+        the compact execution also the rows after a fork or a call boundary): every row takes the
+        shifted products (one fused multiply-add per tap over contiguous slices, no gathers), then
+        those few rows (`conv_exception_rows`) are recomputed from their true predecessors with the
+        same operations in the same order. `naive_causal_conv` is the gather-only reference."""
         width = weight_CW.shape[1]
-        out_PC = x_PC * weight_CW[:, -1].to(x_PC.dtype)
-        if width > 1:
-            padded = torch.cat([x_PC, x_PC.new_zeros(1, x_PC.shape[1])])
+        weight_CW = weight_CW.to(x_PC.dtype)
+        out_PC = x_PC * weight_CW[:, -1]
+        for j in range(1, min(width, x_PC.shape[0])):
+            out_PC[j:].addcmul_(x_PC[:-j], weight_CW[:, -1 - j])
+        rows = self.conv_exception_rows()
+        if width > 1 and len(rows):
+            predecessors = self.predecessors[rows]
+            inside = predecessors < x_PC.shape[0]
+            fixed = x_PC[rows] * weight_CW[:, -1]
             for j in range(1, width):
-                out_PC = out_PC + padded[self.predecessors[:, j - 1]] * weight_CW[:, -1 - j].to(x_PC.dtype)
+                before = x_PC[predecessors[:, j - 1].clamp(max=x_PC.shape[0] - 1)] * inside[:, j - 1, None]
+                fixed = torch.addcmul(fixed, before, weight_CW[:, -1 - j])
+            out_PC.index_copy_(0, rows, fixed)
         return out_PC
+
+    def conv_exception_rows(self) -> torch.Tensor:
+        """int64 KDA rows whose j-th predecessor is not row p − j for some j (cached per layout)."""
+        if self._conv_exception_rows is None:
+            num_rows, width = self.predecessors.shape[0], self.predecessors.shape[1] + 1
+            shifted = (torch.arange(num_rows, device=self.predecessors.device)[:, None]
+                       - torch.arange(1, width, device=self.predecessors.device))
+            shifted = torch.where(shifted >= 0, shifted, num_rows)
+            self._conv_exception_rows = torch.nonzero((self.predecessors != shifted).any(dim=1)).squeeze(1)
+        return self._conv_exception_rows
 
     def linear_attention(self, q, k, v, g, beta) -> torch.Tensor:
         """KDA over the KDA rows with L2-normalised q and k: the planned calls (compact) or one
@@ -136,6 +161,16 @@ class Layout:
 
     def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
         return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)
+
+
+def naive_causal_conv(x_PC: torch.Tensor, weight_CW: torch.Tensor, predecessors_PW: torch.Tensor) -> torch.Tensor:
+    """Reference of `Layout.causal_conv`: every tap gathered from the predecessor table (row P: zero)."""
+    weight_CW = weight_CW.to(x_PC.dtype)
+    padded = torch.cat([x_PC, x_PC.new_zeros(1, x_PC.shape[1])])
+    out_PC = x_PC * weight_CW[:, -1]
+    for j in range(1, weight_CW.shape[1]):
+        out_PC = torch.addcmul(out_PC, padded[predecessors_PW[:, j - 1]], weight_CW[:, -1 - j])
+    return out_PC
 
 
 def _predecessors(parent_row: np.ndarray, width: int) -> np.ndarray:

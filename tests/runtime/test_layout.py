@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.runtime.layout import baseline_layout, compact_layout
+from harts.runtime.layout import baseline_layout, compact_layout, naive_causal_conv
 from harts.trees.trie import PrefixIndex
 from tests.trees.helpers import make_step, random_sequences
 
@@ -116,3 +116,31 @@ def test_baseline_kda_rows_are_its_rows():
     x = torch.randn(layout.num_rows, 3)
     assert layout.num_kda_rows == layout.num_rows
     assert layout.kda_rows(x) is x and layout.from_kda_rows(x) is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+@pytest.mark.parametrize("seed", range(3))
+def test_shifted_conv_equals_the_gather_reference(seed, execution, dtype):
+    step, members = _random_step(seed)
+    layout = _layout(step, members, execution, chunk_size=4)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(layout.num_kda_rows, 6, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(6, CONV_SIZE, generator=generator).to(dtype).requires_grad_()
+    upstream = torch.randn(layout.num_kda_rows, 6, generator=generator).to(dtype)
+    got = layout.causal_conv(x, weight)
+    expected = naive_causal_conv(x, weight, layout.predecessors)
+    # The same operations in the same order per row: equal bits forward.
+    assert torch.equal(got, expected)
+    # Gradients add the same terms in another order (per tap, then the exception rows).
+    grads = torch.autograd.grad(got, (x, weight), upstream)
+    expected_grads = torch.autograd.grad(expected, (x, weight), upstream)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.double(), expected_grad.double(),
+                                   rtol=1e-12 if dtype == torch.float64 else 2e-2, atol=1e-12 if dtype == torch.float64 else 2e-2)
+    # The exceptions are the rows whose path does not continue from the row before: a few per path.
+    rows = layout.conv_exception_rows()
+    predecessors = layout.predecessors.numpy()
+    breaks = [p for p in range(1, layout.num_kda_rows) if predecessors[p, 0] != p - 1]
+    assert set(breaks) <= set(rows.tolist())
+    assert len(rows) <= (CONV_SIZE - 1) * (len(breaks) + 1)
