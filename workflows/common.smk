@@ -170,6 +170,12 @@ def rl_config(name):
     return load_rl_config(f"configs/rl/{name}.yaml")
 
 
+def rl_model_file(name):
+    """The model YAML that configs/rl/NAME.yaml names: configs/models/MODEL.yaml, or its own YAML path."""
+    model = rl_config(name).model
+    return model if Path(model).suffix in (".yaml", ".yml") else f"configs/models/{model}.yaml"
+
+
 def rl_records(name):
     """The records of every seed of configs/rl/NAME.yaml, one file per seed."""
     return [f"reports/raw/rl/{name}/seed_{seed:03d}.json" for seed in rl_config(name).seeds]

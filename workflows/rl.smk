@@ -13,7 +13,8 @@
 
 rule rl_seed:
     input:
-        "configs/rl/{rl}.yaml",
+        rl="configs/rl/{rl}.yaml",
+        model=lambda wildcards: rl_model_file(wildcards.rl),
     output:
         "reports/raw/rl/{rl}/seed_{seed}.json",
     wildcard_constraints:
@@ -32,7 +33,7 @@ rule rl_seed:
         "reports/benchmarks/rl/{rl}/seed_{seed}.tsv"
     shell:
         "OMP_NUM_THREADS={resources.torch_threads} python -m harts.bench.devices --take {resources.gpu}"
-        " --pool {resources.gpu_pool} -- harts rl --config {input} --seeds {wildcards.seed} --out {output}"
+        " --pool {resources.gpu_pool} -- harts rl --config {input.rl} --seeds {wildcards.seed} --out {output}"
         " --wandb --no-progress 2>&1 | tee {log} || [ $? -eq 1 ]"
 
 

@@ -214,6 +214,10 @@ def test_dry_run_rl_report(workdir, profile):
     for seed in rl.seeds:
         assert f"reports/raw/rl/{name}/seed_{seed:03d}.json" in result.stdout
     assert ("gpu=1" in result.stdout) == (rl.device == "cuda")
+    # A changed model YAML reruns the seeds: it is an input of each, beside the RL config.
+    inputs = [re.search(r"^    input: (.*)$", block, re.MULTILINE).group(1).split(", ")
+              for block in re.split(r"\n(?=\[[^\]]+\]\n)", result.stdout) if re.search(r"^rule rl_seed:$", block, re.MULTILINE)]
+    assert inputs == [[f"configs/rl/{name}.yaml", f"configs/models/{rl.model}.yaml"]] * len(rl.seeds), inputs
     assert "rl_seed" not in job_counts(snakemake(workdir, "-n", "--workflow-profile", profile).stdout)
 
 
