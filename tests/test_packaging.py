@@ -57,6 +57,8 @@ def test_wheel_holds_every_module_and_the_shipped_configs(installed):
         names = set(wheel.namelist())
     modules = {path.relative_to(REPO).as_posix() for path in (REPO / "harts").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
+    # The PEP 561 marker: type checkers of a user's code read harts' annotations.
+    assert "harts/py.typed" in names
     # configs/pipeline*.yaml are the Snakemake workflow's: repository only.
     configs = {f"harts/configs/{path.relative_to(REPO / 'configs').as_posix()}"
                for folder in SHIPPED_FOLDERS for path in (REPO / "configs" / folder).glob("*.yaml")}
