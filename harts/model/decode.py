@@ -38,6 +38,7 @@ from harts.model.layers import KDALayer, MLALayer, apply_rope
 from harts.model.model import HybridModel
 from harts.ops.kda.compact import l2norm
 from harts.ops.kda.naive import compute_dtype
+from harts.runtime.layout import conv_taps
 
 
 @dataclass(eq=False)
@@ -111,22 +112,13 @@ def empty_cache(model: HybridModel, batch_size: int, capacity: int) -> DecodeCac
                        capacity=capacity)
 
 
-def _conv(x_BC: torch.Tensor, previous_BWC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
-    """The training path's causal conv for one position (`Layout.causal_conv`, same summation order)."""
-    weight_CW = weight_CW.to(x_BC.dtype)
-    out = x_BC * weight_CW[:, -1]
-    for j in range(1, weight_CW.shape[1]):
-        out = torch.addcmul(out, previous_BWC[:, j - 1], weight_CW[:, -1 - j])
-    return out
-
-
 def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Tensor:
     batch = x_BD.shape[0]
     shape = (batch, layer.num_heads, layer.head_dim)
     projected = torch.stack([layer.q_proj(x_BD), layer.k_proj(x_BD), layer.v_proj(x_BD)], dim=1)
     window = cache.window_BWC
     q, k, v = (
-        F.silu(_conv(projected[:, i], window[:, :, i], conv)).view(shape)
+        F.silu(conv_taps(projected[:, i], window[:, :, i], conv)).view(shape)
         for i, conv in enumerate((layer.q_conv, layer.k_conv, layer.v_conv))
     )
     if window.shape[1]:

@@ -24,7 +24,7 @@ backward). It holds the row inputs and everything a layer needs beyond per-row w
 call schedule of harts.planning.kda_calls, and query groups = the schedule's sequences.
 Invariant (tests/runtime, tests/model/test_equivalence.py): for any per-row function, both
 layouts give the same value at every semantic position.
-Legend: R rows, P KDA rows, C channels, W conv width, S_mb semantic positions of the microbatch.
+Legend: R rows, P KDA rows, N any rows, C channels, W conv width, S_mb semantic positions of the microbatch.
 """
 
 from __future__ import annotations
@@ -129,11 +129,8 @@ class Layout:
         if width > 1 and len(rows):
             predecessors = self.predecessors[rows]
             inside = predecessors < x_PC.shape[0]
-            fixed = x_PC[rows] * weight_CW[:, -1]
-            for j in range(1, width):
-                before = x_PC[predecessors[:, j - 1].clamp(max=x_PC.shape[0] - 1)] * inside[:, j - 1, None]
-                fixed = torch.addcmul(fixed, before, weight_CW[:, -1 - j])
-            out_PC.index_copy_(0, rows, fixed)
+            previous = x_PC[predecessors.clamp(max=x_PC.shape[0] - 1)] * inside[..., None]
+            out_PC.index_copy_(0, rows, conv_taps(x_PC[rows], previous, weight_CW))
         return out_PC
 
     def conv_exception_rows(self) -> torch.Tensor:
@@ -163,14 +160,22 @@ class Layout:
         return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)
 
 
+def conv_taps(x_NC: torch.Tensor, previous_NWC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+    """The causal conv of rows x given their 1st..(W−1)-th predecessors `previous[:, j − 1]` (zeros
+    before a path's start): x·weight[:, −1], then one fused multiply-add per tap j with
+    weight[:, −1 − j], in that order. The arithmetic of every causal-conv path (the shifted
+    training path, its reference, decoding), so all of them round alike."""
+    weight_CW = weight_CW.to(x_NC.dtype)
+    out_NC = x_NC * weight_CW[:, -1]
+    for j in range(1, weight_CW.shape[1]):
+        out_NC = torch.addcmul(out_NC, previous_NWC[:, j - 1], weight_CW[:, -1 - j])
+    return out_NC
+
+
 def naive_causal_conv(x_PC: torch.Tensor, weight_CW: torch.Tensor, predecessors_PW: torch.Tensor) -> torch.Tensor:
     """Reference of `Layout.causal_conv`: every tap gathered from the predecessor table (row P: zero)."""
-    weight_CW = weight_CW.to(x_PC.dtype)
     padded = torch.cat([x_PC, x_PC.new_zeros(1, x_PC.shape[1])])
-    out_PC = x_PC * weight_CW[:, -1]
-    for j in range(1, weight_CW.shape[1]):
-        out_PC = torch.addcmul(out_PC, padded[predecessors_PW[:, j - 1]], weight_CW[:, -1 - j])
-    return out_PC
+    return conv_taps(x_PC, padded[predecessors_PW], weight_CW)
 
 
 def _predecessors(parent_row: np.ndarray, width: int) -> np.ndarray:
