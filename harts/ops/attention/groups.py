@@ -16,6 +16,8 @@ Backends (all compute the same function, tested against `naive_group_attention`)
   call with `window_size=(-1, 0)` (causal, bottom-right aligned) over gathered KV (GPU).
 - `flex_tree_attention`: FlexAttention over the rows in place with the DFS tree mask (GPU; no
   ancestor KV copies).
+- `cudnn`: cuDNN's fused attention, one dense call per group (two for a group with ancestors,
+  merged by log-sum-exp; `harts.ops.attention.split`), bf16/fp16 on CUDA.
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -180,11 +182,18 @@ def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: flo
     return out.squeeze(0).transpose(0, 1)
 
 
+def cudnn_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    from harts.ops.attention.split import cudnn_group_attention
+
+    return cudnn_group_attention(q_RHE, k_RHE, v_RHF, groups, scale)
+
+
 BACKENDS = {
     "naive": naive_group_attention,
     "sdpa": sdpa_group_attention,
     "varlen": varlen_group_attention,
     "flex": flex_tree_attention,
+    "cudnn": cudnn_group_attention,
 }
 
 

@@ -99,13 +99,13 @@ def test_unknown_backend():
     x = torch.zeros(layout.num_rows, 1, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         group_attention(x, x, x, layout.groups, 1.0, "fast")
-    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex"}
+    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn"}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
+@pytest.mark.parametrize("backend", ["varlen", "flex", "cudnn"])
 def test_gpu_backends_match_naive(backend, execution):
     step = _random_step(3, num=16, max_len=200, vocab=3)
     members = np.arange(step.num_trajectories)

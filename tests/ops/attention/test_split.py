@@ -1,0 +1,79 @@
+import numpy as np
+import pytest
+import torch
+
+from harts.ops.attention.groups import naive_group_attention
+from harts.ops.attention.split import CUDNN, NAIVE, cudnn_group_attention, split_group_attention
+from harts.runtime.layout import baseline_layout, compact_layout
+from harts.trees.trie import PrefixIndex
+from tests.trees.helpers import make_step, random_sequences
+
+
+def _layout(execution, seed):
+    rng = np.random.default_rng(seed)
+    step = make_step(random_sequences(rng, 12, 40, 3))
+    members = np.arange(step.num_trajectories)
+    if execution == "compact":
+        return compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4)
+    splits = None
+    if execution == "baseline-split":  # groups with ancestors, keys and queries read in place
+        splits = [np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False)) if n > 1 else np.zeros(0)
+                  for n in step.lengths[members]]
+    return baseline_layout(step, members, conv_size=4, chunk_size=8, attention_splits=splits)
+
+
+def _inputs(rows, generator, dtype=torch.float64, device="cpu", heads=2, qk_dim=8, v_dim=6):
+    def make(dim):
+        return torch.randn(rows, heads, dim, generator=generator, device=device, dtype=torch.float64).to(dtype)
+
+    return make(qk_dim).requires_grad_(), make(qk_dim).requires_grad_(), make(v_dim).requires_grad_(), make(v_dim)
+
+
+@pytest.mark.parametrize("execution", ["baseline", "baseline-split", "compact"])
+@pytest.mark.parametrize("seed", range(3))
+def test_split_pieces_equal_the_dense_mask(execution, seed):
+    """Own (causal) and ancestor (full) pieces merged by log-sum-exp, each piece's backward taking the
+    merged output and lse: the same function and gradients as the one dense masked softmax."""
+    layout = _layout(execution, seed)
+    if execution != "baseline":
+        assert layout.groups.num_kv_rows > layout.num_rows  # some group has ancestors
+    q, k, v, grad = _inputs(layout.num_rows, torch.Generator().manual_seed(seed))
+    results = []
+    for fn in (naive_group_attention, lambda *a: split_group_attention(*a, kernel=NAIVE)):
+        out = fn(q, k, v, layout.groups, 0.3)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_cudnn_backend_needs_cuda_half_precision():
+    layout = _layout("baseline", 0)
+    q, k, v, _ = _inputs(layout.num_rows, torch.Generator().manual_seed(0), dtype=torch.float32)
+    with pytest.raises(ValueError, match="attention backend 'cudnn' needs bf16 or fp16 tensors on CUDA"):
+        cudnn_group_attention(q, k, v, layout.groups, 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 37), (300, 1000), (513, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_cudnn_piece_matches_naive(shape, causal):
+    """One dense cuDNN piece (forward: output and lse; backward given an output and lse) against the
+    plain-matmul piece in fp32 on the same bf16 inputs, with MLA's head dims (192 / 128)."""
+    num_q, num_k = shape
+    if causal and num_q != num_k:
+        pytest.skip("causal pieces are square")
+    generator = torch.Generator(device="cuda").manual_seed(num_q)
+    q = torch.randn(1, 4, num_q, 192, generator=generator, device="cuda").bfloat16()
+    k = torch.randn(1, 4, num_k, 192, generator=generator, device="cuda").bfloat16()
+    v = torch.randn(1, 4, num_k, 128, generator=generator, device="cuda").bfloat16()
+    dout = torch.randn(1, 4, num_q, 128, generator=generator, device="cuda").bfloat16()
+    out, lse = CUDNN.forward(q, k, v, causal, 192 ** -0.5)
+    want_out, want_lse = NAIVE.forward(q, k, v, causal, 192 ** -0.5)
+    assert lse.shape == want_lse.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-2)
+    grads = CUDNN.backward(dout, q, k, v, want_out, want_lse, causal, 192 ** -0.5)
+    want_grads = NAIVE.backward(dout, q, k, v, want_out, want_lse, causal, 192 ** -0.5)
+    for got, want in zip((out, *grads), (want_out, *want_grads)):
+        error = (got.double() - want.double()).norm() / want.double().norm()
+        assert error < 1e-2, error
