@@ -96,68 +96,99 @@ def _heads_first(x_LHD: torch.Tensor) -> torch.Tensor:
     return x_LHD.transpose(0, 1).unsqueeze(0)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class _Group:
-    """Row indices of one group: its queries, its ancestor keys, its own keys (= its queries)."""
+    """One group's two pieces, in bucketed shapes.
 
-    def __init__(self, groups: AttentionGroups, g: int, q_ptr: list[int], kv_ptr: list[int]):
+    cuDNN builds an execution plan per new (queries, keys) shape (~0.1 s each on an H200), and
+    trajectory and group lengths change every step, so every piece is padded to a multiple of a
+    bucket: the own piece to `query_bucket` rows, the ancestor piece to `query_bucket` queries and
+    a multiple of `key_bucket` keys. The ancestors left over (h mod key_bucket, the r nearest ones)
+    move into the own piece, in front of the own rows, as extra queries and keys: with the causal
+    (top-left) mask the l real queries, now at positions r.., see those r ancestors and their own
+    earlier rows, exactly the bottom-right mask. Padding rows are zeros at the end (invisible to the
+    real queries under the causal mask; in the ancestor piece only queries are padded). The extra
+    queries' outputs are dropped and their output gradients are zero, so they add nothing to any
+    gradient."""
+
+    def __init__(self, groups: AttentionGroups, g: int, q_ptr: list[int], kv_ptr: list[int],
+                 query_bucket: int, key_bucket: int):
         q_lo, q_hi, kv_lo, kv_hi = q_ptr[g], q_ptr[g + 1], kv_ptr[g], kv_ptr[g + 1]
-        self.num_ancestors = (kv_hi - kv_lo) - (q_hi - q_lo)
-        assert self.num_ancestors >= 0
-        self.in_place = groups.q_in_order and groups.kv_in_order
-        if self.in_place:
-            # The baseline: rows of a trajectory are consecutive and every key is a query of its group.
-            assert self.num_ancestors == 0 and q_lo == kv_lo
-            self.rows = slice(q_lo, q_hi)
-            self.ancestors = None
+        self.num_queries = q_hi - q_lo
+        num_ancestors = (kv_hi - kv_lo) - self.num_queries
+        assert num_ancestors >= 0
+        self.num_front = num_ancestors % key_bucket
+        self.num_far = num_ancestors - self.num_front
+        if groups.q_in_order and groups.kv_in_order:
+            # The baseline: a trajectory's rows are consecutive and it has no ancestors.
+            assert num_ancestors == 0 and q_lo == kv_lo
+            self.queries = self.own = slice(q_lo, q_hi)
         else:
-            self.rows = groups.q_index[q_lo:q_hi]
-            self.ancestors = groups.kv_index[kv_lo : kv_lo + self.num_ancestors] if self.num_ancestors else None
+            self.queries = groups.q_index[q_lo:q_hi]
+            self.own = groups.kv_index[kv_lo + self.num_far : kv_hi]
+        self.far = groups.kv_index[kv_lo : kv_lo + self.num_far] if self.num_far else None
+        self.own_rows = _round_up(self.num_front + self.num_queries, query_bucket)
+        self.far_rows = _round_up(self.num_queries, query_bucket)
 
-    def take(self, x_RHD: torch.Tensor) -> torch.Tensor:
-        return x_RHD[self.rows] if self.in_place else x_RHD.index_select(0, self.rows)
-
-    def take_ancestors(self, x_RHD: torch.Tensor) -> torch.Tensor:
-        return x_RHD.index_select(0, self.ancestors)
-
-    def put(self, target_RHD: torch.Tensor, value_LHD: torch.Tensor) -> None:
-        if self.in_place:
-            target_RHD[self.rows] = value_LHD
+    def gather(self, x_RHD: torch.Tensor, rows, num_rows: int, offset: int = 0) -> torch.Tensor:
+        """[1, H, num_rows, D]: x's `rows` at positions offset.., zeros elsewhere."""
+        count = rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+        if offset == 0 and count == num_rows:
+            return _heads_first(x_RHD[rows] if isinstance(rows, slice) else x_RHD.index_select(0, rows))
+        out = x_RHD.new_zeros(num_rows, *x_RHD.shape[1:])
+        target = out[offset : offset + count]
+        if isinstance(rows, slice):
+            target.copy_(x_RHD[rows])
         else:
-            target_RHD.index_copy_(0, self.rows, value_LHD)
+            torch.index_select(x_RHD, 0, rows, out=target)
+        return _heads_first(out)
 
-    def add(self, target_RHD: torch.Tensor, value_LHD: torch.Tensor, ancestors: bool = False) -> None:
-        if ancestors:
-            target_RHD.index_add_(0, self.ancestors, value_LHD)
-        elif self.in_place:
-            target_RHD[self.rows] += value_LHD
+    def real(self, piece_1HLD: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """[l, H, D]: the real queries' rows of a piece's output."""
+        return piece_1HLD[0, :, offset : offset + self.num_queries].transpose(0, 1)
+
+    def scatter(self, target_RHD: torch.Tensor, rows, value_LHD: torch.Tensor, add: bool) -> None:
+        if isinstance(rows, slice):
+            if add:
+                target_RHD[rows] += value_LHD
+            else:
+                target_RHD[rows] = value_LHD
+        elif add:
+            target_RHD.index_add_(0, rows, value_LHD)
         else:
-            target_RHD.index_add_(0, self.rows, value_LHD)
+            target_RHD.index_copy_(0, rows, value_LHD)
 
 
-def _split_groups(groups: AttentionGroups) -> list[_Group]:
+def _split_groups(groups: AttentionGroups, query_bucket: int, key_bucket: int) -> list[_Group]:
     q_ptr, kv_ptr = groups.q_ptr.tolist(), groups.kv_ptr.tolist()
-    return [_Group(groups, g, q_ptr, kv_ptr) for g in range(groups.num_groups)]
+    return [_Group(groups, g, q_ptr, kv_ptr, query_bucket, key_bucket) for g in range(groups.num_groups)]
 
 
 class _SplitGroupAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float, kernel: PieceKernel):
-        parts = _split_groups(groups)
+    def forward(ctx, q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float, kernel: PieceKernel,
+                query_bucket: int, key_bucket: int):
+        parts = _split_groups(groups, query_bucket, key_bucket)
         num_rows, num_heads = q_RHE.shape[:2]
         out_RHF = q_RHE.new_empty(num_rows, num_heads, v_RHF.shape[-1])
         lse_RH = q_RHE.new_empty(num_rows, num_heads, dtype=torch.float64 if q_RHE.dtype == torch.float64 else torch.float32)
-        for part in parts:
-            q = _heads_first(part.take(q_RHE))
-            out, lse = kernel.forward(q, _heads_first(part.take(k_RHE)), _heads_first(part.take(v_RHF)), True, scale)
-            if part.ancestors is not None:
-                out_a, lse_a = kernel.forward(q, _heads_first(part.take_ancestors(k_RHE)),
-                                              _heads_first(part.take_ancestors(v_RHF)), False, scale)
-                merged = torch.logaddexp(lse, lse_a)
+        for p in parts:
+            own = [p.gather(x, p.own, p.own_rows) for x in (q_RHE, k_RHE, v_RHF)]
+            out, lse = kernel.forward(*own, True, scale)
+            out, lse = p.real(out, p.num_front), p.real(lse, p.num_front)
+            if p.far is not None:
+                far_out, far_lse = kernel.forward(p.gather(q_RHE, p.queries, p.far_rows), p.gather(k_RHE, p.far, p.num_far),
+                                                  p.gather(v_RHF, p.far, p.num_far), False, scale)
+                far_out, far_lse = p.real(far_out), p.real(far_lse)
+                merged = torch.logaddexp(lse, far_lse)
                 out = (torch.exp(lse - merged) * out.to(merged.dtype)
-                       + torch.exp(lse_a - merged) * out_a.to(merged.dtype)).to(out_RHF.dtype)
+                       + torch.exp(far_lse - merged) * far_out.to(merged.dtype)).to(out_RHF.dtype)
                 lse = merged
-            part.put(out_RHF, out[0].transpose(0, 1))
-            part.put(lse_RH, lse[0, :, :, 0].transpose(0, 1))
+            p.scatter(out_RHF, p.queries, out, add=False)
+            p.scatter(lse_RH, p.queries, lse[..., 0], add=False)
         ctx.save_for_backward(q_RHE, k_RHE, v_RHF, out_RHF, lse_RH)
         ctx.parts, ctx.scale, ctx.kernel = parts, scale, kernel
         return out_RHF
@@ -165,29 +196,41 @@ class _SplitGroupAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_RHF):
         q_RHE, k_RHE, v_RHF, out_RHF, lse_RH = ctx.saved_tensors
-        dout_RHF = dout_RHF.contiguous()
         dq_RHE, dk_RHE, dv_RHF = torch.zeros_like(q_RHE), torch.zeros_like(k_RHE), torch.zeros_like(v_RHF)
         kernel, scale = ctx.kernel, ctx.scale
-        for part in ctx.parts:
-            q, dout, out = (_heads_first(part.take(x)) for x in (q_RHE, dout_RHF, out_RHF))
-            lse = part.take(lse_RH).transpose(0, 1)[None, :, :, None].contiguous()
-            dq, dk, dv = kernel.backward(dout, q, _heads_first(part.take(k_RHE)), _heads_first(part.take(v_RHF)),
-                                         out, lse, True, scale)
-            if part.ancestors is not None:
-                dq_a, dk_a, dv_a = kernel.backward(dout, q, _heads_first(part.take_ancestors(k_RHE)),
-                                                   _heads_first(part.take_ancestors(v_RHF)), out, lse, False, scale)
-                dq = dq + dq_a
-                part.add(dk_RHE, dk_a[0].transpose(0, 1), ancestors=True)
-                part.add(dv_RHF, dv_a[0].transpose(0, 1), ancestors=True)
-            part.add(dq_RHE, dq[0].transpose(0, 1))
-            part.add(dk_RHE, dk[0].transpose(0, 1))
-            part.add(dv_RHF, dv[0].transpose(0, 1))
-        return dq_RHE, dk_RHE, dv_RHF, None, None, None
+        # Rows that are not a real query get lse = +inf: their probabilities exp(s − lse) are 0.
+        lse_RH1 = lse_RH.unsqueeze(-1)
+        for p in ctx.parts:
+            for far in (False, True):
+                if far and p.far is None:
+                    continue
+                num_rows, offset = (p.far_rows, 0) if far else (p.own_rows, p.num_front)
+                keys = p.far if far else p.own
+                num_keys = p.num_far if far else p.own_rows
+                dout, out = (p.gather(x, p.queries, num_rows, offset) for x in (dout_RHF, out_RHF))
+                lse = p.gather(lse_RH1, p.queries, num_rows, offset).contiguous()
+                if num_rows != p.num_queries:
+                    lse[0, :, :offset] = float("inf")
+                    lse[0, :, offset + p.num_queries :] = float("inf")
+                q = p.gather(q_RHE, p.queries, num_rows, offset) if far else p.gather(q_RHE, p.own, num_rows)
+                dq, dk, dv = kernel.backward(dout, q, p.gather(k_RHE, keys, num_keys), p.gather(v_RHF, keys, num_keys),
+                                             out, lse, not far, scale)
+                p.scatter(dq_RHE, p.queries, p.real(dq, offset), add=True)
+                num_real_keys = p.num_far if far else p.num_front + p.num_queries
+                p.scatter(dk_RHE, keys, dk[0, :, :num_real_keys].transpose(0, 1), add=True)
+                p.scatter(dv_RHF, keys, dv[0, :, :num_real_keys].transpose(0, 1), add=True)
+        return dq_RHE, dk_RHE, dv_RHF, None, None, None, None, None
 
 
-def split_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
-                          kernel: PieceKernel = NAIVE) -> torch.Tensor:
-    return _SplitGroupAttention.apply(q_RHE, k_RHE, v_RHF, groups, scale, kernel)
+QUERY_BUCKET = 64
+"""Query rows of a piece are padded to a multiple of this (cuDNN's query tile: no extra tiles)."""
+KEY_BUCKET = 256
+"""Ancestor keys of a piece are a multiple of this; the rest join the own piece."""
+
+
+def split_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float, kernel: PieceKernel = NAIVE,
+                          query_bucket: int = QUERY_BUCKET, key_bucket: int = KEY_BUCKET) -> torch.Tensor:
+    return _SplitGroupAttention.apply(q_RHE, k_RHE, v_RHF, groups, scale, kernel, query_bucket, key_bucket)
 
 
 def cudnn_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:

@@ -29,17 +29,21 @@ def _inputs(rows, generator, dtype=torch.float64, device="cpu", heads=2, qk_dim=
     return make(qk_dim).requires_grad_(), make(qk_dim).requires_grad_(), make(v_dim).requires_grad_(), make(v_dim)
 
 
+@pytest.mark.parametrize("buckets", [(1, 1), (4, 8), (64, 256)], ids=["exact", "small-buckets", "default-buckets"])
 @pytest.mark.parametrize("execution", ["baseline", "baseline-split", "compact"])
 @pytest.mark.parametrize("seed", range(3))
-def test_split_pieces_equal_the_dense_mask(execution, seed):
+def test_split_pieces_equal_the_dense_mask(execution, seed, buckets):
     """Own (causal) and ancestor (full) pieces merged by log-sum-exp, each piece's backward taking the
-    merged output and lse: the same function and gradients as the one dense masked softmax."""
+    merged output and lse, in padded (bucketed) shapes with the leftover ancestors in the own piece:
+    the same function and gradients as the one dense masked softmax."""
     layout = _layout(execution, seed)
     if execution != "baseline":
         assert layout.groups.num_kv_rows > layout.num_rows  # some group has ancestors
     q, k, v, grad = _inputs(layout.num_rows, torch.Generator().manual_seed(seed))
+    query_bucket, key_bucket = buckets
     results = []
-    for fn in (naive_group_attention, lambda *a: split_group_attention(*a, kernel=NAIVE)):
+    for fn in (naive_group_attention, lambda *a: split_group_attention(
+            *a, kernel=NAIVE, query_bucket=query_bucket, key_bucket=key_bucket)):
         out = fn(q, k, v, layout.groups, 0.3)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for got, want in zip(*results):
@@ -77,3 +81,28 @@ def test_cudnn_piece_matches_naive(shape, causal):
     for got, want in zip((out, *grads), (want_out, *want_grads)):
         error = (got.double() - want.double()).norm() / want.double().norm()
         assert error < 1e-2, error
+
+
+def test_padding_rows_add_nothing_at_large_logits():
+    """Scores far above exp's range: the padding and leftover-ancestor query rows must contribute
+    exactly nothing (their lse is +inf in the backward, not a stale value that overflows)."""
+    layout = _layout("compact", 5)
+    q, k, v, grad = _inputs(layout.num_rows, torch.Generator().manual_seed(5), dtype=torch.float32)
+    q, k = (x.detach().mul(12.0).requires_grad_() for x in (q, k))
+    got = split_group_attention(q, k, v, layout.groups, 1.0, kernel=NAIVE, query_bucket=4, key_bucket=8)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = naive_group_attention(*ref, layout.groups, 1.0)
+    want_grads = torch.autograd.grad(want, ref, grad.double())
+    for a, b in zip((got, *got_grads), (want, *want_grads)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.detach(), rtol=1e-3, atol=1e-3 * float(b.detach().abs().max()))
+
+
+def test_buckets_cover_front_and_far_pieces():
+    """The small-bucket cases above exercise both pieces and the leftover ancestors."""
+    from harts.ops.attention.split import _split_groups
+
+    parts = _split_groups(_layout("compact", 0).groups, 4, 8)
+    assert any(p.far is not None for p in parts) and any(p.num_front for p in parts)
+    assert any(p.own_rows > p.num_front + p.num_queries for p in parts)
