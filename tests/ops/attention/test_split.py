@@ -60,10 +60,11 @@ def test_cudnn_backend_needs_cuda_half_precision():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", [(1, 1), (37, 37), (300, 1000), (513, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(64, 64), (192, 192), (64, 256), (320, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_cudnn_piece_matches_naive(shape, causal):
     """One dense cuDNN piece (forward: output and lse; backward given an output and lse) against the
-    plain-matmul piece in fp32 on the same bf16 inputs, with MLA's head dims (192 / 128)."""
+    plain-matmul piece in fp32 on the same bf16 inputs, with MLA's head dims (192 / 128), in the
+    bucketed shapes the split produces."""
     num_q, num_k = shape
     if causal and num_q != num_k:
         pytest.skip("causal pieces are square")
