@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from harts.ops.attention.groups import naive_group_attention
-from harts.ops.attention.split import CUDNN, NAIVE, cudnn_group_attention, split_group_attention
+from harts.ops.attention.split import CUDNN, NAIVE, Buckets, _split_groups, cudnn_group_attention, split_group_attention
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
 from tests.trees.helpers import make_step, random_sequences
@@ -29,7 +29,14 @@ def _inputs(rows, generator, dtype=torch.float64, device="cpu", heads=2, qk_dim=
     return make(qk_dim).requires_grad_(), make(qk_dim).requires_grad_(), make(v_dim).requires_grad_(), make(v_dim)
 
 
-@pytest.mark.parametrize("buckets", [(1, 1), (4, 8), (64, 256)], ids=["exact", "small-buckets", "default-buckets"])
+BUCKETS = {
+    "exact": Buckets(query=1, key=1, key_chunk=10**9),
+    "small-buckets": Buckets(query=4, key=4, key_chunk=12, split_below=1024),
+    "default-buckets": Buckets(),
+}
+
+
+@pytest.mark.parametrize("buckets", BUCKETS.values(), ids=BUCKETS.keys())
 @pytest.mark.parametrize("execution", ["baseline", "baseline-split", "compact"])
 @pytest.mark.parametrize("seed", range(3))
 def test_split_pieces_equal_the_dense_mask(execution, seed, buckets):
@@ -40,10 +47,8 @@ def test_split_pieces_equal_the_dense_mask(execution, seed, buckets):
     if execution != "baseline":
         assert layout.groups.num_kv_rows > layout.num_rows  # some group has ancestors
     q, k, v, grad = _inputs(layout.num_rows, torch.Generator().manual_seed(seed))
-    query_bucket, key_bucket = buckets
     results = []
-    for fn in (naive_group_attention, lambda *a: split_group_attention(
-            *a, kernel=NAIVE, query_bucket=query_bucket, key_bucket=key_bucket)):
+    for fn in (naive_group_attention, lambda *a: split_group_attention(*a, kernel=NAIVE, buckets=buckets)):
         out = fn(q, k, v, layout.groups, 0.3)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for got, want in zip(*results):
@@ -57,22 +62,22 @@ def test_cudnn_backend_needs_cuda_half_precision():
         cudnn_group_attention(q, k, v, layout.groups, 0.3)
 
 
+PIECES = [(1, 64, 64, True), (1, 192, 192, True), (1, 64, 256, False), (1, 320, 1024, False), (3, 64, 512, False)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", [(64, 64), (192, 192), (64, 256), (320, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_cudnn_piece_matches_naive(shape, causal):
+@pytest.mark.parametrize("piece", PIECES, ids=lambda p: f"{p[0]}x{p[1]}x{p[2]}-{'causal' if p[3] else 'full'}")
+def test_cudnn_piece_matches_naive(piece):
     """One dense cuDNN piece (forward: output and lse; backward given an output and lse) against the
     plain-matmul piece in fp32 on the same bf16 inputs, with MLA's head dims (192 / 128), in the
-    bucketed shapes the split produces."""
-    num_q, num_k = shape
-    if causal and num_q != num_k:
-        pytest.skip("causal pieces are square")
+    bucketed shapes the split produces (a batch: far keys split into chunks)."""
+    batch, num_q, num_k, causal = piece
     generator = torch.Generator(device="cuda").manual_seed(num_q)
-    q = torch.randn(1, 4, num_q, 192, generator=generator, device="cuda").bfloat16()
-    k = torch.randn(1, 4, num_k, 192, generator=generator, device="cuda").bfloat16()
-    v = torch.randn(1, 4, num_k, 128, generator=generator, device="cuda").bfloat16()
-    dout = torch.randn(1, 4, num_q, 128, generator=generator, device="cuda").bfloat16()
+    q = torch.randn(batch, 4, num_q, 192, generator=generator, device="cuda").bfloat16()
+    k = torch.randn(batch, 4, num_k, 192, generator=generator, device="cuda").bfloat16()
+    v = torch.randn(batch, 4, num_k, 128, generator=generator, device="cuda").bfloat16()
+    dout = torch.randn(batch, 4, num_q, 128, generator=generator, device="cuda").bfloat16()
     out, lse = CUDNN.forward(q, k, v, causal, 192 ** -0.5)
     want_out, want_lse = NAIVE.forward(q, k, v, causal, 192 ** -0.5)
     assert lse.shape == want_lse.shape and lse.dtype == torch.float32
@@ -90,7 +95,7 @@ def test_padding_rows_add_nothing_at_large_logits():
     layout = _layout("compact", 5)
     q, k, v, grad = _inputs(layout.num_rows, torch.Generator().manual_seed(5), dtype=torch.float32)
     q, k = (x.detach().mul(12.0).requires_grad_() for x in (q, k))
-    got = split_group_attention(q, k, v, layout.groups, 1.0, kernel=NAIVE, query_bucket=4, key_bucket=8)
+    got = split_group_attention(q, k, v, layout.groups, 1.0, kernel=NAIVE, buckets=BUCKETS["small-buckets"])
     got_grads = torch.autograd.grad(got, (q, k, v), grad)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want = naive_group_attention(*ref, layout.groups, 1.0)
@@ -100,10 +105,12 @@ def test_padding_rows_add_nothing_at_large_logits():
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-3, atol=1e-3 * float(b.detach().abs().max()))
 
 
-def test_buckets_cover_front_and_far_pieces():
-    """The small-bucket cases above exercise both pieces and the leftover ancestors."""
-    from harts.ops.attention.split import _split_groups
-
-    parts = _split_groups(_layout("compact", 0).groups, 4, 8)
-    assert any(p.far is not None for p in parts) and any(p.num_front for p in parts)
-    assert any(p.own_rows > p.num_front + p.num_queries for p in parts)
+def test_small_buckets_cover_every_kind_of_piece():
+    """The small-bucket cases above exercise leftover ancestors in the own piece, padding, far
+    pieces and far keys split into a batch of chunks."""
+    parts = _split_groups(_layout("compact", 0).groups, BUCKETS["small-buckets"])
+    own = [p.pieces[0] for p in parts]
+    far = [piece for p in parts for piece in p.pieces[1:]]
+    assert any(piece.real_offset > 0 for piece in own)
+    assert any(piece.num_q > piece.real_offset + p.num_queries for piece, p in zip(own, parts))
+    assert any(piece.batch > 1 for piece in far) and any(piece.batch == 1 for piece in far)
