@@ -5,9 +5,8 @@ queries and keys, 128 for values, no padding of v), but its causal mask is align
 ragged (packed) mode is slower than one dense call per sequence. A group of `AttentionGroups` needs
 the bottom-right causal mask over [h ancestors | l own rows]. So each group runs as dense pieces:
 - own: the l queries against the group's own l keys, causal (square, so top-left = bottom-right);
-- far (h > 0): the l queries against the ancestor keys, no mask; for a group with few queries the
-  ancestor keys are split into equal chunks, one batch element each (a few query tiles alone
-  would leave most of the GPU idle).
+- far (h > 0): the l queries against the ancestor keys, no mask, in chunks of a fixed number of
+  keys (one batched call for a group with few queries).
 The outputs are merged exactly by their log-sum-exps, o = Σ_p exp(lse_p − lse)·o_p with
 lse = log Σ_p exp(lse_p). The backward runs each piece's attention backward with the *merged*
 output and log-sum-exp (the flash/ring-attention identity: dS = P ∘ (dP − rowsum(dO ∘ O)) with the
@@ -184,10 +183,12 @@ class Buckets:
     key: int = 256
     """Ancestor keys of a far piece: a multiple of this; the leftover nearest ones join the own piece."""
     key_chunk: int = 4096
-    """Far keys of a group with few queries are split into chunks of this many, one batch element
-    each (more parallel work than a few query tiles; the chunks are merged like the pieces)."""
-    split_below: int = 1024
-    """Split the far keys only when the group has at most this many (padded) queries."""
+    """Far keys are split into chunks of this many (and one last piece of the rest, a multiple of
+    `key`), merged like the pieces: the far shapes stay in a bounded set however long the paths."""
+    batch_below: int = 1024
+    """A group with at most this many (padded) queries runs its chunks as one batched call (a few
+    query tiles alone would leave most of the GPU idle); larger groups run one call per chunk (no
+    copies of their queries)."""
 
 
 class _Group:
@@ -221,13 +222,16 @@ class _Group:
         if num_far:
             far = groups.kv_index[kv_lo : kv_lo + num_far]
             num_q = _round_up(self.num_queries, buckets.query)
-            chunks = num_far // buckets.key_chunk if num_q <= buckets.split_below else 0
-            if chunks > 1:
-                split = chunks * buckets.key_chunk
-                self.pieces.append(_Piece(self.queries, num_q, 0, far[:split], buckets.key_chunk, chunks, False))
-                far = far[split:]
-            if len(far):
-                self.pieces.append(_Piece(self.queries, num_q, 0, far, len(far), 1, False))
+            chunk = buckets.key_chunk
+            chunks = num_far // chunk
+            if chunks and num_q <= buckets.batch_below:
+                self.pieces.append(_Piece(self.queries, num_q, 0, far[: chunks * chunk], chunk, chunks, False))
+            else:
+                self.pieces += [_Piece(self.queries, num_q, 0, far[c * chunk : (c + 1) * chunk], chunk, 1, False)
+                                for c in range(chunks)]
+            if num_far > chunks * chunk:
+                rest = far[chunks * chunk :]
+                self.pieces.append(_Piece(self.queries, num_q, 0, rest, len(rest), 1, False))
 
 
 def _split_groups(groups: AttentionGroups, buckets: Buckets) -> list[_Group]:

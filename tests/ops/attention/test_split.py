@@ -31,7 +31,8 @@ def _inputs(rows, generator, dtype=torch.float64, device="cpu", heads=2, qk_dim=
 
 BUCKETS = {
     "exact": Buckets(query=1, key=1, key_chunk=10**9),
-    "small-buckets": Buckets(query=4, key=4, key_chunk=12, split_below=1024),
+    "small-buckets": Buckets(query=4, key=4, key_chunk=12, batch_below=1024),
+    "small-buckets-looped": Buckets(query=4, key=4, key_chunk=12, batch_below=0),
     "default-buckets": Buckets(),
 }
 
@@ -107,10 +108,16 @@ def test_padding_rows_add_nothing_at_large_logits():
 
 def test_small_buckets_cover_every_kind_of_piece():
     """The small-bucket cases above exercise leftover ancestors in the own piece, padding, far
-    pieces and far keys split into a batch of chunks."""
-    parts = _split_groups(_layout("compact", 0).groups, BUCKETS["small-buckets"])
-    own = [p.pieces[0] for p in parts]
-    far = [piece for p in parts for piece in p.pieces[1:]]
-    assert any(piece.real_offset > 0 for piece in own)
-    assert any(piece.num_q > piece.real_offset + p.num_queries for piece, p in zip(own, parts))
-    assert any(piece.batch > 1 for piece in far) and any(piece.batch == 1 for piece in far)
+    keys in chunks (batched, or one call each), and a last far piece of the rest."""
+    for name, batched in (("small-buckets", True), ("small-buckets-looped", False)):
+        parts = _split_groups(_layout("compact", 0).groups, BUCKETS[name])
+        own = [p.pieces[0] for p in parts]
+        far = [piece for p in parts for piece in p.pieces[1:]]
+        assert any(piece.real_offset > 0 for piece in own)
+        assert any(piece.num_q > piece.real_offset + p.num_queries for piece, p in zip(own, parts))
+        chunk_pieces = [sum(piece.num_k == 12 for piece in p.pieces[1:]) for p in parts]
+        if batched:
+            assert any(piece.batch > 1 for piece in far) and max(chunk_pieces) == 1
+        else:
+            assert all(piece.batch == 1 for piece in far) and max(chunk_pieces) > 1
+        assert any(piece.num_k != 12 for piece in far)  # the rest
