@@ -105,7 +105,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
-    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--attention-backend", default=None,
+                        help="MLA backend, naive|sdpa|varlen|flex|cudnn (default: sdpa on CPU, varlen on CUDA)")
     parser.add_argument("--compact-attention-backend", default=None,
                         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
                              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")

@@ -38,7 +38,7 @@ OVERRIDES = [
     ("--capacity", "execution.capacity", {"type": positive_int, "help": "T: tokens per microbatch"}),
     ("--recompute", "execution.recompute", {"action": argparse.BooleanOptionalAction,
                                             "help": "per-layer activation recomputation"}),
-    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex"}),
+    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn"}),
     ("--kda-backend", "execution.kda_backend", {"help": "torch|fla"}),
     ("--loss", "loss.name", {"choices": ("grpo", "ppo")}),
     ("--lr", "optimizer.lr", {"type": float, "help": "peak learning rate"}),
