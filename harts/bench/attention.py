@@ -6,7 +6,10 @@ backward of the group attention with each backend (`varlen`: ancestor-KV views t
 `varlen_attn`; `flex`: the DFS tree mask over the rows in place; `sdpa`: the CPU loop) on random
 bf16 (CUDA) or fp32 inputs of the model's MLA shapes. Each backend is first checked against the
 dense-mask reference on the first microbatch (a backend that disagrees is not timed). One record
-per (execution, backend) with median seconds, rows, KV rows and the tree mask's density.
+per (execution, backend) with median seconds, rows, KV rows and the tree mask's density, and the
+first call's seconds: with plan-building kernels (cuDNN builds one per new shape) the cost of a
+step's new shapes. `--warm-seed N` first runs every backend on the trees of seed N, so that the
+first call measures a new step after another one (shapes seen before are not rebuilt).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--trees", required=True, help="trees config NAME or YAML path, or a step path")
     parser.add_argument("--step", type=non_negative_int, default=0)
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--warm-seed", type=non_negative_int, default=None,
+                        help="first run every backend on the trees of this seed (a step before the measured one)")
     parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--microbatches", type=positive_int, default=2, help="microbatches of each execution to time")
     parser.add_argument("--backends", default="varlen,flex", help="comma-separated")
@@ -42,13 +47,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import error_message, make_record, write_records
-    from harts.bench.wandb_log import log_records, options
     from harts.bench.steps import iter_steps
+    from harts.bench.wandb_log import log_records, options
     from harts.model.config import load_model_config
     from harts.ops.attention.groups import group_attention
-    from harts.planning.microbatch import plan
-    from harts.runtime.layout import baseline_layout, compact_layout
-    from harts.trees.trie import PrefixIndex
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -58,16 +60,11 @@ def run(args: argparse.Namespace) -> int:
     qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     backends = [b for b in args.backends.split(",") if b]
     (_, step, meta), = iter_steps(args.trees, args.seed, [args.step])
-    index = PrefixIndex.from_step(step)
-    position = {t: k for k, t in enumerate(step.ids)}
-    layouts = {}
-    for execution, planner in (("baseline", "per-trajectory"), ("compact", "harts")):
-        result = plan(step, args.capacity, 1, planner=planner, index=index)
-        chosen = [mb for mb in result.microbatches if mb.trajectory_ids][: args.microbatches]
-        members = [np.asarray([position[t] for t in mb.trajectory_ids]) for mb in chosen]
-        build = (lambda m: compact_layout(step, index, m, conv_size=4, chunk_size=64)) if execution == "compact" \
-            else (lambda m: baseline_layout(step, m, conv_size=4, chunk_size=64))
-        layouts[execution] = [build(m) for m in members]
+    layouts = _layouts(step, args.capacity, args.microbatches)
+    warm_layouts = None
+    if args.warm_seed is not None:
+        (_, warm_step, _), = iter_steps(args.trees, args.warm_seed, [args.step])
+        warm_layouts = _layouts(warm_step, args.capacity, args.microbatches)
 
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -75,17 +72,31 @@ def run(args: argparse.Namespace) -> int:
         shapes = ((rows, mla.num_heads, qk_dim), (rows, mla.num_heads, qk_dim), (rows, mla.num_heads, mla.v_head_dim))
         return [torch.randn(*s, generator=generator, device=device).to(dtype).requires_grad_() for s in shapes]
 
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     records = []
     scale = qk_dim ** -0.5
     for execution, items in layouts.items():
         for backend in backends:
             config = {"model": args.model, **meta, "capacity": args.capacity, "execution": execution,
-                      "backend": backend, "dtype": str(dtype), "repeats": args.repeats}
+                      "backend": backend, "dtype": str(dtype), "repeats": args.repeats, "warm_seed": args.warm_seed}
             try:
                 error = check_backend(backend, device, dtype, mla)
                 if error > 2e-2:
                     raise RuntimeError(f"{backend} disagrees with the dense reference: relative error {error:.3g}")
-                times, kv_rows, rows, density = [], 0, 0, []
+                for layout in warm_layouts[execution] if warm_layouts else []:
+                    groups = layout.groups.to(device)
+                    q, k, v = inputs(layout.num_rows)
+                    o = group_attention(q, k, v, groups, scale, backend)
+                    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+                times, first, kv_rows, rows, density = [], [], 0, 0, []
                 for layout in items:
                     groups = layout.groups.to(device)
                     q, k, v = inputs(layout.num_rows)
@@ -95,26 +106,19 @@ def run(args: argparse.Namespace) -> int:
                         o = group_attention(q, k, v, groups, scale, backend)
                         torch.autograd.grad(o, (q, k, v), grad)
 
-                    once()
-                    samples = []
-                    for _ in range(args.repeats):
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        once()
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        samples.append(time.perf_counter() - start)
-                    times.append(statistics.median(samples))
+                    first.append(timed(once))
+                    times.append(statistics.median(timed(once) for _ in range(args.repeats)))
                     kv_rows += layout.groups.num_kv_rows
                     rows += layout.num_rows
                     ends = layout.groups.row_subtree_end.numpy()
                     pairs = int((ends - np.arange(layout.num_rows)).sum())
                     density.append(pairs / layout.num_rows ** 2)
-                results = {"check_relative_error": error, "seconds": sum(times), "per_microbatch_seconds": times, "rows": rows, "kv_rows": kv_rows,
-                           "tree_mask_density": float(np.mean(density))}
+                results = {"check_relative_error": error, "seconds": sum(times), "per_microbatch_seconds": times,
+                           "first_call_seconds": sum(first), "per_microbatch_first_call_seconds": first,
+                           "rows": rows, "kv_rows": kv_rows, "tree_mask_density": float(np.mean(density))}
                 records.append(make_record("attention", config, results))
-                print(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms  rows {rows:,}  kv rows {kv_rows:,}", file=sys.stderr)
+                print(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms (first call {sum(first) * 1e3:.1f} ms)  "
+                      f"rows {rows:,}  kv rows {kv_rows:,}", file=sys.stderr)
             except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
                 message = error_message(error)
                 records.append(make_record("attention", config, error=message))
@@ -122,6 +126,27 @@ def run(args: argparse.Namespace) -> int:
             write_records(records, Path(args.out))
     log_records(records, options(args))
     return 0 if all("error" not in r for r in records) else 1
+
+
+def _layouts(step, capacity: int, num_microbatches: int) -> dict:
+    """The first microbatches' layouts of each execution (HARTS plan for compact, per-trajectory packing)."""
+    import numpy as np
+
+    from harts.planning.microbatch import plan
+    from harts.runtime.layout import baseline_layout, compact_layout
+    from harts.trees.trie import PrefixIndex
+
+    index = PrefixIndex.from_step(step)
+    position = {t: k for k, t in enumerate(step.ids)}
+    layouts = {}
+    for execution, planner in (("baseline", "per-trajectory"), ("compact", "harts")):
+        result = plan(step, capacity, 1, planner=planner, index=index)
+        chosen = [mb for mb in result.microbatches if mb.trajectory_ids][:num_microbatches]
+        members = [np.asarray([position[t] for t in mb.trajectory_ids]) for mb in chosen]
+        build = (lambda m: compact_layout(step, index, m, conv_size=4, chunk_size=64)) if execution == "compact" \
+            else (lambda m: baseline_layout(step, m, conv_size=4, chunk_size=64))
+        layouts[execution] = [build(m) for m in members]
+    return layouts
 
 
 def check_backend(backend: str, device, dtype, mla) -> float:

@@ -1,0 +1,41 @@
+import json
+
+from harts.cli.main import main
+from harts.ops.attention.groups import BACKENDS, sdpa_group_attention
+
+
+def test_warm_seed_runs_before_the_measured_step_and_first_calls_are_recorded(tmp_path, monkeypatch):
+    """`--warm-seed` runs every backend on the other seed's trees first (so that the first call of
+    the measured step meets the shapes a previous step left behind); the first call is timed apart
+    from the repeats."""
+    calls = []
+
+    def spy(q, k, v, groups, scale):
+        calls.append((q.shape[0], groups.num_kv_rows))
+        return sdpa_group_attention(q, k, v, groups, scale)
+
+    monkeypatch.setitem(BACKENDS, "spy", spy)
+    out = tmp_path / "attention.json"
+
+    def run(*extra):
+        calls.clear()
+        code = main(["bench", "attention", "--model", "tiny", "--trees", "tiny", "--device", "cpu", "--backends", "spy",
+                     "--microbatches", "1", "--repeats", "2", "--out", str(out), "--wandb-mode", "disabled", *extra])
+        assert code == 0
+        return list(calls), json.loads(out.read_text())
+
+    measured, records = run("--seed", "0")
+    warmed, warm_records = run("--seed", "0", "--warm-seed", "1")
+    other, _ = run("--seed", "1")
+    # Per execution: the dense-reference check, the first call, 2 repeats; with --warm-seed the warm
+    # seed's microbatch comes between the check and the first call.
+    assert len(measured) == 8 and len(warmed) == 10
+    for i in range(2):
+        plain, warm, seed_1 = measured[4 * i : 4 * i + 4], warmed[5 * i : 5 * i + 5], other[4 * i : 4 * i + 4]
+        assert seed_1[1] != plain[1]  # the seeds' layouts differ
+        assert warm == [plain[0], seed_1[1], *plain[1:]]
+    for record in warm_records:
+        assert record["config"]["warm_seed"] == 1
+        results = record["results"]
+        assert results["first_call_seconds"] > 0 and len(results["per_microbatch_first_call_seconds"]) == 1
+    assert all(r["config"]["warm_seed"] is None for r in records)
