@@ -83,7 +83,9 @@ _NO_DROPOUT: dict[torch.device, torch.Tensor] = {}
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     # Dropout is off: the philox seed and offset are read by nothing; one zero tensor serves both.
-    unused = _NO_DROPOUT.setdefault(q.device, torch.zeros((), dtype=torch.int64, device=q.device))
+    if q.device not in _NO_DROPOUT:
+        _NO_DROPOUT[q.device] = torch.zeros((), dtype=torch.int64, device=q.device)
+    unused = _NO_DROPOUT[q.device]
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse, unused, unused, None, None, None, q.shape[-2], k.shape[-2], 0.0, causal,
         scale=scale,
