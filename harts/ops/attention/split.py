@@ -198,7 +198,7 @@ class _Group:
 
     Trajectory and group lengths change every step, so every piece is padded to bucketed shapes
     (`Buckets`): the own piece to a multiple of `query` rows, a far piece to a multiple of `query`
-    queries and of `key` keys. The ancestors left over (h mod `key`, the r nearest ones) move into
+    queries and `key_chunk` keys (the last one: the rest, a multiple of `key`). The ancestors left over (h mod `key`, the r nearest ones) move into
     the own piece, in front of the own rows, as extra queries and keys: under the causal (top-left)
     mask the l real queries, now at positions r.., see those r ancestors and their own earlier rows,
     exactly the bottom-right mask. Padding rows are zeros at the end (invisible to the real queries
