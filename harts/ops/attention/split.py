@@ -181,7 +181,12 @@ class Buckets:
     """Padded shapes of the pieces (cuDNN builds an execution plan per new shape, ~0.1 s on an H200)."""
 
     query: int = 64
-    """Query rows of a piece: a multiple of this (cuDNN's query tile, so no extra tiles)."""
+    """Query rows of a piece: at least this many (cuDNN's query tile, so no extra tiles)."""
+    powers_below: int = 4096
+    """Up to this many, query rows round up to a power of two (small pieces use a fraction of the GPU,
+    so their padding costs little time and they take few shapes) ..."""
+    step_above: int = 256
+    """... above it, to a multiple of this (large causal pieces: little padding)."""
     key: int = 256
     """Ancestor keys of a far piece: a multiple of this; the leftover nearest ones join the own piece."""
     key_chunk: int = 4096
@@ -192,16 +197,22 @@ class Buckets:
     query tiles alone would leave most of the GPU idle); larger groups run one call per chunk (no
     copies of their queries)."""
 
+    def rows(self, n: int) -> int:
+        """The padded number of query rows for n real ones."""
+        if n <= self.powers_below:
+            return max(self.query, 1 << max(n - 1, 0).bit_length())
+        return _round_up(n, self.step_above)
+
 
 class _Group:
     """One group's pieces in bucketed shapes.
 
     Trajectory and group lengths change every step, so every piece is padded to bucketed shapes
-    (`Buckets`): the own piece to a multiple of `query` rows, a far piece to a multiple of `query`
-    queries and `key_chunk` keys (the last one: the rest, a multiple of `key`). The ancestors left over (h mod `key`, the r nearest ones) move into
-    the own piece, in front of the own rows, as extra queries and keys: under the causal (top-left)
-    mask the l real queries, now at positions r.., see those r ancestors and their own earlier rows,
-    exactly the bottom-right mask. Padding rows are zeros at the end (invisible to the real queries
+    (`Buckets`): the own piece to `Buckets.rows` rows, a far piece to `Buckets.rows` queries and
+    `key_chunk` keys (the last one: the rest, a multiple of `key`). The ancestors left over (h mod
+    `key`, the r nearest ones) move into the own piece, in front of the own rows, as extra queries
+    and keys: under the causal (top-left) mask the l real queries, now at positions r.., see those
+    r ancestors and their own earlier rows, exactly the bottom-right mask. Padding rows are zeros at the end (invisible to the real queries
     under the causal mask; far pieces pad only queries). Outputs of the extra queries are dropped
     and their output gradients are zero, so they add nothing to any gradient."""
 
@@ -219,11 +230,11 @@ class _Group:
         else:
             self.queries = groups.q_index[q_lo:q_hi]
             own = groups.kv_index[kv_lo + num_far : kv_hi]
-        num_own = _round_up(num_front + self.num_queries, buckets.query)
+        num_own = buckets.rows(num_front + self.num_queries)
         self.pieces = [_Piece(own, num_own, num_front, own, num_own, 1, True)]
         if num_far:
             far = groups.kv_index[kv_lo : kv_lo + num_far]
-            num_q = _round_up(self.num_queries, buckets.query)
+            num_q = buckets.rows(self.num_queries)
             chunk = buckets.key_chunk
             chunks = num_far // chunk
             if chunks and num_q <= buckets.batch_below:

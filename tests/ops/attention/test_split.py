@@ -30,9 +30,9 @@ def _inputs(rows, generator, dtype=torch.float64, device="cpu", heads=2, qk_dim=
 
 
 BUCKETS = {
-    "exact": Buckets(query=1, key=1, key_chunk=10**9),
-    "small-buckets": Buckets(query=4, key=4, key_chunk=12, batch_below=1024),
-    "small-buckets-looped": Buckets(query=4, key=4, key_chunk=12, batch_below=0),
+    "exact": Buckets(query=1, powers_below=0, step_above=1, key=1, key_chunk=10**9),
+    "small-buckets": Buckets(query=4, powers_below=16, step_above=4, key=4, key_chunk=12, batch_below=1024),
+    "small-buckets-looped": Buckets(query=4, powers_below=16, step_above=4, key=4, key_chunk=12, batch_below=0),
     "default-buckets": Buckets(),
 }
 
@@ -104,6 +104,14 @@ def test_padding_rows_add_nothing_at_large_logits():
     for a, b in zip((got, *got_grads), (want, *want_grads)):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-3, atol=1e-3 * float(b.detach().abs().max()))
+
+
+@pytest.mark.parametrize("n, rows", [(1, 64), (64, 64), (65, 128), (1000, 1024), (4096, 4096), (4097, 4352),
+                                     (33_000, 33_024)])
+def test_default_query_rows(n, rows):
+    """Powers of two up to 4,096 (at least cuDNN's 64-row tile), then multiples of 256."""
+    assert Buckets().rows(n) == rows
+    assert BUCKETS["exact"].rows(n) == n
 
 
 def test_small_buckets_cover_every_kind_of_piece():
