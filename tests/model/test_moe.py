@@ -15,10 +15,16 @@ from harts.model.moe import (
     updated_expert_bias,
 )
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # megatron warns at import that TE and Apex are missing
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
+
+def _megatron():
+    """megatron-core (a chosen dependency, the reference of the routing and losses), imported by the
+    tests that compare with it, so that the others collect where it is absent (the GPU image)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron warns at import that TE and Apex are missing
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe import moe_utils
+    return parallel_state, moe_utils
+
 
 NUM_ROWS, NUM_EXPERTS = 64, 8
 
@@ -52,6 +58,7 @@ def _dense(routing):
 
 @pytest.mark.parametrize("name", ROUTINGS)
 def test_routing_matches_megatron(name):
+    _, moe_utils = _megatron()
     kwargs = dict(ROUTINGS[name])
     if kwargs.get("expert_bias_E"):
         kwargs["expert_bias_E"] = torch.randn(NUM_EXPERTS, generator=torch.Generator().manual_seed(7)) * 0.3
@@ -79,6 +86,7 @@ def test_routing_matches_megatron(name):
 
 
 def test_z_loss_matches_megatron():
+    _, moe_utils = _megatron()
     logits = _logits().requires_grad_()
     loss = router_z_loss(logits, None, 1e-3)
     (grad,) = torch.autograd.grad(loss, logits)
@@ -92,6 +100,7 @@ def test_z_loss_matches_megatron():
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_load_balancing_loss_matches_megatron(score_function, top_k):
+    _, moe_utils = _megatron()
     logits = _logits().requires_grad_()
     scores, selected = aux_loss_scores(logits, top_k=top_k, score_function=score_function)
     loss = load_balancing_loss(scores, selected, None, top_k=top_k, coeff=1e-2)
@@ -119,11 +128,12 @@ def test_load_balancing_loss_matches_megatron(score_function, top_k):
 def single_process_all_reduce(monkeypatch):
     """megatron's bias update all-reduces the counts; over one process that is the identity."""
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: None)
-    monkeypatch.setattr(parallel_state, "get_tensor_and_data_parallel_group", lambda **_: None)
+    monkeypatch.setattr(_megatron()[0], "get_tensor_and_data_parallel_group", lambda **_: None)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "three-layers"])
 def test_expert_bias_update_matches_megatron(single_process_all_reduce, stacked):
+    _, moe_utils = _megatron()
     generator = torch.Generator().manual_seed(42)
     layers = 3 if stacked else 1
     biases = torch.randn(layers, NUM_EXPERTS, generator=generator) * 0.1
@@ -186,6 +196,7 @@ def _run(module, x, multiplicity, compact_map, upstream_SD):
 
 @pytest.mark.parametrize("name", MODULES)
 def test_compact_q_weighted_equals_expanded(name):
+    _, moe_utils = _megatron()
     module = _module(MODULES[name])
     num_compact, num_semantic = 40, 150
     compact_map = _random_compact_map(num_compact, num_semantic)
