@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harts.ops.attention.groups import permute_rows
+from harts.ops.attention.groups import inverse_permutation, permute_rows
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "loop", "grouped")
@@ -385,7 +385,7 @@ class MoE(nn.Module):
         """Routed rows sorted by expert, and the plan to combine them."""
         flat_experts = routing.experts_NK.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        inverse = inverse_permutation(order)
         token = torch.div(order, self.config.top_k, rounding_mode="floor")
         counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
         plan = DispatchPlan(order_R=order, inverse_R=inverse, token_R=token, tokens_per_expert_E=counts)

@@ -70,9 +70,7 @@ class AttentionGroups:
     def query_inverse(self) -> torch.Tensor:
         if self.q_inverse is not None:
             return self.q_inverse
-        inverse = torch.empty_like(self.q_index)
-        inverse[self.q_index] = torch.arange(len(self.q_index), device=self.q_index.device)
-        return inverse
+        return inverse_permutation(self.q_index)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -87,6 +85,11 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.index_select(0, ctx.inverse), None, None
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """int64 inverse of a permutation `index` of 0..n−1: inverse[index[i]] = i."""
+    return torch.empty_like(index).scatter_(0, index, torch.arange(len(index), device=index.device))
 
 
 def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
