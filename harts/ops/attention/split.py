@@ -147,22 +147,30 @@ class _Piece:
     batch: int
     causal: bool
 
+    @property
+    def query_layout(self) -> tuple:
+        """Pieces with one query layout (a group's far pieces) share their query-side tensors."""
+        return id(self.q_rows), self.num_q, self.real_offset
+
     def queries(self, x_RHD: torch.Tensor) -> torch.Tensor:
-        return self._repeat(_padded(x_RHD, self.q_rows, self.num_q))
+        """[num_q, H, D]: the query rows, zeros past them."""
+        return _padded(x_RHD, self.q_rows, self.num_q)
 
     def per_query(self, x_RHD: torch.Tensor, real_rows, fill: float = 0.0) -> torch.Tensor:
-        """x of the real queries in their positions (output gradients, outputs, lse), `fill` elsewhere."""
+        """[num_q, H, D]: x of the real queries in their positions (output gradients, outputs, lse),
+        `fill` elsewhere."""
         x = _padded(x_RHD, real_rows, self.num_q, self.real_offset)
         if fill and self.num_q != _count(real_rows):
             x[: self.real_offset] = fill
             x[self.real_offset + _count(real_rows) :] = fill
-        return self._repeat(x)
+        return x
 
     def keys(self, x_RHD: torch.Tensor) -> torch.Tensor:
         x = _padded(x_RHD, self.k_rows, self.batch * self.num_k)
         return x.view(self.batch, self.num_k, *x.shape[1:]).transpose(1, 2)
 
-    def _repeat(self, x_LHD: torch.Tensor) -> torch.Tensor:
+    def repeat(self, x_LHD: torch.Tensor) -> torch.Tensor:
+        """[num_q, H, D] → [batch, H, num_q, D], one copy per batch element."""
         x = x_LHD.transpose(0, 1).unsqueeze(0)
         return x if self.batch == 1 else x.expand(self.batch, -1, -1, -1).contiguous()
 
@@ -261,9 +269,12 @@ class _SplitGroupAttention(torch.autograd.Function):
         out_RHF = q_RHE.new_empty(num_rows, num_heads, v_RHF.shape[-1])
         lse_RH1 = q_RHE.new_empty(num_rows, num_heads, 1, dtype=torch.float64 if q_RHE.dtype == torch.float64 else torch.float32)
         for part in parts:
-            outs, lses = [], []
+            outs, lses, queries = [], [], {}
             for piece in part.pieces:
-                out, lse = kernel.forward(piece.queries(q_RHE), piece.keys(k_RHE), piece.keys(v_RHF), piece.causal, scale)
+                if piece.query_layout not in queries:
+                    queries[piece.query_layout] = piece.queries(q_RHE)
+                q = piece.repeat(queries[piece.query_layout])
+                out, lse = kernel.forward(q, piece.keys(k_RHE), piece.keys(v_RHF), piece.causal, scale)
                 outs.append(piece.real(out, part.num_queries))
                 lses.append(piece.real(lse, part.num_queries))
             out, lse = torch.cat(outs), torch.cat(lses)
@@ -284,13 +295,17 @@ class _SplitGroupAttention(torch.autograd.Function):
         q_RHE, k_RHE, v_RHF, out_RHF, lse_RH1 = ctx.saved_tensors
         dq_RHE, dk_RHE, dv_RHF = torch.zeros_like(q_RHE), torch.zeros_like(k_RHE), torch.zeros_like(v_RHF)
         for part in ctx.parts:
+            query_sides = {}
             for piece in part.pieces:
-                # Rows that are not a real query get lse = +inf: their probabilities exp(s − lse) are 0.
-                dq, dk, dv = ctx.kernel.backward(
-                    piece.per_query(dout_RHF, part.queries), piece.queries(q_RHE), piece.keys(k_RHE), piece.keys(v_RHF),
-                    piece.per_query(out_RHF, part.queries), piece.per_query(lse_RH1, part.queries, float("inf")).contiguous(),
-                    piece.causal, ctx.scale,
-                )
+                if piece.query_layout not in query_sides:
+                    # Rows that are not a real query get lse = +inf: their probabilities exp(s − lse) are 0.
+                    query_sides[piece.query_layout] = (
+                        piece.per_query(dout_RHF, part.queries), piece.queries(q_RHE),
+                        piece.per_query(out_RHF, part.queries), piece.per_query(lse_RH1, part.queries, float("inf")),
+                    )
+                dout, q, out, lse = (piece.repeat(x) for x in query_sides[piece.query_layout])
+                dq, dk, dv = ctx.kernel.backward(dout, q, piece.keys(k_RHE), piece.keys(v_RHF), out, lse.contiguous(),
+                                                 piece.causal, ctx.scale)
                 _scatter(dq_RHE, part.queries, piece.real(dq, part.num_queries).sum(0), add=True)
                 _scatter(dk_RHE, piece.k_rows, piece.key_rows(dk), add=True)
                 _scatter(dv_RHF, piece.k_rows, piece.key_rows(dv), add=True)
