@@ -72,6 +72,18 @@ def run(args: argparse.Namespace) -> int:
         shapes = ((rows, mla.num_heads, qk_dim), (rows, mla.num_heads, qk_dim), (rows, mla.num_heads, mla.v_head_dim))
         return [torch.randn(*s, generator=generator, device=device).to(dtype).requires_grad_() for s in shapes]
 
+    def forward_backward(layout, backend: str):
+        """Forward + backward of the layout's group attention on fresh random inputs, as a call."""
+        groups = layout.groups.to(device)
+        q, k, v = inputs(layout.num_rows)
+        grad = torch.randn_like(v)
+
+        def once():
+            o = group_attention(q, k, v, groups, scale, backend)
+            torch.autograd.grad(o, (q, k, v), grad)
+
+        return once
+
     def timed(fn) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -92,20 +104,10 @@ def run(args: argparse.Namespace) -> int:
                 if error > 2e-2:
                     raise RuntimeError(f"{backend} disagrees with the dense reference: relative error {error:.3g}")
                 for layout in warm_layouts[execution] if warm_layouts else []:
-                    groups = layout.groups.to(device)
-                    q, k, v = inputs(layout.num_rows)
-                    o = group_attention(q, k, v, groups, scale, backend)
-                    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+                    forward_backward(layout, backend)()
                 times, first, kv_rows, rows, density = [], [], 0, 0, []
                 for layout in items:
-                    groups = layout.groups.to(device)
-                    q, k, v = inputs(layout.num_rows)
-                    grad = torch.randn_like(v)
-
-                    def once():
-                        o = group_attention(q, k, v, groups, scale, backend)
-                        torch.autograd.grad(o, (q, k, v), grad)
-
+                    once = forward_backward(layout, backend)
                     first.append(timed(once))
                     times.append(statistics.median(timed(once) for _ in range(args.repeats)))
                     kv_rows += layout.groups.num_kv_rows
