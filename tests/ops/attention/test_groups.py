@@ -3,16 +3,16 @@ import pytest
 import torch
 
 from harts.ops.attention.groups import (
-    BACKENDS, group_attention, naive_group_attention, permute_rows, sdpa_group_attention, visibility_mask,
+    BACKENDS,
+    group_attention,
+    naive_group_attention,
+    permute_rows,
+    sdpa_group_attention,
+    visibility_mask,
 )
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
-from tests.trees.helpers import make_step, random_sequences
-
-
-def _random_step(seed, num=12, max_len=40, vocab=3):
-    rng = np.random.default_rng(seed)
-    return make_step(random_sequences(rng, num, max_len, vocab))
+from tests.ops.attention.helpers import random_splits, random_step
 
 
 def _ancestor_or_self(layout, step):
@@ -28,21 +28,15 @@ def _ancestor_or_self(layout, step):
     return mask
 
 
-def _random_splits(step, members, seed):
-    rng = np.random.default_rng(seed)
-    return [np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False)) if n > 1 else np.zeros(0)
-            for n in step.lengths[members]]
-
-
 @pytest.mark.parametrize("execution", ["baseline", "baseline-split", "compact"])
 @pytest.mark.parametrize("seed", range(4))
 def test_groups_see_exactly_the_path(execution, seed):
-    step = _random_step(42 + seed)
+    step = random_step(42 + seed)
     members = np.arange(step.num_trajectories)
     if execution == "compact":
         layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8)
     else:
-        splits = _random_splits(step, members, seed) if execution == "baseline-split" else None
+        splits = random_splits(step, members, seed) if execution == "baseline-split" else None
         layout = baseline_layout(step, members, conv_size=4, chunk_size=8, attention_splits=splits)
         if splits is not None:
             assert layout.groups.num_groups == len(members) + sum(len(c) for c in splits)
@@ -56,7 +50,7 @@ def test_groups_see_exactly_the_path(execution, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_sdpa_matches_naive(seed):
-    step = _random_step(7 + seed, num=10, max_len=30)
+    step = random_step(7 + seed, num=10, max_len=30)
     layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=4)
     gen = torch.Generator().manual_seed(seed)
     rows, heads = layout.num_rows, 2
@@ -75,7 +69,7 @@ def test_sdpa_matches_naive(seed):
 
 @pytest.mark.parametrize("cuts", [[0], [5, 5], [7, 3], [10**6]], ids=["zero", "repeated", "falling", "past-end"])
 def test_bad_attention_splits(cuts):
-    step = _random_step(3, num=1, max_len=40)
+    step = random_step(3, num=1, max_len=40)
     splits = [np.asarray(cuts)]
     with pytest.raises(ValueError, match="attention splits of member 0 must rise inside"):
         baseline_layout(step, np.arange(1), conv_size=4, chunk_size=8, attention_splits=splits)
@@ -83,7 +77,7 @@ def test_bad_attention_splits(cuts):
 
 def test_in_order_flags():
     """The baseline's groups read rows in place (no gathers); a compact tree's keys include ancestors."""
-    step = _random_step(3, num=16, max_len=200, vocab=3)
+    step = random_step(3, num=16, max_len=200, vocab=3)
     members = np.arange(step.num_trajectories)
     baseline = baseline_layout(step, members, conv_size=4, chunk_size=8).groups
     compact = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8).groups
@@ -94,7 +88,7 @@ def test_in_order_flags():
 
 
 def test_unknown_backend():
-    step = _random_step(1)
+    step = random_step(1)
     layout = baseline_layout(step, np.arange(step.num_trajectories), conv_size=4, chunk_size=8)
     x = torch.zeros(layout.num_rows, 1, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
@@ -107,7 +101,7 @@ def test_unknown_backend():
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
 @pytest.mark.parametrize("backend", ["varlen", "flex", "cudnn"])
 def test_gpu_backends_match_naive(backend, execution):
-    step = _random_step(3, num=16, max_len=200, vocab=3)
+    step = random_step(3, num=16, max_len=200, vocab=3)
     members = np.arange(step.num_trajectories)
     if execution == "baseline":
         layout = baseline_layout(step, members, conv_size=4, chunk_size=64)

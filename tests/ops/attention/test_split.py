@@ -3,22 +3,26 @@ import pytest
 import torch
 
 from harts.ops.attention.groups import naive_group_attention
-from harts.ops.attention.split import CUDNN, NAIVE, Buckets, _split_groups, cudnn_group_attention, split_group_attention
+from harts.ops.attention.split import (
+    CUDNN,
+    NAIVE,
+    Buckets,
+    _split_groups,
+    cudnn_group_attention,
+    split_group_attention,
+)
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
-from tests.trees.helpers import make_step, random_sequences
+from tests.ops.attention.helpers import random_splits, random_step
 
 
 def _layout(execution, seed):
-    rng = np.random.default_rng(seed)
-    step = make_step(random_sequences(rng, 12, 40, 3))
+    step = random_step(seed)
     members = np.arange(step.num_trajectories)
     if execution == "compact":
         return compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4)
-    splits = None
-    if execution == "baseline-split":  # groups with ancestors, keys and queries read in place
-        splits = [np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False)) if n > 1 else np.zeros(0)
-                  for n in step.lengths[members]]
+    # baseline-split: groups with ancestors, keys and queries read in place
+    splits = random_splits(step, members, seed) if execution == "baseline-split" else None
     return baseline_layout(step, members, conv_size=4, chunk_size=8, attention_splits=splits)
 
 
