@@ -50,8 +50,12 @@ def test_dead_rank_is_reported():
 
 
 def _write_pid_and_sleep(groups, directory):
-    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as handle:
+    # Written aside and renamed: a rank's .pid file appears only with its pid in it (the caller
+    # is interrupted as soon as both files exist).
+    path = os.path.join(directory, f"rank{dist.get_rank()}.pid")
+    with open(path + ".tmp", "w") as handle:
         handle.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
     time.sleep(600)
 
 
