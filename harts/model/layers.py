@@ -15,6 +15,8 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
   but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
+On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`) runs as one fused Triton
+kernel (fp32 inside, one rounding); elsewhere as PyTorch expressions, its reference.
 - `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
   dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
@@ -129,8 +131,7 @@ class KDALayer(nn.Module):
         # as three: every channel has its own weights), a third of the kernels.
         qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])
-        qkv = F.silu(layout.causal_conv(F.linear(x_PD, qkv_weight), conv_weight))
-        q, k, v = (part.reshape(shape) for part in qkv.chunk(3, dim=-1))
+        q, k, v = (part.reshape(shape) for part in layout.causal_conv_silu(F.linear(x_PD, qkv_weight), conv_weight, 3))
         gate = self.f_proj(x_PD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
         g = -self.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
         beta = torch.sigmoid(self.b_proj(x_PD).float())

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from harts.ops.attention.groups import AttentionGroups, group_attention
 from harts.ops.kda.compact import (
@@ -127,11 +128,39 @@ class Layout:
             out_PC[j:].addcmul_(x_PC[:-j], weight_CW[:, -1 - j])
         rows = self.conv_exception_rows()
         if width > 1 and len(rows):
-            predecessors = self.predecessors[rows]
-            inside = predecessors < x_PC.shape[0]
-            previous = x_PC[predecessors.clamp(max=x_PC.shape[0] - 1)] * inside[..., None]
-            out_PC.index_copy_(0, rows, conv_taps(x_PC[rows], previous, weight_CW))
+            out_PC.index_copy_(0, rows, conv_taps(*self._true_taps(x_PC, rows), weight_CW))
         return out_PC
+
+    def causal_conv_silu(
+        self, x_PC: torch.Tensor, weight_CW: torch.Tensor, num_parts: int, *, fused: bool | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """silu(`causal_conv`(x)) split into `num_parts` channel blocks [P, C / num_parts] (KDA's q, k, v).
+
+        Fused (default on CUDA): one Triton kernel (`fused_shifted_conv_silu`: the shifted taps in
+        fp32, SiLU, one rounding, each part written contiguous) computes every row as if its
+        predecessors were the previous rows; the `conv_exception_rows` are then recomputed from their
+        true predecessors with the same fp32 arithmetic. Otherwise `causal_conv` in x's dtype, then
+        SiLU, as views of one tensor."""
+        if fused is None:
+            fused = x_PC.is_cuda
+        if not fused:
+            return F.silu(self.causal_conv(x_PC, weight_CW)).chunk(num_parts, dim=-1)
+        from harts.ops.conv.fused import fused_shifted_conv_silu
+
+        y = fused_shifted_conv_silu(x_PC, weight_CW, num_parts)
+        rows = self.conv_exception_rows()
+        if weight_CW.shape[1] > 1 and len(rows):
+            dtype = torch.promote_types(x_PC.dtype, torch.float32)
+            x_rows, previous = self._true_taps(x_PC, rows)
+            fixed = F.silu(conv_taps(x_rows.to(dtype), previous.to(dtype), weight_CW.to(dtype))).to(y.dtype)
+            y = y.index_copy(1, rows, fixed.view(len(rows), num_parts, -1).transpose(0, 1))
+        return y.unbind(0)
+
+    def _true_taps(self, x_PC: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x[rows] and their 1st..(W−1)-th predecessors [n, W − 1, C] (zeros before a path's start)."""
+        predecessors = self.predecessors[rows]
+        inside = predecessors < x_PC.shape[0]
+        return x_PC[rows], x_PC[predecessors.clamp(max=x_PC.shape[0] - 1)] * inside[..., None]
 
     def conv_exception_rows(self) -> torch.Tensor:
         """int64 KDA rows whose j-th predecessor is not row p − j for some j (cached per layout)."""

@@ -20,6 +20,19 @@ import os
 import sys
 
 
+def run_interpreted(module: str, case: str) -> dict[str, float]:
+    """`python -m module case` under the interpreter in a subprocess from the repository root: the
+    JSON object its last line prints (the relative errors of a case)."""
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", module, case], cwd=Path(__file__).resolve().parents[3], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def patch_interpreter() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
     import triton.runtime.autotuner as autotuner

@@ -7,10 +7,6 @@ fla's own `chunk_kda`, whose numerics the path reproduces.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,16 +18,11 @@ from harts.ops.kda.compact import compact_kda, l2norm
 from harts.planning.kda_calls import plan_kda_calls
 
 from .helpers import per_trajectory, relative_error, segment_schedule, tree_from_shape
-
-ROOT = Path(__file__).resolve().parents[3]
+from .interpreter import run_interpreted
 
 
 def _interpreted(case: str) -> dict[str, float]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "tests.ops.kda.interpreter", case], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.ops.kda.interpreter", case)
 
 
 def test_interpreted_states_match_torch():

@@ -1,0 +1,87 @@
+"""Run the fused conv + SiLU kernels on CPU under the Triton interpreter (fp32) against the fp64
+reference. Run as `TRITON_INTERPRET=1 python -m tests.ops.conv.interpreter CASE` (test_conv.py does,
+in a subprocess); prints one JSON object: the relative error of every compared tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.ops.kda.interpreter import patch_interpreter
+
+# (rows, parts, channels per part, width): one row, odd rows, channels not a multiple of the tile,
+# rows not a multiple of the tile, widths 1, 2 and 4.
+SHAPES = [(1, 3, 40, 4), (63, 1, 128, 4), (70, 3, 136, 4), (33, 2, 64, 2), (5, 1, 8, 1)]
+
+
+def _errors(actual, expected) -> list[float]:
+    from tests.ops.kda.helpers import relative_error
+
+    return [relative_error(a, e) for a, e in zip(actual, expected)]
+
+
+def case_kernel() -> dict[str, float]:
+    """`fused_shifted_conv_silu` against `naive_shifted_conv_silu`: output, dx and dw."""
+    import torch
+
+    from harts.ops.conv import fused_shifted_conv_silu, naive_shifted_conv_silu
+
+    errors = {}
+    for rows, parts, per_part, width in SHAPES:
+        gen = torch.Generator().manual_seed(42)
+        x = torch.randn(rows, parts * per_part, generator=gen)
+        weight = torch.randn(parts * per_part, width, generator=gen)
+        upstream = torch.randn(parts, rows, per_part, generator=gen)
+        results = []
+        for run, dtype in ((naive_shifted_conv_silu, torch.float64), (fused_shifted_conv_silu, torch.float32)):
+            leaves = [x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()]
+            y = run(*leaves, parts)
+            results.append([y, *torch.autograd.grad(y, leaves, upstream.to(dtype))])
+        for name, error in zip(("y", "dx", "dw"), _errors(results[1], results[0])):
+            errors[f"{rows}x{parts}x{per_part}w{width}.{name}"] = error
+    return errors
+
+
+def case_layout() -> dict[str, float]:
+    """`Layout.causal_conv_silu(fused=True)` (the kernel, then the exception rows: path starts,
+    forks, call boundaries and replay rows) against SiLU of the gather reference, both executions."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from harts.runtime.layout import baseline_layout, compact_layout, naive_causal_conv
+    from harts.trees.trie import PrefixIndex
+    from tests.trees.helpers import make_step, random_sequences
+
+    errors = {}
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        step = make_step(random_sequences(rng, 10, 60, 3))
+        members = rng.permutation(step.num_trajectories)[:8]
+        layouts = {
+            "baseline": baseline_layout(step, members, conv_size=4, chunk_size=4),
+            "compact": compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4,
+                                      replay=True),
+        }
+        for execution, layout in layouts.items():
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(layout.num_kda_rows, 3 * 6, generator=gen)
+            weight = torch.randn(3 * 6, 4, generator=gen)
+            upstream = torch.randn(3, layout.num_kda_rows, 6, generator=gen)
+            leaves64 = [x.double().requires_grad_(), weight.double().requires_grad_()]
+            expected = F.silu(naive_causal_conv(*leaves64, layout.predecessors)).view(-1, 3, 6).transpose(0, 1)
+            expected_grads = torch.autograd.grad(expected, leaves64, upstream.double())
+            leaves = [x.requires_grad_(), weight.requires_grad_()]
+            got = torch.stack(layout.causal_conv_silu(*leaves, 3, fused=True))
+            grads = torch.autograd.grad(got, leaves, upstream)
+            names = ("y", "dx", "dw")
+            for name, error in zip(names, _errors([got, *grads], [expected, *expected_grads])):
+                errors[f"{execution}{seed}.{name}"] = error
+            errors[f"{execution}{seed}.exception_rows"] = float(len(layout.conv_exception_rows()))
+    return errors
+
+
+if __name__ == "__main__":
+    patch_interpreter()
+    case = {"kernel": case_kernel, "layout": case_layout}[sys.argv[1]]
+    print(json.dumps(case()))
