@@ -15,8 +15,9 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
   but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
-On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`) runs as one fused Triton
-kernel (fp32 inside, one rounding); elsewhere as PyTorch expressions, its reference.
+On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`) and every SwiGLU activation
+(`harts.ops.swiglu`) run as fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch
+expressions, their references.
 - `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
   dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.model.config import KDAConfig, MLAConfig
+from harts.ops.swiglu import swiglu
 from harts.runtime.layout import Layout
 
 
@@ -83,8 +85,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 class KDALayer(nn.Module):

@@ -23,7 +23,7 @@ then × `topk_scaling_factor`.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
-row. Expert outputs are combined in the router's precision. Two expert paths compute the same
+row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA). Expert outputs are combined in the router's precision. Two expert paths compute the same
 function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
 - "grouped": `dispatch` sorts the N·k (row, expert) pairs by expert once (tokens per expert
@@ -49,10 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harts.ops.attention.groups import inverse_permutation, permute_rows
+from harts.ops.swiglu import swiglu
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "loop", "grouped")
@@ -333,8 +333,7 @@ class _SplitCombine(torch.autograd.Function):
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ gate_up).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ down
+    return swiglu(x @ gate_up) @ down
 
 
 class MoE(nn.Module):
@@ -405,8 +404,7 @@ class MoE(nn.Module):
             # _grouped_mm is not an autocast op: apply the autocast dtype (bf16 on sm90) by hand.
             dtype = torch.get_autocast_dtype("cuda")
             x_RD, gate_up, down = x_RD.to(dtype), gate_up.to(dtype), down.to(dtype)
-        gate, up = torch._grouped_mm(x_RD, gate_up, offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)
+        return torch._grouped_mm(swiglu(torch._grouped_mm(x_RD, gate_up, offs=ends)), down, offs=ends)
 
     def combine(
         self, y_RD: torch.Tensor, routing: Routing, plan: DispatchPlan, num_rows: int

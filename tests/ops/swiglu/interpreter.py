@@ -1,0 +1,39 @@
+"""Run `fused_swiglu` on CPU under the Triton interpreter (fp32) against the fp64 reference. Run as
+`TRITON_INTERPRET=1 python -m tests.ops.swiglu.interpreter kernel` (test_swiglu.py does, in a
+subprocess); prints one JSON object: the relative error of every compared tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.ops.kda.interpreter import patch_interpreter
+
+# (rows, F): one row, rows and columns not multiples of the tile.
+SHAPES = [(1, 8), (37, 300), (16, 256)]
+
+
+def case_kernel() -> dict[str, float]:
+    import torch
+
+    from harts.ops.swiglu import fused_swiglu, naive_swiglu
+    from tests.ops.kda.helpers import relative_error
+
+    errors = {}
+    for rows, columns in SHAPES:
+        gen = torch.Generator().manual_seed(42)
+        gate_up = torch.randn(rows, 2 * columns, generator=gen) * 3
+        upstream = torch.randn(rows, columns, generator=gen)
+        results = []
+        for run, dtype in ((naive_swiglu, torch.float64), (fused_swiglu, torch.float32)):
+            leaf = gate_up.to(dtype).requires_grad_()
+            y = run(leaf)
+            results.append([y, *torch.autograd.grad(y, leaf, upstream.to(dtype))])
+        for name, actual, expected in zip(("y", "d_gate_up"), results[1], results[0]):
+            errors[f"{rows}x{columns}.{name}"] = relative_error(actual, expected)
+    return errors
+
+
+if __name__ == "__main__":
+    patch_interpreter()
+    print(json.dumps({"kernel": case_kernel}[sys.argv[1]]()))

@@ -1,0 +1,40 @@
+"""`fused_swiglu` against `naive_swiglu`: on CPU under the Triton interpreter in fp32 (a subprocess:
+tests/ops/swiglu/interpreter.py); on CUDA (`-m gpu`) in bf16 against the fp64 reference, through
+`swiglu`'s dispatch. On CPU `swiglu` is the PyTorch expression itself (the model's CPU numerics)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.ops.swiglu import naive_swiglu, swiglu
+from tests.ops.kda.helpers import relative_error
+from tests.ops.kda.interpreter import run_interpreted
+
+
+def test_interpreted_kernel_matches_reference():
+    errors = run_interpreted("tests.ops.swiglu.interpreter", "kernel")
+    assert len(errors) == 6
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_cpu_dispatch_is_the_torch_expression():
+    gate_up = torch.randn(9, 16, generator=torch.Generator().manual_seed(42)).bfloat16()
+    assert torch.equal(swiglu(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
+    assert torch.equal(naive_swiglu(gate_up), swiglu(gate_up))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 5000])
+def test_cuda_dispatch_matches_reference(rows):
+    gen = torch.Generator(device="cuda").manual_seed(42)
+    gate_up = torch.randn(rows, 2 * 512, generator=gen, device="cuda") * 3
+    upstream = torch.randn(rows, 512, generator=gen, device="cuda")
+    results = []
+    for run, dtype in ((naive_swiglu, torch.float64), (swiglu, torch.bfloat16)):
+        leaf = gate_up.to(dtype).requires_grad_()
+        y = run(leaf)
+        results.append([y, *torch.autograd.grad(y, leaf, upstream.to(dtype))])
+    assert results[1][0].dtype == torch.bfloat16
+    for actual, reference in zip(results[1], results[0]):
+        assert relative_error(actual, reference) < 1e-2
