@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from harts.model.layers import KDALayer, MLALayer, apply_rope
 from harts.model.model import HybridModel
 from harts.ops.kda.compact import l2norm
+from harts.ops.kda.gate import naive_kda_gate
 from harts.ops.kda.naive import compute_dtype
 from harts.runtime.layout import conv_taps
 
@@ -123,8 +124,7 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     )
     if window.shape[1]:
         cache.window_BWC = torch.cat([projected.unsqueeze(1), window[:, :-1]], dim=1)
-    gate = layer.f_proj(x_BD).float().view(shape) + layer.dt_bias.float().view(layer.num_heads, layer.head_dim)
-    g = -layer.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
+    g = naive_kda_gate(layer.f_proj(x_BD).view(shape), layer.A_log, layer.dt_bias)
     beta = torch.sigmoid(layer.b_proj(x_BD).float())
 
     dtype = cache.state_BHKV.dtype

@@ -15,9 +15,9 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
   but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
-On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`) and every SwiGLU activation
-(`harts.ops.swiglu`) run as fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch
-expressions, their references.
+On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`), its decay gate
+(`harts.ops.kda.gate.kda_gate`: fla's kernel) and every SwiGLU activation (`harts.ops.swiglu`) run as
+fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch expressions, their references.
 - `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
   dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.model.config import KDAConfig, MLAConfig
+from harts.ops.kda.gate import kda_gate
 from harts.ops.swiglu import swiglu
 from harts.runtime.layout import Layout
 
@@ -133,8 +134,7 @@ class KDALayer(nn.Module):
         qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])
         q, k, v = (part.reshape(shape) for part in layout.causal_conv_silu(F.linear(x_PD, qkv_weight), conv_weight, 3))
-        gate = self.f_proj(x_PD).float().view(shape) + self.dt_bias.float().view(self.num_heads, self.head_dim)
-        g = -self.A_log.float().exp().view(1, -1, 1) * F.softplus(gate)
+        g = kda_gate(self.f_proj(x_PD).view(shape), self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x_PD).float())
         o = layout.linear_attention(q, k, v, g, beta)
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x_PD).view(shape)).to(o.dtype)

@@ -129,7 +129,32 @@ def case_compact() -> dict[str, float]:
     return errors
 
 
+def case_gate() -> dict[str, float]:
+    """fla's fused gate (`kda_gate`'s CUDA path) against `naive_kda_gate` in fp64: g and the
+    gradients of the input, A_log and dt_bias; rows not a multiple of its tile."""
+    import torch
+    from fla.ops.kda.gate import fused_kda_gate
+
+    from harts.ops.kda.gate import naive_kda_gate
+
+    from .helpers import relative_error
+
+    gen = torch.Generator().manual_seed(42)
+    rows, heads, head_dim = 37, 3, 16
+    f = torch.randn(rows, heads, head_dim, generator=gen) * 4
+    A_log = torch.rand(heads, generator=gen) * 2
+    dt_bias = torch.randn(heads * head_dim, generator=gen)
+    upstream = torch.randn(rows, heads, head_dim, generator=gen)
+    results = []
+    for run, dtype in ((naive_kda_gate, torch.float64), (fused_kda_gate, torch.float32)):
+        leaves = [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)]
+        g = run(*leaves)
+        results.append([g, *torch.autograd.grad(g, leaves, upstream.to(dtype))])
+    names = ("g", "df", "dA_log", "ddt_bias")
+    return {name: relative_error(actual, expected) for name, actual, expected in zip(names, *results[::-1])}
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"states": case_states, "compact": case_compact}[sys.argv[1]]
+    case = {"states": case_states, "compact": case_compact, "gate": case_gate}[sys.argv[1]]
     print(json.dumps(case()))

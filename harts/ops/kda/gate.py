@@ -1,0 +1,30 @@
+"""KDA's decay gate in log space: g = −exp(A_log) · softplus(f + dt_bias), per head and channel.
+
+- `naive_kda_gate`: the PyTorch expression in fp32 (any device; the CPU path and the reference).
+- `kda_gate`: fla's fused Triton gate (`fla.ops.kda.gate.fused_kda_gate`: one kernel forward, one
+  backward with the A_log and dt_bias gradients reduced per row tile) on CUDA, else the reference.
+  Both compute in fp32 from the same inputs; tests/ops/kda/test_gate.py compares them on the GPU.
+
+Legend: P rows, H heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_kda_gate(f_PHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor) -> torch.Tensor:
+    """fp32 [P, H, K] = −exp(A_log)[h] · softplus(f + dt_bias) with f [P, H, K], dt_bias [H·K]."""
+    heads, head_dim = f_PHK.shape[-2:]
+    gate = f_PHK.float() + dt_bias_HK.float().view(heads, head_dim)
+    return -A_log_H.float().exp().view(1, -1, 1) * F.softplus(gate)
+
+
+def kda_gate(f_PHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor) -> torch.Tensor:
+    """`naive_kda_gate`'s function: fla's fused kernel on CUDA, the reference elsewhere."""
+    if f_PHK.is_cuda:
+        from fla.ops.kda.gate import fused_kda_gate
+
+        return fused_kda_gate(f_PHK, A_log_H, dt_bias_HK, output_dtype=torch.float32)
+    return naive_kda_gate(f_PHK, A_log_H, dt_bias_HK)

@@ -1,0 +1,45 @@
+"""KDA's gate: fla's fused kernel (`kda_gate` on CUDA) against `naive_kda_gate`, on CPU under the
+Triton interpreter in fp32 (tests/ops/kda/interpreter.py) and on CUDA (`-m gpu`) with bf16 inputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.ops.kda.gate import kda_gate, naive_kda_gate
+
+from .helpers import relative_error
+from .interpreter import run_interpreted
+
+
+def test_interpreted_fla_gate_matches_reference():
+    errors = run_interpreted("tests.ops.kda.interpreter", "gate")
+    assert set(errors) == {"g", "df", "dA_log", "ddt_bias"}
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_reference_is_the_gate_formula():
+    gen = torch.Generator().manual_seed(42)
+    f, A_log, dt_bias = torch.randn(5, 2, 3, generator=gen), torch.rand(2, generator=gen), torch.randn(6, generator=gen)
+    g = naive_kda_gate(f.bfloat16(), A_log, dt_bias)
+    expected = -A_log.exp()[:, None] * F.softplus(f.bfloat16().float() + dt_bias.view(2, 3))
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, expected, rtol=0, atol=0)
+    assert torch.equal(kda_gate(f, A_log, dt_bias), naive_kda_gate(f, A_log, dt_bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dispatch_matches_reference():
+    gen = torch.Generator(device="cuda").manual_seed(42)
+    f = torch.randn(4099, 16, 128, generator=gen, device="cuda") * 4
+    A_log = torch.rand(16, generator=gen, device="cuda") * 2
+    dt_bias = torch.randn(16 * 128, generator=gen, device="cuda")
+    upstream = torch.randn(4099, 16, 128, generator=gen, device="cuda")
+    results = []
+    for run, dtype in ((naive_kda_gate, torch.float64), (kda_gate, torch.bfloat16)):
+        leaves = [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)]
+        g = run(*leaves)
+        results.append([g, *torch.autograd.grad(g, leaves, upstream.to(g.dtype))])
+    assert results[1][0].dtype == torch.float32
+    for actual, reference in zip(results[1], results[0]):
+        assert relative_error(actual, reference) < 1e-2
