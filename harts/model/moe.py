@@ -23,13 +23,14 @@ then × `topk_scaling_factor`.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
-row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA). Expert outputs are combined in the router's precision. Two expert paths compute the same
-function:
+row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA). Expert
+outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
+CUDA). Two expert paths compute the same function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
 - "grouped": `dispatch` sorts the N·k (row, expert) pairs by expert once (tokens per expert
   give the group offsets), `grouped_experts` runs two `torch._grouped_mm` calls, `combine`
   puts the outputs back in (row, slot) order and takes each row's weighted sum of its k outputs
-  as one batched [1, k] × [k, D] product. Both moves are gathers by a permutation (the sort
+  (`harts.ops.combine.combine` over the [N, k, D] view). Both moves are gathers by a permutation (the sort
   order and its inverse) whose backward is the gather by the other one, and the k copies of a
   row meet in a sum over a [N, k, D] view: no scatter-add (atomics) forward or backward, and
   no weighted [N·k, D] temporary. An expert-parallel wrapper replaces `dispatch`/`combine`.
@@ -52,6 +53,7 @@ import torch
 from torch import nn
 
 from harts.ops.attention.groups import inverse_permutation, permute_rows
+from harts.ops.combine import combine as weighted_sum
 from harts.ops.swiglu import swiglu
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -281,57 +283,6 @@ class _DispatchRows(torch.autograd.Function):
         return grad_NKD.sum(dim=1), None, None, None
 
 
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bf16/fp16 batches with an fp32 result: exact products, fp32 accumulation (CUDA:
-    the half-precision tensor cores' `out_dtype`; elsewhere the same values through fp32)."""
-    if a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
-
-
-def _bmm_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bf16/fp16 batches accumulated in fp32 and rounded once to their dtype."""
-    if a.is_cuda:
-        return torch.bmm(a, b)
-    return torch.bmm(a.float(), b.float()).to(a.dtype)
-
-
-def _split(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x ≈ hi + lo in `dtype` (x − hi is exact in fp32; hi + lo holds 2·8 mantissa bits for bf16)."""
-    hi = x.to(dtype)
-    return hi, (x - hi.float()).to(dtype)
-
-
-class _SplitCombine(torch.autograd.Function):
-    """out_ND = Σ_k p_NK · y_NKD (fp32) for fp32 weights p and bf16/fp16 expert outputs y, on the
-    half-precision tensor cores without an fp32 copy of y: p is split into hi + lo halves, so that
-    out = [p_hi, p_lo] @ y is one [2, k] × [k, D] product per row (fp32 result) and equals the fp32
-    combine to ~2⁻¹⁶ relative. Backward: dy = p ⊗ g as one [k, 3] × [3, D] product per row over the
-    three terms of (p_hi + p_lo)(g_hi + g_lo) that matter, rounded once to y's dtype; dp = y · g as
-    y @ [g_hi, g_lo]ᵀ (fp32). The fp32 combine (`torch.bmm` in fp32) is the reference it is tested
-    against."""
-
-    @staticmethod
-    def forward(ctx, probs_NK, y_NKD):
-        hi, lo = _split(probs_NK, y_NKD.dtype)
-        ctx.save_for_backward(hi, lo, y_NKD)
-        return _bmm_fp32(torch.stack([hi, lo], dim=1), y_NKD).sum(dim=1)
-
-    @staticmethod
-    def backward(ctx, grad_ND):
-        hi, lo, y_NKD = ctx.saved_tensors
-        grad_hi, grad_lo = _split(grad_ND, y_NKD.dtype)
-        grad_y = None
-        if ctx.needs_input_grad[1]:
-            weights_NK3 = torch.stack([hi, hi, lo], dim=2)
-            grads_N3D = torch.stack([grad_hi, grad_lo, grad_hi], dim=1)
-            grad_y = _bmm_rounded(weights_NK3, grads_N3D)
-        grad_probs = None
-        if ctx.needs_input_grad[0]:
-            grad_probs = _bmm_fp32(y_NKD, torch.stack([grad_hi, grad_lo], dim=2)).sum(dim=2)
-        return grad_probs, grad_y
-
-
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return swiglu(x @ gate_up) @ down
 
@@ -412,9 +363,7 @@ class MoE(nn.Module):
         """[N, D] in the combine dtype (fp32; fp64 for fp64 rows): Σ_experts weight · output."""
         probs_NK = routing.probs_NK
         y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], -1)
-        if y_NKD.dtype in (torch.bfloat16, torch.float16) and probs_NK.dtype == torch.float32:
-            return _SplitCombine.apply(probs_NK, y_NKD)
-        return torch.bmm(probs_NK.unsqueeze(1), y_NKD.to(probs_NK.dtype)).squeeze(1)
+        return weighted_sum(probs_NK, y_NKD)
 
     def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Reference path: [N, D] in the combine dtype, one gather / MLP / scatter-add per expert."""

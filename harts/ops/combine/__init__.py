@@ -1,0 +1,30 @@
+"""The MoE combine: each row's weighted sum of its k expert outputs, out_ND = Σ_k p_NK · y_NKD.
+
+- `naive_combine`: one batched [1, k] × [k, D] product in the weights' precision (naive.py).
+- `fused_combine`: one Triton kernel each way for fp32 weights and bf16/fp16 outputs (fused.py,
+  CUDA; imported lazily).
+- `combine`: the fused kernel on CUDA for fp32 weights and half-precision outputs, else the reference.
+"""
+
+import torch
+
+from harts.ops.combine.naive import naive_combine
+
+__all__ = ["combine", "fused_combine", "naive_combine"]
+
+
+def combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:
+    """Σ_k p · y in p's precision: `fused_combine` on CUDA (fp32 p, bf16/fp16 y), else `naive_combine`."""
+    if y_NKD.is_cuda and y_NKD.dtype in (torch.bfloat16, torch.float16) and probs_NK.dtype == torch.float32:
+        from harts.ops.combine.fused import fused_combine
+
+        return fused_combine(probs_NK, y_NKD)
+    return naive_combine(probs_NK, y_NKD)
+
+
+def __getattr__(name: str):
+    if name == "fused_combine":
+        from harts.ops.combine.fused import fused_combine
+
+        return fused_combine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,42 @@
+"""Run `fused_combine` on CPU under the Triton interpreter against the fp64 reference. Run as
+`TRITON_INTERPRET=1 python -m tests.ops.combine.interpreter kernel` (test_combine.py does, in a
+subprocess); prints one JSON object: the relative error of every compared tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.ops.kda.interpreter import patch_interpreter
+
+# (rows, top_k, D, dtype): k = 1 and a k that is not a power of two, D not a multiple of the tile
+# and larger than one tile (the backward's loop over D).
+SHAPES = [(1, 1, 8, "bfloat16"), (13, 3, 600, "float16"), (9, 8, 1100, "bfloat16")]
+
+
+def case_kernel() -> dict[str, float]:
+    import torch
+
+    from harts.ops.combine import fused_combine, naive_combine
+    from tests.ops.kda.helpers import relative_error
+
+    errors = {}
+    for rows, top_k, hidden, dtype in SHAPES:
+        gen = torch.Generator().manual_seed(42)
+        probs = torch.rand(rows, top_k, generator=gen)
+        y = (torch.randn(rows, top_k, hidden, generator=gen) * 3).to(getattr(torch, dtype))
+        upstream = torch.randn(rows, hidden, generator=gen)
+        results = []
+        for run, cast in ((naive_combine, torch.float64), (fused_combine, None)):
+            leaves = [probs.to(cast or probs.dtype).requires_grad_(), y.to(cast or y.dtype).requires_grad_()]
+            out = run(*leaves)
+            results.append([out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))])
+        assert results[1][0].dtype == torch.float32 and results[1][2].dtype == y.dtype
+        for name, actual, expected in zip(("out", "dprobs", "dy"), results[1], results[0]):
+            errors[f"{rows}x{top_k}x{hidden}.{name}"] = relative_error(actual, expected)
+    return errors
+
+
+if __name__ == "__main__":
+    patch_interpreter()
+    print(json.dumps({"kernel": case_kernel}[sys.argv[1]]()))

@@ -1,0 +1,48 @@
+"""`fused_combine` against `naive_combine`: on CPU under the Triton interpreter (a subprocess:
+tests/ops/combine/interpreter.py), on CUDA (`-m gpu`) through `combine`'s dispatch; on CPU `combine`
+is the reference itself."""
+
+import pytest
+import torch
+
+from harts.ops.combine import combine, naive_combine
+from tests.ops.kda.helpers import relative_error
+from tests.ops.kda.interpreter import run_interpreted
+
+
+def test_interpreted_kernel_matches_reference():
+    errors = run_interpreted("tests.ops.combine.interpreter", "kernel")
+    assert len(errors) == 9
+    exact = {name: error for name, error in errors.items() if not name.endswith(".dy")}
+    assert max(exact.values()) < 1e-6, errors
+    # dy is rounded once to bf16/fp16; the interpreter's fp32 → bf16 conversion truncates (≤ 2^-8).
+    assert max(error for name, error in errors.items() if name.endswith(".dy")) < 2 ** -8, errors
+
+
+def test_cpu_dispatch_is_the_reference():
+    gen = torch.Generator().manual_seed(42)
+    probs, y = torch.rand(5, 4, generator=gen), torch.randn(5, 4, 16, generator=gen).bfloat16()
+    out = combine(probs, y)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.bmm(probs.unsqueeze(1), y.float()).squeeze(1))
+    assert torch.equal(naive_combine(probs, y), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_cuda_dispatch_matches_reference(top_k):
+    gen = torch.Generator(device="cuda").manual_seed(top_k)
+    probs = torch.rand(4099, top_k, generator=gen, device="cuda")
+    y = (torch.randn(4099, top_k, 2048, generator=gen, device="cuda") * 3).bfloat16()
+    upstream = torch.randn(4099, 2048, generator=gen, device="cuda")
+    results = []
+    for run, cast in ((naive_combine, torch.float64), (combine, None)):
+        leaves = [probs.to(cast or probs.dtype).requires_grad_(), y.to(cast or y.dtype).requires_grad_()]
+        out = run(*leaves)
+        results.append([out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))])
+    (out, grad_probs, grad_y), (ref_out, ref_probs, ref_y) = results[1], results[0]
+    assert out.dtype == torch.float32 and grad_y.dtype == torch.bfloat16
+    assert relative_error(out, ref_out) < 1e-6 and relative_error(grad_probs, ref_probs) < 1e-6
+    # dy: the fp32 product rounded once to nearest (a few ties of the fp64 product may round apart).
+    assert (grad_y != ref_y.float().bfloat16()).float().mean() < 0.003
