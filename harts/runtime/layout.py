@@ -128,7 +128,10 @@ class Layout:
             out_PC[j:].addcmul_(x_PC[:-j], weight_CW[:, -1 - j])
         rows = self.conv_exception_rows()
         if width > 1 and len(rows):
-            out_PC.index_copy_(0, rows, conv_taps(*self._true_taps(x_PC, rows), weight_CW))
+            predecessors = self.predecessors[rows]
+            inside = predecessors < x_PC.shape[0]
+            previous = x_PC[predecessors.clamp(max=x_PC.shape[0] - 1)] * inside[..., None]
+            out_PC.index_copy_(0, rows, conv_taps(x_PC[rows], previous, weight_CW))
         return out_PC
 
     def causal_conv_silu(
@@ -139,28 +142,22 @@ class Layout:
         Fused (default on CUDA): one Triton kernel (`fused_shifted_conv_silu`: the shifted taps in
         fp32, SiLU, one rounding, each part written contiguous) computes every row as if its
         predecessors were the previous rows; the `conv_exception_rows` are then recomputed from their
-        true predecessors with the same fp32 arithmetic. Otherwise `causal_conv` in x's dtype, then
+        true predecessors by a kernel with the same arithmetic (so a row's bits do not depend on which
+        rows are exceptions: the two executions stay equal). Otherwise `causal_conv` in x's dtype, then
         SiLU, as views of one tensor."""
         if fused is None:
             fused = x_PC.is_cuda
         if not fused:
             return F.silu(self.causal_conv(x_PC, weight_CW)).chunk(num_parts, dim=-1)
-        from harts.ops.conv.fused import fused_shifted_conv_silu
+        from harts.ops.conv.fused import fused_gathered_conv_silu, fused_shifted_conv_silu
 
         y = fused_shifted_conv_silu(x_PC, weight_CW, num_parts)
         rows = self.conv_exception_rows()
         if weight_CW.shape[1] > 1 and len(rows):
-            dtype = torch.promote_types(x_PC.dtype, torch.float32)
-            x_rows, previous = self._true_taps(x_PC, rows)
-            fixed = F.silu(conv_taps(x_rows.to(dtype), previous.to(dtype), weight_CW.to(dtype))).to(y.dtype)
-            y = y.index_copy(1, rows, fixed.view(len(rows), num_parts, -1).transpose(0, 1))
+            predecessors = self.predecessors[rows].clamp(max=x_PC.shape[0])
+            taps = torch.cat([rows[:, None], predecessors], dim=1)
+            y = y.index_copy(1, rows, fused_gathered_conv_silu(x_PC, weight_CW, taps, num_parts))
         return y.unbind(0)
-
-    def _true_taps(self, x_PC: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x[rows] and their 1st..(W−1)-th predecessors [n, W − 1, C] (zeros before a path's start)."""
-        predecessors = self.predecessors[rows]
-        inside = predecessors < x_PC.shape[0]
-        return x_PC[rows], x_PC[predecessors.clamp(max=x_PC.shape[0] - 1)] * inside[..., None]
 
     def conv_exception_rows(self) -> torch.Tensor:
         """int64 KDA rows whose j-th predecessor is not row p − j for some j (cached per layout)."""

@@ -8,7 +8,9 @@ activation) and computes
   dpre[s] = dy[s] · silu'(pre[s]),  dx[p] = Σ_j w[:, W−1−j] · dpre[p + j],
   dw[:, W−1−j] = Σ_p dpre[p] · x[p − j]
 with the weight gradient summed per row tile in fp32 and the tiles summed afterwards (no atomics:
-deterministic). Tested against `naive_shifted_conv_silu` under the Triton interpreter on CPU
+deterministic). `fused_gathered_conv_silu` computes given rows from an explicit tap table with the
+same fused multiply-adds in the same order (the rows whose predecessors are not the previous rows:
+a row's value must not depend on which kernel computed it, or the two executions would differ). Tested against `naive_shifted_conv_silu` under the Triton interpreter on CPU
 (fp32) and on CUDA (bf16): tests/ops/conv/test_conv.py.
 
 Legend: P rows, C channels (num_parts · C'), W conv width, BR/BC the tile's rows/channels.
@@ -31,11 +33,17 @@ def _tap_tile(x, rows, o_c, m_c, P, C):
 
 
 @triton.jit
+def _add_tap(acc, tile, w, o_c, m_c, j, W: tl.constexpr):
+    # One explicit fused multiply-add per tap, so the shifted and the gathered kernels round alike.
+    b_w = tl.load(w + o_c * W + (W - 1 - j), mask=m_c, other=0.0).to(tl.float32)
+    return tl.fma(tile, b_w[None, :], acc)
+
+
+@triton.jit
 def _pre_activation(x, w, rows, o_c, m_c, P, C, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     acc = tl.zeros([BR, BC], dtype=tl.float32)
     for j in tl.static_range(W):
-        b_w = tl.load(w + o_c * W + (W - 1 - j), mask=m_c, other=0.0).to(tl.float32)
-        acc += _tap_tile(x, rows - j, o_c, m_c, P, C) * b_w[None, :]
+        acc = _add_tap(acc, _tap_tile(x, rows - j, o_c, m_c, P, C), w, o_c, m_c, j, W)
     return acc
 
 
@@ -54,6 +62,20 @@ def _forward_kernel(x, w, y, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl
     out = pre * tl.sigmoid(pre)
     m = (o_r < P)[:, None] & m_c[None, :]
     tl.store(y + _part_offsets(o_r, o_c, P, CP), out.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gathered_forward_kernel(x, w, taps, y, N, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    o_i = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_i = o_i < N
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    acc = tl.zeros([BR, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        rows = tl.load(taps + o_i.to(tl.int64) * W + j, mask=m_i, other=P)
+        acc = _add_tap(acc, _tap_tile(x, rows, o_c, m_c, P, C), w, o_c, m_c, j, W)
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + _part_offsets(o_i, o_c, N, CP), out.to(y.dtype.element_ty), mask=m_i[:, None] & m_c[None, :])
 
 
 @triton.jit
@@ -113,6 +135,54 @@ class _ShiftedConvSiLU(torch.autograd.Function):
                 W=width, BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
             )
         return dx, dw_tiles.sum(dim=0).to(weight_CW.dtype), None
+
+
+class _GatheredConvSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_PC, weight_CW, taps_NW, num_parts):
+        x_PC, weight_CW, taps_NW = x_PC.contiguous(), weight_CW.contiguous(), taps_NW.contiguous()
+        num_rows, channels = x_PC.shape
+        width = weight_CW.shape[1]
+        y = x_PC.new_empty(num_parts, taps_NW.shape[0], channels // num_parts)
+        if taps_NW.shape[0]:
+            _gathered_forward_kernel[_grid(taps_NW.shape[0], channels)](
+                x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts, W=width,
+                BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
+            )
+        ctx.save_for_backward(x_PC, weight_CW, taps_NW)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # A few rows: the reference formula in fp32, the taps' gradients scattered to their rows.
+        x_PC, weight_CW, taps_NW = ctx.saved_tensors
+        num_rows, channels = x_PC.shape
+        width = weight_CW.shape[1]
+        inside = taps_NW < num_rows
+        padded = torch.cat([x_PC.float(), x_PC.new_zeros(1, channels, dtype=torch.float32)])
+        x_NWC = padded[taps_NW.clamp(max=num_rows)]
+        weight_WC = weight_CW.float().flip(1).T
+        pre = (x_NWC * weight_WC).sum(dim=1)
+        sig = torch.sigmoid(pre)
+        d_pre = dy.permute(1, 0, 2).reshape(-1, channels).float() * sig * (1 + pre * (1 - sig))
+        dx = torch.zeros(num_rows + 1, channels, dtype=torch.float32, device=x_PC.device)
+        dx.index_add_(0, torch.where(inside, taps_NW, num_rows).reshape(-1),
+                      (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
+        dw = (d_pre[:, None, :] * x_NWC).sum(dim=0).T.flip(1)
+        return dx[:num_rows].to(x_PC.dtype), dw.to(weight_CW.dtype), None, None
+
+
+def fused_gathered_conv_silu(
+    x_PC: torch.Tensor, weight_CW: torch.Tensor, taps_NW: torch.Tensor, num_parts: int
+) -> torch.Tensor:
+    """[num_parts, N, C'] = silu(Σ_j weight[:, W−1−j] · x[taps[n, j]]) for N rows given by their taps
+    (column 0 the row itself, column j its j-th predecessor; P = a zero row), with the arithmetic of
+    `fused_shifted_conv_silu` (the same fused multiply-adds in the same order): a row gets the same
+    bits from either. For the few rows whose predecessors are not the previous rows."""
+    if x_PC.shape[1] % num_parts or taps_NW.dim() != 2 or taps_NW.shape[1] != weight_CW.shape[1]:
+        raise ValueError(f"fused_gathered_conv_silu: {x_PC.shape[1]} channels in {num_parts} parts, taps "
+                         f"{tuple(taps_NW.shape)} for width {weight_CW.shape[1]}")
+    return _GatheredConvSiLU.apply(x_PC, weight_CW, taps_NW, num_parts)
 
 
 def fused_shifted_conv_silu(x_PC: torch.Tensor, weight_CW: torch.Tensor, num_parts: int) -> torch.Tensor:

@@ -81,7 +81,41 @@ def case_layout() -> dict[str, float]:
     return errors
 
 
+def differing_positions(device: str = "cpu", dtype_name: str = "float32") -> dict[str, float]:
+    """Both executions' fused conv over the same step, with a compact row's input at each of its
+    semantic positions in the baseline: the count of semantic positions whose values differ in any
+    bit (a row must not round differently for being a path start, fork or call boundary in one
+    execution and a plain row in the other)."""
+    import numpy as np
+    import torch
+
+    from harts.runtime.layout import baseline_layout, compact_layout
+    from harts.trees.trie import PrefixIndex
+    from tests.trees.helpers import make_step, random_sequences
+
+    dtype = getattr(torch, dtype_name)
+    counts = {}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        step = make_step(random_sequences(rng, 10, 60, 3))
+        members = np.arange(step.num_trajectories)
+        baseline = baseline_layout(step, members, conv_size=4, chunk_size=4).to(device)
+        compact = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4,
+                                 replay=True).to(device)
+        x_compact = torch.randn(compact.num_rows, 3 * 6, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+        x_baseline = x_compact.new_empty(baseline.num_rows, 3 * 6)
+        x_baseline[baseline.semantic_rows] = x_compact[compact.semantic_rows]
+        weight = torch.randn(3 * 6, 4, generator=torch.Generator().manual_seed(seed + 10)).to(device, dtype)
+        y_compact = torch.stack([compact.from_kda_rows(part) for part in compact.causal_conv_silu(
+            compact.kda_rows(x_compact), weight, 3, fused=True)])
+        y_baseline = torch.stack(baseline.causal_conv_silu(x_baseline, weight, 3, fused=True))
+        differ = (y_compact[:, compact.semantic_rows] != y_baseline[:, baseline.semantic_rows]).any(dim=2).any(dim=0)
+        counts[f"seed{seed}.differing_positions"] = float(differ.sum())
+        counts[f"seed{seed}.compact_exception_rows"] = float(len(compact.conv_exception_rows()))
+    return counts
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"kernel": case_kernel, "layout": case_layout}[sys.argv[1]]
+    case = {"kernel": case_kernel, "layout": case_layout, "executions": differing_positions}[sys.argv[1]]
     print(json.dumps(case()))

@@ -29,6 +29,15 @@ def test_interpreted_layout_fixes_the_exception_rows():
     assert max(errors.values()) < 1e-5, errors
 
 
+def _check_bitwise(counts):
+    assert min(v for k, v in counts.items() if k.endswith("compact_exception_rows")) > 0, counts
+    assert all(v == 0 for k, v in counts.items() if k.endswith("differing_positions")), counts
+
+
+def test_interpreted_executions_agree_bitwise():
+    _check_bitwise(run_interpreted("tests.ops.conv.interpreter", "executions"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
 def test_reference_is_the_layout_conv_of_one_sequence(dtype):
     """With no exception rows but the first W − 1 (one sequence), the reference equals SiLU of the
@@ -88,3 +97,13 @@ def test_cuda_layout_matches_the_unfused_path():
         results.append([y, *torch.autograd.grad(y, leaves, upstream.to(dtype))])
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 2e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_executions_agree_bitwise():
+    """The compiled kernels (where contraction into fused multiply-adds is the compiler's choice
+    unless written out) give every row the same bits in both executions."""
+    from tests.ops.conv.interpreter import differing_positions
+
+    _check_bitwise(differing_positions("cuda", "bfloat16"))
