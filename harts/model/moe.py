@@ -23,8 +23,8 @@ then × `topk_scaling_factor`.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
-row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA). Expert
-outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
+row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA).
+Expert outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
 CUDA). Two expert paths compute the same function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
 - "grouped": `dispatch` sorts the N·k (row, expert) pairs by expert once (tokens per expert

@@ -20,7 +20,7 @@ BLOCK_COLUMNS = 512
 
 
 @triton.jit
-def _forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -32,7 +32,7 @@ def _forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def _backward_kernel(p, y, g, dp, dy, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+def _combine_backward_kernel(p, y, g, dp, dy, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -57,7 +57,7 @@ class _Combine(torch.autograd.Function):
         num_rows, top_k, hidden = y_NKD.shape
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=y_NKD.device)
         if num_rows:
-            _forward_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
+            _combine_forward_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
                 probs_NK, y_NKD, out, hidden, K=top_k, BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS,
             )
         ctx.save_for_backward(probs_NK, y_NKD)
@@ -70,7 +70,7 @@ class _Combine(torch.autograd.Function):
         grad_probs = torch.empty_like(probs_NK)
         grad_y = torch.empty_like(y_NKD)
         if num_rows:
-            _backward_kernel[(num_rows,)](
+            _combine_backward_kernel[(num_rows,)](
                 probs_NK, y_NKD, grad_ND.float().contiguous(), grad_probs, grad_y, hidden, K=top_k,
                 BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS,
             )

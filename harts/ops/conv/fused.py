@@ -10,8 +10,9 @@ activation) and computes
 with the weight gradient summed per row tile in fp32 and the tiles summed afterwards (no atomics:
 deterministic). `fused_gathered_conv_silu` computes given rows from an explicit tap table with the
 same fused multiply-adds in the same order (the rows whose predecessors are not the previous rows:
-a row's value must not depend on which kernel computed it, or the two executions would differ). Tested against `naive_shifted_conv_silu` under the Triton interpreter on CPU
-(fp32) and on CUDA (bf16): tests/ops/conv/test_conv.py.
+a row's value must not depend on which kernel computed it, or the two executions would differ).
+Tested against `naive_shifted_conv_silu` under the Triton interpreter on CPU (fp32) and on CUDA
+(bf16), both executions bitwise equal at every semantic position: tests/ops/conv/test_conv.py.
 
 Legend: P rows, C channels (num_parts · C'), W conv width, BR/BC the tile's rows/channels.
 """
@@ -54,7 +55,7 @@ def _part_offsets(rows, o_c, P, CP):
 
 
 @triton.jit
-def _forward_kernel(x, w, y, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _conv_silu_forward_kernel(x, w, y, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -65,7 +66,9 @@ def _forward_kernel(x, w, y, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl
 
 
 @triton.jit
-def _gathered_forward_kernel(x, w, taps, y, N, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _conv_silu_gathered_forward_kernel(
+    x, w, taps, y, N, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):
     o_i = tl.program_id(0) * BR + tl.arange(0, BR)
     m_i = o_i < N
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -79,7 +82,9 @@ def _gathered_forward_kernel(x, w, taps, y, N, P, C, CP, W: tl.constexpr, BR: tl
 
 
 @triton.jit
-def _backward_kernel(x, w, dy, dx, dw_tiles, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _conv_silu_backward_kernel(
+    x, w, dy, dx, dw_tiles, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -114,7 +119,7 @@ class _ShiftedConvSiLU(torch.autograd.Function):
         width = weight_CW.shape[1]
         y = x_PC.new_empty(num_parts, num_rows, channels // num_parts)
         if num_rows:
-            _forward_kernel[_grid(num_rows, channels)](
+            _conv_silu_forward_kernel[_grid(num_rows, channels)](
                 x_PC, weight_CW, y, num_rows, channels, channels // num_parts, W=width, BR=BLOCK_ROWS,
                 BC=BLOCK_CHANNELS,
             )
@@ -130,7 +135,7 @@ class _ShiftedConvSiLU(torch.autograd.Function):
         dx = torch.empty_like(x_PC)
         dw_tiles = torch.empty(grid[0], channels, width, dtype=torch.float32, device=x_PC.device)
         if num_rows:
-            _backward_kernel[grid](
+            _conv_silu_backward_kernel[grid](
                 x_PC, weight_CW, dy.contiguous(), dx, dw_tiles, num_rows, channels, channels // dy.shape[0],
                 W=width, BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
             )
@@ -145,7 +150,7 @@ class _GatheredConvSiLU(torch.autograd.Function):
         width = weight_CW.shape[1]
         y = x_PC.new_empty(num_parts, taps_NW.shape[0], channels // num_parts)
         if taps_NW.shape[0]:
-            _gathered_forward_kernel[_grid(taps_NW.shape[0], channels)](
+            _conv_silu_gathered_forward_kernel[_grid(taps_NW.shape[0], channels)](
                 x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts, W=width,
                 BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
             )
@@ -157,7 +162,6 @@ class _GatheredConvSiLU(torch.autograd.Function):
         # A few rows: the reference formula in fp32, the taps' gradients scattered to their rows.
         x_PC, weight_CW, taps_NW = ctx.saved_tensors
         num_rows, channels = x_PC.shape
-        width = weight_CW.shape[1]
         inside = taps_NW < num_rows
         padded = torch.cat([x_PC.float(), x_PC.new_zeros(1, channels, dtype=torch.float32)])
         x_NWC = padded[taps_NW.clamp(max=num_rows)]

@@ -22,7 +22,7 @@ BLOCK_ROWS, BLOCK_COLUMNS = 16, 256
 
 
 @triton.jit
-def _forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_f = tl.program_id(1) * BF + tl.arange(0, BF)
     m = (o_r < R)[:, None] & (o_f < F)[None, :]
@@ -33,7 +33,7 @@ def _forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel(a, dy, da, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_backward_kernel(a, dy, da, R, F, BR: tl.constexpr, BF: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_f = tl.program_id(1) * BF + tl.arange(0, BF)
     m = (o_r < R)[:, None] & (o_f < F)[None, :]
@@ -59,8 +59,9 @@ class _SwiGLU(torch.autograd.Function):
         num_rows, columns = gate_up_RF2.shape[0], gate_up_RF2.shape[1] // 2
         y = gate_up_RF2.new_empty(num_rows, columns)
         if num_rows:
-            _forward_kernel[_grid(num_rows, columns)](gate_up_RF2, y, num_rows, columns, BR=BLOCK_ROWS,
-                                                      BF=BLOCK_COLUMNS)
+            _swiglu_forward_kernel[_grid(num_rows, columns)](
+                gate_up_RF2, y, num_rows, columns, BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+            )
         ctx.save_for_backward(gate_up_RF2)
         return y
 
@@ -70,8 +71,9 @@ class _SwiGLU(torch.autograd.Function):
         num_rows, columns = gate_up_RF2.shape[0], gate_up_RF2.shape[1] // 2
         d_gate_up = torch.empty_like(gate_up_RF2)
         if num_rows:
-            _backward_kernel[_grid(num_rows, columns)](gate_up_RF2, dy.contiguous(), d_gate_up, num_rows, columns,
-                                                       BR=BLOCK_ROWS, BF=BLOCK_COLUMNS)
+            _swiglu_backward_kernel[_grid(num_rows, columns)](
+                gate_up_RF2, dy.contiguous(), d_gate_up, num_rows, columns, BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+            )
         return d_gate_up
 
 

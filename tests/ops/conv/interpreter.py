@@ -102,7 +102,8 @@ def differing_positions(device: str = "cpu", dtype_name: str = "float32") -> dic
         baseline = baseline_layout(step, members, conv_size=4, chunk_size=4).to(device)
         compact = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4,
                                  replay=True).to(device)
-        x_compact = torch.randn(compact.num_rows, 3 * 6, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+        generator = torch.Generator().manual_seed(seed)
+        x_compact = torch.randn(compact.num_rows, 3 * 6, generator=generator).to(device, dtype)
         x_baseline = x_compact.new_empty(baseline.num_rows, 3 * 6)
         x_baseline[baseline.semantic_rows] = x_compact[compact.semantic_rows]
         weight = torch.randn(3 * 6, 4, generator=torch.Generator().manual_seed(seed + 10)).to(device, dtype)
