@@ -139,14 +139,14 @@ class Layout:
     ) -> tuple[torch.Tensor, ...]:
         """silu(`causal_conv`(x)) split into `num_parts` channel blocks [P, C / num_parts] (KDA's q, k, v).
 
-        Fused (default on CUDA): one Triton kernel (`fused_shifted_conv_silu`: the shifted taps in
+        Fused (default on CUDA but for fp64 rows, as the kernel accumulates in fp32): one Triton kernel (`fused_shifted_conv_silu`: the shifted taps in
         fp32, SiLU, one rounding, each part written contiguous) computes every row as if its
         predecessors were the previous rows; the `conv_exception_rows` are then recomputed from their
         true predecessors by a kernel with the same arithmetic (so a row's bits do not depend on which
         rows are exceptions: the two executions stay equal). Otherwise `causal_conv` in x's dtype, then
         SiLU, as views of one tensor."""
         if fused is None:
-            fused = x_PC.is_cuda
+            fused = x_PC.is_cuda and x_PC.dtype != torch.float64
         if not fused:
             return F.silu(self.causal_conv(x_PC, weight_CW)).chunk(num_parts, dim=-1)
         from harts.ops.conv.fused import fused_gathered_conv_silu, fused_shifted_conv_silu
