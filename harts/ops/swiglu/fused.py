@@ -22,30 +22,32 @@ BLOCK_ROWS, BLOCK_COLUMNS = 16, 256
 
 
 @triton.jit
-def _swiglu_forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _tile(R, F, BR: tl.constexpr, BF: tl.constexpr):
+    """This program's rows (int64, as a column), columns and mask."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_f = tl.program_id(1) * BF + tl.arange(0, BF)
-    m = (o_r < R)[:, None] & (o_f < F)[None, :]
-    row = o_r[:, None].to(tl.int64)
-    gate = tl.load(a + row * (2 * F) + o_f[None, :], mask=m, other=0.0).to(tl.float32)
-    up = tl.load(a + row * (2 * F) + F + o_f[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(y + row * F + o_f[None, :], (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty), mask=m)
+    return o_r[:, None].to(tl.int64), o_f[None, :], (o_r < R)[:, None] & (o_f < F)[None, :]
+
+
+@triton.jit
+def _swiglu_forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
+    row, col, m = _tile(R, F, BR, BF)
+    gate = tl.load(a + row * (2 * F) + col, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(a + row * (2 * F) + F + col, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + row * F + col, (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _swiglu_backward_kernel(a, dy, da, R, F, BR: tl.constexpr, BF: tl.constexpr):
-    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    o_f = tl.program_id(1) * BF + tl.arange(0, BF)
-    m = (o_r < R)[:, None] & (o_f < F)[None, :]
-    row = o_r[:, None].to(tl.int64)
-    gate = tl.load(a + row * (2 * F) + o_f[None, :], mask=m, other=0.0).to(tl.float32)
-    up = tl.load(a + row * (2 * F) + F + o_f[None, :], mask=m, other=0.0).to(tl.float32)
-    grad = tl.load(dy + row * F + o_f[None, :], mask=m, other=0.0).to(tl.float32)
+    row, col, m = _tile(R, F, BR, BF)
+    gate = tl.load(a + row * (2 * F) + col, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(a + row * (2 * F) + F + col, mask=m, other=0.0).to(tl.float32)
+    grad = tl.load(dy + row * F + col, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = grad * gate * sig
-    tl.store(da + row * (2 * F) + o_f[None, :], d_gate.to(da.dtype.element_ty), mask=m)
-    tl.store(da + row * (2 * F) + F + o_f[None, :], d_up.to(da.dtype.element_ty), mask=m)
+    tl.store(da + row * (2 * F) + col, d_gate.to(da.dtype.element_ty), mask=m)
+    tl.store(da + row * (2 * F) + F + col, d_up.to(da.dtype.element_ty), mask=m)
 
 
 def _grid(num_rows: int, columns: int) -> tuple[int, int]:
