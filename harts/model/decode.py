@@ -13,7 +13,8 @@ position and returns the next-token logits [B, V] (fp32), using the model's own 
   expands the cached latents to keys and values with kv_b_proj (the cache stays r + E_r numbers
   per position and layer).
 Per-row work (norms, projections, gates, dense MLP, MoE routing and experts, LM head) calls the
-model's modules on the B rows, so it is the training path's function of the same weights.
+model's modules (and on CUDA the same gate kernel and the fused conv's fp32 arithmetic) on the B
+rows, so it is the training path's function of the same weights.
 
 Forking: `cache.select(rows)` returns a cache whose row i is a copy of row `rows[i]`: a row listed
 twice forks the rollout (both continuations start from the same state and caches), a row left out
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from harts.model.layers import KDALayer, MLALayer, apply_rope
 from harts.model.model import HybridModel
 from harts.ops.kda.compact import l2norm
-from harts.ops.kda.gate import naive_kda_gate
+from harts.ops.kda.gate import kda_gate
 from harts.ops.kda.naive import compute_dtype
 from harts.runtime.layout import conv_taps
 
@@ -118,13 +119,16 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     shape = (batch, layer.num_heads, layer.head_dim)
     projected = torch.stack([layer.q_proj(x_BD), layer.k_proj(x_BD), layer.v_proj(x_BD)], dim=1)
     window = cache.window_BWC
+    # On CUDA the training path's conv accumulates in fp32 and rounds once (harts.ops.conv): so here.
+    conv_dtype = torch.float32 if projected.is_cuda and projected.dtype != torch.float64 else projected.dtype
     q, k, v = (
-        F.silu(conv_taps(projected[:, i], window[:, :, i], conv)).view(shape)
+        F.silu(conv_taps(projected[:, i].to(conv_dtype), window[:, :, i].to(conv_dtype), conv.to(conv_dtype)))
+        .to(projected.dtype).view(shape)
         for i, conv in enumerate((layer.q_conv, layer.k_conv, layer.v_conv))
     )
     if window.shape[1]:
         cache.window_BWC = torch.cat([projected.unsqueeze(1), window[:, :-1]], dim=1)
-    g = naive_kda_gate(layer.f_proj(x_BD).view(shape), layer.A_log, layer.dt_bias)
+    g = kda_gate(layer.f_proj(x_BD).view(shape), layer.A_log, layer.dt_bias)
     beta = torch.sigmoid(layer.b_proj(x_BD).float())
 
     dtype = cache.state_BHKV.dtype

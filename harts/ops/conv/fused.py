@@ -159,21 +159,23 @@ class _GatheredConvSiLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        # A few rows: the reference formula in fp32, the taps' gradients scattered to their rows.
+        # A few rows: the reference formula in fp32 over the tap rows only; their gradients summed per
+        # distinct row in fp32 and written into a zero gradient of x's size and dtype.
         x_PC, weight_CW, taps_NW = ctx.saved_tensors
         num_rows, channels = x_PC.shape
         inside = taps_NW < num_rows
-        padded = torch.cat([x_PC.float(), x_PC.new_zeros(1, channels, dtype=torch.float32)])
-        x_NWC = padded[taps_NW.clamp(max=num_rows)]
+        x_NWC = x_PC[taps_NW.clamp(max=num_rows - 1)].float() * inside[..., None]
         weight_WC = weight_CW.float().flip(1).T
         pre = (x_NWC * weight_WC).sum(dim=1)
         sig = torch.sigmoid(pre)
         d_pre = dy.permute(1, 0, 2).reshape(-1, channels).float() * sig * (1 + pre * (1 - sig))
-        dx = torch.zeros(num_rows + 1, channels, dtype=torch.float32, device=x_PC.device)
-        dx.index_add_(0, torch.where(inside, taps_NW, num_rows).reshape(-1),
-                      (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
+        rows, slot = torch.unique(taps_NW.reshape(-1), return_inverse=True)
+        sums = torch.zeros(len(rows), channels, dtype=torch.float32, device=x_PC.device)
+        sums.index_add_(0, slot, (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
+        real = rows < num_rows
+        dx = torch.zeros_like(x_PC).index_copy_(0, rows[real], sums[real].to(x_PC.dtype))
         dw = (d_pre[:, None, :] * x_NWC).sum(dim=0).T.flip(1)
-        return dx[:num_rows].to(x_PC.dtype), dw.to(weight_CW.dtype), None, None
+        return dx, dw.to(weight_CW.dtype), None, None
 
 
 def fused_gathered_conv_silu(

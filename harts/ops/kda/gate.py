@@ -4,6 +4,10 @@
 - `kda_gate`: fla's fused Triton gate (`fla.ops.kda.gate.fused_kda_gate`: one kernel forward, one
   backward with the A_log and dt_bias gradients reduced per row tile) on CUDA, else the reference.
   Both compute in fp32 from the same inputs; tests/ops/kda/test_gate.py compares them on the GPU.
+  On NVIDIA GPUs fla's softplus is log2(1 + 2^x) through the approximate `ex2`/`lg2` instructions:
+  an absolute error of a few 1e-7 in softplus (so a large relative one, and 0 below x ≈ −16.6, where
+  the exact value is under 6e-8), far below the rounding of the bf16 input f (the GPU test bounds it
+  on the initialisation's dt range).
 
 Legend: P rows, H heads, K head dim.
 """

@@ -14,12 +14,14 @@ __all__ = ["fused_swiglu", "naive_swiglu", "swiglu"]
 
 
 def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
-    """silu(gate) ⊙ up for rows [R, 2F] = [gate | up]: `fused_swiglu` on CUDA (fp32 inside, so not for
-    fp64 rows, the tests' exact mode), else `naive_swiglu`."""
+    """silu(gate) ⊙ up for [..., 2F] = [gate | up] → [..., F]: `fused_swiglu` over the rows on CUDA (fp32
+    inside, so not for fp64 rows, the tests' exact mode), else `naive_swiglu`."""
     if gate_up_RF2.is_cuda and gate_up_RF2.dtype != torch.float64:
         from harts.ops.swiglu.fused import fused_swiglu
 
-        return fused_swiglu(gate_up_RF2)
+        leading = gate_up_RF2.shape[:-1]
+        out = fused_swiglu(gate_up_RF2.reshape(-1, gate_up_RF2.shape[-1]))
+        return out.view(*leading, out.shape[-1])
     return naive_swiglu(gate_up_RF2)
 
 

@@ -43,3 +43,19 @@ def test_cuda_dispatch_matches_reference():
     assert results[1][0].dtype == torch.float32
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gate_is_accurate_on_the_initialised_range():
+    """fp32 parameters, f + dt_bias around the initialisation's softplus⁻¹(dt), dt in [1e-3, 0.1]:
+    every element within a few 1e-7·exp(A_log) of the fp64 reference (fla's approximate softplus)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.exp(torch.empty(16 * 128, device="cuda").uniform_(-6.9, -2.3, generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    A_log = torch.empty(16, device="cuda").uniform_(1, 16, generator=gen).log()
+    f = (torch.randn(4099, 16, 128, generator=gen, device="cuda") * 0.5).bfloat16()
+    g = kda_gate(f, A_log, dt_bias)
+    reference = naive_kda_gate(f.double(), A_log.double(), dt_bias.double())
+    bound = 1e-6 * A_log.double().exp().view(1, -1, 1) + 1e-4 * reference.abs()
+    assert ((g.double() - reference).abs() <= bound).all()

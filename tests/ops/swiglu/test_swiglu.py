@@ -38,3 +38,12 @@ def test_cuda_dispatch_matches_reference(rows):
     assert results[1][0].dtype == torch.bfloat16
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dispatch_keeps_leading_dims():
+    gate_up = torch.randn(2, 5, 2 * 64, device="cuda", dtype=torch.bfloat16)
+    out = swiglu(gate_up)
+    assert out.shape == (2, 5, 64)
+    assert torch.equal(out, swiglu(gate_up.reshape(10, -1)).view(2, 5, 64))
