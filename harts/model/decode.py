@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from harts.model.layers import KDALayer, MLALayer, apply_rope
 from harts.model.model import HybridModel
+from harts.ops import uses_fp32_kernels
 from harts.ops.kda.compact import l2norm
 from harts.ops.kda.gate import kda_gate
 from harts.ops.kda.naive import compute_dtype
@@ -120,9 +121,9 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     projected = torch.stack([layer.q_proj(x_BD), layer.k_proj(x_BD), layer.v_proj(x_BD)], dim=1)
     window = cache.window_BWC
     # On CUDA the training path's conv accumulates in fp32 and rounds once (harts.ops.conv): so here.
-    conv_dtype = torch.float32 if projected.is_cuda and projected.dtype != torch.float64 else projected.dtype
+    conv_dtype = torch.float32 if uses_fp32_kernels(projected) else projected.dtype
     q, k, v = (
-        F.silu(conv_taps(projected[:, i].to(conv_dtype), window[:, :, i].to(conv_dtype), conv.to(conv_dtype)))
+        F.silu(conv_taps(projected[:, i].to(conv_dtype), window[:, :, i].to(conv_dtype), conv))
         .to(projected.dtype).view(shape)
         for i, conv in enumerate((layer.q_conv, layer.k_conv, layer.v_conv))
     )

@@ -1,2 +1,11 @@
 """Operators of the compact execution: KDA linear attention (`harts.ops.kda`) and attention groups
-(`harts.ops.attention`). Each has a plain reference next to its fast path; see their READMEs."""
+(`harts.ops.attention`), and the fused per-row kernels of both executions (`harts.ops.conv`,
+`harts.ops.swiglu`, `harts.ops.combine`). Each has a plain reference next to its fast path."""
+
+import torch
+
+
+def uses_fp32_kernels(x: torch.Tensor) -> bool:
+    """Whether rows x take the fused Triton kernels that compute in fp32 (conv + SiLU, SwiGLU): on CUDA,
+    but not for fp64 rows (the tests' exact mode), which keep their PyTorch references."""
+    return x.is_cuda and x.dtype != torch.float64

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from harts.ops import uses_fp32_kernels
 from harts.ops.attention.groups import AttentionGroups, group_attention
 from harts.ops.kda.compact import (
     PreparedSchedule, computed_rows, gather_call_rows, normalise_qk, prepare_schedule, run_calls,
@@ -72,6 +73,8 @@ class Layout:
     info: dict = field(default_factory=dict)
     """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
     _conv_exception_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _conv_exception_taps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -139,14 +142,14 @@ class Layout:
     ) -> tuple[torch.Tensor, ...]:
         """silu(`causal_conv`(x)) split into `num_parts` channel blocks [P, C / num_parts] (KDA's q, k, v).
 
-        Fused (default on CUDA but for fp64 rows, as the kernel accumulates in fp32): one Triton kernel (`fused_shifted_conv_silu`: the shifted taps in
-        fp32, SiLU, one rounding, each part written contiguous) computes every row as if its
-        predecessors were the previous rows; the `conv_exception_rows` are then recomputed from their
-        true predecessors by a kernel with the same arithmetic (so a row's bits do not depend on which
-        rows are exceptions: the two executions stay equal). Otherwise `causal_conv` in x's dtype, then
-        SiLU, as views of one tensor."""
+        Fused (default: `harts.ops.uses_fp32_kernels`, on CUDA but for fp64 rows): one Triton kernel
+        (`fused_shifted_conv_silu`: the shifted taps in fp32, SiLU, one rounding, each part written
+        contiguous) computes every row as if its predecessors were the previous rows; the
+        `conv_exception_rows` are then recomputed from their true predecessors by a kernel with the
+        same arithmetic (so a row's bits do not depend on which rows are exceptions: the two
+        executions stay equal). Otherwise `causal_conv` in x's dtype, then SiLU, as views of one tensor."""
         if fused is None:
-            fused = x_PC.is_cuda and x_PC.dtype != torch.float64
+            fused = uses_fp32_kernels(x_PC)
         if not fused:
             return F.silu(self.causal_conv(x_PC, weight_CW)).chunk(num_parts, dim=-1)
         from harts.ops.conv.fused import fused_gathered_conv_silu, fused_shifted_conv_silu
@@ -154,10 +157,20 @@ class Layout:
         y = fused_shifted_conv_silu(x_PC, weight_CW, num_parts)
         rows = self.conv_exception_rows()
         if weight_CW.shape[1] > 1 and len(rows):
-            predecessors = self.predecessors[rows].clamp(max=x_PC.shape[0])
-            taps = torch.cat([rows[:, None], predecessors], dim=1)
-            y = y.index_copy(1, rows, fused_gathered_conv_silu(x_PC, weight_CW, taps, num_parts))
+            taps, distinct, slot = self.conv_exception_taps()
+            y = y.index_copy(1, rows, fused_gathered_conv_silu(x_PC, weight_CW, taps, num_parts, (distinct, slot)))
         return y.unbind(0)
+
+    def conv_exception_taps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `conv_exception_rows`' taps [n, W] (the row, then its predecessors; P = the zero row), the
+        distinct rows they read and each tap's index among them (the gathered conv's backward sums its
+        gradients per distinct row): cached per layout, so no layer's backward synchronises for them."""
+        if self._conv_exception_taps is None:
+            rows = self.conv_exception_rows()
+            taps = torch.cat([rows[:, None], self.predecessors[rows]], dim=1)
+            distinct, slot = torch.unique(taps, return_inverse=True)
+            self._conv_exception_taps = (taps, distinct, slot)
+        return self._conv_exception_taps
 
     def conv_exception_rows(self) -> torch.Tensor:
         """int64 KDA rows whose j-th predecessor is not row p − j for some j (cached per layout)."""

@@ -144,7 +144,7 @@ class _ShiftedConvSiLU(torch.autograd.Function):
 
 class _GatheredConvSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_PC, weight_CW, taps_NW, num_parts):
+    def forward(ctx, x_PC, weight_CW, taps_NW, num_parts, distinct_T, slot_NW):
         x_PC, weight_CW, taps_NW = x_PC.contiguous(), weight_CW.contiguous(), taps_NW.contiguous()
         num_rows, channels = x_PC.shape
         width = weight_CW.shape[1]
@@ -154,14 +154,14 @@ class _GatheredConvSiLU(torch.autograd.Function):
                 x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts, W=width,
                 BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
             )
-        ctx.save_for_backward(x_PC, weight_CW, taps_NW)
+        ctx.save_for_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         # A few rows: the reference formula in fp32 over the tap rows only; their gradients summed per
         # distinct row in fp32 and written into a zero gradient of x's size and dtype.
-        x_PC, weight_CW, taps_NW = ctx.saved_tensors
+        x_PC, weight_CW, taps_NW, distinct_T, slot_NW = ctx.saved_tensors
         num_rows, channels = x_PC.shape
         inside = taps_NW < num_rows
         x_NWC = x_PC[taps_NW.clamp(max=num_rows - 1)].float() * inside[..., None]
@@ -169,26 +169,31 @@ class _GatheredConvSiLU(torch.autograd.Function):
         pre = (x_NWC * weight_WC).sum(dim=1)
         sig = torch.sigmoid(pre)
         d_pre = dy.permute(1, 0, 2).reshape(-1, channels).float() * sig * (1 + pre * (1 - sig))
-        rows, slot = torch.unique(taps_NW.reshape(-1), return_inverse=True)
-        sums = torch.zeros(len(rows), channels, dtype=torch.float32, device=x_PC.device)
-        sums.index_add_(0, slot, (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
-        real = rows < num_rows
-        dx = torch.zeros_like(x_PC).index_copy_(0, rows[real], sums[real].to(x_PC.dtype))
+        sums = torch.zeros(len(distinct_T), channels, dtype=torch.float32, device=x_PC.device)
+        sums.index_add_(0, slot_NW.reshape(-1), (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
+        real = distinct_T < num_rows
+        dx = torch.zeros_like(x_PC).index_copy_(0, distinct_T[real], sums[real].to(x_PC.dtype))
         dw = (d_pre[:, None, :] * x_NWC).sum(dim=0).T.flip(1)
-        return dx, dw.to(weight_CW.dtype), None, None
+        return dx, dw.to(weight_CW.dtype), None, None, None, None
 
 
 def fused_gathered_conv_silu(
-    x_PC: torch.Tensor, weight_CW: torch.Tensor, taps_NW: torch.Tensor, num_parts: int
+    x_PC: torch.Tensor, weight_CW: torch.Tensor, taps_NW: torch.Tensor, num_parts: int,
+    distinct: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[num_parts, N, C'] = silu(Σ_j weight[:, W−1−j] · x[taps[n, j]]) for N rows given by their taps
     (column 0 the row itself, column j its j-th predecessor; P = a zero row), with the arithmetic of
     `fused_shifted_conv_silu` (the same fused multiply-adds in the same order): a row gets the same
-    bits from either. For the few rows whose predecessors are not the previous rows."""
+    bits from either. For the few rows whose predecessors are not the previous rows.
+
+    `distinct` = `torch.unique(taps, return_inverse=True)`, by which the backward sums the taps'
+    gradients per row; computed here when not given (its size is data-dependent: on CUDA a host
+    synchronisation, which a caller with fixed taps pays once by passing it)."""
     if x_PC.shape[1] % num_parts or taps_NW.dim() != 2 or taps_NW.shape[1] != weight_CW.shape[1]:
         raise ValueError(f"fused_gathered_conv_silu: {x_PC.shape[1]} channels in {num_parts} parts, taps "
                          f"{tuple(taps_NW.shape)} for width {weight_CW.shape[1]}")
-    return _GatheredConvSiLU.apply(x_PC, weight_CW, taps_NW, num_parts)
+    distinct_T, slot_NW = torch.unique(taps_NW, return_inverse=True) if distinct is None else distinct
+    return _GatheredConvSiLU.apply(x_PC, weight_CW, taps_NW, num_parts, distinct_T, slot_NW)
 
 
 def fused_shifted_conv_silu(x_PC: torch.Tensor, weight_CW: torch.Tensor, num_parts: int) -> torch.Tensor:

@@ -8,6 +8,7 @@
 
 import torch
 
+from harts.ops import uses_fp32_kernels
 from harts.ops.swiglu.naive import naive_swiglu
 
 __all__ = ["fused_swiglu", "naive_swiglu", "swiglu"]
@@ -16,7 +17,7 @@ __all__ = ["fused_swiglu", "naive_swiglu", "swiglu"]
 def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
     """silu(gate) ⊙ up for [..., 2F] = [gate | up] → [..., F]: `fused_swiglu` over the rows on CUDA (fp32
     inside, so not for fp64 rows, the tests' exact mode), else `naive_swiglu`."""
-    if gate_up_RF2.is_cuda and gate_up_RF2.dtype != torch.float64:
+    if uses_fp32_kernels(gate_up_RF2):
         from harts.ops.swiglu.fused import fused_swiglu
 
         leading = gate_up_RF2.shape[:-1]
