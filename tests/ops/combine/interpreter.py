@@ -18,7 +18,7 @@ def case_kernel() -> dict[str, float]:
     import torch
 
     from harts.ops.combine import fused_combine, naive_combine
-    from tests.ops.kda.helpers import relative_error
+    from tests.ops.kda.helpers import relative_error, value_and_grads
 
     errors = {}
     for rows, top_k, hidden, dtype in SHAPES:
@@ -29,8 +29,7 @@ def case_kernel() -> dict[str, float]:
         results = []
         for run, cast in ((naive_combine, torch.float64), (fused_combine, None)):
             leaves = [probs.to(cast or probs.dtype).requires_grad_(), y.to(cast or y.dtype).requires_grad_()]
-            out = run(*leaves)
-            results.append([out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))])
+            results.append(value_and_grads(run, leaves, upstream))
         assert results[1][0].dtype == torch.float32 and results[1][2].dtype == y.dtype
         for name, actual, expected in zip(("out", "dprobs", "dy"), results[1], results[0]):
             errors[f"{rows}x{top_k}x{hidden}.{name}"] = relative_error(actual, expected)

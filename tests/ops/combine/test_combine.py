@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harts.ops.combine import combine, naive_combine
-from tests.ops.kda.helpers import relative_error
+from tests.ops.kda.helpers import relative_error, value_and_grads
 from tests.ops.kda.interpreter import run_interpreted
 
 
@@ -39,8 +39,7 @@ def test_cuda_dispatch_matches_reference(top_k):
     results = []
     for run, cast in ((naive_combine, torch.float64), (combine, None)):
         leaves = [probs.to(cast or probs.dtype).requires_grad_(), y.to(cast or y.dtype).requires_grad_()]
-        out = run(*leaves)
-        results.append([out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))])
+        results.append(value_and_grads(run, leaves, upstream))
     (out, grad_probs, grad_y), (ref_out, ref_probs, ref_y) = results[1], results[0]
     assert out.dtype == torch.float32 and grad_y.dtype == torch.bfloat16
     assert relative_error(out, ref_out) < 1e-6 and relative_error(grad_probs, ref_probs) < 1e-6

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 from tests.ops.kda.interpreter import patch_interpreter
 
@@ -25,6 +26,7 @@ def case_kernel() -> dict[str, float]:
     import torch
 
     from harts.ops.conv import fused_shifted_conv_silu, naive_shifted_conv_silu
+    from tests.ops.kda.helpers import value_and_grads
 
     errors = {}
     for rows, parts, per_part, width in SHAPES:
@@ -35,8 +37,7 @@ def case_kernel() -> dict[str, float]:
         results = []
         for run, dtype in ((naive_shifted_conv_silu, torch.float64), (fused_shifted_conv_silu, torch.float32)):
             leaves = [x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()]
-            y = run(*leaves, parts)
-            results.append([y, *torch.autograd.grad(y, leaves, upstream.to(dtype))])
+            results.append(value_and_grads(partial(run, num_parts=parts), leaves, upstream))
         for name, error in zip(("y", "dx", "dw"), _errors(results[1], results[0])):
             errors[f"{rows}x{parts}x{per_part}w{width}.{name}"] = error
     return errors
@@ -51,7 +52,11 @@ def case_layout() -> dict[str, float]:
 
     from harts.runtime.layout import baseline_layout, compact_layout, naive_causal_conv
     from harts.trees.trie import PrefixIndex
+    from tests.ops.kda.helpers import value_and_grads
     from tests.trees.helpers import make_step, random_sequences
+
+    def reference(x, weight, predecessors):
+        return F.silu(naive_causal_conv(x, weight, predecessors)).view(-1, 3, 6).transpose(0, 1)
 
     errors = {}
     for seed in range(2):
@@ -68,14 +73,11 @@ def case_layout() -> dict[str, float]:
             x = torch.randn(layout.num_kda_rows, 3 * 6, generator=gen)
             weight = torch.randn(3 * 6, 4, generator=gen)
             upstream = torch.randn(3, layout.num_kda_rows, 6, generator=gen)
-            leaves64 = [x.double().requires_grad_(), weight.double().requires_grad_()]
-            expected = F.silu(naive_causal_conv(*leaves64, layout.predecessors)).view(-1, 3, 6).transpose(0, 1)
-            expected_grads = torch.autograd.grad(expected, leaves64, upstream.double())
-            leaves = [x.requires_grad_(), weight.requires_grad_()]
-            got = torch.stack(layout.causal_conv_silu(*leaves, 3, fused=True))
-            grads = torch.autograd.grad(got, leaves, upstream)
-            names = ("y", "dx", "dw")
-            for name, error in zip(names, _errors([got, *grads], [expected, *expected_grads])):
+            expected = value_and_grads(partial(reference, predecessors=layout.predecessors),
+                                       [x.double().requires_grad_(), weight.double().requires_grad_()], upstream)
+            got = value_and_grads(partial(layout.causal_conv_silu, num_parts=3, fused=True),
+                                  [x.requires_grad_(), weight.requires_grad_()], upstream)
+            for name, error in zip(("y", "dx", "dw"), _errors(got, expected)):
                 errors[f"{execution}{seed}.{name}"] = error
             errors[f"{execution}{seed}.exception_rows"] = float(len(layout.conv_exception_rows()))
     return errors

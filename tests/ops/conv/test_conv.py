@@ -2,6 +2,8 @@
 against the reference: on CPU under the Triton interpreter in fp32 (a subprocess:
 tests/ops/conv/interpreter.py) to fp32 rounding; on CUDA (`-m gpu`) in bf16 within bf16 tolerances."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 from harts.ops.conv import naive_shifted_conv_silu
 from harts.runtime.layout import compact_layout, naive_causal_conv
 from harts.trees.trie import PrefixIndex
-from tests.ops.kda.helpers import relative_error
+from tests.ops.kda.helpers import relative_error, value_and_grads
 from tests.ops.kda.interpreter import run_interpreted
 from tests.trees.helpers import make_step, random_sequences
 
@@ -67,15 +69,13 @@ def test_cuda_kernel_matches_reference(rows):
     x = torch.randn(rows, 3 * 256, generator=gen, device="cuda")
     weight = torch.randn(3 * 256, 4, generator=gen, device="cuda") * 0.5
     upstream = torch.randn(3, rows, 256, generator=gen, device="cuda")
-    leaves64 = [x.double().requires_grad_(), weight.double().requires_grad_()]
-    expected = naive_shifted_conv_silu(*leaves64, 3)
-    expected_grads = torch.autograd.grad(expected, leaves64, upstream.double())
-    leaves = [x.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()]
-    got = fused_shifted_conv_silu(*leaves, 3)
-    grads = torch.autograd.grad(got, leaves, upstream.bfloat16())
-    assert got.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
+    expected = value_and_grads(partial(naive_shifted_conv_silu, num_parts=3),
+                               [x.double().requires_grad_(), weight.double().requires_grad_()], upstream)
+    got = value_and_grads(partial(fused_shifted_conv_silu, num_parts=3),
+                          [x.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()], upstream)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
     # bf16 inputs: the reference sees the same rounded inputs only up to their rounding (~2^-9).
-    for actual, reference in zip([got, *grads], [expected, *expected_grads]):
+    for actual, reference in zip(got, expected):
         assert relative_error(actual, reference) < 2e-2
 
 
@@ -93,8 +93,7 @@ def test_cuda_layout_matches_the_unfused_path():
     results = []
     for fused, dtype in ((False, torch.float64), (True, torch.bfloat16)):
         leaves = [x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()]
-        y = torch.stack(layout.causal_conv_silu(*leaves, 3, fused=fused))
-        results.append([y, *torch.autograd.grad(y, leaves, upstream.to(dtype))])
+        results.append(value_and_grads(partial(layout.causal_conv_silu, num_parts=3, fused=fused), leaves, upstream))
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 2e-2
 

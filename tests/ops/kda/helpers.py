@@ -172,6 +172,15 @@ def per_trajectory(inputs: list[torch.Tensor], tree: SegmentTree, chunk: int,
     return o[0]
 
 
+def value_and_grads(run, leaves: list[torch.Tensor], upstream: torch.Tensor) -> list[torch.Tensor]:
+    """[out, *d out·upstream / d leaves] for out = run(*leaves) (a tuple of outputs stacked), upstream cast
+    to out's dtype: what the fused-kernel tests compare with their references."""
+    out = run(*leaves)
+    if isinstance(out, tuple):
+        out = torch.stack(out)
+    return [out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))]
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖a − e‖ / ‖e‖ in fp64 (0 when both are zero)."""
     diff = (actual.double() - expected.double()).norm().item()

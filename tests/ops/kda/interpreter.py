@@ -28,7 +28,7 @@ def run_interpreted(module: str, case: str) -> dict[str, float]:
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-m", module, case], cwd=Path(__file__).resolve().parents[3], env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -137,7 +137,7 @@ def case_gate() -> dict[str, float]:
 
     from harts.ops.kda.gate import naive_kda_gate
 
-    from .helpers import relative_error
+    from .helpers import relative_error, value_and_grads
 
     gen = torch.Generator().manual_seed(42)
     rows, heads, head_dim = 37, 3, 16
@@ -147,9 +147,7 @@ def case_gate() -> dict[str, float]:
     upstream = torch.randn(rows, heads, head_dim, generator=gen)
     results = []
     for run, dtype in ((naive_kda_gate, torch.float64), (fused_kda_gate, torch.float32)):
-        leaves = [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)]
-        g = run(*leaves)
-        results.append([g, *torch.autograd.grad(g, leaves, upstream.to(dtype))])
+        results.append(value_and_grads(run, [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)], upstream))
     names = ("g", "df", "dA_log", "ddt_bias")
     return {name: relative_error(actual, expected) for name, actual, expected in zip(names, *results[::-1])}
 

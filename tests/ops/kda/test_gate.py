@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from harts.ops.kda.gate import kda_gate, naive_kda_gate
 
-from .helpers import relative_error
+from .helpers import relative_error, value_and_grads
 from .interpreter import run_interpreted
 
 
@@ -37,9 +37,7 @@ def test_cuda_dispatch_matches_reference():
     upstream = torch.randn(4099, 16, 128, generator=gen, device="cuda")
     results = []
     for run, dtype in ((naive_kda_gate, torch.float64), (kda_gate, torch.bfloat16)):
-        leaves = [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)]
-        g = run(*leaves)
-        results.append([g, *torch.autograd.grad(g, leaves, upstream.to(g.dtype))])
+        results.append(value_and_grads(run, [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)], upstream))
     assert results[1][0].dtype == torch.float32
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 1e-2

@@ -17,7 +17,7 @@ def case_kernel() -> dict[str, float]:
     import torch
 
     from harts.ops.swiglu import fused_swiglu, naive_swiglu
-    from tests.ops.kda.helpers import relative_error
+    from tests.ops.kda.helpers import relative_error, value_and_grads
 
     errors = {}
     for rows, columns in SHAPES:
@@ -26,9 +26,7 @@ def case_kernel() -> dict[str, float]:
         upstream = torch.randn(rows, columns, generator=gen)
         results = []
         for run, dtype in ((naive_swiglu, torch.float64), (fused_swiglu, torch.float32)):
-            leaf = gate_up.to(dtype).requires_grad_()
-            y = run(leaf)
-            results.append([y, *torch.autograd.grad(y, leaf, upstream.to(dtype))])
+            results.append(value_and_grads(run, [gate_up.to(dtype).requires_grad_()], upstream))
         for name, actual, expected in zip(("y", "d_gate_up"), results[1], results[0]):
             errors[f"{rows}x{columns}.{name}"] = relative_error(actual, expected)
     return errors

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.ops.swiglu import naive_swiglu, swiglu
-from tests.ops.kda.helpers import relative_error
+from tests.ops.kda.helpers import relative_error, value_and_grads
 from tests.ops.kda.interpreter import run_interpreted
 
 
@@ -32,9 +32,7 @@ def test_cuda_dispatch_matches_reference(rows):
     upstream = torch.randn(rows, 512, generator=gen, device="cuda")
     results = []
     for run, dtype in ((naive_swiglu, torch.float64), (swiglu, torch.bfloat16)):
-        leaf = gate_up.to(dtype).requires_grad_()
-        y = run(leaf)
-        results.append([y, *torch.autograd.grad(y, leaf, upstream.to(dtype))])
+        results.append(value_and_grads(run, [gate_up.to(dtype).requires_grad_()], upstream))
     assert results[1][0].dtype == torch.bfloat16
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 1e-2
