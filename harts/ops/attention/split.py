@@ -220,9 +220,10 @@ class _Group:
     `key_chunk` keys (the last one: the rest, a multiple of `key`). The ancestors left over (h mod
     `key`, the r nearest ones) move into the own piece, in front of the own rows, as extra queries
     and keys: under the causal (top-left) mask the l real queries, now at positions r.., see those
-    r ancestors and their own earlier rows, exactly the bottom-right mask. Padding rows are zeros at the end (invisible to the real queries
-    under the causal mask; far pieces pad only queries). Outputs of the extra queries are dropped
-    and their output gradients are zero, so they add nothing to any gradient."""
+    r ancestors and their own earlier rows, exactly the bottom-right mask. Padding rows are zeros at
+    the end (invisible to the real queries under the causal mask; far pieces pad only queries).
+    Outputs of the extra queries are dropped and their output gradients are zero, so they add nothing
+    to any gradient."""
 
     def __init__(self, groups: AttentionGroups, g: int, q_ptr: list[int], kv_ptr: list[int], buckets: Buckets):
         q_lo, q_hi, kv_lo, kv_hi = q_ptr[g], q_ptr[g + 1], kv_ptr[g], kv_ptr[g + 1]
