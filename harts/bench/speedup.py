@@ -111,6 +111,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
                              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
     parser.add_argument("--kda-backend", default=None)
+    parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
+                        help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
+                             "(rounded once to bf16, bf16 tensor-core matmuls)")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
@@ -312,6 +315,7 @@ def _step_configs(args, dtype_name: str) -> dict:
         name: StepConfig(
             execution=name, recompute=args.recompute, dtype=dtype_name, attention_backend=backends[name],
             kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+            logprob_grad_precision=args.logprob_grad_precision,
         )
         for name in EXECUTIONS
     }
@@ -733,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
                     "parallel_config": config_to_dict(parallel) if parallel else None,
                     "attention_backend": args.attention_backend,
                     "compact_attention_backend": args.compact_attention_backend, "kda_backend": args.kda_backend,
+                    "logprob_grad_precision": args.logprob_grad_precision,
                 }
                 print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
                       file=sys.stderr)

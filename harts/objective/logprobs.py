@@ -20,7 +20,7 @@ O(S·D) dot product per position); with entropy, the chunk's log-probs z − lse
 buffer give H_c = −Σ exp(z − lse)·(z − lse). It keeps only the inputs (hidden, weight: already
 alive), lse (and H) (C floats each) and the index arrays (O(S)); the chunk's logits are dropped
 before the next chunk is formed. The backward recomputes each chunk's logits, turns them in place
-into
+(`harts.ops.logit_grad`: one Triton pass on CUDA) into
     ∂L/∂z_c = Σ_{m(s)=c} g_s·onehot(y_s) − (Σ_{m(s)=c} g_s)·p_c − (Σ_{m(s)=c} h_s)·p_c ⊙ (log p_c + H_c)
 i.e. Σ_s g_s·(onehot(y_s) − p_c) for the log-probs (each position's gradient formed on its own:
 labels and upstream gradients of positions sharing a row all survive) plus, for the entropy's
@@ -37,8 +37,13 @@ recomputation in backward) come from the bf16/fp16 tensor cores with an fp32 res
 (`mm(..., out_dtype=float32)`: the products are exact and accumulate in fp32, so the values are
 those of an fp32 matmul, at twice the TF32 rate), and the backward's two gradient matmuls run on
 TF32 tensor cores: bf16 and fp16 values are exact in TF32; only the fp32 logit gradients are
-rounded to TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head would use). fp32 and
-fp64 inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
+rounded to TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head would use). With
+`grad_precision="input"` the logit gradients are instead rounded once to the inputs' bf16/fp16 (the
+kernel writes them so; the few elements at the targets are formed again in fp32 with their one-hot
+terms and rounded once) and the gradient matmuls take them on that dtype's tensor cores with fp32
+accumulation (CPU: the same values through fp32), at twice the TF32 rate and without the fp32
+copy of W; tests/objective/test_logprobs.py checks the single rounding bit for bit. fp32 and fp64
+inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
 `index_put_(accumulate=True)`) are deterministic on CPU; on CUDA they use atomics unless
 `torch.use_deterministic_algorithms(True)` is set.
 
@@ -56,7 +61,11 @@ from collections.abc import Iterator
 
 import torch
 
+from harts.ops.logit_grad import logit_grad
+
 DEFAULT_CHUNK_ROWS = 4096
+GRAD_PRECISIONS = ("fp32", "input")
+HALF = (torch.bfloat16, torch.float16)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -134,7 +143,10 @@ def _tempered_logits(hidden_nD: torch.Tensor, weight_VD: torch.Tensor, temperatu
 
 class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy):
+    def forward(
+        ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy, grad_precision
+    ):
+        ctx.grad_precision = grad_precision
         with _tensor_cores(hidden_CD, weight_VD):
             return _CompactLogprobs._forward(
                 ctx, hidden_CD, weight_VD, compact_index_S, targets_S, chunk_rows, temperature, return_entropy
@@ -191,10 +203,11 @@ class _CompactLogprobs(torch.autograd.Function):
         hidden_CD, weight_VD, lse_C, entropy_C, order_S, rows_sorted_S, targets_sorted_S = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_S is None and grad_entropy_S is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         dtype = lse_C.dtype
         half = _half_precision_logits(hidden_CD, weight_VD)
-        weight_f = weight_VD.to(dtype)
+        half_grads = ctx.grad_precision == "input" and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in HALF
+        weight_f = None if half and half_grads else weight_VD.to(dtype)
         temperature = ctx.temperature
         grad_sorted_S = None if grad_S is None else grad_S[order_S].to(dtype)
         grad_sum_C = torch.zeros_like(lse_C)
@@ -203,24 +216,37 @@ class _CompactLogprobs(torch.autograd.Function):
         grad_entropy_C = None
         if grad_entropy_S is not None:
             grad_entropy_C = torch.zeros_like(lse_C).index_add_(0, rows_sorted_S, grad_entropy_S[order_S].to(dtype))
+        if half_grads and temperature != 1.0:
+            # 1/T folded into the per-row factors and one-hot terms: the half-precision gradient is rounded once.
+            grad_sum_C.div_(temperature)
+            grad_sorted_S = None if grad_sorted_S is None else grad_sorted_S / temperature
+            grad_entropy_C = None if grad_entropy_C is None else grad_entropy_C.div_(temperature)
 
         grad_hidden = torch.empty_like(hidden_CD) if need_hidden else None
-        grad_weight_f = torch.zeros_like(weight_f) if need_weight else None
+        grad_weight_f = torch.zeros_like(weight_VD, dtype=dtype) if need_weight else None
         starts, bounds = ctx.starts, ctx.bounds
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
-            hidden_nD = hidden_CD[r0:r1].to(dtype)
-            grad_logits_nV = _tempered_logits(
-                hidden_CD[r0:r1] if half else hidden_nD, weight_VD if half else weight_f, temperature
-            ).sub_(lse_C[r0:r1, None])
-            if grad_entropy_C is None:
-                grad_logits_nV.exp_().mul_(-grad_sum_C[r0:r1, None])
-            else:
-                # −p ⊙ (Σg + Σh·(log p + H)), built on the log-probs in place beside one buffer of p.
-                p_nV = grad_logits_nV.exp()
-                grad_logits_nV.add_(entropy_C[r0:r1, None]).mul_(grad_entropy_C[r0:r1, None])
-                grad_logits_nV.add_(grad_sum_C[r0:r1, None]).mul_(p_nV).neg_()
-                del p_nV
+            logits_nV = _tempered_logits(
+                hidden_CD[r0:r1] if half else hidden_CD[r0:r1].to(dtype), weight_VD if half else weight_f, temperature
+            )
+            row_terms = (
+                lse_C[r0:r1], grad_sum_C[r0:r1], None if grad_entropy_C is None else entropy_C[r0:r1],
+                None if grad_entropy_C is None else grad_entropy_C[r0:r1],
+            )
+            if half_grads:
+                grad_logits_nV = logit_grad(logits_nV, *row_terms, out_dtype=hidden_CD.dtype)
+                if grad_sorted_S is not None:
+                    _add_onehot_rounded(grad_logits_nV, logits_nV, row_terms, rows_sorted_S[p0:p1] - r0,
+                                        targets_sorted_S[p0:p1], grad_sorted_S[p0:p1])
+                del logits_nV
+                if need_hidden:
+                    grad_hidden[r0:r1] = _half_matmul(grad_logits_nV, weight_VD).to(hidden_CD.dtype)
+                if need_weight:
+                    grad_weight_f = _half_addmm(grad_weight_f, grad_logits_nV.T, hidden_CD[r0:r1])
+                del grad_logits_nV
+                continue
+            grad_logits_nV = logit_grad(logits_nV, *row_terms)
             if grad_sorted_S is not None:
                 grad_logits_nV.index_put_(
                     (rows_sorted_S[p0:p1] - r0, targets_sorted_S[p0:p1]), grad_sorted_S[p0:p1], accumulate=True
@@ -230,10 +256,38 @@ class _CompactLogprobs(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[r0:r1] = (grad_logits_nV @ weight_f).to(hidden_CD.dtype)
             if need_weight:
-                grad_weight_f.addmm_(grad_logits_nV.T, hidden_nD)
-            del grad_logits_nV
+                grad_weight_f.addmm_(grad_logits_nV.T, hidden_CD[r0:r1].to(dtype))
+            del logits_nV, grad_logits_nV
         grad_weight = grad_weight_f.to(weight_VD.dtype) if need_weight else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _add_onehot_rounded(grad_half_nV, logits_nV, row_terms, local_P, targets_P, grad_P) -> None:
+    """Adds the one-hot terms Σ g_s at each position's (row, target) to the half-precision gradient with
+    one rounding: that element's fp32 gradient is formed again from its logit, the g_s of positions
+    sharing it summed on top (in the fp32 logits buffer, free once the gradient is written), and the
+    sum rounded into the half tensor."""
+    flat_P = local_P * logits_nV.shape[1] + targets_P
+    logits_flat = logits_nV.view(-1)
+    lse, grad_sum, entropy, grad_entropy = (None if t is None else t[local_P] for t in row_terms)
+    logits_flat[flat_P] = logit_grad(logits_flat[flat_P][:, None], lse, grad_sum, entropy, grad_entropy)[:, 0]
+    logits_flat.index_put_((flat_P,), grad_P, accumulate=True)
+    grad_half_nV.view(-1)[flat_P] = logits_flat[flat_P].to(grad_half_nV.dtype)
+
+
+def _half_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16/fp16 operands with an fp32 result: their tensor cores on CUDA (products exact, fp32
+    accumulation), the same values through fp32 on CPU."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _half_addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b into fp32 `acc` (see `_half_matmul`)."""
+    if a.is_cuda:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.addmm_(a.float(), b.float())
 
 
 def compact_logprobs(
@@ -245,6 +299,7 @@ def compact_logprobs(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    grad_precision: str = "fp32",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities λ_s of targets y_s under the tempered logits of compact rows m(s).
 
@@ -258,6 +313,10 @@ def compact_logprobs(
         temperature: T > 0; the distribution is softmax(logits / T) (the sampling temperature of
             the rollouts, as RL trainers divide the logits by it).
         return_entropy: also return H_s, the entropy of position s's tempered distribution.
+        grad_precision: "fp32" (default) keeps the logit gradients in fp32 (TF32 gradient matmuls for
+            bf16/fp16 inputs on CUDA); "input" rounds them once to the bf16/fp16 inputs' dtype and runs
+            the two gradient matmuls on its tensor cores with fp32 accumulation, as a bf16 LM head does
+            (fp32/fp64 inputs: the same as "fp32"). See Precision.
 
     Returns:
         λ [S] in fp32 (fp64 for fp64 inputs), and with `return_entropy` the pair (λ [S], H [S]);
@@ -274,9 +333,12 @@ def compact_logprobs(
     """
     if chunk_rows < 1:
         raise ValueError(f"compact_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
+    if grad_precision not in GRAD_PRECISIONS:
+        raise ValueError(f"compact_logprobs: grad_precision must be one of {GRAD_PRECISIONS}, got {grad_precision!r}")
     _check_inputs(hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, temperature)
     return _CompactLogprobs.apply(
-        hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, chunk_rows, float(temperature), return_entropy
+        hidden_CD, lm_head_weight_VD, compact_index_S, targets_S, chunk_rows, float(temperature), return_entropy,
+        grad_precision,
     )
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from harts.model.model import HybridModel
-from harts.objective.logprobs import compact_logprobs
+from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
 from harts.objective.losses import GRPOConfig, PolicyLoss, PPOConfig, grpo_loss, ppo_loss
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_layout
@@ -51,6 +51,9 @@ class StepConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     logprob_chunk_rows: int = 4096
+    logprob_grad_precision: str = "fp32"
+    """The LM head's logit gradients: "fp32" (TF32 gradient matmuls for bf16 on CUDA) or "input" (rounded
+    once to bf16 and multiplied on its tensor cores, as a bf16 LM head does); `compact_logprobs`."""
     dtype: str = "fp32"
     """"fp32" or "bf16" (autocast; parameters stay fp32)."""
 
@@ -59,6 +62,9 @@ class StepConfig:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.logprob_grad_precision not in GRAD_PRECISIONS:
+            raise ValueError(f"logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
+                             f"got {self.logprob_grad_precision!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
@@ -128,7 +134,7 @@ def microbatch_logprobs(
         hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
     out = compact_logprobs(
         hidden, weight, layout.semantic_rows, targets_S, chunk_rows=config.logprob_chunk_rows,
-        temperature=temperature, return_entropy=return_entropy,
+        temperature=temperature, return_entropy=return_entropy, grad_precision=config.logprob_grad_precision,
     )
     logprobs, entropy = out if return_entropy else (out, None)
     moe = sum((aux.loss for aux in auxes), hidden.new_zeros((), dtype=torch.float32))

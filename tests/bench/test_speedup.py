@@ -269,9 +269,10 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     from harts.bench.speedup import _step_configs
 
     args = argparse.Namespace(device="cpu", recompute=False, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend=None)
+                              kda_backend=None, logprob_grad_precision="input")
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
+    assert configs["baseline"].logprob_grad_precision == configs["compact"].logprob_grad_precision == "input"
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)

@@ -180,6 +180,45 @@ def test_bf16_inputs_give_fp32_logprobs():
     assert _relative(fast[2].float(), exact[2]) <= 1e-2
 
 
+@pytest.mark.parametrize("grads", GRADIENTS)
+def test_half_precision_grads_round_once(grads):
+    """grad_precision="input" rounds each logit gradient once to bf16, then multiplies exactly: with an
+    identity LM head (V = D, so dhidden is the logit gradient itself) at T = 1 its dhidden equals the
+    fp32 path's rounded dhidden bit for bit, duplicate (row, target) positions and entropy included
+    (a second rounding, e.g. at the targets' one-hot terms, breaks it)."""
+    generator = torch.Generator().manual_seed(42)
+    num_rows, size = 29, 64
+    hidden_CD = (torch.randn(num_rows, size, generator=generator) * 3).bfloat16()
+    weight_VD = torch.eye(size, dtype=torch.bfloat16)
+    compact_index = torch.cat([torch.arange(num_rows), torch.randint(0, num_rows, (60,), generator=generator)])
+    targets = torch.randint(0, size, compact_index.shape, generator=generator)
+    compact_index, targets = torch.cat([compact_index, compact_index[:9]]), torch.cat([targets, targets[:9]])
+    grad_S = torch.randn(len(targets), generator=generator, dtype=torch.float64)
+    entropy_grad_S = torch.randn(len(targets), generator=generator, dtype=torch.float64)
+    with_logprobs, with_entropy = GRADIENTS[grads]
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S if with_logprobs else None,
+               entropy_grad_S if with_entropy else None)
+    fp32 = _forward_backward(compact_logprobs, *problem, chunk_rows=8, return_entropy=True)
+    half = _forward_backward(compact_logprobs, *problem, chunk_rows=8, return_entropy=True, grad_precision="input")
+    assert torch.equal(half[0], fp32[0]) and torch.equal(half[1], fp32[1])
+    assert half[2].dtype == torch.bfloat16 and torch.equal(half[2], fp32[2])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6], ids=lambda t: f"T{t}")
+def test_half_precision_grads_match_naive(temperature):
+    """bf16 inputs with grad_precision="input": gradients within bf16 rounding of the fp32 reference
+    (1/T folded into the per-row factors)."""
+    hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(torch.bfloat16)
+    entropy_grad_S = torch.randn(len(targets), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S, entropy_grad_S)
+    kwargs = dict(temperature=temperature, return_entropy=True)
+    half = _forward_backward(compact_logprobs, *problem, chunk_rows=6, grad_precision="input", **kwargs)
+    exact = _forward_backward(naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), *problem[2:], **kwargs)
+    assert half[2].dtype == half[3].dtype == torch.bfloat16
+    assert _relative(half[2].float(), exact[2]) <= 1e-2
+    assert _relative(half[3].float(), exact[3]) <= 1e-2
+
+
 def test_random_tree_semantic_positions():
     """A real trie: labels, gradients and masks differ on shared rows; fp32 within 1e-5."""
     rng = np.random.default_rng(42)
@@ -214,12 +253,12 @@ def test_empty_positions():
     "case",
     [
         "row-out-of-range", "target-out-of-range", "negative-row", "int32-index", "length-mismatch",
-        "hidden-size", "chunk0", "temperature0", "temperature-nan", "temperature-inf",
+        "hidden-size", "chunk0", "temperature0", "temperature-nan", "temperature-inf", "grad-precision",
     ],
 )
 def test_bad_inputs(case):
     hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(torch.float32)
-    chunk_rows, temperature = 4, 1.0
+    chunk_rows, temperature, precision = 4, 1.0, "fp32"
     if case == "row-out-of-range":
         compact_index = compact_index.clone()
         compact_index[3] = hidden_CD.shape[0]
@@ -237,10 +276,13 @@ def test_bad_inputs(case):
         weight_VD = weight_VD[:, :-1]
     elif case.startswith("temperature"):
         temperature = {"temperature0": 0.0, "temperature-nan": float("nan"), "temperature-inf": float("inf")}[case]
+    elif case == "grad-precision":
+        precision = "bf16"
     else:
         chunk_rows = 0
     with pytest.raises(ValueError, match="compact_logprobs"):
-        compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows, temperature=temperature)
+        compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows, temperature=temperature,
+                         grad_precision=precision)
 
 
 def test_iter_compact_logits_covers_all_rows():
