@@ -105,6 +105,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
+    parser.add_argument("--recompute-blocks", type=non_negative_int, default=None, metavar="N",
+                        help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
+                             "(Megatron's block method; default: every block)")
     parser.add_argument("--attention-backend", default=None,
                         help="MLA backend, naive|sdpa|varlen|flex|cudnn (default: sdpa on CPU, varlen on CUDA)")
     parser.add_argument("--compact-attention-backend", default=None,
@@ -313,7 +316,7 @@ def _step_configs(args, dtype_name: str) -> dict:
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     return {
         name: StepConfig(
-            execution=name, recompute=args.recompute, dtype=dtype_name, attention_backend=backends[name],
+            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks, dtype=dtype_name, attention_backend=backends[name],
             kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
             logprob_grad_precision=args.logprob_grad_precision,
         )
@@ -696,6 +699,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    if args.recompute_blocks is not None and not args.recompute:
+        raise ValueError("--recompute-blocks needs --recompute")
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     params_name = parameter_dtype(args.params, dtype_name, args.parallel)
@@ -731,7 +736,8 @@ def run(args: argparse.Namespace) -> int:
                 config = {
                     "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
                     "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-                    "params": params_name, "recompute": args.recompute, "repeats": args.repeats,
+                    "params": params_name, "recompute": args.recompute,
+                    "recompute_blocks": args.recompute_blocks, "repeats": args.repeats,
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
                     "parallel_config": config_to_dict(parallel) if parallel else None,

@@ -5,7 +5,9 @@ the MoE auxiliary outputs of every MoE layer. The LM head is applied by the obje
 (`harts.objective.compact_logprobs`), which never materialises all logits at once. With
 `recompute=True` every block is checkpointed (non-reentrant): its activations are dropped in
 forward and recomputed in backward with the same layout, so the KDA call plan, replay ranges and
-state handoffs are replayed exactly (DESIGN §4, activation recomputation).
+state handoffs are replayed exactly (DESIGN §4, activation recomputation). `recompute_blocks=N`
+checkpoints only blocks 0 … N − 1 (Megatron's block method): the others keep their activations,
+trading memory for the recomputation's time; the values are the same either way.
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
@@ -80,20 +82,26 @@ class HybridModel(nn.Module):
                 module.expert_bias.zero_()
 
     def forward(
-        self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False
+        self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False, recompute_blocks: int | None = None
     ) -> tuple[torch.Tensor, list[MoEAux]]:
-        x_RD, auxes = self.run_blocks(self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute)
+        x_RD, auxes = self.run_blocks(
+            self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute,
+            recompute_blocks=recompute_blocks,
+        )
         return self.final_norm(x_RD), auxes
 
     def run_blocks(
-        self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False
+        self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False,
+        recompute_blocks: int | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
-        """Blocks `indices` in order over the rows (each recomputed in backward with `recompute`);
-        the MoE aux of every MoE block. A pipeline stage runs its own range of them."""
+        """Blocks `indices` in order over the rows (with `recompute`, each recomputed in backward, or only
+        those numbered below `recompute_blocks`); the MoE aux of every MoE block. A pipeline stage runs its
+        own range of them."""
         auxes: list[MoEAux] = []
         for index in indices:
             block = self.blocks[index]
-            if recompute and torch.is_grad_enabled():
+            recomputed = recompute and (recompute_blocks is None or index < recompute_blocks)
+            if recomputed and torch.is_grad_enabled():
                 x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False)
             else:
                 x_RD, aux = block(x_RD, layout)

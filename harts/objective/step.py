@@ -43,6 +43,9 @@ class StepConfig:
     """"baseline" (each trajectory its own sequence) or "compact" (the microbatch's trie)."""
     recompute: bool = False
     """Per-layer activation recomputation."""
+    recompute_blocks: int | None = None
+    """With `recompute`: only blocks 0 … N − 1 are recomputed, the others keep their activations (Megatron's
+    block method: less recomputation for more memory). None: every block."""
     replay: bool = True
     """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     attention_backend: str = "sdpa"
@@ -65,6 +68,12 @@ class StepConfig:
         if self.logprob_grad_precision not in GRAD_PRECISIONS:
             raise ValueError(f"logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
                              f"got {self.logprob_grad_precision!r}")
+        if self.recompute_blocks is not None and (
+            isinstance(self.recompute_blocks, bool) or not isinstance(self.recompute_blocks, int)
+            or self.recompute_blocks < 0 or not self.recompute
+        ):
+            raise ValueError(f"recompute_blocks must be an int >= 0 with recompute on, got {self.recompute_blocks!r} "
+                             f"(recompute={self.recompute})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
@@ -127,7 +136,9 @@ def microbatch_logprobs(
     then the compact LM head at `temperature` for the targets `targets_S` of its semantic positions
     (`layout.semantic_rows` order)."""
     with autocast_context(device, config):
-        hidden, auxes = model(layout.input_ids, layout, recompute=config.recompute)
+        hidden, auxes = model(
+            layout.input_ids, layout, recompute=config.recompute, recompute_blocks=config.recompute_blocks
+        )
     weight = model.lm_head.weight
     if DTYPES[config.dtype] is not None:
         # The LM head in the training dtype like every other matmul (log-probs stay fp32).

@@ -96,7 +96,8 @@ class ParallelModel:
         return layout
 
     def stage_forward(
-        self, layout: Layout, x_in: torch.Tensor | None, *, recompute: bool = False
+        self, layout: Layout, x_in: torch.Tensor | None, *, recompute: bool = False,
+        recompute_blocks: int | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """This stage's part of `HybridModel.forward`: hidden rows out (final hidden [R, D] on the last stage)."""
         model, groups = self.model, self.groups
@@ -106,7 +107,7 @@ class ParallelModel:
                 x = scatter_rows(pad_rows(x, self.tp * self.rows_on_rank(layout)), groups.tp)
         else:
             x = x_in
-        x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute)
+        x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute, recompute_blocks=recompute_blocks)
         if groups.is_last_stage:
             x = model.final_norm(x)
             if self.sequence_parallel:

@@ -55,7 +55,7 @@ class _FinalHidden:
     def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Linear) -> None:
         self.hidden, self.lm_head = hidden, lm_head
 
-    def __call__(self, input_ids, layout, recompute=False):
+    def __call__(self, input_ids, layout, recompute=False, recompute_blocks=None):
         return self.hidden, []
 
 
@@ -151,7 +151,9 @@ def run_parallel_step(
             x_in.requires_grad_(backward)
         with torch.set_grad_enabled(backward):
             with autocast_context(device, config):
-                out, auxes = pmodel.stage_forward(layout, x_in, recompute=config.recompute)
+                out, auxes = pmodel.stage_forward(
+                    layout, x_in, recompute=config.recompute, recompute_blocks=config.recompute_blocks
+                )
             moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))
             if last:
                 policy, _, logprobs, _ = microbatch_loss(

@@ -269,7 +269,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     from harts.bench.speedup import _step_configs
 
     args = argparse.Namespace(device="cpu", recompute=False, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend=None, logprob_grad_precision="input")
+                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=None)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     assert configs["baseline"].logprob_grad_precision == configs["compact"].logprob_grad_precision == "input"
@@ -277,6 +277,17 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)
     assert code == 0 and records[0]["config"]["compact_attention_backend"] == "naive"
+
+
+def test_recompute_blocks(tree_step_path, tmp_path, capsys):
+    """--recompute-blocks reaches both executions' StepConfig and the record; without --recompute it is an error."""
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "1"], tmp_path, capsys)
+    assert code == 0 and records[0]["config"]["recompute_blocks"] == 1
+    code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute-blocks", "1",
+                 "--out", str(tmp_path / "bad.json")])
+    assert code != 0 and "--recompute-blocks needs --recompute" in capsys.readouterr().err
 
 
 def _check_record(record, step, parallel: str, world_size: int):
