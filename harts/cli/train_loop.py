@@ -38,7 +38,11 @@ OVERRIDES = [
     ("--capacity", "execution.capacity", {"type": positive_int, "help": "T: tokens per microbatch"}),
     ("--recompute", "execution.recompute", {"action": argparse.BooleanOptionalAction,
                                             "help": "per-layer activation recomputation"}),
+    ("--recompute-blocks", "execution.recompute_blocks", {"type": non_negative_int,
+                                                          "help": "with --recompute: recompute only blocks 0..N-1"}),
     ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn"}),
+    ("--logprob-grad-precision", "execution.logprob_grad_precision", {
+        "choices": ("fp32", "input"), "help": "the LM head's logit gradients: fp32 (TF32 matmuls) or input (bf16)"}),
     ("--kda-backend", "execution.kda_backend", {"help": "torch|fla"}),
     ("--loss", "loss.name", {"choices": ("grpo", "ppo")}),
     ("--lr", "optimizer.lr", {"type": float, "help": "peak learning rate"}),

@@ -25,7 +25,13 @@ from tqdm import tqdm
 
 from harts.model.model import HybridModel
 from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
-from harts.objective.losses import GRPOConfig, PolicyLoss, PPOConfig, grpo_loss, ppo_loss
+from harts.objective.losses import (
+    GRPOConfig,
+    PolicyLoss,
+    PPOConfig,
+    grpo_loss,
+    ppo_loss,
+)
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_layout
 from harts.trees.step import Step
@@ -68,14 +74,19 @@ class StepConfig:
         if self.logprob_grad_precision not in GRAD_PRECISIONS:
             raise ValueError(f"logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
                              f"got {self.logprob_grad_precision!r}")
-        if self.recompute_blocks is not None and (
-            isinstance(self.recompute_blocks, bool) or not isinstance(self.recompute_blocks, int)
-            or self.recompute_blocks < 0 or not self.recompute
-        ):
-            raise ValueError(f"recompute_blocks must be an int >= 0 with recompute on, got {self.recompute_blocks!r} "
-                             f"(recompute={self.recompute})")
+        check_recompute_blocks(self.recompute, self.recompute_blocks)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+
+def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:
+    """`recompute_blocks` is None or an int >= 0 given with `recompute` (ValueError naming `prefix` + field)."""
+    if recompute_blocks is None:
+        return
+    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
+        raise ValueError(f"{prefix}recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    if not recompute:
+        raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
 
 
 @dataclass

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from harts.config import load_config
 from harts.model.config import load_model_config
+from harts.objective.logprobs import GRAD_PRECISIONS
+from harts.objective.step import DTYPES, check_recompute_blocks
 from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
-from harts.objective.step import DTYPES
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
@@ -42,14 +43,22 @@ class RLExecutionConfig:
     planner_baseline: str = "per-trajectory"
     """Microbatch planners of the two executions (harts.planning.microbatch)."""
     recompute: bool = False
+    recompute_blocks: int | None = None
+    """With `recompute`: recompute only blocks 0 … N − 1. None: every block."""
     attention_backend: str | None = None
     """None = "sdpa" on CPU, "varlen" on CUDA."""
     kda_backend: str | None = None
     """None = "torch" on CPU, "fla" on CUDA."""
+    logprob_grad_precision: str = "fp32"
+    """The LM head's logit gradients: "fp32" (TF32 matmuls for bf16 on CUDA) or "input" (bf16, once rounded)."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
+        check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
+        if self.logprob_grad_precision not in GRAD_PRECISIONS:
+            raise ValueError(f"execution.logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
+                             f"got {self.logprob_grad_precision!r}")
         for name in ("planner_compact", "planner_baseline"):
             if getattr(self, name) not in PLANNER_NAMES:
                 raise ValueError(f"execution.{name} must be one of {PLANNER_NAMES}, got {getattr(self, name)!r}")

@@ -124,7 +124,8 @@ class _Learner:
 def _learner(execution: str, model: HybridModel, config: RLConfig) -> _Learner:
     optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
     e = config.execution
-    step_config = StepConfig(execution=execution, recompute=e.recompute, attention_backend=e.attention_backend,
+    step_config = StepConfig(execution=execution, recompute=e.recompute, recompute_blocks=e.recompute_blocks,
+                             logprob_grad_precision=e.logprob_grad_precision, attention_backend=e.attention_backend,
                              kda_backend=e.kda_backend, loss="grpo", grpo=config.loss.grpo, dtype=config.dtype)
     return _Learner(execution=execution, model=model, optimizer=optimizer,
                     scheduler=make_scheduler(optimizer, config.schedule, config.num_steps), step_config=step_config)

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
+from harts.objective.logprobs import GRAD_PRECISIONS
 from harts.objective.losses import GRPOConfig, PPOConfig
-from harts.objective.step import DTYPES, LOSSES
+from harts.objective.step import DTYPES, LOSSES, check_recompute_blocks
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.runtime.layout import EXECUTIONS
 
@@ -65,12 +66,16 @@ class ExecutionConfig:
     """T: compact tokens per microbatch."""
     recompute: bool = False
     """Per-layer activation recomputation."""
+    recompute_blocks: int | None = None
+    """With `recompute`: recompute only blocks 0 … N − 1, the others keep their activations. None: every block."""
     attention_backend: str | None = None
     """None = "sdpa" on CPU, "varlen" on CUDA."""
     kda_backend: str | None = None
     """None = "torch" on CPU, "fla" on CUDA."""
     logprob_chunk_rows: int = 4096
     """Rows per chunk of the compact LM head."""
+    logprob_grad_precision: str = "fp32"
+    """The LM head's logit gradients: "fp32" (TF32 matmuls for bf16 on CUDA) or "input" (bf16, once rounded)."""
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
@@ -79,6 +84,10 @@ class ExecutionConfig:
             raise ValueError(f"execution.planner must be one of {PLANNER_NAMES}, got {self.planner!r}")
         if self.capacity < 1 or self.logprob_chunk_rows < 1:
             raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
+        check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
+        if self.logprob_grad_precision not in GRAD_PRECISIONS:
+            raise ValueError(f"execution.logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
+                             f"got {self.logprob_grad_precision!r}")
 
 
 @dataclass(kw_only=True)

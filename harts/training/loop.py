@@ -51,14 +51,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from harts.bench.wandb_log import WandbOptions
 from harts.config import config_to_dict
 from harts.training.checkpoint import (
-    latest_checkpoint, load_checkpoint, read_metadata, remove_stale, save_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    remove_stale,
+    save_checkpoint,
 )
 from harts.training.config import TrainConfig, resolve
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
-from harts.bench.wandb_log import WandbOptions
 from harts.training.tracking import WandbTracker
 
 if TYPE_CHECKING:
@@ -140,6 +144,19 @@ def train(
     return records
 
 
+def step_config_of(config: TrainConfig) -> StepConfig:
+    """The step execution of a (resolved) training config."""
+    from harts.objective.step import StepConfig
+
+    execution = config.execution
+    return StepConfig(
+        execution=execution.execution, recompute=execution.recompute, recompute_blocks=execution.recompute_blocks,
+        logprob_grad_precision=execution.logprob_grad_precision, attention_backend=execution.attention_backend,
+        kda_backend=execution.kda_backend, loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
+        logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,
+    )
+
+
 @dataclass
 class _Run:
     """The model, optimizer and scheduler of a run, and what a step needs besides them."""
@@ -157,7 +174,6 @@ class _Run:
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
               run_dir: Path) -> _Run:
         from harts.model.model import HybridModel
-        from harts.objective.step import StepConfig
 
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
@@ -168,13 +184,7 @@ class _Run:
         if config.dtype == "bf16":
             model.to(torch.bfloat16)
         optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
-        execution = config.execution
-        step_config = StepConfig(
-            execution=execution.execution, recompute=execution.recompute,
-            attention_backend=execution.attention_backend, kda_backend=execution.kda_backend,
-            loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
-            logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,
-        )
+        step_config = step_config_of(config)
         return cls(config=config, resolved=resolved, source=source, run_dir=run_dir, model=model,
                    optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
                    step_config=step_config)

@@ -52,8 +52,10 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nwarm_start: {accuracy: 1.5}\n", "warm_start.accuracy must be in"),
     ("name: x\nmodel: tiny\nenv: {num_values: 40}\n", "num_values must be in"),
     ("name: x\nmodel: tiny\nrollout: {top_p: 0}\n", "rollout.top_p must be in"),
+    ("name: x\nmodel: tiny\nexecution: {recompute_blocks: 1}\n", "execution.recompute_blocks needs execution.recompute"),
+    ("name: x\nmodel: tiny\nexecution: {logprob_grad_precision: tf32}\n", "execution.logprob_grad_precision must be"),
 ], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "accuracy",
-        "values", "top-p"])
+        "values", "top-p", "recompute-blocks-alone", "grad-precision"])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "rl.yaml"
     path.write_text(text)
@@ -74,3 +76,16 @@ def test_resolve_refuses_what_the_run_would_get_wrong(tmp_path, text, message):
     path.write_text("name: x\nmodel: tiny\n" + text)
     with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
         resolve(load_rl_config(path), where=path)
+
+
+def test_execution_fields_reach_the_learners(tmp_path):
+    from harts.rl.loop import _learner, initial_model
+
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: tiny\nexecution: {recompute: true, recompute_blocks: 1, "
+                    "logprob_grad_precision: input}\n")
+    config = resolve(load_rl_config(path))
+    for execution in ("compact", "baseline"):
+        step = _learner(execution, initial_model(config, seed=0), config).step_config
+        assert (step.execution, step.recompute, step.recompute_blocks, step.logprob_grad_precision) == (
+            execution, True, 1, "input")

@@ -43,8 +43,13 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
          "schedule.decay must be one of"),
         (("optimizer: {lr: 1.0e-4, weight_decay: 0.0}", "optimizer: {lr: .nan}"), "optimizer.lr must be a finite number"),
         (("execution: {capacity: 1024}", "execution: {planner: best}"), "execution.planner must be one of"),
+        (("execution: {capacity: 1024}", "execution: {recompute_blocks: 2}"),
+         "execution.recompute_blocks needs execution.recompute"),
+        (("execution: {capacity: 1024}", "execution: {logprob_grad_precision: bf16}"),
+         "execution.logprob_grad_precision must be one of"),
     ],
-    ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner"],
+    ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner",
+         "recompute-blocks-alone", "bad-grad-precision"],
 )
 def test_yaml_is_strict(tmp_path, edit, message):
     old, new = edit
@@ -92,3 +97,15 @@ def test_resolve_makes_every_default_explicit(device, execution, expected):
                                      "dtype": "fp32", "execution.planner": "greedy-trie"})
     assert (resolve(given, 7).num_steps, resolve(given, 7).dtype, resolve(given, 7).execution.planner) == (
         2, "fp32", "greedy-trie")
+
+
+def test_execution_fields_reach_the_step_config():
+    from harts.training.loop import step_config_of
+
+    config = load_train_config(None, {
+        "model": "tiny", "data.trees": "tiny", "execution.recompute": True, "execution.recompute_blocks": 2,
+        "execution.logprob_grad_precision": "input", "execution.logprob_chunk_rows": 64,
+    })
+    step = step_config_of(resolve(config, num_data_steps=1))
+    assert (step.recompute, step.recompute_blocks, step.logprob_grad_precision, step.logprob_chunk_rows) == (
+        True, 2, "input", 64)
