@@ -30,9 +30,7 @@ import triton.language as tl
 
 
 def _configs():
-    # BV = 16 splits V into more programs: the recursion over chunks is sequential, so a short sequence (a
-    # compact call's trunk or branch) has few programs in flight.
-    return [triton.Config({"BV": bv}, num_warps=warps) for bv in (16, 32, 64) for warps in (2, 4)]
+    return [triton.Config({"BV": bv}, num_warps=warps) for bv in (32, 64) for warps in (2, 4)]
 
 
 @triton.autotune(configs=_configs(), key=["H", "K", "V", "BT"])
