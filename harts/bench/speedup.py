@@ -376,6 +376,7 @@ def _execution(samples, plan_seconds: float, peak: int, infos: list[dict], micro
         "microbatches": len([m for m in microbatches if len(m)]),
         "rows": int(sum(i["rows"] for i in infos)),
         "attention_kv_rows": int(sum(i["attention_kv_rows"] for i in infos)),
+        "attention_pairs": int(sum(i["attention_pairs"] for i in infos)),
         "kda_calls": [i["kda_calls"] for i in infos],
         "samples": samples,
     }
@@ -389,6 +390,10 @@ def _results(step, index, executions, compact_infos) -> dict[str, Any]:
         "lower_bound_compact_tokens": index.segment_tree().num_compact_tokens,
         "replay_rows": int(sum(i["replay_rows"] for i in compact_infos)),
         **speedup_metrics(base, comp, step.num_semantic_tokens, comp["rows"]),
+        # The compact attention's share of the baseline's (query, key) pairs: usually above C/S, since the rows
+        # compaction removes most of (shared prefixes) are those with the fewest keys, while every compact query
+        # still attends to all of its ancestors; attention work that no kernel removes.
+        "attention_pair_ratio": comp["attention_pairs"] / base["attention_pairs"] if base["attention_pairs"] else None,
         "baseline": base,
         "compact": comp,
     }
@@ -674,10 +679,14 @@ def breakdown_terms(b: dict[str, float], c: dict[str, float], num_kda: int, num_
         "per_row_other": comp_rest - ratio * base_rest,
     }
     ideal = ratio * base["fbg_s"]
+    pairs = (comp.get("attention_pairs"), base.get("attention_pairs"))
+    # Of ancestor_kv_attention: the compact's extra (query, key) pairs at the baseline's attention speed.
+    pair_part = (pairs[0] / pairs[1] - ratio) * base_ops["mla"] if pairs[0] is not None and pairs[1] else None
     return {
         "ideal_compact_fbg_s": ideal,
         "excess_s": comp["fbg_s"] - ideal,
         "terms_s": terms,
+        "ancestor_kv_attention_pairs_s": pair_part,
         "layout_materialisation_s": comp["layout_s"] - base["layout_s"],
         "op_seconds": {"baseline": b, "compact": c},
         "method": "op-level fwd+bwd on real microbatch layouts (evenly spaced sample, scaled by semantic rows) with "

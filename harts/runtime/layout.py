@@ -308,7 +308,8 @@ def baseline_layout(
         attention_backend=attention_backend,
         kda_backend=kda_backend,
         info={"rows": num_rows, "semantic_tokens": num_rows, "kda_calls": 1, "replay_rows": 0,
-              "attention_kv_rows": groups.num_kv_rows, "sequences": len(members)},
+              "attention_kv_rows": groups.num_kv_rows, "attention_pairs": groups.num_pairs,
+              "sequences": len(members)},
     )
 
 
@@ -363,5 +364,5 @@ def compact_layout(
         kda_backend=kda_backend,
         info={"rows": num_rows, "semantic_tokens": tree.num_semantic_tokens, "kda_calls": schedule.num_calls,
               "replay_rows": schedule.replay_tokens, "attention_kv_rows": groups.num_kv_rows,
-              "sequences": schedule.num_sequences},
+              "attention_pairs": groups.num_pairs, "sequences": schedule.num_sequences},
     )

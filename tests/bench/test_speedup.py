@@ -124,6 +124,13 @@ def test_breakdown_terms_from_known_op_times():
         assert result["terms_s"][key] == pytest.approx(value, abs=1e-12), key
     assert sum(result["terms_s"].values()) == pytest.approx(result["excess_s"], abs=1e-12)
     assert result["layout_materialisation_s"] == pytest.approx(0.25)
+    assert result["ancestor_kv_attention_pairs_s"] is None
+    # With pair counts: the compact attends to 0.6 of the baseline's pairs against C/S = 0.5, so 0.1 × the
+    # baseline's 2.0 s of MLA of the 0.5 s ancestor_kv_attention term is the extra pairs'.
+    paired = breakdown_terms(b, c, 3, 1, {**base, "attention_pairs": 1000}, {**comp, "attention_pairs": 600},
+                             compression=2.0)
+    assert paired["ancestor_kv_attention_pairs_s"] == pytest.approx(0.1 * 2.0)
+    assert paired["terms_s"] == result["terms_s"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -295,6 +302,9 @@ def _check_record(record, step, parallel: str, world_size: int):
     assert config["parallel"] == parallel and config["world_size"] == world_size
     semantic = step.num_semantic_tokens
     assert results["semantic_tokens"] == semantic
+    assert results["baseline"]["attention_pairs"] == sum(int(n) * (int(n) + 1) // 2 for n in step.lengths)
+    assert results["attention_pair_ratio"] == results["compact"]["attention_pairs"] / results["baseline"]["attention_pairs"]
+    assert 0 < results["attention_pair_ratio"] < 1
     base, comp = results["baseline"], results["compact"]
     assert base["rows"] == semantic and base["attention_kv_rows"] == semantic
     assert results["compact_tokens"] == comp["rows"] >= results["lower_bound_compact_tokens"]

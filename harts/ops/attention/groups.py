@@ -58,6 +58,14 @@ class AttentionGroups:
     def num_kv_rows(self) -> int:
         return int(self.kv_ptr[-1])
 
+    @property
+    def num_pairs(self) -> int:
+        """(query, key) pairs attended: Σ_g l_g·h_g + l_g·(l_g + 1)/2 (every ancestor, causal within the
+        group), the attention's work; a trajectory of L rows has L·(L + 1)/2."""
+        own = self.q_ptr[1:] - self.q_ptr[:-1]
+        ancestors = self.kv_ptr[1:] - self.kv_ptr[:-1] - own
+        return int((own * ancestors + own * (own + 1) // 2).sum())
+
     def to(self, device: torch.device | str) -> AttentionGroups:
         return AttentionGroups(
             q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),

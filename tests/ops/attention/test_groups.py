@@ -137,3 +137,17 @@ def test_permute_rows_matches_indexing(seed):
     (grad,) = torch.autograd.grad((out * upstream).sum(), x)
     (expected,) = torch.autograd.grad((x[index] * upstream).sum(), x)
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_num_pairs_counts_the_visible_pairs(seed):
+    """The pairs a layout's attention computes: the dense visibility mask's count; the baseline's is
+    Σ L(L + 1)/2, the compact trie's one per (row, ancestor-or-self) and so fewer."""
+    step = random_step(seed, num=12, max_len=150, vocab=3)
+    members = np.arange(step.num_trajectories)
+    baseline = baseline_layout(step, members, conv_size=4, chunk_size=8)
+    compact = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=8)
+    for layout in (baseline, compact):
+        assert layout.groups.num_pairs == int(visibility_mask(layout.groups, layout.num_rows).sum())
+    assert baseline.groups.num_pairs == sum(int(n) * (int(n) + 1) // 2 for n in step.lengths)
+    assert compact.groups.num_pairs == int((compact.positions + 1).sum()) < baseline.groups.num_pairs
