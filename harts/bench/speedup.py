@@ -105,7 +105,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
-    parser.add_argument("--recompute-blocks", type=non_negative_int, default=None, metavar="N",
+    parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
                         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
                              "(Megatron's block method; default: every block)")
     parser.add_argument("--attention-backend", default=None,
@@ -195,8 +195,9 @@ def _time_op(fn, device, repeats: int = 2) -> float:
     return statistics.median(times)
 
 
-def op_times(model, layout, device, dtype) -> dict[str, float]:
-    """Per-microbatch op times (fwd + bwd) on `layout` with random inputs of the model's shapes."""
+def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict[str, float]:
+    """Per-microbatch op times (fwd + bwd) on `layout` with random inputs of the model's shapes (the LM head
+    with the step's `grad_precision`)."""
     import numpy as np
     import torch
 
@@ -252,7 +253,8 @@ def op_times(model, layout, device, dtype) -> dict[str, float]:
     semantic = len(layout.semantic_rows)
     targets = torch.randint(0, config.vocab_size, (semantic,), generator=generator, device=device)
     times["lm_head"] = _time_op(
-        lambda: compact_logprobs(hidden, weight, layout.semantic_rows, targets).sum().backward(), device
+        lambda: compact_logprobs(hidden, weight, layout.semantic_rows, targets,
+                                 grad_precision=grad_precision).sum().backward(), device
     )
     return times
 
@@ -316,7 +318,8 @@ def _step_configs(args, dtype_name: str) -> dict:
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     return {
         name: StepConfig(
-            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks, dtype=dtype_name, attention_backend=backends[name],
+            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks, dtype=dtype_name,
+            attention_backend=backends[name],
             kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
             logprob_grad_precision=args.logprob_grad_precision,
         )
@@ -650,7 +653,7 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
         for members in picks:
             layout = build_layout(step, members, model, configs[name], index).to(device)
             rows_picked += int(step.lengths[members].sum())
-            for key, value in op_times(model, layout, device, dtype).items():
+            for key, value in op_times(model, layout, device, dtype, configs[name].logprob_grad_precision).items():
                 sums[key] = sums.get(key, 0.0) + value
         sampled[name] = len(picks) / len(nonempty)
         totals[name] = {key: value * rows_all / rows_picked for key, value in sums.items()}

@@ -46,6 +46,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--capacity", type=positive_int, default=65536, help="T: tokens per microbatch")
     parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
+    parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
+                        help="with --recompute: recompute only blocks 0..N-1 (default: every block)")
+    parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
+                        help="the LM head's logit gradients: fp32 (TF32 matmuls for bf16) or input (bf16)")
     parser.add_argument("--loss", choices=("grpo", "ppo"), default="grpo")
     loss = parser.add_argument_group("loss hyper-parameters (flags override --loss-config)")
     loss.add_argument("--loss-config", metavar="PATH",
@@ -116,7 +120,8 @@ def _step_config(args: argparse.Namespace, execution: str, **extra):
 
     cuda = args.device == "cuda"
     return StepConfig(
-        execution=execution, recompute=args.recompute, loss=args.loss, dtype=args.dtype,
+        execution=execution, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
+        logprob_grad_precision=args.logprob_grad_precision, loss=args.loss, dtype=args.dtype,
         attention_backend=args.attention_backend or ("varlen" if cuda else "sdpa"),
         kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
         **{args.loss: _loss_config(args)}, **extra,

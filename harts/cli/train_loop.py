@@ -38,7 +38,7 @@ OVERRIDES = [
     ("--capacity", "execution.capacity", {"type": positive_int, "help": "T: tokens per microbatch"}),
     ("--recompute", "execution.recompute", {"action": argparse.BooleanOptionalAction,
                                             "help": "per-layer activation recomputation"}),
-    ("--recompute-blocks", "execution.recompute_blocks", {"type": non_negative_int,
+    ("--recompute-blocks", "execution.recompute_blocks", {"type": positive_int,
                                                           "help": "with --recompute: recompute only blocks 0..N-1"}),
     ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn"}),
     ("--logprob-grad-precision", "execution.logprob_grad_precision", {

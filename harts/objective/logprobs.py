@@ -27,7 +27,9 @@ labels and upstream gradients of positions sharing a row all survive) plus, for 
 upstream gradients h_s, ∂H/∂z = −p ⊙ (log p + H); then ∂L/∂(hidden @ Wᵀ) = ∂L/∂z / T,
 dhidden = that @ W and dW += thatᵀ @ hidden chunk by chunk. So the largest temporary is one n×V
 fp32 buffer (two with entropy gradients; plus an fp32 copy of W and an fp32 dW accumulator of V×D
-when the inputs are not fp32); nothing S×V is ever built and no C×V tensor outlives its chunk.
+when the inputs are not fp32; with grad_precision="input" no copy of W, but the n×V bf16 gradient
+beside the fp32 logits and, on CUDA, each chunk's dW sum written to a new V×D fp32 tensor before
+the previous one is freed); nothing S×V is ever built and no C×V tensor outlives its chunk.
 Vocabulary work: O(C·V·D) matmuls + O(S).
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
@@ -41,9 +43,9 @@ rounded to TF32's 10-bit mantissa (finer than the bf16 a plain bf16 LM head woul
 `grad_precision="input"` the logit gradients are instead rounded once to the inputs' bf16/fp16 (the
 kernel writes them so; the few elements at the targets are formed again in fp32 with their one-hot
 terms and rounded once) and the gradient matmuls take them on that dtype's tensor cores with fp32
-accumulation (CPU: the same values through fp32), at twice the TF32 rate and without the fp32
-copy of W; tests/objective/test_logprobs.py checks the single rounding bit for bit. fp32 and fp64
-inputs keep full-precision matmuls. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
+accumulation (CPU: the same values through fp32), at twice the TF32 rate;
+tests/objective/test_logprobs.py checks the single rounding bit for bit. fp32 and fp64 inputs keep
+full-precision matmuls (there "input" is "fp32"); fp16 gradients below fp16's range flush to zero. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
 `index_put_(accumulate=True)`) are deterministic on CPU; on CUDA they use atomics unless
 `torch.use_deterministic_algorithms(True)` is set.
 
@@ -76,8 +78,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _tensor_cores(hidden_CD: torch.Tensor, weight_VD: torch.Tensor):
     """TF32 tensor cores for the fp32 matmuls when hidden and weight are both bf16/fp16 on CUDA
     (see Precision; an fp32 weight would be rounded)."""
-    reduced = (torch.bfloat16, torch.float16)
-    if hidden_CD.device.type != "cuda" or hidden_CD.dtype not in reduced or weight_VD.dtype not in reduced:
+    if hidden_CD.device.type != "cuda" or hidden_CD.dtype not in HALF or weight_VD.dtype not in HALF:
         yield
         return
     matmul = torch.backends.cuda.matmul
@@ -126,7 +127,7 @@ def _check_inputs(
 
 def _half_precision_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> bool:
     """Logits straight from bf16/fp16 operands of one dtype on CUDA (see Precision)."""
-    return hidden_CD.is_cuda and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in (torch.bfloat16, torch.float16)
+    return hidden_CD.is_cuda and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in HALF
 
 
 def _tempered_logits(hidden_nD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -227,8 +228,9 @@ class _CompactLogprobs(torch.autograd.Function):
         starts, bounds = ctx.starts, ctx.bounds
         for k in range(len(starts) - 1):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
+            hidden_nD = hidden_CD[r0:r1] if half or half_grads else hidden_CD[r0:r1].to(dtype)
             logits_nV = _tempered_logits(
-                hidden_CD[r0:r1] if half else hidden_CD[r0:r1].to(dtype), weight_VD if half else weight_f, temperature
+                hidden_nD if half else hidden_nD.to(dtype), weight_VD if half else weight_f, temperature
             )
             row_terms = (
                 lse_C[r0:r1], grad_sum_C[r0:r1], None if grad_entropy_C is None else entropy_C[r0:r1],
@@ -243,7 +245,7 @@ class _CompactLogprobs(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[r0:r1] = _half_matmul(grad_logits_nV, weight_VD).to(hidden_CD.dtype)
                 if need_weight:
-                    grad_weight_f = _half_addmm(grad_weight_f, grad_logits_nV.T, hidden_CD[r0:r1])
+                    grad_weight_f = _half_addmm(grad_weight_f, grad_logits_nV.T, hidden_nD)
                 del grad_logits_nV
                 continue
             grad_logits_nV = logit_grad(logits_nV, *row_terms)
@@ -256,7 +258,7 @@ class _CompactLogprobs(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[r0:r1] = (grad_logits_nV @ weight_f).to(hidden_CD.dtype)
             if need_weight:
-                grad_weight_f.addmm_(grad_logits_nV.T, hidden_CD[r0:r1].to(dtype))
+                grad_weight_f.addmm_(grad_logits_nV.T, hidden_nD.to(dtype))
             del logits_nV, grad_logits_nV
         grad_weight = grad_weight_f.to(weight_VD.dtype) if need_weight else None
         return grad_hidden, grad_weight, None, None, None, None, None, None

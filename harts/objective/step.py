@@ -50,8 +50,8 @@ class StepConfig:
     recompute: bool = False
     """Per-layer activation recomputation."""
     recompute_blocks: int | None = None
-    """With `recompute`: only blocks 0 … N − 1 are recomputed, the others keep their activations (Megatron's
-    block method: less recomputation for more memory). None: every block."""
+    """With `recompute`: only the first N blocks (of each pipeline stage) are recomputed, the others keep their
+    activations (Megatron's block method: less recomputation for more memory). None: every block."""
     replay: bool = True
     """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     attention_backend: str = "sdpa"
@@ -80,11 +80,12 @@ class StepConfig:
 
 
 def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:
-    """`recompute_blocks` is None or an int >= 0 given with `recompute` (ValueError naming `prefix` + field)."""
+    """`recompute_blocks` is None or an int >= 1 given with `recompute` (ValueError naming `prefix` + field;
+    recomputing no block is `recompute` off)."""
     if recompute_blocks is None:
         return
-    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
-        raise ValueError(f"{prefix}recompute_blocks must be an int >= 0, got {recompute_blocks!r}")
+    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 1:
+        raise ValueError(f"{prefix}recompute_blocks must be an int >= 1, got {recompute_blocks!r}")
     if not recompute:
         raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
 

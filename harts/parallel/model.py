@@ -54,6 +54,14 @@ class _AbsentBlock(nn.Module):
     """Placeholder for a block held by another pipeline stage."""
 
 
+def stage_recompute_limit(blocks: list[int], recompute_blocks: int | None) -> int | None:
+    """The model block index below which a stage holding `blocks` recomputes: its first N blocks, as Megatron's
+    block method counts per pipeline stage (None: every block)."""
+    if recompute_blocks is None or not blocks:
+        return None
+    return blocks[0] + recompute_blocks
+
+
 def stage_blocks(num_layers: int, pp: int, pp_rank: int) -> list[int]:
     return [int(i) for i in np.array_split(np.arange(num_layers), pp)[pp_rank]]
 
@@ -99,7 +107,8 @@ class ParallelModel:
         self, layout: Layout, x_in: torch.Tensor | None, *, recompute: bool = False,
         recompute_blocks: int | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
-        """This stage's part of `HybridModel.forward`: hidden rows out (final hidden [R, D] on the last stage)."""
+        """This stage's part of `HybridModel.forward`: hidden rows out (final hidden [R, D] on the last stage);
+        with `recompute_blocks`, the stage's first N blocks recomputed."""
         model, groups = self.model, self.groups
         if groups.is_first_stage:
             x = model.embed(layout.input_ids)
@@ -107,7 +116,8 @@ class ParallelModel:
                 x = scatter_rows(pad_rows(x, self.tp * self.rows_on_rank(layout)), groups.tp)
         else:
             x = x_in
-        x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute, recompute_blocks=recompute_blocks)
+        x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute,
+                                    recompute_blocks=stage_recompute_limit(self.blocks, recompute_blocks))
         if groups.is_last_stage:
             x = model.final_norm(x)
             if self.sequence_parallel:

@@ -30,7 +30,8 @@ from harts.report.records import (
 from harts.report.render import footer, markdown_table, page, save_pdf, table_pages, wrap_header, write_csv
 
 SPEEDUP_COLUMNS = [
-    "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "trees", "step",
+    "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
+    "logprob_grad_precision", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -56,12 +57,25 @@ def paper_figures() -> dict[str, float]:
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
-            bool(c.get("recompute")))
+            bool(c.get("recompute")), c.get("recompute_blocks"), c.get("logprob_grad_precision") or "fp32")
+
+
+def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str, *, short: bool = False) -> str:
+    """The step settings beside device and dtype: recomputation (of every block or the first N) and bf16
+    LM-head gradients."""
+    parts = []
+    if recompute:
+        name = "rc" if short else "recompute"
+        parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
+    if grad_precision == "input":
+        parts.append("bf16 LM-head grads")
+    return "".join((" " if short else ", ") + part for part in parts)
 
 
 def configuration_label(key: tuple) -> str:
-    model, parallel, planner, device, dtype, recompute = key
-    return f"{model} / {parallel} / {planner}\n{device} {dtype}{', recompute' if recompute else ''}"
+    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision = key
+    settings = settings_label(recompute, recompute_blocks, grad_precision)
+    return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -71,7 +85,9 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         c = record["config"]
         row = {"source": "ours", "model": c.get("model"), "parallel": c.get("parallel", "single"),
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
-               "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")), "trees": c.get("trees"),
+               "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
+               "recompute_blocks": c.get("recompute_blocks"),
+               "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32", "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():
             if "error" in record:
@@ -97,7 +113,9 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
               "baseline F+B+G s", "compact F+B+G s", "F/B/Grad speedup", "Core speedup", "efficiency", "note"]
     table = []
     for r in rows:
-        dtype = f"{r['device']} {r['dtype']}" + (" rc" if r["recompute"] is True else "")
+        dtype = f"{r['device']} {r['dtype']}" + settings_label(
+            r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
+            r["logprob_grad_precision"], short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

@@ -150,7 +150,8 @@ def warm_start(model: HybridModel, env: LookupEnv, config: RLConfig, seed: int) 
     optimizer = MasterWeightAdamW(model.named_parameters(), OptimizerConfig(lr=warm.lr, weight_decay=0.0))
     # GRPO's surrogate with advantage 1, on-policy, has the gradient of the mean negative log-likelihood.
     step_config = StepConfig(execution="compact", attention_backend=config.execution.attention_backend,
-                             kda_backend=config.execution.kda_backend, dtype=config.dtype)
+                             kda_backend=config.execution.kda_backend, dtype=config.dtype,
+                             logprob_grad_precision=config.execution.logprob_grad_precision)
     nll, rewards = [], []
     try:
         for _ in range(warm.steps):

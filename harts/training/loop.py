@@ -60,7 +60,7 @@ from harts.training.checkpoint import (
     remove_stale,
     save_checkpoint,
 )
-from harts.training.config import TrainConfig, resolve
+from harts.training.config import TrainConfig, resolve, train_config_from_dict
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
 from harts.training.tracking import WandbTracker
@@ -324,12 +324,25 @@ def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any]) -> Path:
     for stale in remove_stale(run_dir):
         print(f"harts: removed {stale}, an incomplete checkpoint", file=sys.stderr)
     _, saved = read_metadata(checkpoint)
-    difference = first_difference(saved, resolved)
+    difference = first_difference(_with_new_defaults(saved, checkpoint), resolved)
     if difference is not None:
         key, then, now = difference
         raise ValueError(f"{checkpoint / 'config.json'}: '{key}' is {then!r} in the checkpoint but {now!r} now; "
                          "resume with the checkpoint's config")
     return checkpoint
+
+
+def _with_new_defaults(saved: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's resolved config with the training keys it lacks (added to HARTS after it was written)
+    at their defaults: read back through the strict loader, which fills them; an unreadable one is compared
+    as it is (and so reported)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
+        return saved
+    try:
+        train = config_to_dict(train_config_from_dict(saved["train"], str(checkpoint / "config.json")))
+    except ValueError:
+        return saved
+    return {**saved, "train": train}
 
 
 def first_difference(then: Any, now: Any, prefix: str = "") -> tuple[str, Any, Any] | None:

@@ -275,11 +275,12 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
 
     from harts.bench.speedup import _step_configs
 
-    args = argparse.Namespace(device="cpu", recompute=False, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=None)
+    args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
+                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=2)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
-    assert configs["baseline"].logprob_grad_precision == configs["compact"].logprob_grad_precision == "input"
+    for config in configs.values():
+        assert (config.logprob_grad_precision, config.recompute, config.recompute_blocks) == ("input", True, 2)
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)
@@ -303,7 +304,8 @@ def _check_record(record, step, parallel: str, world_size: int):
     semantic = step.num_semantic_tokens
     assert results["semantic_tokens"] == semantic
     assert results["baseline"]["attention_pairs"] == sum(int(n) * (int(n) + 1) // 2 for n in step.lengths)
-    assert results["attention_pair_ratio"] == results["compact"]["attention_pairs"] / results["baseline"]["attention_pairs"]
+    pairs = (results["compact"]["attention_pairs"], results["baseline"]["attention_pairs"])
+    assert results["attention_pair_ratio"] == pairs[0] / pairs[1]
     assert 0 < results["attention_pair_ratio"] < 1
     base, comp = results["baseline"], results["compact"]
     assert base["rows"] == semantic and base["attention_kv_rows"] == semantic

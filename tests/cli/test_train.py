@@ -106,3 +106,10 @@ def test_train_step_uses_and_prints_the_loss_config(tmp_path, capsys):
         expected = GRPOConfig(clip_ratio_high=0.28, kl_coef=0.5) if name == "kl" else GRPOConfig()
         assert out["loss_config"] == {"loss": "grpo", **expected.__dict__}
     assert losses["kl"] > losses["default"]  # the k3 penalty is >= 0 and not 0 off-policy
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_execution_flags_reach_the_step_config(command):
+    config = step_config([*COMMANDS[command], "--recompute", "--recompute-blocks", "2",
+                          "--logprob-grad-precision", "input"])
+    assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision) == (True, 2, "input")

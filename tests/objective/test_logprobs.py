@@ -211,7 +211,7 @@ def test_half_precision_grads_match_naive(temperature):
     hidden_CD, weight_VD, compact_index, targets, grad_S = _random_problem(torch.bfloat16)
     entropy_grad_S = torch.randn(len(targets), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     problem = (hidden_CD, weight_VD, compact_index, targets, grad_S, entropy_grad_S)
-    kwargs = dict(temperature=temperature, return_entropy=True)
+    kwargs = {"temperature": temperature, "return_entropy": True}
     half = _forward_backward(compact_logprobs, *problem, chunk_rows=6, grad_precision="input", **kwargs)
     exact = _forward_backward(naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), *problem[2:], **kwargs)
     assert half[2].dtype == half[3].dtype == torch.bfloat16
@@ -329,3 +329,30 @@ def test_cuda_bf16_bounded_memory():
     assert float((logprobs.detach() - reference[0]).abs().max()) <= 1e-4
     assert _relative(hidden_CD.grad.float(), reference[1]) <= 2e-2
     assert _relative(weight_VD.grad.float(), reference[2]) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [1.0, 0.6], ids=lambda t: f"T{t}")
+def test_cuda_half_precision_grads(temperature):
+    """grad_precision="input" on CUDA (the fused pass into bf16, bf16 GEMMs with fp32 output): log-probs as the
+    fp32 mode's, gradients within bf16 rounding of the fp32 reference, entropy and shared rows included."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(42)
+    num_rows, hidden, vocab = 2048, 256, 32768
+    hidden_CD = torch.randn(num_rows, hidden, device=device, generator=generator).bfloat16()
+    weight_VD = (torch.randn(vocab, hidden, device=device, generator=generator) / hidden**0.5).bfloat16()
+    compact_index = torch.arange(num_rows, device=device).repeat(3)
+    targets = torch.randint(0, vocab, compact_index.shape, device=device, generator=generator)
+    targets[num_rows:2 * num_rows] = targets[:num_rows]  # duplicate (row, target) positions
+    grad_S = torch.randn(compact_index.shape, device=device, generator=generator, dtype=torch.float64)
+    entropy_grad_S = torch.randn(compact_index.shape, device=device, generator=generator, dtype=torch.float64)
+    problem = (hidden_CD, weight_VD, compact_index, targets, grad_S, entropy_grad_S)
+    kwargs = {"temperature": temperature, "return_entropy": True}
+    half = _forward_backward(compact_logprobs, *problem, chunk_rows=512, grad_precision="input", **kwargs)
+    fp32 = _forward_backward(compact_logprobs, *problem, chunk_rows=512, **kwargs)
+    exact = _forward_backward(naive_compact_logprobs, hidden_CD.float(), weight_VD.float(), *problem[2:], **kwargs)
+    assert torch.equal(half[0], fp32[0]) and torch.equal(half[1], fp32[1])
+    assert half[2].dtype == half[3].dtype == torch.bfloat16
+    assert _relative(half[2].float(), exact[2]) <= 2e-2
+    assert _relative(half[3].float(), exact[3]) <= 2e-2

@@ -179,3 +179,21 @@ def test_run_step_equals_written_out_objective(model, off_policy_step, execution
     for name, expected_grad in expected_grads.items():
         difference = float((grads[name] - expected_grad).norm())
         assert difference <= 1e-4 * float(expected_grad.norm()) + 1e-9, name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "input"])
+def test_logprob_grad_precision_reaches_the_lm_head(model, monkeypatch, precision):
+    import harts.objective.step as step_module
+
+    seen = []
+    original = step_module.compact_logprobs
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["grad_precision"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "compact_logprobs", recording)
+    step = random_tree_step(np.random.default_rng(0), num=4, max_len=30, vocab=3).step
+    run_step(model, step, [np.arange(step.num_trajectories)], StepConfig(logprob_grad_precision=precision))
+    model.zero_grad(set_to_none=True)
+    assert seen == [precision]

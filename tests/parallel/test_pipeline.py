@@ -52,3 +52,15 @@ def test_one_f_one_b(num_stages, num_microbatches):
 
 def test_single_stage_is_the_single_process_order():
     assert one_f_one_b(3, 0, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_recompute_blocks_count_per_stage(pp):
+    """`recompute_blocks` = N recomputes the first N blocks of every pipeline stage (Megatron's block method)."""
+    from harts.parallel.model import stage_blocks, stage_recompute_limit
+
+    for rank in range(pp):
+        blocks = stage_blocks(8, pp, rank)
+        limit = stage_recompute_limit(blocks, 2)
+        assert [b for b in blocks if b < limit] == blocks[:2]
+        assert stage_recompute_limit(blocks, None) is None

@@ -52,7 +52,8 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nwarm_start: {accuracy: 1.5}\n", "warm_start.accuracy must be in"),
     ("name: x\nmodel: tiny\nenv: {num_values: 40}\n", "num_values must be in"),
     ("name: x\nmodel: tiny\nrollout: {top_p: 0}\n", "rollout.top_p must be in"),
-    ("name: x\nmodel: tiny\nexecution: {recompute_blocks: 1}\n", "execution.recompute_blocks needs execution.recompute"),
+    ("name: x\nmodel: tiny\nexecution: {recompute_blocks: 1}\n",
+     "execution.recompute_blocks needs execution.recompute"),
     ("name: x\nmodel: tiny\nexecution: {logprob_grad_precision: tf32}\n", "execution.logprob_grad_precision must be"),
 ], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "accuracy",
         "values", "top-p", "recompute-blocks-alone", "grad-precision"])

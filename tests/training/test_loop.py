@@ -137,6 +137,22 @@ def test_run_directory_checks(tmp_path):
         train(_config(num_steps=1), tmp_path / "other")
 
 
+def test_resume_fills_keys_an_older_checkpoint_lacks(tmp_path):
+    """A checkpoint written before a config key existed resumes when the key is at its default (and not else)."""
+    import json
+
+    one_step = {"num_steps": 2, "schedule.warmup_steps": 0}
+    train(_config(**one_step), tmp_path, max_steps=1)
+    for path in (tmp_path / "checkpoints").glob("*/config.json"):
+        saved = json.loads(path.read_text())
+        del saved["train"]["execution"]["logprob_grad_precision"]
+        path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"'train.execution.logprob_grad_precision' is 'fp32' in the checkpoint but "
+                                         r"'input' now"):
+        train(_config(**one_step, **{"execution.logprob_grad_precision": "input"}), tmp_path, resume=True)
+    train(_config(**one_step), tmp_path, resume=True)
+
+
 @pytest.mark.slow
 def test_resume_is_exact_with_two_threads(tmp_path):
     # Slow: two runs of four steps with two intra-op threads (up to 50x slower on a loaded 2-core

@@ -26,7 +26,8 @@ import triton.language as tl
 BLOCK_ROWS, BLOCK_CHANNELS = 32, 128
 # The backward holds W pre-activation tiles and their tap tiles: smaller tiles and two warps keep them in
 # registers (H200, 65,536 × 6,144 bf16, W = 4: 3.4 ms against 4.8 ms at the forward's 32 × 128 × 4 warps;
-# the forward is fastest at 32 × 128, 0.57 ms).
+# the forward is fastest at 32 × 128, 0.57 ms). The per-tile weight-gradient sums double with the smaller
+# tiles: P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
 BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS, BACKWARD_WARPS = 16, 64, 2
 
 

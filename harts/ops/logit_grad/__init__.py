@@ -21,7 +21,7 @@ def logit_grad(
 ) -> torch.Tensor:
     """∂L/∂z without the one-hot terms: in place on the logits (`out_dtype` None) or rounded once into a
     new tensor of `out_dtype` (the logits kept)."""
-    if logits_nV.is_cuda and logits_nV.dtype == torch.float32:
+    if logits_nV.is_cuda and logits_nV.dtype == torch.float32 and logits_nV.is_contiguous():
         from harts.ops.logit_grad.fused import fused_logit_grad
 
         return fused_logit_grad(logits_nV, lse_n, grad_sum_n, entropy_n, grad_entropy_n, out_dtype=out_dtype)

@@ -36,7 +36,8 @@ def test_cuda_dispatch_matches_reference(entropy):
     rows, vocab = 300, 157184
     logits = torch.randn(rows, vocab, generator=gen, device="cuda") * 4
     lse = torch.logsumexp(logits, dim=-1)
-    grad_sum, grad_entropy = torch.randn(rows, generator=gen, device="cuda"), torch.randn(rows, generator=gen, device="cuda")
+    grad_sum = torch.randn(rows, generator=gen, device="cuda")
+    grad_entropy = torch.randn(rows, generator=gen, device="cuda")
     log_p = logits - lse[:, None]
     terms = (-(log_p.exp() * log_p).sum(-1), grad_entropy) if entropy else (None, None)
     reference = naive_logit_grad(logits.double(), lse.double(), grad_sum.double(),
