@@ -25,9 +25,10 @@ import triton.language as tl
 
 BLOCK_ROWS, BLOCK_CHANNELS = 32, 128
 # The backward holds W pre-activation tiles and their tap tiles: smaller tiles and two warps keep them in
-# registers (H200, 65,536 × 6,144 bf16, W = 4: 3.4 ms against 4.8 ms at the forward's 32 × 128 × 4 warps;
-# the forward is fastest at 32 × 128, 0.57 ms). The per-tile weight-gradient sums double with the smaller
-# tiles: P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
+# registers. H200, 65,536 × 6,144 bf16, W = 4 (nine tiles timed as `harts bench conv-tiles` does, before the
+# command existed): backward 3.4 ms here against 4.8 ms at the forward's 32 × 128 × 4 warps; the forward is
+# fastest at 32 × 128, 0.57 ms. The per-tile weight-gradient sums double with the smaller tiles:
+# P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
 BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS, BACKWARD_WARPS = 16, 64, 2
 
 
@@ -116,35 +117,57 @@ def _grid(num_rows: int, channels: int, rows: int = BLOCK_ROWS, columns: int = B
     return triton.cdiv(num_rows, rows), triton.cdiv(channels, columns)
 
 
+FORWARD_TILE = (BLOCK_ROWS, BLOCK_CHANNELS, 4)
+BACKWARD_TILE = (BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS, BACKWARD_WARPS)
+
+
+def shifted_conv_silu_forward(
+    x_PC: torch.Tensor, weight_CW: torch.Tensor, num_parts: int, tile: tuple[int, int, int] = FORWARD_TILE,
+) -> torch.Tensor:
+    """The forward kernel over contiguous rows at `tile` = (rows, channels, warps); every tile gives the same
+    bits (each element's taps are summed in the same order). `harts bench conv-tiles` times the tiles."""
+    num_rows, channels = x_PC.shape
+    y = x_PC.new_empty(num_parts, num_rows, channels // num_parts)
+    if num_rows:
+        rows, columns, warps = tile
+        _conv_silu_forward_kernel[_grid(num_rows, channels, rows, columns)](
+            x_PC, weight_CW, y, num_rows, channels, channels // num_parts, W=weight_CW.shape[1], BR=rows,
+            BC=columns, num_warps=warps,
+        )
+    return y
+
+
+def shifted_conv_silu_backward(
+    x_PC: torch.Tensor, weight_CW: torch.Tensor, dy: torch.Tensor, tile: tuple[int, int, int] = BACKWARD_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, fp32 dw) of the backward kernel at `tile`: dx has the same bits at every tile; dw sums the tiles'
+    partial sums, so its rounding follows the tile's rows."""
+    num_rows, channels = x_PC.shape
+    width = weight_CW.shape[1]
+    rows, columns, warps = tile
+    grid = _grid(num_rows, channels, rows, columns)
+    dx = torch.empty_like(x_PC)
+    dw_tiles = torch.empty(grid[0], channels, width, dtype=torch.float32, device=x_PC.device)
+    if num_rows:
+        _conv_silu_backward_kernel[grid](
+            x_PC, weight_CW, dy.contiguous(), dx, dw_tiles, num_rows, channels, channels // dy.shape[0],
+            W=width, BR=rows, BC=columns, num_warps=warps,
+        )
+    return dx, dw_tiles.sum(dim=0)
+
+
 class _ShiftedConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PC, weight_CW, num_parts):
         x_PC, weight_CW = x_PC.contiguous(), weight_CW.contiguous()
-        num_rows, channels = x_PC.shape
-        width = weight_CW.shape[1]
-        y = x_PC.new_empty(num_parts, num_rows, channels // num_parts)
-        if num_rows:
-            _conv_silu_forward_kernel[_grid(num_rows, channels)](
-                x_PC, weight_CW, y, num_rows, channels, channels // num_parts, W=width, BR=BLOCK_ROWS,
-                BC=BLOCK_CHANNELS,
-            )
         ctx.save_for_backward(x_PC, weight_CW)
-        return y
+        return shifted_conv_silu_forward(x_PC, weight_CW, num_parts)
 
     @staticmethod
     def backward(ctx, dy):
         x_PC, weight_CW = ctx.saved_tensors
-        num_rows, channels = x_PC.shape
-        width = weight_CW.shape[1]
-        grid = _grid(num_rows, channels, BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS)
-        dx = torch.empty_like(x_PC)
-        dw_tiles = torch.empty(grid[0], channels, width, dtype=torch.float32, device=x_PC.device)
-        if num_rows:
-            _conv_silu_backward_kernel[grid](
-                x_PC, weight_CW, dy.contiguous(), dx, dw_tiles, num_rows, channels, channels // dy.shape[0],
-                W=width, BR=BACKWARD_BLOCK_ROWS, BC=BACKWARD_BLOCK_CHANNELS, num_warps=BACKWARD_WARPS,
-            )
-        return dx, dw_tiles.sum(dim=0).to(weight_CW.dtype), None
+        dx, dw = shifted_conv_silu_backward(x_PC, weight_CW, dy)
+        return dx, dw.to(weight_CW.dtype), None
 
 
 class _GatheredConvSiLU(torch.autograd.Function):

@@ -118,7 +118,32 @@ def differing_positions(device: str = "cpu", dtype_name: str = "float32") -> dic
     return counts
 
 
+def case_tiles() -> dict[str, float]:
+    """The shifted kernels at several tiles (what `harts bench conv-tiles` times) against the default tiles:
+    the largest |Δ| of y and dx (0: the same bits) and dw's relative error (its tile sums round differently)."""
+    import torch
+
+    from harts.ops.conv.fused import shifted_conv_silu_backward, shifted_conv_silu_forward
+    from tests.ops.kda.helpers import relative_error
+
+    rows, parts, per_part, width = SHAPES[2]
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(rows, parts * per_part, generator=gen)
+    weight = torch.randn(parts * per_part, width, generator=gen)
+    dy = torch.randn(parts, rows, per_part, generator=gen)
+    y0, (dx0, dw0) = shifted_conv_silu_forward(x, weight, parts), shifted_conv_silu_backward(x, weight, dy)
+    errors = {}
+    for tile in ((16, 64, 2), (8, 256, 4), (64, 32, 1)):
+        y, (dx, dw) = shifted_conv_silu_forward(x, weight, parts, tile), shifted_conv_silu_backward(x, weight, dy, tile)
+        name = "x".join(map(str, tile))
+        errors[f"{name}.y"] = float((y - y0).abs().max())
+        errors[f"{name}.dx"] = float((dx - dx0).abs().max())
+        errors[f"{name}.dw"] = relative_error(dw, dw0)
+    return errors
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"kernel": case_kernel, "layout": case_layout, "executions": differing_positions}[sys.argv[1]]
+    case = {"kernel": case_kernel, "layout": case_layout, "executions": differing_positions,
+            "tiles": case_tiles}[sys.argv[1]]
     print(json.dumps(case()))

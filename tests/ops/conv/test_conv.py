@@ -23,6 +23,14 @@ def test_interpreted_kernel_matches_reference():
     assert max(errors.values()) < 1e-5, errors
 
 
+def test_interpreted_tiles_give_the_same_values():
+    """Any tile of the shifted kernels computes each element the same way (the tile benchmark's premise)."""
+    errors = run_interpreted("tests.ops.conv.interpreter", "tiles")
+    assert len(errors) == 9
+    assert all(v == 0.0 for k, v in errors.items() if not k.endswith(".dw")), errors
+    assert max(errors.values()) < 1e-6, errors
+
+
 def test_interpreted_layout_fixes_the_exception_rows():
     errors = run_interpreted("tests.ops.conv.interpreter", "layout")
     counts = {name: errors.pop(name) for name in list(errors) if name.endswith("exception_rows")}
