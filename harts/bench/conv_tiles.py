@@ -5,14 +5,15 @@ one H200; this benchmark times forward and backward at each tile of `--tiles` on
 model's KDA shape (channels = 3 × heads × head dim, the conv width) and checks each against the
 default tiles (the forward and dx must be the same bits at every tile; dw within 1e-5, its partial
 sums follow the tile's rows), so a user on another GPU can see whether other tiles would be faster.
-One record per tile (CUDA events, median of `--repeats` after one warm-up call), the defaults marked.
+One record per tile (CUDA events, median of `--repeats` after one warm-up call: `kda_handoff.cuda_timed`),
+the defaults marked.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 from harts.cli.args import positive_int
@@ -44,30 +45,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _time(fn, repeats: int) -> float:
-    """Median milliseconds of `fn` over `repeats` calls (CUDA events), after one warm-up call."""
-    import torch
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> int:
     tiles = parse_tiles(args.tiles)
     import torch
 
+    from harts.bench.kda_handoff import cuda_timed
     from harts.bench.records import error_message, make_record, write_records
     from harts.model.config import load_model_config
     from harts.ops.conv.fused import (
-        BACKWARD_TILE, FORWARD_TILE, shifted_conv_silu_backward, shifted_conv_silu_forward,
+        BACKWARD_TILE,
+        FORWARD_TILE,
+        shifted_conv_silu_backward,
+        shifted_conv_silu_forward,
     )
 
     if not torch.cuda.is_available():
@@ -95,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
             if not same:
                 raise AssertionError(f"tile {tile} computes other values than the default tiles "
                                      f"(dw error {dw_error:.1e})")
-            results = {"forward_ms": _time(lambda: shifted_conv_silu_forward(x, weight, parts, tile), args.repeats),
-                       "backward_ms": _time(lambda: shifted_conv_silu_backward(x, weight, dy, tile), args.repeats),
-                       "dw_relative_error": dw_error}
+            forward = cuda_timed(partial(shifted_conv_silu_forward, x, weight, parts, tile), 1, args.repeats, "cuda")
+            backward = cuda_timed(partial(shifted_conv_silu_backward, x, weight, dy, tile), 1, args.repeats, "cuda")
+            results = {"forward_ms": forward["median_ms"], "backward_ms": backward["median_ms"],
+                       "forward": forward, "backward": backward, "dw_relative_error": dw_error}
             records.append(make_record("conv-tiles", config, results))
             print(f"{'x'.join(map(str, tile)):>10} {results['forward_ms']:11.3f} {results['backward_ms']:12.3f}  ok",
                   file=sys.stderr)

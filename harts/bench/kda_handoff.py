@@ -87,7 +87,7 @@ def random_kda_leaves(num_rows, num_seqs, heads, dim, seed, device, dtype):
     return [x.requires_grad_() for x in low]
 
 
-def _timed(fn, warmup: int, repeats: int, device: str) -> dict:
+def cuda_timed(fn, warmup: int, repeats: int, device: str) -> dict:
     """Time of `fn` in ms (CUDA events), median over `repeats` after `warmup` runs, and its peak extra memory."""
     import torch
 
@@ -260,10 +260,10 @@ def _handoff_case(args, num_seqs: int, num_boundaries: int) -> dict:
 
     split_calls = int(np.diff(ptr).max()) + 1 if len(offsets) else 1
     results = {"boundary_states": len(offsets), "split_calls": split_calls,
-               "unsplit": _timed(unsplit, args.warmup, args.repeats, args.device),
-               "ours": _timed(ours, args.warmup, args.repeats, args.device)}
+               "unsplit": cuda_timed(unsplit, args.warmup, args.repeats, args.device),
+               "ours": cuda_timed(ours, args.warmup, args.repeats, args.device)}
     if split_calls <= args.max_split_calls:
-        results["split"] = _timed(split, args.warmup, args.repeats, args.device)
+        results["split"] = cuda_timed(split, args.warmup, args.repeats, args.device)
     with torch.no_grad():
         mine = chunk_kda_fla(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                              chunk_size=args.chunk, state_offsets=offsets, state_ptr=ptr)
@@ -321,8 +321,8 @@ def _tree_case(args, synth) -> dict:
     results = {"trajectories": len(members), "semantic_rows": tree.num_semantic_tokens,
                "compact_rows": tree.num_compact_tokens, "calls": schedule.num_calls,
                "sequences": schedule.num_sequences, "replay_rows": schedule.replay_tokens,
-               "compact": _timed(compact_run, args.warmup, args.repeats, args.device),
-               "per_trajectory": _timed(baseline_run, args.warmup, args.repeats, args.device),
+               "compact": cuda_timed(compact_run, args.warmup, args.repeats, args.device),
+               "per_trajectory": cuda_timed(baseline_run, args.warmup, args.repeats, args.device),
                "output_drift_vs_per_trajectory": drift}
     results["speedup"] = results["per_trajectory"]["median_ms"] / results["compact"]["median_ms"]
     return results
