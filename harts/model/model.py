@@ -82,7 +82,8 @@ class HybridModel(nn.Module):
                 module.expert_bias.zero_()
 
     def forward(
-        self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False, recompute_blocks: int | None = None
+        self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False,
+        recompute_blocks: int | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         x_RD, auxes = self.run_blocks(
             self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute,

@@ -45,9 +45,10 @@ kernel writes them so; the few elements at the targets are formed again in fp32 
 terms and rounded once) and the gradient matmuls take them on that dtype's tensor cores with fp32
 accumulation (CPU: the same values through fp32), at twice the TF32 rate;
 tests/objective/test_logprobs.py checks the single rounding bit for bit. fp32 and fp64 inputs keep
-full-precision matmuls (there "input" is "fp32"); fp16 gradients below fp16's range flush to zero. The per-row sums (Σ g_s via `index_add_`, the one-hot terms via
-`index_put_(accumulate=True)`) are deterministic on CPU; on CUDA they use atomics unless
-`torch.use_deterministic_algorithms(True)` is set.
+full-precision matmuls (there "input" is "fp32"); fp16 gradients below fp16's range flush to zero.
+The per-row sums (Σ g_s via `index_add_`, the one-hot terms via `index_put_(accumulate=True)`) are
+deterministic on CPU; on CUDA they use atomics unless `torch.use_deterministic_algorithms(True)` is
+set.
 
 Reference: `naive_compact_logprobs` expands hidden to the S semantic rows, builds the S×V
 logits, divides by T, applies log_softmax, gathers and sums −p·log p, all under autograd; the
@@ -125,9 +126,14 @@ def _check_inputs(
             raise ValueError(f"compact_logprobs: targets out of range [0, {vocab})")
 
 
+def _half_operands(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> bool:
+    """Hidden states and weight are bf16/fp16 of one dtype."""
+    return hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in HALF
+
+
 def _half_precision_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> bool:
     """Logits straight from bf16/fp16 operands of one dtype on CUDA (see Precision)."""
-    return hidden_CD.is_cuda and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in HALF
+    return hidden_CD.is_cuda and _half_operands(hidden_CD, weight_VD)
 
 
 def _tempered_logits(hidden_nD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -207,7 +213,7 @@ class _CompactLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None, None, None
         dtype = lse_C.dtype
         half = _half_precision_logits(hidden_CD, weight_VD)
-        half_grads = ctx.grad_precision == "input" and hidden_CD.dtype == weight_VD.dtype and hidden_CD.dtype in HALF
+        half_grads = ctx.grad_precision == "input" and _half_operands(hidden_CD, weight_VD)
         weight_f = None if half and half_grads else weight_VD.to(dtype)
         temperature = ctx.temperature
         grad_sorted_S = None if grad_S is None else grad_S[order_S].to(dtype)

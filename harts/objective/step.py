@@ -71,12 +71,16 @@ class StepConfig:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.logprob_grad_precision not in GRAD_PRECISIONS:
-            raise ValueError(f"logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
-                             f"got {self.logprob_grad_precision!r}")
+        check_logprob_grad_precision(self.logprob_grad_precision)
         check_recompute_blocks(self.recompute, self.recompute_blocks)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+
+def check_logprob_grad_precision(value: str, prefix: str = "") -> None:
+    """`value` is one of `GRAD_PRECISIONS` (ValueError naming `prefix` + field)."""
+    if value not in GRAD_PRECISIONS:
+        raise ValueError(f"{prefix}logprob_grad_precision must be one of {GRAD_PRECISIONS}, got {value!r}")
 
 
 def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from harts.config import load_config
 from harts.model.config import load_model_config
-from harts.objective.logprobs import GRAD_PRECISIONS
-from harts.objective.step import DTYPES, check_recompute_blocks
+from harts.objective.step import DTYPES, check_logprob_grad_precision, check_recompute_blocks
 from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
@@ -56,9 +55,7 @@ class RLExecutionConfig:
         if self.capacity < 1:
             raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
-        if self.logprob_grad_precision not in GRAD_PRECISIONS:
-            raise ValueError(f"execution.logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
-                             f"got {self.logprob_grad_precision!r}")
+        check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         for name in ("planner_compact", "planner_baseline"):
             if getattr(self, name) not in PLANNER_NAMES:
                 raise ValueError(f"execution.{name} must be one of {PLANNER_NAMES}, got {getattr(self, name)!r}")

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
-from harts.objective.logprobs import GRAD_PRECISIONS
 from harts.objective.losses import GRPOConfig, PPOConfig
-from harts.objective.step import DTYPES, LOSSES, check_recompute_blocks
+from harts.objective.step import DTYPES, LOSSES, check_logprob_grad_precision, check_recompute_blocks
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.runtime.layout import EXECUTIONS
 
@@ -85,9 +84,7 @@ class ExecutionConfig:
         if self.capacity < 1 or self.logprob_chunk_rows < 1:
             raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
-        if self.logprob_grad_precision not in GRAD_PRECISIONS:
-            raise ValueError(f"execution.logprob_grad_precision must be one of {GRAD_PRECISIONS}, "
-                             f"got {self.logprob_grad_precision!r}")
+        check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
 
 
 @dataclass(kw_only=True)
