@@ -23,13 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_ROWS, BLOCK_CHANNELS = 32, 128
-# The backward holds W pre-activation tiles and their tap tiles: smaller tiles and two warps keep them in
+# Tiles as (rows, channels, warps). The backward holds W pre-activation tiles and their tap tiles: smaller tiles and two warps keep them in
 # registers. H200, 65,536 × 6,144 bf16, W = 4 (nine tiles timed as `harts bench conv-tiles` does, before the
 # command existed): backward 3.4 ms here against 4.8 ms at the forward's 32 × 128 × 4 warps; the forward is
 # fastest at 32 × 128, 0.57 ms. The per-tile weight-gradient sums double with the smaller tiles:
 # P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
-BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS, BACKWARD_WARPS = 16, 64, 2
+FORWARD_TILE = (32, 128, 4)
+BACKWARD_TILE = (16, 64, 2)
 
 
 @triton.jit
@@ -113,12 +113,8 @@ def _conv_silu_backward_kernel(
     tl.store(dx + o_r[:, None].to(tl.int64) * C + o_c[None, :], dx_acc.to(dx.dtype.element_ty), mask=m)
 
 
-def _grid(num_rows: int, channels: int, rows: int = BLOCK_ROWS, columns: int = BLOCK_CHANNELS) -> tuple[int, int]:
+def _grid(num_rows: int, channels: int, rows: int, columns: int) -> tuple[int, int]:
     return triton.cdiv(num_rows, rows), triton.cdiv(channels, columns)
-
-
-FORWARD_TILE = (BLOCK_ROWS, BLOCK_CHANNELS, 4)
-BACKWARD_TILE = (BACKWARD_BLOCK_ROWS, BACKWARD_BLOCK_CHANNELS, BACKWARD_WARPS)
 
 
 def shifted_conv_silu_forward(
@@ -178,9 +174,10 @@ class _GatheredConvSiLU(torch.autograd.Function):
         width = weight_CW.shape[1]
         y = x_PC.new_empty(num_parts, taps_NW.shape[0], channels // num_parts)
         if taps_NW.shape[0]:
-            _conv_silu_gathered_forward_kernel[_grid(taps_NW.shape[0], channels)](
+            rows, columns, warps = FORWARD_TILE
+            _conv_silu_gathered_forward_kernel[_grid(taps_NW.shape[0], channels, rows, columns)](
                 x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts, W=width,
-                BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
+                BR=rows, BC=columns, num_warps=warps,
             )
         ctx.save_for_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW)
         return y
