@@ -109,7 +109,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
                              "(Megatron's block method; default: every block)")
     parser.add_argument("--attention-backend", default=None,
-                        help="MLA backend, naive|sdpa|varlen|flex|cudnn (default: sdpa on CPU, varlen on CUDA)")
+                        help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
     parser.add_argument("--compact-attention-backend", default=None,
                         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
                              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")

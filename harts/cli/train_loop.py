@@ -40,7 +40,7 @@ OVERRIDES = [
                                             "help": "per-layer activation recomputation"}),
     ("--recompute-blocks", "execution.recompute_blocks", {"type": positive_int,
                                                           "help": "with --recompute: recompute only blocks 0..N-1"}),
-    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn"}),
+    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn|flash4"}),
     ("--logprob-grad-precision", "execution.logprob_grad_precision", {
         "choices": ("fp32", "input"), "help": "the LM head's logit gradients: fp32 (TF32 matmuls) or input (bf16)"}),
     ("--kda-backend", "execution.kda_backend", {"help": "torch|fla"}),

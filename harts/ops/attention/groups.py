@@ -18,6 +18,8 @@ Backends (all compute the same function, tested against `naive_group_attention`)
   ancestor KV copies).
 - `cudnn`: cuDNN's fused attention, one dense call per group (two for a group with ancestors,
   merged by log-sum-exp; `harts.ops.attention.split`), bf16/fp16 on CUDA.
+- `flash4`: FlashAttention-4's CuTe kernels (the optional `flash-attn-4` package; Hopper and
+  Blackwell), the varlen backend's single packed call without padding v and without per-shape plans.
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -170,6 +172,31 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     return out[..., :value_dim]
 
 
+def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as error:
+        raise ValueError(
+            "attention backend 'flash4' needs the optional flash-attn-4 package (FlashAttention-4's CuTe kernels, "
+            f"Hopper or Blackwell GPUs): pip install flash-attn-4 ({error})"
+        ) from None
+    if q_RHE.device.type != "cuda" or q_RHE.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention backend 'flash4' needs bf16 or fp16 tensors on CUDA "
+                         f"(got {q_RHE.dtype} on {q_RHE.device.type})")
+    if not groups.q_in_order:
+        inverse = groups.query_inverse()
+        q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
+    k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
+    # FA's causal mask is aligned bottom-right when a group has more keys than queries: the ancestors.
+    out, _ = flash_attn_varlen_func(
+        q_RHE, k, v, cu_seqlens_q=groups.q_ptr.to(torch.int32), cu_seqlens_k=groups.kv_ptr.to(torch.int32),
+        max_seqlen_q=groups.max_q, max_seqlen_k=groups.max_k, softmax_scale=scale, causal=True,
+    )
+    if not groups.q_in_order:
+        out = permute_rows(out, inverse, groups.q_index)
+    return out
+
+
 _compiled_flex = None
 
 
@@ -205,6 +232,7 @@ BACKENDS = {
     "varlen": varlen_group_attention,
     "flex": flex_tree_attention,
     "cudnn": cudnn_group_attention,
+    "flash4": flash4_group_attention,
 }
 
 

@@ -93,14 +93,25 @@ def test_unknown_backend():
     x = torch.zeros(layout.num_rows, 1, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         group_attention(x, x, x, layout.groups, 1.0, "fast")
-    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn"}
+    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn", "flash4"}
+
+
+def test_flash4_refuses_cpu_tensors():
+    """Without the optional package or off CUDA, flash4 is a one-line ValueError, not a traceback."""
+    step = random_step(0, num=3, max_len=40, vocab=3)
+    layout = baseline_layout(step, np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
+    x = torch.randn(layout.num_rows, 2, 8)
+    with pytest.raises(ValueError, match="flash4"):
+        group_attention(x, x, x, layout.groups, 1.0, "flash4")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
-@pytest.mark.parametrize("backend", ["varlen", "flex", "cudnn"])
+@pytest.mark.parametrize("backend", ["varlen", "flex", "cudnn", "flash4"])
 def test_gpu_backends_match_naive(backend, execution):
+    if backend == "flash4":
+        pytest.importorskip("flash_attn.cute", reason="flash4 needs the optional flash-attn-4 package")
     step = random_step(3, num=16, max_len=200, vocab=3)
     members = np.arange(step.num_trajectories)
     if execution == "baseline":
