@@ -2,7 +2,8 @@
 
 `make_record(benchmark, config, results)` adds the environment captured by an allow-list (never
 API keys or tokens): git sha and dirty flag, Python/numpy/torch/triton/fla/megatron versions
-where importable *and already imported* (a record never imports torch by itself), CPU model and
+(and flash-attn-4's, the optional attention kernels) where importable *and already imported* (a
+record never imports torch by itself), CPU model and
 count, GPU names, hostname, UTC time. `write_records` appends to a JSONL file or writes a JSON
 list. A failed case is a record with an `error` field, never a missing one; `sigterm_raises`
 turns a SIGTERM (`timeout`, a scheduler) into the `Terminated` exception so that a stopped run
@@ -12,6 +13,7 @@ still writes its error row.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -29,6 +31,8 @@ ENV_ALLOW_LIST = (
     "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTORCH_CUDA_ALLOC_CONF", "WANDB_MODE", "SLURM_JOB_ID",
 )
 _PACKAGES = ("numpy", "torch", "triton", "fla", "megatron.core", "ortools", "pandas")
+# Optional kernels whose modules carry no usable __version__: module -> distribution.
+_DISTRIBUTIONS = {"flash_attn.cute": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl"}
 
 
 def git_state(root: str | Path | None = None) -> dict[str, Any]:
@@ -88,6 +92,10 @@ def environment() -> dict[str, Any]:
         module = sys.modules.get(name)
         if module is not None:
             versions[name] = getattr(module, "__version__", None)
+    for name, distribution in _DISTRIBUTIONS.items():
+        if name in sys.modules:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                versions[distribution] = importlib.metadata.version(distribution)
     torch = sys.modules.get("torch")
     if torch is not None:
         versions["cuda"] = torch.version.cuda

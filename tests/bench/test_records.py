@@ -41,3 +41,27 @@ def test_git_state_of_a_checkout_or_the_given_source(monkeypatch, tmp_path):
     assert git_state(tmp_path) == {"sha": sha, "dirty": True}
     monkeypatch.setenv("HARTS_SOURCE_SHA", "0a36d3d")
     assert git_state(tmp_path) == {"sha": "0a36d3d", "dirty": None, "from": "HARTS_SOURCE_SHA"}
+
+
+def test_environment_names_the_optional_attention_kernels_in_use(monkeypatch):
+    """flash-attn-4 and the CuTe DSL are recorded by their distributions' versions once imported, not before."""
+    import importlib.metadata
+    import sys
+    import types
+
+    from harts.bench import records
+
+    def version(name):
+        if name != "flash-attn-4":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "4.0.0b36"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.delitem(sys.modules, "flash_attn.cute", raising=False)
+    assert "flash-attn-4" not in records.environment()["versions"]
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    versions = records.environment()["versions"]
+    assert versions["flash-attn-4"] == "4.0.0b36"
+    assert "nvidia-cutlass-dsl" not in versions
+    monkeypatch.setitem(sys.modules, "cutlass", types.ModuleType("cutlass"))
+    assert "nvidia-cutlass-dsl" not in records.environment()["versions"]  # imported, but not installed
