@@ -53,6 +53,8 @@ def _check_config():
         raise ValueError(f"pipeline config: rl.config: no file {rl}")
     if load_rl_config(rl).name != config["rl"]["config"]:
         raise ValueError(f"{rl}: its `name` must be {config['rl']['config']!r} (records are labelled by it)")
+    if config["speedup"]["recompute_blocks"] is not None and not config["speedup"]["recompute"]:
+        raise ValueError("pipeline config: speedup.recompute_blocks needs speedup.recompute: true")
     for name in config["planning"]["datasets"]:
         if name not in SYNTH_DATASETS:
             raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
@@ -127,6 +129,16 @@ def world_size(parallel):
 def parallel_flag(wildcards):
     """`single` runs in the bench's own process (no --parallel); others spawn the config's ranks."""
     return "" if wildcards.parallel == "single" else f"--parallel configs/parallel/{wildcards.parallel}.yaml"
+
+
+def speedup_execution_flags(speedup):
+    """bench speedup's options for the execution settings the config sets (none: the bench's defaults)."""
+    flags = [f"--logprob-grad-precision {speedup['logprob_grad_precision']}"]
+    if speedup["attention_backend"] is not None:
+        flags.append(f"--attention-backend {speedup['attention_backend']}")
+    if speedup["recompute_blocks"] is not None:
+        flags.append(f"--recompute-blocks {speedup['recompute_blocks']}")
+    return " ".join(flags)
 
 
 def gpus(section, wildcards):

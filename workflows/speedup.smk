@@ -21,6 +21,7 @@ rule speedup_step:
         recompute="--recompute" if config["speedup"]["recompute"] else "",
         repeats=config["speedup"]["repeats"],
         breakdown="" if config["speedup"]["breakdown"] else "--no-breakdown",
+        execution=speedup_execution_flags(config["speedup"]),
         record=speedup_record,
         failures=lambda wildcards: failures_file(speedup_record(wildcards)),
         failed_attempts=lambda wildcards: failed_attempts(speedup_record(wildcards)),
@@ -40,7 +41,8 @@ rule speedup_step:
         "OMP_NUM_THREADS={resources.torch_threads} python -m harts.bench.devices --take {resources.gpu}"
         " --pool {resources.gpu_pool} -- harts bench speedup --model {input.model} --trees {input.step}"
         " {params.parallel} --planner {wildcards.planner} --capacity {params.capacity} --device {params.device}"
-        " --dtype {params.dtype} {params.recompute} --repeats {params.repeats} {params.breakdown} --out {output}"
+        " --dtype {params.dtype} {params.recompute} {params.execution} --repeats {params.repeats} {params.breakdown}"
+        " --out {output}"
         ' 2>&1 | tee {log} || {{ test $? -eq 1 && echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) error rows in {params.record}"'
         ' >> {params.failures}; }}'
 

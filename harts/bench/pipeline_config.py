@@ -5,7 +5,8 @@ parses `--config 'speedup={capacity: 512, recompute: true}'` with YAML's base lo
 inside a mapping or list arrives as a string ('512', 'true') and the schema's validation rejects it
 ("'512' is not of type 'integer'"). Where the JSON schema asks for an integer, a number or a boolean
 and the config holds a string that spells one (512, -3, 1e-3, 0.5, true, false), the string is
-replaced, in place; any other string is left for the validation to reject with its own message.
+replaced, in place; where it allows null (`type: [integer, "null"]`, or null in an `enum`), "null"
+becomes None; any other string is left for the validation to reject with its own message.
 
 Tested in tests/bench/test_pipeline_config.py against hand-written configs and in
 tests/workflow/test_workflow.py by a dry run with nested `--config` values.
@@ -22,6 +23,7 @@ import yaml
 _INTEGER = re.compile(r"[+-]?\d+")
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _BOOLEAN = {"true": True, "false": False}
+_NULL = ("null", "~")
 
 
 def load_schema(path: str | Path) -> dict:
@@ -53,8 +55,18 @@ def _coerce(value: Any, schema: dict, root: dict) -> Any:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         value[:] = [_coerce(inner, schema["items"], root) for inner in value]
     elif isinstance(value, str):
-        return _scalar(value, schema.get("type"))
+        kinds = schema.get("type")
+        kinds = list(kinds) if isinstance(kinds, list) else [kinds]
+        if None in schema.get("enum", ()):
+            kinds.append("null")
+        for kind in kinds:
+            converted = _scalar(value, kind)
+            if converted is not _UNCHANGED:
+                return converted
     return value
+
+
+_UNCHANGED = object()
 
 
 def _scalar(text: str, kind: str | None) -> Any:
@@ -64,4 +76,6 @@ def _scalar(text: str, kind: str | None) -> Any:
         return int(text) if _INTEGER.fullmatch(text) else float(text)
     if kind == "boolean" and text.lower() in _BOOLEAN:
         return _BOOLEAN[text.lower()]
-    return text
+    if kind == "null" and text in _NULL:
+        return None
+    return _UNCHANGED

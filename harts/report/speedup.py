@@ -1,7 +1,7 @@
 """Speedup report: `reports/speedup.pdf` and `.csv` from `harts bench speedup` records (DESIGN §6).
 
 Input: speedup records (one per step and configuration: model, parallel configuration, planner,
-device, dtype, recomputation). Output:
+device, dtype, recomputation, LM-head gradient precision, MLA attention backends). Output:
 - CSV, one row per record plus the paper's row, columns `SPEEDUP_COLUMNS`: `source` (`ours` or
   `paper`), the configuration, step, S, C, the trie lower bound, compression S/C, baseline and
   compact F+B+Grad and planning seconds, F/B/Grad speedup, Core speedup, efficiency
@@ -31,7 +31,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "logprob_grad_precision", "trees", "step",
+    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -54,27 +54,41 @@ def paper_figures() -> dict[str, float]:
     return dict(PAPER)
 
 
+DEFAULT_ATTENTION = "default"
+
+
+def attention_backends(config: dict[str, Any]) -> tuple[str, str]:
+    """(baseline, compact) MLA backends of a record; "default" where the bench chose (sdpa on CPU, varlen on CUDA)."""
+    baseline = config.get("attention_backend") or DEFAULT_ATTENTION
+    return baseline, config.get("compact_attention_backend") or baseline
+
+
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
-            bool(c.get("recompute")), c.get("recompute_blocks"), c.get("logprob_grad_precision") or "fp32")
+            bool(c.get("recompute")), c.get("recompute_blocks"), c.get("logprob_grad_precision") or "fp32",
+            attention_backends(c))
 
 
-def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str, *, short: bool = False) -> str:
-    """The step settings beside device and dtype: recomputation (of every block or the first N) and bf16
-    LM-head gradients."""
+def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
+                   attention: tuple[str, str] = (DEFAULT_ATTENTION, DEFAULT_ATTENTION), *, short: bool = False) -> str:
+    """The step settings beside device and dtype: recomputation (of every block or the first N), bf16
+    LM-head gradients and a chosen MLA backend (the compact execution's after a slash where it differs)."""
     parts = []
     if recompute:
         name = "rc" if short else "recompute"
         parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
+    if attention != (DEFAULT_ATTENTION, DEFAULT_ATTENTION):
+        baseline, compact = attention
+        parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
 def configuration_label(key: tuple) -> str:
-    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision = key
-    settings = settings_label(recompute, recompute_blocks, grad_precision)
+    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention = key
+    settings = settings_label(recompute, recompute_blocks, grad_precision, attention)
     return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
 
 
@@ -87,7 +101,9 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
                "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
                "recompute_blocks": c.get("recompute_blocks"),
-               "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32", "trees": c.get("trees"),
+               "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
+               "attention_backend": attention_backends(c)[0], "compact_attention_backend": attention_backends(c)[1],
+               "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():
             if "error" in record:
@@ -115,7 +131,9 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
     for r in rows:
         dtype = f"{r['device']} {r['dtype']}" + settings_label(
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
-            r["logprob_grad_precision"], short=True)
+            r["logprob_grad_precision"],
+            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours"
+            else (DEFAULT_ATTENTION, DEFAULT_ATTENTION), short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

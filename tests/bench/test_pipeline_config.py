@@ -43,3 +43,15 @@ def test_exponent_numbers_and_integers_for_numbers():
     for text, expected in (("1e-3", 1e-3), ("10", 10), ("-.5", -0.5)):
         config["planning"]["time_limit_s"] = text
         assert coerce_strings(config, SCHEMA)["planning"]["time_limit_s"] == expected
+
+
+def test_nullable_fields_take_their_type_or_null():
+    config = coerce_strings(_config(recompute_blocks="4", attention_backend="null"), SCHEMA)
+    jsonschema.validate(config, SCHEMA)
+    assert config["speedup"]["recompute_blocks"] == 4 and config["speedup"]["attention_backend"] is None
+    config = coerce_strings(_config(recompute_blocks="null", attention_backend="flash4"), SCHEMA)
+    jsonschema.validate(config, SCHEMA)
+    assert config["speedup"]["recompute_blocks"] is None and config["speedup"]["attention_backend"] == "flash4"
+    config = coerce_strings(_config(recompute_blocks="all"), SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(config, SCHEMA)

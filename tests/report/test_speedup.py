@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from harts.report.records import ERROR, NOT_MEASURED, NOT_REPORTED
-from harts.report.speedup import SPEEDUP_COLUMNS, speedup_rows, write_speedup_report
+from harts.report.speedup import SPEEDUP_COLUMNS, display_table, speedup_rows, write_speedup_report
 
 from .helpers import pdf_text, speedup_record, write
 
@@ -80,3 +80,23 @@ def test_same_records_same_pdf(tmp_path):
 def test_no_records_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no records"):
         write_speedup_report([write(tmp_path, "empty.json", [])], tmp_path / "x.pdf", tmp_path / "x.csv")
+
+
+def test_attention_backends_are_configurations_of_their_own(tmp_path):
+    """Records that differ only in the MLA backend are not merged: their own CSV columns, summary and label."""
+    default = speedup_record(step=0)
+    flash4 = speedup_record(step=0, base_fbg=6.0)
+    flash4["config"].update(attention_backend="flash4")
+    mixed = speedup_record(step=0, base_fbg=7.0)
+    mixed["config"].update(attention_backend="varlen", compact_attention_backend="flex")
+    rows = speedup_rows([default, flash4, mixed])
+    assert [(r["attention_backend"], r["compact_attention_backend"]) for r in rows] == [
+        ("default", "default"), ("flash4", "flash4"), ("varlen", "flex"), (NOT_REPORTED, NOT_REPORTED)]
+    path = write(tmp_path, "single.json", [default, flash4, mixed])
+    pdf, table = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table)
+    _, text = pdf_text(pdf)
+    assert "cpu fp32, flash4" in text and "cpu fp32, varlen/flex" in text
+    header, table = display_table(rows)
+    column = header.index("device / dtype")
+    assert [line[column] for line in table] == ["cpu fp32", "cpu fp32 flash4", "cpu fp32 varlen/flex", "cuda bf16 rc"]

@@ -236,6 +236,9 @@ BAD_CONFIGS = {
     "resources-zero-threads": ({"resources": {"speedup_step": {"threads": 0, "runtime": 5, "mem_mb": 100}}},
                                "0 is less than the minimum of 1"),
     "missing-rl-config": ({"rl": {"config": "nope"}}, "rl.config: no file configs/rl/nope.yaml"),
+    "unknown-attention-backend": ({"speedup": {"attention_backend": "fa9"}}, "'fa9' is not one of"),
+    "recompute-blocks-without-recompute": ({"speedup": {"recompute": False, "recompute_blocks": 2}},
+                                           "speedup.recompute_blocks needs speedup.recompute: true"),
 }
 
 
@@ -257,8 +260,20 @@ def test_nested_config_values_on_the_command_line(workdir):
     result = snakemake(workdir, target, "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={capacity: 300, recompute: true, repeats: 2, steps: [1]}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--capacity 300" in result.stdout and "--recompute --repeats 2" in result.stdout
+    assert "--capacity 300" in result.stdout and "--recompute --logprob-grad-precision fp32 --repeats 2" in result.stdout
     assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
+    assert "--logprob-grad-precision fp32" in result.stdout
+    assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
+
+
+def test_speedup_execution_settings_reach_the_jobs(workdir):
+    """The pipeline's opt-in execution settings (attention backend, bf16 LM-head gradients, partial
+    recomputation) become the bench's flags."""
+    result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
+                       "--config", "speedup={recompute: true, attention_backend: flash4, "
+                       "logprob_grad_precision: input, recompute_blocks: 2}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--recompute --logprob-grad-precision input --attention-backend flash4 --recompute-blocks 2" in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
