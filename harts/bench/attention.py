@@ -5,7 +5,8 @@ the baseline's (per-trajectory packing) at capacity T, builds their layouts, and
 backward of the group attention with each backend (`varlen`: ancestor-KV views through
 `varlen_attn`; `flex`: the DFS tree mask over the rows in place; `sdpa`: the CPU loop) on random
 bf16 (CUDA) or fp32 inputs of the model's MLA shapes. Each backend is first checked against the
-dense-mask reference on the first microbatch (a backend that disagrees is not timed). One record
+fp64 dense-mask reference, output and gradients, on the tiny synthetic tree (a backend that
+disagrees is not timed). One record
 per (execution, backend) with median seconds, rows, KV rows and the tree mask's density, and the
 first call's seconds: with plan-building kernels (cuDNN builds one per new shape) the cost of a
 step's new shapes. `--warm-seed N` first runs every backend on the trees of seed N, so that the
@@ -152,7 +153,8 @@ def _layouts(step, capacity: int, num_microbatches: int) -> dict:
 
 
 def check_backend(backend: str, device, dtype, mla) -> float:
-    """Relative error of `backend` against the dense-mask reference on the tiny synthetic tree."""
+    """Largest relative error of `backend`'s output and q, k, v gradients against the fp64 dense-mask
+    reference on the tiny synthetic tree."""
     import numpy as np
     import torch
 
@@ -169,6 +171,11 @@ def check_backend(backend: str, device, dtype, mla) -> float:
     qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     q, k = (torch.randn(layout.num_rows, mla.num_heads, qk_dim, generator=generator, device=device) for _ in range(2))
     v = torch.randn(layout.num_rows, mla.num_heads, mla.v_head_dim, generator=generator, device=device)
-    out = group_attention(q.to(dtype), k.to(dtype), v.to(dtype), groups, qk_dim ** -0.5, backend)
-    want = naive_group_attention(q.double(), k.double(), v.double(), groups, qk_dim ** -0.5)
-    return float((out.double() - want).norm() / want.norm())
+    grad = torch.randn(layout.num_rows, mla.num_heads, mla.v_head_dim, generator=generator, device=device)
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = group_attention(*inputs, groups, qk_dim ** -0.5, backend)
+    got = (out, *torch.autograd.grad(out, inputs, grad.to(dtype)))
+    reference = [t.double().requires_grad_() for t in (q, k, v)]
+    want = naive_group_attention(*reference, groups, qk_dim ** -0.5)
+    want = (want, *torch.autograd.grad(want, reference, grad.double()))
+    return max(float((a.detach().double() - b.detach()).norm() / b.detach().norm()) for a, b in zip(got, want))

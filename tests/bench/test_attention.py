@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 from harts.cli.main import main
 from harts.ops.attention.groups import BACKENDS, sdpa_group_attention
 
@@ -39,3 +41,32 @@ def test_warm_seed_runs_before_the_measured_step_and_first_calls_are_recorded(tm
         results = record["results"]
         assert results["first_call_seconds"] > 0 and len(results["per_microbatch_first_call_seconds"]) == 1
     assert all(r["config"]["warm_seed"] is None for r in records)
+
+
+class _WrongKeyGradient(torch.autograd.Function):
+    """The identity forward, and a backward that doubles the gradient (a backend's broken dk)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def test_a_backend_with_a_wrong_gradient_is_refused_not_timed(tmp_path, monkeypatch):
+    def wrong_backward(q, k, v, groups, scale):
+        return sdpa_group_attention(q, _WrongKeyGradient.apply(k), v, groups, scale)
+
+    monkeypatch.setitem(BACKENDS, "wrong-backward", wrong_backward)
+    out = tmp_path / "attention.json"
+    code = main(["bench", "attention", "--model", "tiny", "--trees", "tiny", "--device", "cpu", "--backends",
+                 "sdpa,wrong-backward", "--microbatches", "1", "--repeats", "1", "--out", str(out),
+                 "--wandb-mode", "disabled"])
+    records = json.loads(out.read_text())
+    assert code == 1
+    by_backend = {(r["config"]["execution"], r["config"]["backend"]): r for r in records}
+    for execution in ("baseline", "compact"):
+        assert by_backend[(execution, "sdpa")]["results"]["check_relative_error"] < 1e-5
+        assert "wrong-backward disagrees with the dense reference" in by_backend[(execution, "wrong-backward")]["error"]
