@@ -312,9 +312,10 @@ def _microbatches(step, plan) -> list:
 
 def _step_configs(args, dtype_name: str) -> dict:
     from harts.objective.step import StepConfig
+    from harts.ops.attention.groups import default_attention_backend
 
     cuda = args.device == "cuda"
-    attention = args.attention_backend or ("varlen" if cuda else "sdpa")
+    attention = args.attention_backend or default_attention_backend(cuda)
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     return {
         name: StepConfig(

@@ -54,12 +54,12 @@ def paper_figures() -> dict[str, float]:
     return dict(PAPER)
 
 
-DEFAULT_ATTENTION = "default"
-
-
 def attention_backends(config: dict[str, Any]) -> tuple[str, str]:
-    """(baseline, compact) MLA backends of a record; "default" where the bench chose (sdpa on CPU, varlen on CUDA)."""
-    baseline = config.get("attention_backend") or DEFAULT_ATTENTION
+    """(baseline, compact) MLA backends of a record, the bench's default resolved by the record's device (a
+    record of the default and one naming the same backend are one configuration)."""
+    from harts.ops.attention.groups import default_attention_backend
+
+    baseline = config.get("attention_backend") or default_attention_backend(config.get("device") == "cuda")
     return baseline, config.get("compact_attention_backend") or baseline
 
 
@@ -71,16 +71,16 @@ def configuration(record: dict[str, Any]) -> tuple:
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
-                   attention: tuple[str, str] = (DEFAULT_ATTENTION, DEFAULT_ATTENTION), *, short: bool = False) -> str:
+                   attention: tuple[str, str] | None = None, *, short: bool = False) -> str:
     """The step settings beside device and dtype: recomputation (of every block or the first N), bf16
-    LM-head gradients and a chosen MLA backend (the compact execution's after a slash where it differs)."""
+    LM-head gradients and the MLA backend (the compact execution's after a slash where it differs)."""
     parts = []
     if recompute:
         name = "rc" if short else "recompute"
         parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
-    if attention != (DEFAULT_ATTENTION, DEFAULT_ATTENTION):
+    if attention is not None:
         baseline, compact = attention
         parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
     return "".join((" " if short else ", ") + part for part in parts)
@@ -90,6 +90,13 @@ def configuration_label(key: tuple) -> str:
     model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention = key
     settings = settings_label(recompute, recompute_blocks, grad_precision, attention)
     return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
+
+
+def short_configuration_label(key: tuple) -> str:
+    """One line for the figures' axes and legends: the configuration and its settings (not device and dtype)."""
+    model, parallel, planner, _, _, recompute, recompute_blocks, grad_precision, attention = key
+    return f"{model} / {parallel} / {planner}" + settings_label(
+        recompute, recompute_blocks, grad_precision, attention, short=True)
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,8 +139,7 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
         dtype = f"{r['device']} {r['dtype']}" + settings_label(
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
             r["logprob_grad_precision"],
-            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours"
-            else (DEFAULT_ATTENTION, DEFAULT_ATTENTION), short=True)
+            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None, short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),
@@ -163,7 +169,8 @@ def _summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summaries = []
     for key, group in groups.items():
         done = [r["results"] for r in group if "error" not in r]
-        summary: dict[str, Any] = {"key": key, "label": configuration_label(key), "steps": len(group),
+        summary: dict[str, Any] = {"key": key, "label": configuration_label(key),
+                                   "short_label": short_configuration_label(key), "steps": len(group),
                                    "errors": [r["error"] for r in group if "error" in r]}
         for name in ("compression", "fbg_speedup", "core_speedup", "efficiency"):
             values = [r[name] for r in done if is_number(r.get(name))]
@@ -249,7 +256,7 @@ def _time_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
         for j, execution in enumerate(("baseline", "compact")):
             y = 2.6 * i + j
             positions.append(y)
-            labels.append(f"{s['label'].splitlines()[0]}: {execution}")
+            labels.append(f"{s['short_label']}: {execution}")
             left = 0.0
             values = s["phases"][execution]
             if not total or all(v is None for v in values.values()):
@@ -272,7 +279,7 @@ def _time_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
     ax.grid(axis="x", alpha=0.3)
 
     ax2 = fig.add_axes((0.82, 0.2, 0.15, 0.65))
-    names = [s["label"].splitlines()[0] for s in summaries] + ["paper"]
+    names = [s["short_label"] for s in summaries] + ["paper"]
     values = [s["efficiency"][0] if s["efficiency"] else None for s in summaries] + [paper["efficiency"]]
     for i, value in enumerate(values):
         if value is None:
@@ -303,7 +310,7 @@ def _breakdown_figure(summaries: list[dict[str, Any]], footer_lines: list[str]):
     for j, s in enumerate(with_terms):
         y = np.arange(len(names)) + (j - (len(with_terms) - 1) / 2) * height
         values = [s["terms"][n] for n in names]
-        ax.barh(y, values, height, label=f"{s['label'].splitlines()[0]} (ideal {s['ideal_s']:.3g} s)")
+        ax.barh(y, values, height, label=f"{s['short_label']} (ideal {s['ideal_s']:.3g} s)")
     ax.axvline(0.0, color="0.3", linewidth=0.8)
     ax.set_yticks(range(len(names)), [n.replace("_", " ") for n in names])
     ax.invert_yaxis()

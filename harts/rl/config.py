@@ -22,6 +22,7 @@ from harts.config import load_config
 from harts.model.config import load_model_config
 from harts.objective.step import DTYPES, check_logprob_grad_precision, check_recompute_blocks
 from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
+from harts.ops.attention.groups import default_attention_backend
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
@@ -137,7 +138,7 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     cuda = config.device == "cuda"
     execution = replace(
         config.execution,
-        attention_backend=config.execution.attention_backend or ("varlen" if cuda else "sdpa"),
+        attention_backend=config.execution.attention_backend or default_attention_backend(cuda),
         kda_backend=config.execution.kda_backend or ("fla" if cuda else "torch"),
     )
     if execution.kda_backend not in KDA_BACKENDS:

@@ -219,12 +219,14 @@ def load_train_config(path: str | Path | None, overrides: dict[str, Any] | None 
 
 def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
     """`config` with every None default made explicit (see the fields)."""
+    from harts.ops.attention.groups import default_attention_backend
+
     cuda = config.device == "cuda"
     execution = config.execution
     execution = replace(
         execution,
         planner=execution.planner or ("harts" if execution.execution == "compact" else "per-trajectory"),
-        attention_backend=execution.attention_backend or ("varlen" if cuda else "sdpa"),
+        attention_backend=execution.attention_backend or default_attention_backend(cuda),
         kda_backend=execution.kda_backend or ("fla" if cuda else "torch"),
     )
     return replace(

@@ -55,14 +55,30 @@ class _WrongKeyGradient(torch.autograd.Function):
         return 2 * grad
 
 
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward, and a backward of NaNs (a backend's broken dq)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
 def test_a_backend_with_a_wrong_gradient_is_refused_not_timed(tmp_path, monkeypatch):
     def wrong_backward(q, k, v, groups, scale):
         return sdpa_group_attention(q, _WrongKeyGradient.apply(k), v, groups, scale)
 
+    def nan_backward(q, k, v, groups, scale):
+        return sdpa_group_attention(_NaNGradient.apply(q), k, v, groups, scale)
+
     monkeypatch.setitem(BACKENDS, "wrong-backward", wrong_backward)
+    monkeypatch.setitem(BACKENDS, "nan-backward", nan_backward)
     out = tmp_path / "attention.json"
     code = main(["bench", "attention", "--model", "tiny", "--trees", "tiny", "--device", "cpu", "--backends",
-                 "sdpa,wrong-backward", "--microbatches", "1", "--repeats", "1", "--out", str(out),
+                 "sdpa,wrong-backward,nan-backward", "--microbatches", "1", "--repeats", "1", "--out", str(out),
                  "--wandb-mode", "disabled"])
     records = json.loads(out.read_text())
     assert code == 1
@@ -70,3 +86,5 @@ def test_a_backend_with_a_wrong_gradient_is_refused_not_timed(tmp_path, monkeypa
     for execution in ("baseline", "compact"):
         assert by_backend[(execution, "sdpa")]["results"]["check_relative_error"] < 1e-5
         assert "wrong-backward disagrees with the dense reference" in by_backend[(execution, "wrong-backward")]["error"]
+        assert by_backend[(execution, "wrong-backward")]["error"].endswith("in dk")
+        assert "in dq" in by_backend[(execution, "nan-backward")]["error"]

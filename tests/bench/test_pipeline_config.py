@@ -55,3 +55,9 @@ def test_nullable_fields_take_their_type_or_null():
     config = coerce_strings(_config(recompute_blocks="all"), SCHEMA)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(config, SCHEMA)
+
+
+def test_the_schema_offers_every_attention_backend():
+    from harts.ops.attention.groups import BACKENDS
+
+    assert SCHEMA["properties"]["speedup"]["properties"]["attention_backend"]["enum"] == [None, *BACKENDS]

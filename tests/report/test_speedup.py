@@ -83,20 +83,26 @@ def test_no_records_is_an_error(tmp_path):
 
 
 def test_attention_backends_are_configurations_of_their_own(tmp_path):
-    """Records that differ only in the MLA backend are not merged: their own CSV columns, summary and label."""
+    """Records that differ only in the MLA backend are not merged (their own CSV columns, summary, labels in
+    every figure); the bench's default is the device's backend (sdpa on CPU), the same configuration as naming it."""
     default = speedup_record(step=0)
+    named = speedup_record(step=1)
+    named["config"].update(attention_backend="sdpa")
     flash4 = speedup_record(step=0, base_fbg=6.0)
     flash4["config"].update(attention_backend="flash4")
     mixed = speedup_record(step=0, base_fbg=7.0)
     mixed["config"].update(attention_backend="varlen", compact_attention_backend="flex")
-    rows = speedup_rows([default, flash4, mixed])
+    rows = speedup_rows([default, named, flash4, mixed])
     assert [(r["attention_backend"], r["compact_attention_backend"]) for r in rows] == [
-        ("default", "default"), ("flash4", "flash4"), ("varlen", "flex"), (NOT_REPORTED, NOT_REPORTED)]
-    path = write(tmp_path, "single.json", [default, flash4, mixed])
-    pdf, table = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table)
-    _, text = pdf_text(pdf)
-    assert "cpu fp32, flash4" in text and "cpu fp32, varlen/flex" in text
+        ("sdpa", "sdpa"), ("sdpa", "sdpa"), ("flash4", "flash4"), ("varlen", "flex"), (NOT_REPORTED, NOT_REPORTED)]
     header, table = display_table(rows)
     column = header.index("device / dtype")
-    assert [line[column] for line in table] == ["cpu fp32", "cpu fp32 flash4", "cpu fp32 varlen/flex", "cuda bf16 rc"]
+    assert [line[column] for line in table] == [
+        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 flash4", "cpu fp32 varlen/flex", "cuda bf16 rc"]
+    path = write(tmp_path, "single.json", [default, named, flash4, mixed])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "cpu fp32, flash4" in text and "cpu fp32, varlen/flex" in text
+    assert "tiny / single / harts flash4: compact" in text  # the step-time figure's labels
+    assert text.count("tiny / single / harts sdpa (ideal") == 1  # default and named sdpa: one breakdown bar

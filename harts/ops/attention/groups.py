@@ -172,17 +172,62 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     return out[..., :value_dim]
 
 
+def default_attention_backend(cuda: bool) -> str:
+    """The MLA backend when none is chosen: varlen on CUDA (no optional package, no per-shape plans), sdpa
+    elsewhere."""
+    return "varlen" if cuda else "sdpa"
+
+
+_FLASH4_FAILURES: dict[tuple, str | None] = {}
+
+
+def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why FlashAttention-4 cannot run this attention here (None: it can), from a tiny causal varlen forward
+    and backward, once per process and shape: FA4 compiles its kernels per head count, head dims, dtype and
+    mask, not per length, so the probe builds the kernels the real calls then use. FA4 refuses input it does
+    not support by assertions, and its CuTe compiler fails with its own multi-line exceptions (v head dim 32
+    on Hopper, for one): any failure of the probe means these shapes do not run on this GPU."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    key = (num_heads, qk_dim, v_dim, dtype, device.index, torch.are_deterministic_algorithms_enabled())
+    if key not in _FLASH4_FAILURES:
+        rows = torch.ones(32, num_heads, max(qk_dim, v_dim), device=device, dtype=dtype)
+        q, k, v = (rows[..., :dim].clone().requires_grad_() for dim in (qk_dim, qk_dim, v_dim))
+        bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
+        try:
+            with torch.enable_grad():
+                out, _ = flash_attn_varlen_func(
+                    q, k, v, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=16, max_seqlen_k=16, causal=True,
+                    deterministic=key[-1],
+                )
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            _FLASH4_FAILURES[key] = None
+        except Exception as error:  # noqa: BLE001 (assertions, CuTe DSL and MLIR errors alike; see above)
+            _FLASH4_FAILURES[key] = " ".join(str(error).split())[:300] or type(error).__name__
+    return _FLASH4_FAILURES[key]
+
+
 def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
+    if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention backend 'flash4' needs q, k and v in one of bf16 or fp16 on CUDA "
+                         f"(got {', '.join(sorted(str(d) for d in dtypes))} on {q_RHE.device.type})")
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        import flash_attn.cute  # noqa: F401
     except ImportError as error:
         raise ValueError(
             "attention backend 'flash4' needs the optional flash-attn-4 package (FlashAttention-4's CuTe kernels, "
-            f"Hopper or Blackwell GPUs): pip install flash-attn-4 ({error})"
+            f"Hopper or Blackwell GPUs): pip install 'flash-attn-4[cu13]', or flash-attn-4 with a CUDA 12 torch "
+            f"({error})"
         ) from None
-    if q_RHE.device.type != "cuda" or q_RHE.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention backend 'flash4' needs bf16 or fp16 tensors on CUDA "
-                         f"(got {q_RHE.dtype} on {q_RHE.device.type})")
+    from flash_attn.cute import flash_attn_varlen_func
+
+    num_heads, qk_dim, v_dim = q_RHE.shape[1], q_RHE.shape[2], v_RHF.shape[2]
+    failure = _flash4_failure(num_heads, qk_dim, v_dim, q_RHE.dtype, q_RHE.device)
+    if failure is not None:
+        capability = "".join(map(str, torch.cuda.get_device_capability(q_RHE.device)))
+        raise ValueError(f"attention backend 'flash4': FlashAttention-4 does not run {num_heads} heads of head dims "
+                         f"{qk_dim}/{v_dim} in {q_RHE.dtype} on sm_{capability}: {failure}")
     if not groups.q_in_order:
         inverse = groups.query_inverse()
         q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
@@ -191,6 +236,7 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     out, _ = flash_attn_varlen_func(
         q_RHE, k, v, cu_seqlens_q=groups.q_ptr.to(torch.int32), cu_seqlens_k=groups.kv_ptr.to(torch.int32),
         max_seqlen_q=groups.max_q, max_seqlen_k=groups.max_k, softmax_scale=scale, causal=True,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     if not groups.q_in_order:
         out = permute_rows(out, inverse, groups.q_index)

@@ -105,6 +105,47 @@ def test_flash4_refuses_cpu_tensors():
         group_attention(x, x, x, layout.groups, 1.0, "flash4")
 
 
+def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
+    """FA4 fails on unsupported shapes with assertions or multi-line compiler errors; the probe keeps one line per
+    shape and runs each shape once."""
+    import sys
+    import types
+
+    from harts.ops.attention import groups as groups_module
+
+    calls = []
+
+    def refusing(q, k, v, **kwargs):
+        calls.append((q.shape, v.shape, kwargs["causal"]))
+        if v.shape[-1] == 4:
+            raise RuntimeError("Operation creation failed:\nerror: unknown: expected top-level shape equivalence")
+        return q[..., : v.shape[-1]] + k[..., : v.shape[-1]] + v, None
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = refusing
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
+    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
+    cpu = torch.device("cpu")
+    failure = groups_module._flash4_failure(2, 8, 4, torch.float32, cpu)
+    assert failure == "Operation creation failed: error: unknown: expected top-level shape equivalence"
+    assert groups_module._flash4_failure(2, 8, 4, torch.float32, cpu) == failure and len(calls) == 1
+    assert groups_module._flash4_failure(2, 8, 8, torch.float32, cpu) is None and len(calls) == 2
+    assert calls[1] == (torch.Size([32, 2, 8]), torch.Size([32, 2, 8]), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash4_unsupported_head_dims_are_a_value_error():
+    pytest.importorskip("flash_attn.cute", reason="flash4 needs the optional flash-attn-4 package")
+    step = random_step(0, num=3, max_len=40, vocab=3)
+    layout = baseline_layout(step, np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
+    groups = layout.groups.to("cuda")
+    q = torch.randn(layout.num_rows, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(layout.num_rows, 2, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not run 2 heads of head dims 64/32"):
+        group_attention(q, q, v, groups, 0.125, "flash4")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
