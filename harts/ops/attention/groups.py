@@ -191,11 +191,12 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
 
     key = (num_heads, qk_dim, v_dim, dtype, device.index, torch.are_deterministic_algorithms_enabled())
     if key not in _FLASH4_FAILURES:
-        rows = torch.ones(32, num_heads, max(qk_dim, v_dim), device=device, dtype=dtype)
-        q, k, v = (rows[..., :dim].clone().requires_grad_() for dim in (qk_dim, qk_dim, v_dim))
-        bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
         try:
-            with torch.enable_grad():
+            # The caller may run under no_grad or inference mode; the probe's backward needs autograd.
+            with torch.inference_mode(False), torch.enable_grad():
+                q, k, v = (torch.ones(32, num_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                           for dim in (qk_dim, qk_dim, v_dim))
+                bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
                 out, _ = flash_attn_varlen_func(
                     q, k, v, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=16, max_seqlen_k=16, causal=True,
                     deterministic=key[-1],

@@ -129,7 +129,8 @@ def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
     failure = groups_module._flash4_failure(2, 8, 4, torch.float32, cpu)
     assert failure == "Operation creation failed: error: unknown: expected top-level shape equivalence"
     assert groups_module._flash4_failure(2, 8, 4, torch.float32, cpu) == failure and len(calls) == 1
-    assert groups_module._flash4_failure(2, 8, 8, torch.float32, cpu) is None and len(calls) == 2
+    with torch.inference_mode():  # a caller's inference mode must not fail the probe's backward
+        assert groups_module._flash4_failure(2, 8, 8, torch.float32, cpu) is None and len(calls) == 2
     assert calls[1] == (torch.Size([32, 2, 8]), torch.Size([32, 2, 8]), True)
 
 
