@@ -83,6 +83,17 @@ def check_logprob_grad_precision(value: str, prefix: str = "") -> None:
         raise ValueError(f"{prefix}logprob_grad_precision must be one of {GRAD_PRECISIONS}, got {value!r}")
 
 
+def check_backends(attention_backend: str | None, kda_backend: str | None, prefix: str = "") -> None:
+    """Each backend is None (the device's default) or a known name (ValueError naming `prefix` + field)."""
+    from harts.ops.attention.groups import BACKENDS
+    from harts.ops.kda.compact import KDA_BACKENDS
+
+    if attention_backend is not None and attention_backend not in BACKENDS:
+        raise ValueError(f"{prefix}attention_backend must be one of {tuple(BACKENDS)}, got {attention_backend!r}")
+    if kda_backend is not None and kda_backend not in KDA_BACKENDS:
+        raise ValueError(f"{prefix}kda_backend must be one of {KDA_BACKENDS}, got {kda_backend!r}")
+
+
 def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:
     """`recompute_blocks` is None or an int >= 1 given with `recompute` (ValueError naming `prefix` + field;
     recomputing no block is `recompute` off)."""

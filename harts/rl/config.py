@@ -20,8 +20,7 @@ from pathlib import Path
 
 from harts.config import load_config
 from harts.model.config import load_model_config
-from harts.objective.step import DTYPES, check_logprob_grad_precision, check_recompute_blocks
-from harts.ops.attention.groups import BACKENDS as ATTENTION_BACKEND_FUNCTIONS
+from harts.objective.step import DTYPES, check_backends, check_logprob_grad_precision, check_recompute_blocks
 from harts.ops.attention.groups import default_attention_backend
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
@@ -29,8 +28,6 @@ from harts.rollout.generate import RolloutConfig
 from harts.runtime.layout import EXECUTIONS
 from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
 
-ATTENTION_BACKENDS = tuple(ATTENTION_BACKEND_FUNCTIONS)
-KDA_BACKENDS = ("torch", "fla")
 
 
 @dataclass(kw_only=True)
@@ -57,6 +54,7 @@ class RLExecutionConfig:
             raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
+        check_backends(self.attention_backend, self.kda_backend, "execution.")
         for name in ("planner_compact", "planner_baseline"):
             if getattr(self, name) not in PLANNER_NAMES:
                 raise ValueError(f"execution.{name} must be one of {PLANNER_NAMES}, got {getattr(self, name)!r}")
@@ -141,11 +139,6 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
         attention_backend=config.execution.attention_backend or default_attention_backend(cuda),
         kda_backend=config.execution.kda_backend or ("fla" if cuda else "torch"),
     )
-    if execution.kda_backend not in KDA_BACKENDS:
-        raise ValueError(f"{where}: execution.kda_backend must be one of {KDA_BACKENDS}, got {execution.kda_backend!r}")
-    if execution.attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"{where}: execution.attention_backend must be one of {ATTENTION_BACKENDS}, "
-                         f"got {execution.attention_backend!r}")
     model = load_model_config(config.model)
     env_vocab = LookupEnv(config.env).vocab_size
     if env_vocab > model.vocab_size:

@@ -24,7 +24,9 @@ from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
 from harts.objective.losses import GRPOConfig, PPOConfig
-from harts.objective.step import DTYPES, LOSSES, check_logprob_grad_precision, check_recompute_blocks
+from harts.objective.step import (
+    DTYPES, LOSSES, check_backends, check_logprob_grad_precision, check_recompute_blocks,
+)
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.runtime.layout import EXECUTIONS
 
@@ -85,6 +87,7 @@ class ExecutionConfig:
             raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
+        check_backends(self.attention_backend, self.kda_backend, "execution.")
 
 
 @dataclass(kw_only=True)

@@ -47,9 +47,12 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
          "execution.recompute_blocks needs execution.recompute"),
         (("execution: {capacity: 1024}", "execution: {logprob_grad_precision: bf16}"),
          "execution.logprob_grad_precision must be one of"),
+        (("execution: {capacity: 1024}", "execution: {attention_backend: flash3}"),
+         "execution.attention_backend must be one of .*'flash4'.*, got 'flash3'"),
+        (("execution: {capacity: 1024}", "execution: {kda_backend: triton}"), "execution.kda_backend must be one of"),
     ],
     ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner",
-         "recompute-blocks-alone", "bad-grad-precision"],
+         "recompute-blocks-alone", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend"],
 )
 def test_yaml_is_strict(tmp_path, edit, message):
     old, new = edit

@@ -50,8 +50,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (y * torch.rsqrt((y * y).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+KDA_BACKENDS = ("torch", "fla")
+
+
 def _check_backend(name: str, chunk_size: int) -> None:
-    if name not in ("torch", "fla"):
+    if name not in KDA_BACKENDS:
         raise ValueError(f"compact_kda: unknown backend {name!r} (expected 'torch' or 'fla')")
     if name == "fla":
         from harts.ops.kda.fla_chunk import FLA_CHUNK_SIZES
