@@ -43,36 +43,31 @@ def test_warm_seed_runs_before_the_measured_step_and_first_calls_are_recorded(tm
     assert all(r["config"]["warm_seed"] is None for r in records)
 
 
-class _WrongKeyGradient(torch.autograd.Function):
-    """The identity forward, and a backward that doubles the gradient (a backend's broken dk)."""
+def _backward_replaced(gradient):
+    """The identity with `gradient(grad)` as its backward: a backend whose forward is right and backward wrong."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    class Replaced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return 2 * grad
+        @staticmethod
+        def backward(ctx, grad):
+            return gradient(grad)
+
+    return Replaced.apply
 
 
-class _NaNGradient(torch.autograd.Function):
-    """The identity forward, and a backward of NaNs (a backend's broken dq)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("nan"))
+_doubled = _backward_replaced(lambda grad: 2 * grad)
+_nan = _backward_replaced(lambda grad: torch.full_like(grad, float("nan")))
 
 
 def test_a_backend_with_a_wrong_gradient_is_refused_not_timed(tmp_path, monkeypatch):
     def wrong_backward(q, k, v, groups, scale):
-        return sdpa_group_attention(q, _WrongKeyGradient.apply(k), v, groups, scale)
+        return sdpa_group_attention(q, _doubled(k), v, groups, scale)
 
     def nan_backward(q, k, v, groups, scale):
-        return sdpa_group_attention(_NaNGradient.apply(q), k, v, groups, scale)
+        return sdpa_group_attention(_nan(q), k, v, groups, scale)
 
     monkeypatch.setitem(BACKENDS, "wrong-backward", wrong_backward)
     monkeypatch.setitem(BACKENDS, "nan-backward", nan_backward)
