@@ -183,8 +183,9 @@ _FLASH4_FAILURES: dict[tuple, str | None] = {}
 
 def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why FlashAttention-4 cannot run this attention here (None: it can), from a tiny causal varlen forward
-    and backward, once per process and shape: FA4 compiles its kernels per head count, head dims, dtype and
-    mask, not per length, so the probe builds the kernels the real calls then use. FA4 refuses input it does
+    and backward, once per process and shape: FA4 compiles its kernels per head dims, dtype and mask, not per
+    length or head count (read in flash-attn-4 4.0.0b36's compile keys), so the probe builds the kernels the
+    real calls then use. FA4 refuses input it does
     not support by assertions, and its CuTe compiler fails with its own multi-line exceptions (v head dim 32
     on Hopper, for one): any failure of the probe means these shapes do not run on this GPU."""
     from flash_attn.cute import flash_attn_varlen_func
