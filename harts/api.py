@@ -70,6 +70,7 @@ from harts.model.model import HybridModel
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, policy_loss_of, step_normalizer
 from harts.ops.attention.groups import default_attention_backend
+from harts.ops.kda.compact import default_kda_backend
 from harts.objective.targets import semantic_targets_from_step
 from harts.trees.step import TOKEN_DTYPE, Step
 from harts.trees.trie import PrefixIndex
@@ -468,7 +469,7 @@ def default_config(model: HybridModel) -> StepConfig:
     """The compact execution with the backends `harts train-step` picks for the model's device (sdpa
     and the PyTorch KDA on CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
     cuda = next(model.parameters()).device.type == "cuda"
-    return StepConfig(attention_backend=default_attention_backend(cuda), kda_backend="fla" if cuda else "torch")
+    return StepConfig(attention_backend=default_attention_backend(cuda), kda_backend=default_kda_backend(cuda))
 
 
 def _run(model: HybridModel, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool):

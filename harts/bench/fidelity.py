@@ -518,6 +518,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
     from harts.ops.attention.groups import default_attention_backend
+    from harts.ops.kda.compact import default_kda_backend
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, is_reporting_rank
     from harts.trees.io import check_vocabulary
@@ -539,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
     (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
     step = first_trees(full_step, args.max_trees)
     common = dict(dtype=args.dtype, attention_backend=args.attention_backend or default_attention_backend(cuda),
-                  kda_backend=args.kda_backend or ("fla" if cuda else "torch"))
+                  kda_backend=args.kda_backend or default_kda_backend(cuda))
     if not is_reporting_rank():
         # A torchrun rank other than 0: its part of the run, nothing printed or written (rank 0 writes the record).
         check_vocabulary(step, model_config.vocab_size)

@@ -313,6 +313,7 @@ def _microbatches(step, plan) -> list:
 def _step_configs(args, dtype_name: str) -> dict:
     from harts.objective.step import StepConfig
     from harts.ops.attention.groups import default_attention_backend
+    from harts.ops.kda.compact import default_kda_backend
 
     cuda = args.device == "cuda"
     attention = args.attention_backend or default_attention_backend(cuda)
@@ -321,7 +322,7 @@ def _step_configs(args, dtype_name: str) -> dict:
         name: StepConfig(
             execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks, dtype=dtype_name,
             attention_backend=backends[name],
-            kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+            kda_backend=args.kda_backend or default_kda_backend(cuda),
             logprob_grad_precision=args.logprob_grad_precision,
         )
         for name in EXECUTIONS

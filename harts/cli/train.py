@@ -118,13 +118,14 @@ def _loss_config(args: argparse.Namespace):
 def _step_config(args: argparse.Namespace, execution: str, **extra):
     from harts.objective.step import StepConfig
     from harts.ops.attention.groups import default_attention_backend
+    from harts.ops.kda.compact import default_kda_backend
 
     cuda = args.device == "cuda"
     return StepConfig(
         execution=execution, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
         logprob_grad_precision=args.logprob_grad_precision, loss=args.loss, dtype=args.dtype,
         attention_backend=args.attention_backend or default_attention_backend(cuda),
-        kda_backend=args.kda_backend or ("fla" if cuda else "torch"),
+        kda_backend=args.kda_backend or default_kda_backend(cuda),
         **{args.loss: _loss_config(args)}, **extra,
     )
 

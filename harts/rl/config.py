@@ -22,6 +22,7 @@ from harts.config import load_config
 from harts.model.config import load_model_config
 from harts.objective.step import DTYPES, check_backends, check_logprob_grad_precision, check_recompute_blocks
 from harts.ops.attention.groups import default_attention_backend
+from harts.ops.kda.compact import default_kda_backend
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
@@ -137,7 +138,7 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     execution = replace(
         config.execution,
         attention_backend=config.execution.attention_backend or default_attention_backend(cuda),
-        kda_backend=config.execution.kda_backend or ("fla" if cuda else "torch"),
+        kda_backend=config.execution.kda_backend or default_kda_backend(cuda),
     )
     model = load_model_config(config.model)
     env_vocab = LookupEnv(config.env).vocab_size

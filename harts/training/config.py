@@ -223,6 +223,7 @@ def load_train_config(path: str | Path | None, overrides: dict[str, Any] | None 
 def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
     """`config` with every None default made explicit (see the fields)."""
     from harts.ops.attention.groups import default_attention_backend
+    from harts.ops.kda.compact import default_kda_backend
 
     cuda = config.device == "cuda"
     execution = config.execution
@@ -230,7 +231,7 @@ def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
         execution,
         planner=execution.planner or ("harts" if execution.execution == "compact" else "per-trajectory"),
         attention_backend=execution.attention_backend or default_attention_backend(cuda),
-        kda_backend=execution.kda_backend or ("fla" if cuda else "torch"),
+        kda_backend=execution.kda_backend or default_kda_backend(cuda),
     )
     return replace(
         config, execution=execution, num_steps=config.num_steps or num_data_steps,

@@ -53,6 +53,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 KDA_BACKENDS = ("torch", "fla")
 
 
+def default_kda_backend(cuda: bool) -> str:
+    """The KDA backend when none is chosen: fla's Triton kernels on CUDA, the PyTorch reference elsewhere."""
+    return "fla" if cuda else "torch"
+
+
 def _check_backend(name: str, chunk_size: int) -> None:
     if name not in KDA_BACKENDS:
         raise ValueError(f"compact_kda: unknown backend {name!r} (expected 'torch' or 'fla')")
