@@ -69,9 +69,9 @@ import torch
 from harts.model.model import HybridModel
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, policy_loss_of, step_normalizer
+from harts.objective.targets import semantic_targets_from_step
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
-from harts.objective.targets import semantic_targets_from_step
 from harts.trees.step import TOKEN_DTYPE, Step
 from harts.trees.trie import PrefixIndex
 

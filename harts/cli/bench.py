@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-_COMMAND_MODULES: tuple[str, ...] = ("harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.kda_handoff", "harts.bench.speedup", "harts.bench.attention", "harts.bench.fidelity",
-                                     "harts.bench.conv_tiles")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.kda_handoff",
+    "harts.bench.speedup", "harts.bench.attention", "harts.bench.fidelity", "harts.bench.conv_tiles",
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -104,12 +104,13 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for record in records:
         c = record["config"]
+        attention, compact_attention = attention_backends(c)
         row = {"source": "ours", "model": c.get("model"), "parallel": c.get("parallel", "single"),
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
                "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
                "recompute_blocks": c.get("recompute_blocks"),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
-               "attention_backend": attention_backends(c)[0], "compact_attention_backend": attention_backends(c)[1],
+               "attention_backend": attention, "compact_attention_backend": compact_attention,
                "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():

@@ -152,6 +152,20 @@ def sdpa_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: fl
     return out_RHF
 
 
+def _packed_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, attend) -> torch.Tensor:
+    """All groups in one packed varlen call: the queries in group order, each group's keys (ancestors, then
+    its own rows) gathered, `attend(q, k, v, cu_seqlens_q, cu_seqlens_k)` the kernel (int32 offsets; causal
+    aligned bottom-right, so a group's queries see all of its ancestors), the output back in row order."""
+    if not groups.q_in_order:
+        inverse = groups.query_inverse()
+        q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
+    k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
+    out = attend(q_RHE, k, v, groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32))
+    if not groups.q_in_order:
+        out = permute_rows(out, inverse, groups.q_index)
+    return out
+
+
 def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -159,16 +173,11 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     if value_dim != q_RHE.shape[-1]:
         # Flash attention wants one head dim for q, k and v: pad v, slice the output.
         v_RHF = F.pad(v_RHF, (0, q_RHE.shape[-1] - value_dim))
-    if not groups.q_in_order:
-        inverse = groups.query_inverse()
-        q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
-    k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
-    out = varlen_attn(
-        q_RHE, k, v, groups.q_ptr.to(torch.int32), groups.kv_ptr.to(torch.int32), groups.max_q, groups.max_k,
-        scale=scale, window_size=(-1, 0),
+    out = _packed_attention(
+        q_RHE, k_RHE, v_RHF, groups,
+        lambda q, k, v, cu_q, cu_k: varlen_attn(q, k, v, cu_q, cu_k, groups.max_q, groups.max_k, scale=scale,
+                                                window_size=(-1, 0)),
     )
-    if not groups.q_in_order:
-        out = permute_rows(out, inverse, groups.q_index)
     return out[..., :value_dim]
 
 
@@ -185,9 +194,9 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
     """Why FlashAttention-4 cannot run this attention here (None: it can), from a tiny causal varlen forward
     and backward, once per process and shape: FA4 compiles its kernels per head dims, dtype and mask, not per
     length or head count (read in flash-attn-4 4.0.0b36's compile keys), so the probe builds the kernels the
-    real calls then use. FA4 refuses input it does
-    not support by assertions, and its CuTe compiler fails with its own multi-line exceptions (v head dim 32
-    on Hopper, for one): any failure of the probe means these shapes do not run on this GPU."""
+    real calls then use. FA4 refuses input it does not support by assertions, and its CuTe compiler fails
+    with its own multi-line exceptions (v head dim 32 on Hopper, for one): any failure of the probe means
+    these shapes do not run on this GPU."""
     from flash_attn.cute import flash_attn_varlen_func
 
     key = (num_heads, qk_dim, v_dim, dtype, device.index, torch.are_deterministic_algorithms_enabled())
@@ -215,34 +224,28 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
         raise ValueError(f"attention backend 'flash4' needs q, k and v in one of bf16 or fp16 on CUDA "
                          f"(got {', '.join(sorted(str(d) for d in dtypes))} on {q_RHE.device.type})")
     try:
-        import flash_attn.cute  # noqa: F401
+        from flash_attn.cute import flash_attn_varlen_func
     except ImportError as error:
         raise ValueError(
             "attention backend 'flash4' needs the optional flash-attn-4 package (FlashAttention-4's CuTe kernels, "
             f"Hopper or Blackwell GPUs): pip install 'flash-attn-4[cu13]', or flash-attn-4 with a CUDA 12 torch "
             f"({error})"
         ) from None
-    from flash_attn.cute import flash_attn_varlen_func
-
     num_heads, qk_dim, v_dim = q_RHE.shape[1], q_RHE.shape[2], v_RHF.shape[2]
     failure = _flash4_failure(num_heads, qk_dim, v_dim, q_RHE.dtype, q_RHE.device)
     if failure is not None:
         capability = "".join(map(str, torch.cuda.get_device_capability(q_RHE.device)))
         raise ValueError(f"attention backend 'flash4': FlashAttention-4 does not run {num_heads} heads of head dims "
                          f"{qk_dim}/{v_dim} in {q_RHE.dtype} on sm_{capability}: {failure}")
-    if not groups.q_in_order:
-        inverse = groups.query_inverse()
-        q_RHE = permute_rows(q_RHE, groups.q_index, inverse)
-    k, v = (k_RHE, v_RHF) if groups.kv_in_order else (k_RHE[groups.kv_index], v_RHF[groups.kv_index])
+    deterministic = torch.are_deterministic_algorithms_enabled()
     # FA's causal mask is aligned bottom-right when a group has more keys than queries: the ancestors.
-    out, _ = flash_attn_varlen_func(
-        q_RHE, k, v, cu_seqlens_q=groups.q_ptr.to(torch.int32), cu_seqlens_k=groups.kv_ptr.to(torch.int32),
-        max_seqlen_q=groups.max_q, max_seqlen_k=groups.max_k, softmax_scale=scale, causal=True,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+    return _packed_attention(
+        q_RHE, k_RHE, v_RHF, groups,
+        lambda q, k, v, cu_q, cu_k: flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=groups.max_q, max_seqlen_k=groups.max_k,
+            softmax_scale=scale, causal=True, deterministic=deterministic,
+        )[0],
     )
-    if not groups.q_in_order:
-        out = permute_rows(out, inverse, groups.q_index)
-    return out
 
 
 _compiled_flex = None

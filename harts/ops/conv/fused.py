@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Tiles as (rows, channels, warps). The backward holds W pre-activation tiles and their tap tiles: smaller tiles and two warps keep them in
-# registers. H200, 65,536 × 6,144 bf16, W = 4 (nine tiles timed as `harts bench conv-tiles` does, before the
-# command existed): backward 3.4 ms here against 4.8 ms at the forward's 32 × 128 × 4 warps; the forward is
-# fastest at 32 × 128, 0.57 ms. The per-tile weight-gradient sums double with the smaller tiles:
-# P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
+# Tiles as (rows, channels, warps). The backward holds W pre-activation tiles and their tap tiles: smaller
+# tiles and two warps keep them in registers. H200, 65,536 × 6,144 bf16, W = 4 (nine tiles timed as
+# `harts bench conv-tiles` does, before the command existed): backward 3.4 ms here against 4.8 ms at the
+# forward's 32 × 128 × 4 warps; the forward is fastest at 32 × 128, 0.57 ms. The per-tile weight-gradient
+# sums double with the smaller tiles: P/16 × C × W fp32, 384 MiB at that shape, freed after the backward.
 FORWARD_TILE = (32, 128, 4)
 BACKWARD_TILE = (16, 64, 2)
 

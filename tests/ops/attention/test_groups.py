@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from harts.ops.attention.groups import (
     BACKENDS,
@@ -103,6 +104,44 @@ def test_flash4_refuses_cpu_tensors():
     x = torch.randn(layout.num_rows, 2, 8)
     with pytest.raises(ValueError, match="flash4"):
         group_attention(x, x, x, layout.groups, 1.0, "flash4")
+
+
+@pytest.mark.parametrize("execution", ["baseline", "compact", "compact-rows-shuffled"])
+def test_packed_attention_matches_naive(execution):
+    """The packing shared by the varlen and flash4 backends (queries in group order, each group's keys gathered,
+    the output back in row order), with a per-group dense kernel standing in for the GPU's varlen call; the
+    shuffled rows take the query permutation and its inverse."""
+    from harts.ops.attention.groups import AttentionGroups, _bottom_right, _packed_attention
+
+    step = random_step(4, num=12, max_len=120, vocab=3)
+    members = np.arange(step.num_trajectories)
+    if execution == "baseline":
+        layout = baseline_layout(step, members, conv_size=4, chunk_size=64)
+    else:
+        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
+    groups = layout.groups
+    if execution == "compact-rows-shuffled":
+        position = torch.randperm(layout.num_rows, generator=torch.Generator().manual_seed(1))
+        groups = AttentionGroups(
+            q_index=position[groups.q_index], q_ptr=groups.q_ptr, kv_index=position[groups.kv_index],
+            kv_ptr=groups.kv_ptr, row_subtree_end=groups.row_subtree_end, max_q=groups.max_q, max_k=groups.max_k,
+        )
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(layout.num_rows, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(layout.num_rows, 2, 4, generator=generator, dtype=torch.float64)
+
+    def attend(q, k, v, cu_q, cu_k):
+        assert cu_q.dtype == cu_k.dtype == torch.int32
+        pieces = []
+        for g in range(len(cu_q) - 1):
+            qg, kg, vg = q[cu_q[g] : cu_q[g + 1]], k[cu_k[g] : cu_k[g + 1]], v[cu_k[g] : cu_k[g + 1]]
+            mask = _bottom_right(len(qg), len(kg), len(kg) - len(qg))
+            pieces.append(F.scaled_dot_product_attention(qg.transpose(0, 1), kg.transpose(0, 1), vg.transpose(0, 1),
+                                                         attn_mask=mask, scale=0.5).transpose(0, 1))
+        return torch.cat(pieces)
+
+    got = _packed_attention(q, k, v, groups, attend)
+    torch.testing.assert_close(got, naive_group_attention(q, k, v, groups, 0.5), rtol=1e-12, atol=1e-12)
 
 
 def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
