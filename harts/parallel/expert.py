@@ -150,12 +150,6 @@ class ParallelMoE(MoE):
             balance = (mass_E * assignments_E).sum() * (c.num_experts * c.aux_loss_coeff / c.top_k) / (total * total)
         return z_loss, balance
 
-    def _routed_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self._backend(x_ND) == "grouped":
-            x_RD, plan = self.dispatch(x_ND, routing)
-            return self.combine(self.grouped_experts(x_RD, plan.tokens_per_expert_E), routing, plan, x_ND.shape[0])
-        return self.loop_experts(x_ND, routing)
-
     def _tensor_parallel_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         p = self.parallelism
         if p.sequence_parallel:
@@ -167,7 +161,7 @@ class ParallelMoE(MoE):
         else:
             x_full = copy_to_group(x_ND, p.tp_group)
             routing = Routing(experts_NK=routing.experts_NK, probs_NK=copy_to_group(routing.probs_NK, p.tp_group))
-        out = self._routed_experts(x_full, routing)
+        out = self.routed_experts(x_full, routing)
         if self.shared_gate_up_proj is not None:
             out = out + _swiglu(x_full, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
         if p.sequence_parallel:
@@ -176,7 +170,7 @@ class ParallelMoE(MoE):
 
     def _local_experts(self, x_RD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert."""
-        if self._backend(x_RD) == "grouped":
+        if self._backend(x_RD) != "loop":  # "lean" fuses dispatch and combine, which expert parallelism replaces
             counts = torch.tensor(tokens_per_expert, device=x_RD.device)
             return self.grouped_experts(x_RD, counts)
         pieces = torch.split(x_RD, tokens_per_expert)

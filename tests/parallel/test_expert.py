@@ -2,8 +2,8 @@
 
 Scenarios (the groups of a config): dp2-ep2 (each rank its own rows, experts split between the
 ranks), tp2 (replicated rows, expert and shared-expert columns split), tp2-sp (row shards,
-columns split), ep2 (row shards, experts split). With the loop and the grouped expert backends,
-random multiplicities and a non-zero expert bias, each rank checks in fp32: its output rows, the
+columns split), ep2 (row shards, experts split). With the loop, grouped and lean expert backends
+(lean runs as grouped under expert parallelism), random multiplicities and a non-zero expert bias, each rank checks in fp32: its output rows, the
 gradient of its input rows, the z- and load-balancing losses, the expert-bias counts (summed
 over shards) and, after summing partial gradients as `ParallelModel.reduce_gradients` does, every
 parameter gradient (cut ones against their slice of the full gradient).
@@ -25,7 +25,7 @@ from harts.parallel.launch import launch
 from harts.parallel.tensor import Sharder
 
 SCENARIOS = ("dp2-ep2", "tp2", "tp2-sp", "ep2")
-BACKENDS = ("loop", "grouped")
+BACKENDS = ("loop", "grouped", "lean")
 ROWS = 11
 QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "counts", "param_grads")
 

@@ -4,14 +4,24 @@
 - `fused_swiglu`: one Triton kernel forward and one backward, fp32 inside, one rounding (fused.py,
   CUDA; imported lazily).
 - `swiglu`: the fused kernel on CUDA, the PyTorch expression elsewhere.
+- `weighted_swiglu_backward`: the closed-form backward of weight_R · swiglu(gate_up) (the lean MoE
+  experts'): `fused_weighted_swiglu_backward` (one Triton kernel) on CUDA, else
+  `naive_weighted_swiglu_backward`; both tested against autograd of the expression.
 """
 
 import torch
 
 from harts.ops import uses_fp32_kernels
-from harts.ops.swiglu.naive import naive_swiglu
+from harts.ops.swiglu.naive import naive_swiglu, naive_weighted_swiglu_backward
 
-__all__ = ["fused_swiglu", "naive_swiglu", "swiglu"]
+__all__ = [
+    "fused_swiglu",
+    "fused_weighted_swiglu_backward",
+    "naive_swiglu",
+    "naive_weighted_swiglu_backward",
+    "swiglu",
+    "weighted_swiglu_backward",
+]
 
 
 def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
@@ -26,9 +36,21 @@ def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
     return naive_swiglu(gate_up_RF2)
 
 
-def __getattr__(name: str):
-    if name == "fused_swiglu":
-        from harts.ops.swiglu.fused import fused_swiglu
+def weighted_swiglu_backward(
+    gate_up_RF2: torch.Tensor, weight_R: torch.Tensor, grad_RF: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate_up, d weight, weight · swiglu(gate_up)) for out = weight[:, None] · swiglu(gate_up) and
+    grad = d out: the fused kernel on CUDA (not for fp64 rows), else the PyTorch closed form."""
+    if uses_fp32_kernels(gate_up_RF2):
+        from harts.ops.swiglu.fused import fused_weighted_swiglu_backward
 
-        return fused_swiglu
+        return fused_weighted_swiglu_backward(gate_up_RF2, weight_R, grad_RF)
+    return naive_weighted_swiglu_backward(gate_up_RF2, weight_R, grad_RF)
+
+
+def __getattr__(name: str):
+    if name in ("fused_swiglu", "fused_weighted_swiglu_backward"):
+        from harts.ops.swiglu import fused
+
+        return getattr(fused, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

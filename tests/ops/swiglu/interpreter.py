@@ -1,6 +1,7 @@
-"""Run `fused_swiglu` on CPU under the Triton interpreter (fp32) against the fp64 reference. Run as
-`TRITON_INTERPRET=1 python -m tests.ops.swiglu.interpreter kernel` (test_swiglu.py does, in a
-subprocess); prints one JSON object: the relative error of every compared tensor."""
+"""Run `fused_swiglu` and `fused_weighted_swiglu_backward` on CPU under the Triton interpreter (fp32)
+against the fp64 references. Run as `TRITON_INTERPRET=1 python -m tests.ops.swiglu.interpreter
+kernel|weighted` (test_swiglu.py does, in a subprocess); prints one JSON object: the relative error of
+every compared tensor."""
 
 from __future__ import annotations
 
@@ -32,6 +33,25 @@ def case_kernel() -> dict[str, float]:
     return errors
 
 
+def case_weighted() -> dict[str, float]:
+    import torch
+
+    from harts.ops.swiglu import fused_weighted_swiglu_backward, naive_weighted_swiglu_backward
+    from tests.ops.kda.helpers import relative_error
+
+    errors = {}
+    for rows, columns in SHAPES:
+        gen = torch.Generator().manual_seed(42)
+        gate_up = torch.randn(rows, 2 * columns, generator=gen) * 3
+        weight = torch.rand(rows, generator=gen) * 2
+        grad = torch.randn(rows, columns, generator=gen)
+        expected = naive_weighted_swiglu_backward(gate_up.double(), weight.double(), grad.double())
+        actual = fused_weighted_swiglu_backward(gate_up, weight, grad)
+        for name, got, want in zip(("d_gate_up", "d_weight", "weighted"), actual, expected):
+            errors[f"{rows}x{columns}.{name}"] = relative_error(got, want)
+    return errors
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    print(json.dumps({"kernel": case_kernel}[sys.argv[1]]()))
+    print(json.dumps({"kernel": case_kernel, "weighted": case_weighted}[sys.argv[1]]()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harts.ops.swiglu import naive_swiglu, swiglu
+from harts.ops.swiglu import naive_swiglu, naive_weighted_swiglu_backward, swiglu, weighted_swiglu_backward
 from tests.ops.kda.helpers import relative_error, value_and_grads
 from tests.ops.kda.interpreter import run_interpreted
 
@@ -15,6 +15,32 @@ def test_interpreted_kernel_matches_reference():
     errors = run_interpreted("tests.ops.swiglu.interpreter", "kernel")
     assert len(errors) == 6
     assert max(errors.values()) < 1e-6, errors
+
+
+def test_interpreted_weighted_backward_matches_reference():
+    errors = run_interpreted("tests.ops.swiglu.interpreter", "weighted")
+    assert len(errors) == 9
+    assert max(errors.values()) < 1e-6, errors
+
+
+def _weighted_autograd(gate_up, weight, grad):
+    """The definition: autograd of weight[:, None] · swiglu(gate_up), and its value."""
+    gate_up, weight = gate_up.detach().requires_grad_(), weight.detach().requires_grad_()
+    out = weight[:, None] * naive_swiglu(gate_up)
+    d_gate_up, d_weight = torch.autograd.grad(out, (gate_up, weight), grad)
+    return d_gate_up, d_weight, out.detach()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_naive_weighted_backward_is_autograd_of_the_expression(rows):
+    gen = torch.Generator().manual_seed(42)
+    gate_up = torch.randn(rows, 2 * 24, generator=gen, dtype=torch.float64) * 3
+    weight = torch.rand(rows, generator=gen, dtype=torch.float64) * 2
+    grad = torch.randn(rows, 24, generator=gen, dtype=torch.float64)
+    for name, got, expected in zip(("d_gate_up", "d_weight", "weighted"),
+                                   naive_weighted_swiglu_backward(gate_up, weight, grad),
+                                   _weighted_autograd(gate_up, weight, grad)):
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12), name
 
 
 def test_cpu_dispatch_is_the_torch_expression():
@@ -45,3 +71,18 @@ def test_cuda_dispatch_keeps_leading_dims():
     out = swiglu(gate_up)
     assert out.shape == (2, 5, 64)
     assert torch.equal(out, swiglu(gate_up.reshape(10, -1)).view(2, 5, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 5000])
+def test_cuda_weighted_backward_matches_reference(rows):
+    gen = torch.Generator(device="cuda").manual_seed(42)
+    gate_up = torch.randn(rows, 2 * 512, generator=gen, device="cuda") * 3
+    weight = torch.rand(rows, generator=gen, device="cuda") * 2
+    grad = torch.randn(rows, 512, generator=gen, device="cuda")
+    expected = _weighted_autograd(gate_up.double(), weight.double(), grad.double())
+    actual = weighted_swiglu_backward(gate_up.bfloat16(), weight, grad.bfloat16())
+    assert [t.dtype for t in actual] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    for got, reference in zip(actual, expected):
+        assert relative_error(got, reference) < 1e-2
