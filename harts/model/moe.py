@@ -15,7 +15,9 @@ megatron-core 0.16's:
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
 Routing (megatron's `topk_routing_with_score_function`, no group-limited top-k): router logits
-in fp32 (fp64 for fp64 rows, the tests' exact mode); softmax scores: top-k of the logits then
+in fp32 (fp64 for fp64 rows, the tests' exact mode; under bf16 autocast the product runs in bf16, as
+megatron-core's default `moe_router_dtype` leaves it), the rows kept in their own dtype for the
+backward; softmax scores: top-k of the logits then
 softmax over the k (or, with `softmax_before_topk`, softmax over all experts then top-k,
 unnormalised); sigmoid scores: top-k of sigmoid(logits) + expert bias (the bias picks the
 experts only), combine weights = the k unbiased sigmoid scores normalised to sum 1 (when k > 1);
@@ -290,6 +292,26 @@ class _DispatchRows(torch.autograd.Function):
         return grad_NKD.sum(dim=1), None, None, None
 
 
+class _RouterLogits(torch.autograd.Function):
+    """x·Wᵀ in fp32 (fp64 for fp64 rows), as `x.float() @ w.float().T` computes it and its autograd
+    differentiates it, but keeping the rows in their own dtype for the backward instead of their fp32
+    copy (0.5 GB per layer at T = 65,536, D = 2,048), cast again when the weight gradient needs it."""
+
+    @staticmethod
+    def forward(ctx, x_ND, weight_ED):
+        dtype = _accumulation_dtype(x_ND)
+        ctx.save_for_backward(x_ND, weight_ED)
+        return x_ND.to(dtype) @ weight_ED.to(dtype).T
+
+    @staticmethod
+    def backward(ctx, grad_NE):
+        x_ND, weight_ED = ctx.saved_tensors
+        dtype = grad_NE.dtype
+        grad_x = (grad_NE @ weight_ED.to(dtype)).to(x_ND.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad_NE.T @ x_ND.to(dtype)).to(weight_ED.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 class _LeanExperts(torch.autograd.Function):
     """The grouped experts path (dispatch, two grouped GEMMs, combine) as one autograd node that keeps
     only the rows x_ND (which the shared expert and the router keep anyway) and the gate/up projection
@@ -362,8 +384,8 @@ class MoE(nn.Module):
         return self
 
     def router_logits(self, x_ND: torch.Tensor) -> torch.Tensor:
-        dtype = _accumulation_dtype(x_ND)
-        return x_ND.to(dtype) @ self.router_weight.to(dtype).T
+        """fp32 logits [N, E] (fp64 for fp64 rows) of the rows in their own dtype (`_RouterLogits`)."""
+        return _RouterLogits.apply(x_ND, self.router_weight)
 
     def route(self, logits_NE: torch.Tensor) -> Routing:
         c = self.config

@@ -362,3 +362,28 @@ def test_bad_inputs(case):
     multiplicity = torch.ones(4) if case == "wrong-multiplicity" else None
     with pytest.raises(ValueError, match="MoE"):
         module(x, multiplicity)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_router_logits_equal_the_cast_expression(dtype, autocast):
+    """The router node keeps the rows in their dtype but computes and differentiates exactly
+    `x.to(fp32) @ w.to(fp32).T` (under bf16 autocast too, where that product runs in bf16)."""
+    if autocast and dtype == torch.float64:
+        pytest.skip("autocast leaves fp64 alone")
+    module = _module(MODULES["softmax-shared"], dtype=dtype)
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(33, 16, generator=generator).to(dtype)
+    upstream = torch.randn(33, NUM_EXPERTS, generator=generator, dtype=torch.float64)
+    results = []
+    for run in (module.router_logits,
+                lambda rows: rows.to(torch.promote_types(dtype, torch.float32))
+                @ module.router_weight.to(torch.promote_types(dtype, torch.float32)).T):
+        rows = x.clone().requires_grad_()
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = run(rows)
+        (logits * upstream.to(logits.dtype)).sum().backward()
+        results.append((logits.detach(), rows.grad, module.router_weight.grad.clone()))
+    for got, expected in zip(*results):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
