@@ -25,6 +25,7 @@ Legend: R rows, H heads, E query/key head dim, F value head dim.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -196,14 +197,19 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
     length or head count (read in flash-attn-4 4.0.0b36's compile keys), so the probe builds the kernels the
     real calls then use. FA4 refuses input it does not support by assertions, and its CuTe compiler fails
     with its own multi-line exceptions (v head dim 32 on Hopper, for one): any failure of the probe means
-    these shapes do not run on this GPU."""
-    from flash_attn.cute import flash_attn_varlen_func
-
+    these shapes do not run on this GPU. The probe runs on a thread of its own: the caller's autograd state is
+    thread-local (no_grad, inference mode, autocast, and the saved-tensor hooks of an activation checkpoint,
+    whose recomputation the probe's backward would otherwise enter and stop)."""
     key = (num_heads, qk_dim, v_dim, dtype, device.index, torch.are_deterministic_algorithms_enabled())
     if key not in _FLASH4_FAILURES:
-        try:
-            # The caller may run under no_grad or inference mode; the probe's backward needs autograd.
-            with torch.inference_mode(False), torch.enable_grad():
+        outcome: list[str | None] = []
+
+        def probe() -> None:
+            from flash_attn.cute import flash_attn_varlen_func
+
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
                 q, k, v = (torch.ones(32, num_heads, dim, device=device, dtype=dtype, requires_grad=True)
                            for dim in (qk_dim, qk_dim, v_dim))
                 bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
@@ -212,9 +218,17 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
                     deterministic=key[-1],
                 )
                 torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-            _FLASH4_FAILURES[key] = None
-        except Exception as error:  # noqa: BLE001 (assertions, CuTe DSL and MLIR errors alike; see above)
-            _FLASH4_FAILURES[key] = " ".join(str(error).split())[:300] or type(error).__name__
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                outcome.append(None)
+            except Exception as error:  # noqa: BLE001 (assertions, CuTe DSL and MLIR errors alike; see above)
+                outcome.append(" ".join(str(error).split())[:300] or type(error).__name__)
+
+        thread = threading.Thread(target=probe, name="harts-flash4-probe")
+        thread.start()
+        thread.join()
+        assert len(outcome) == 1
+        _FLASH4_FAILURES[key] = outcome[0]
     return _FLASH4_FAILURES[key]
 
 

@@ -173,6 +173,41 @@ def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
     assert calls[1] == (torch.Size([32, 2, 8]), torch.Size([32, 2, 8]), True)
 
 
+@pytest.mark.parametrize("region", ["checkpoint", "autocast-no-grad"])
+def test_flash4_probe_runs_apart_from_the_callers_autograd_state(monkeypatch, region):
+    """The first flash4 call of a process may come inside an activation checkpoint's forward (whose saved-tensor
+    hooks would route the probe's backward into the block's recomputation) or under no_grad and autocast: the
+    probe's forward and backward run as if alone."""
+    import sys
+    import types
+
+    from torch.utils.checkpoint import checkpoint
+
+    from harts.ops.attention import groups as groups_module
+
+    def standin(q, k, v, **kwargs):
+        assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        return (q * k)[..., : v.shape[-1]] * v, None  # products keep their inputs for the backward
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = standin
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
+    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
+    x = torch.ones(3, requires_grad=True)
+    failures = []
+
+    def block(x):
+        failures.append(groups_module._flash4_failure(2, 8, 8, torch.float32, torch.device("cpu")))
+        return x * x
+
+    if region == "checkpoint":
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    else:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            block(x)
+    assert failures[0] is None, failures
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash4_unsupported_head_dims_are_a_value_error():
