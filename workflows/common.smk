@@ -138,6 +138,8 @@ def speedup_execution_flags(speedup):
         flags.append(f"--attention-backend {speedup['attention_backend']}")
     if speedup["recompute_blocks"] is not None:
         flags.append(f"--recompute-blocks {speedup['recompute_blocks']}")
+    if speedup["experts_backend"] is not None:
+        flags.append(f"--experts-backend {speedup['experts_backend']}")
     return " ".join(flags)
 
 

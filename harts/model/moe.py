@@ -69,6 +69,13 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 
 
+def resolve_experts_backend(backend: str, cuda: bool) -> str:
+    """The experts backend a layer runs: "auto" is "grouped" on CUDA and "loop" elsewhere."""
+    if backend == "auto":
+        return "grouped" if cuda else "loop"
+    return backend
+
+
 @dataclass(kw_only=True)
 class MoEConfig:
     """One MoE MLP layer."""
@@ -472,9 +479,7 @@ class MoE(nn.Module):
         return self.loop_experts(x_ND, routing)
 
     def _backend(self, x_ND: torch.Tensor) -> str:
-        if self.config.experts_backend == "auto":
-            return "grouped" if x_ND.is_cuda else "loop"
-        return self.config.experts_backend
+        return resolve_experts_backend(self.config.experts_backend, x_ND.is_cuda)
 
     def forward(
         self, x_ND: torch.Tensor, multiplicity_N: torch.Tensor | None = None

@@ -31,7 +31,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "trees", "step",
+    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -63,17 +63,27 @@ def attention_backends(config: dict[str, Any]) -> tuple[str, str]:
     return baseline, config.get("compact_attention_backend") or baseline
 
 
+def experts_backend(config: dict[str, Any]) -> str:
+    """The MoE experts backend a record's model ran ("auto" resolved by the record's device, as the layer does)."""
+    from harts.model.moe import resolve_experts_backend
+
+    backend = get(config, "model_config", "moe", "experts_backend")
+    return resolve_experts_backend(backend if isinstance(backend, str) else "auto", config.get("device") == "cuda")
+
+
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), c.get("logprob_grad_precision") or "fp32",
-            attention_backends(c))
+            attention_backends(c), experts_backend(c))
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
-                   attention: tuple[str, str] | None = None, *, short: bool = False) -> str:
+                   attention: tuple[str, str] | None = None, experts: str | None = None, *,
+                   short: bool = False) -> str:
     """The step settings beside device and dtype: recomputation (of every block or the first N), bf16
-    LM-head gradients and the MLA backend (the compact execution's after a slash where it differs)."""
+    LM-head gradients, the MLA backend (the compact execution's after a slash where it differs) and the
+    MoE experts backend where it is not the device's default (lean)."""
     parts = []
     if recompute:
         name = "rc" if short else "recompute"
@@ -83,20 +93,22 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
     if attention is not None:
         baseline, compact = attention
         parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
+    if experts not in (None, "grouped", "loop"):
+        parts.append(f"{experts} experts")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
 def configuration_label(key: tuple) -> str:
-    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention = key
-    settings = settings_label(recompute, recompute_blocks, grad_precision, attention)
+    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention, experts = key
+    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, experts)
     return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
 
 
 def short_configuration_label(key: tuple) -> str:
     """One line for the figures' axes and legends: the configuration and its settings (not device and dtype)."""
-    model, parallel, planner, _, _, recompute, recompute_blocks, grad_precision, attention = key
+    model, parallel, planner, _, _, recompute, recompute_blocks, grad_precision, attention, experts = key
     return f"{model} / {parallel} / {planner}" + settings_label(
-        recompute, recompute_blocks, grad_precision, attention, short=True)
+        recompute, recompute_blocks, grad_precision, attention, experts, short=True)
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,7 +123,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "recompute_blocks": c.get("recompute_blocks"),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
-               "trees": c.get("trees"),
+               "experts_backend": experts_backend(c), "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():
             if "error" in record:
@@ -140,7 +152,8 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
         dtype = f"{r['device']} {r['dtype']}" + settings_label(
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
             r["logprob_grad_precision"],
-            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None, short=True)
+            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
+            r["experts_backend"] if r["source"] == "ours" else None, short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

@@ -61,3 +61,12 @@ def test_the_schema_offers_every_attention_backend():
     from harts.ops.attention.groups import BACKENDS
 
     assert SCHEMA["properties"]["speedup"]["properties"]["attention_backend"]["enum"] == [None, *BACKENDS]
+
+
+def test_the_schema_offers_every_experts_backend():
+    from harts.model.moe import EXPERT_BACKENDS
+
+    assert SCHEMA["properties"]["speedup"]["properties"]["experts_backend"]["enum"] == [None, *EXPERT_BACKENDS]
+    config = coerce_strings(_config(experts_backend="null"), SCHEMA)
+    jsonschema.validate(config, SCHEMA)
+    assert config["speedup"]["experts_backend"] is None

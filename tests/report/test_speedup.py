@@ -106,3 +106,24 @@ def test_attention_backends_are_configurations_of_their_own(tmp_path):
     assert "cpu fp32, flash4" in text and "cpu fp32, varlen/flex" in text
     assert "tiny / single / harts flash4: compact" in text  # the step-time figure's labels
     assert text.count("tiny / single / harts sdpa (ideal") == 1  # default and named sdpa: one breakdown bar
+
+
+def test_experts_backends_are_configurations_of_their_own(tmp_path):
+    """Records that differ only in the MoE experts backend are not merged; the model config's "auto" is the
+    device's backend (loop on CPU), the same configuration as naming it; lean is labelled."""
+    default = speedup_record(step=0)
+    named = speedup_record(step=1)
+    named["config"]["model_config"] = {"moe": {"experts_backend": "loop"}}
+    lean = speedup_record(step=0, base_fbg=6.0)
+    lean["config"]["model_config"] = {"moe": {"experts_backend": "lean"}}
+    rows = speedup_rows([default, named, lean])
+    assert [r["experts_backend"] for r in rows] == ["loop", "loop", "lean", NOT_REPORTED]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:3]] == [
+        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 sdpa lean experts"]
+    path = write(tmp_path, "single.json", [default, named, lean])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "cpu fp32, sdpa, lean experts" in text
+    assert text.count("tiny / single / harts sdpa (ideal") == 1  # auto and named loop: one configuration

@@ -237,6 +237,7 @@ BAD_CONFIGS = {
                                "0 is less than the minimum of 1"),
     "missing-rl-config": ({"rl": {"config": "nope"}}, "rl.config: no file configs/rl/nope.yaml"),
     "unknown-attention-backend": ({"speedup": {"attention_backend": "fa9"}}, "'fa9' is not one of"),
+    "unknown-experts-backend": ({"speedup": {"experts_backend": "fused"}}, "'fused' is not one of"),
     "recompute-blocks-without-recompute": ({"speedup": {"recompute": False, "recompute_blocks": 2}},
                                            "speedup.recompute_blocks needs speedup.recompute: true"),
 }
@@ -264,6 +265,7 @@ def test_nested_config_values_on_the_command_line(workdir):
     assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
     assert "--logprob-grad-precision fp32" in result.stdout
     assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
+    assert "--experts-backend" not in result.stdout
 
 
 def test_speedup_execution_settings_reach_the_jobs(workdir):
@@ -271,9 +273,10 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
     recomputation) become the bench's flags."""
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={recompute: true, attention_backend: flash4, "
-                       "logprob_grad_precision: input, recompute_blocks: 2}")
+                       "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--recompute --logprob-grad-precision input --attention-backend flash4 --recompute-blocks 2" in result.stdout
+    assert ("--recompute --logprob-grad-precision input --attention-backend flash4 --recompute-blocks 2 "
+            "--experts-backend lean") in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
