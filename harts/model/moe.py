@@ -63,6 +63,7 @@ from torch import nn
 
 from harts.ops.attention.groups import inverse_permutation, permute_rows
 from harts.ops.combine import combine as weighted_sum
+from harts.ops.combine import gather_combine
 from harts.ops.swiglu import swiglu, weighted_swiglu_backward
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -324,7 +325,10 @@ class _LeanExperts(torch.autograd.Function):
     only the rows x_ND (which the shared expert and the router keep anyway) and the gate/up projection
     h_R2F: the backward gathers the rows again and recomputes the activation, where the composed path
     keeps the dispatched rows, the activation and the permuted expert outputs (two [R, D] and one
-    [R, F] tensor more). The forward is the composed path's, bit for bit. The backward moves each
+    [R, F] tensor more). The expert outputs stay in expert order: `gather_combine` reads them through
+    the inverse permutation (and sums the routed rows' input gradients per row the same way), where the
+    composed path writes a permuted copy each way. The forward is the composed path's, bit for bit
+    (the same weighted sum over the same values). The backward moves each
     routed row's combine weight w onto its activation (out = Σ_k w·(a·W_down) = Σ_k (w·a)·W_down), so
     the routing-weight gradient is dw = Σ_f a·(g·W_downᵀ) and needs no expert output:
     `weighted_swiglu_backward` gives d h, dw and w·a in one pass."""
@@ -334,7 +338,7 @@ class _LeanExperts(torch.autograd.Function):
         num_rows, top_k = probs_NK.shape
         h_R2F = torch._grouped_mm(x_ND.index_select(0, token_R), gate_up, offs=ends_E)
         y_RD = torch._grouped_mm(swiglu(h_R2F), down, offs=ends_E)
-        out = weighted_sum(probs_NK, y_RD.index_select(0, inverse_R).view(num_rows, top_k, -1))
+        out = gather_combine(probs_NK, y_RD, inverse_R.view(num_rows, top_k))
         ctx.save_for_backward(x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, h_R2F)
         return out
 
@@ -349,9 +353,8 @@ class _LeanExperts(torch.autograd.Function):
         del grad_a_RF
         grad_down = torch._grouped_mm(weighted_a_RF.t(), grad_RD, offs=ends_E)
         del grad_RD, weighted_a_RF
-        grad_x_RD = torch._grouped_mm(grad_h, gate_up.transpose(1, 2), offs=ends_E)
-        grad_x = grad_x_RD.index_select(0, inverse_R).view(num_rows, top_k, -1).sum(dim=1)
-        del grad_x_RD
+        grad_x = gather_combine(None, torch._grouped_mm(grad_h, gate_up.transpose(1, 2), offs=ends_E),
+                                inverse_R.view(num_rows, top_k))
         grad_gate_up = torch._grouped_mm(x_ND.index_select(0, token_R).t(), grad_h, offs=ends_E)
         grad_probs = grad_weight_R.index_select(0, inverse_R).view(num_rows, top_k)
         return grad_x, grad_probs, grad_gate_up, grad_down, None, None, None, None

@@ -4,13 +4,15 @@
 - `fused_combine`: one Triton kernel each way for fp32 weights and bf16/fp16 outputs (fused.py,
   CUDA; imported lazily).
 - `combine`: the fused kernel on CUDA for fp32 weights and half-precision outputs, else the reference.
+- `gather_combine`: the same sum (or the plain sum over k) with the k outputs of row n at rows y[rows[n, k]]
+  (`fused_gather_combine` on CUDA, `naive_gather_combine` elsewhere); not differentiable.
 """
 
 import torch
 
-from harts.ops.combine.naive import naive_combine
+from harts.ops.combine.naive import naive_combine, naive_gather_combine
 
-__all__ = ["combine", "fused_combine", "naive_combine"]
+__all__ = ["combine", "fused_combine", "fused_gather_combine", "gather_combine", "naive_combine", "naive_gather_combine"]
 
 
 def combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:
@@ -22,9 +24,20 @@ def combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:
     return naive_combine(probs_NK, y_NKD)
 
 
-def __getattr__(name: str):
-    if name == "fused_combine":
-        from harts.ops.combine.fused import fused_combine
+def gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows_NK: torch.Tensor) -> torch.Tensor:
+    """Σ_k p[n, k] · y[rows[n, k]] in p's precision, or without p the plain sum in y's dtype: the fused kernel on
+    CUDA for half-precision y (and fp32 p), else the reference."""
+    if y_RD.is_cuda and y_RD.dtype in (torch.bfloat16, torch.float16) and (
+            probs_NK is None or probs_NK.dtype == torch.float32):
+        from harts.ops.combine.fused import fused_gather_combine
 
-        return fused_combine
+        return fused_gather_combine(probs_NK, y_RD, rows_NK)
+    return naive_gather_combine(probs_NK, y_RD, rows_NK)
+
+
+def __getattr__(name: str):
+    if name in ("fused_combine", "fused_gather_combine"):
+        from harts.ops.combine import fused
+
+        return getattr(fused, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

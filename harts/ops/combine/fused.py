@@ -7,7 +7,10 @@ and g and one write of dy, where batched GEMMs ran [1, k] × [k, D] products thr
 kernels that are slow at this shape. Tested against `naive_combine` in fp64 under the Triton
 interpreter on CPU and in bf16 on CUDA (tests/ops/combine/test_combine.py).
 
-Legend: N rows, K experts per row, D hidden size; BK/BD the tile's experts/columns.
+`fused_gather_combine` is the forward read through a row index (the lean MoE experts' outputs stay in
+expert order: no permuted copy), weighted or plain (the routed rows' input gradients summed per row).
+
+Legend: N rows, K experts per row, D hidden size, R = N·K routed rows; BK/BD the tile's experts/columns.
 """
 
 from __future__ import annotations
@@ -29,6 +32,24 @@ def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD:
     b_p = tl.load(p + n * K + o_k, mask=m_k, other=0.0)
     b_y = tl.load(y + (n * K + o_k[:, None]) * D + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
     tl.store(out + n * D + o_d, tl.sum(b_p[:, None] * b_y.to(tl.float32), axis=0), mask=m_d)
+
+
+@triton.jit
+def _gather_combine_kernel(p, y, rows, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                           WEIGHTED: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_r = tl.load(rows + n * K + o_k, mask=m_k, other=0)
+    b_y = tl.load(y + b_r[:, None] * D + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
+    if WEIGHTED:
+        b_p = tl.load(p + n * K + o_k, mask=m_k, other=0.0)
+        total = tl.sum(b_p[:, None] * b_y.to(tl.float32), axis=0)
+    else:
+        total = tl.sum(b_y.to(tl.float32), axis=0)
+    tl.store(out + n * D + o_d, total.to(out.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -90,3 +111,25 @@ def fused_combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:
     if y_NKD.dim() != 3 or probs_NK.shape != y_NKD.shape[:2]:
         raise ValueError(f"fused_combine: weights {tuple(probs_NK.shape)} do not match outputs {tuple(y_NKD.shape)}")
     return _Combine.apply(probs_NK, y_NKD)
+
+
+def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows_NK: torch.Tensor) -> torch.Tensor:
+    """Σ_k probs[n, k] · y[rows[n, k]] for bf16/fp16 y in expert order, read through the row index (no [N, K, D]
+    copy): fp32 [N, D] with fp32 weights, the forward `fused_combine` computes on y[rows] bit for bit; without
+    weights, the plain sum rounded once to y's dtype. Not differentiable (the lean experts' node is)."""
+    if y_RD.dtype not in (torch.bfloat16, torch.float16) or (probs_NK is not None and probs_NK.dtype != torch.float32):
+        raise ValueError(f"fused_gather_combine: expected bf16/fp16 rows and fp32 weights, got {y_RD.dtype} and "
+                         f"{None if probs_NK is None else probs_NK.dtype}")
+    if rows_NK.dim() != 2 or (probs_NK is not None and probs_NK.shape != rows_NK.shape) or y_RD.dim() != 2:
+        raise ValueError(f"fused_gather_combine: rows {tuple(rows_NK.shape)}, weights "
+                         f"{None if probs_NK is None else tuple(probs_NK.shape)} and outputs {tuple(y_RD.shape)} do not match")
+    num_rows, top_k = rows_NK.shape
+    hidden = y_RD.shape[1]
+    y_RD, rows_NK = y_RD.contiguous(), rows_NK.contiguous()
+    out = torch.empty(num_rows, hidden, dtype=y_RD.dtype if probs_NK is None else torch.float32, device=y_RD.device)
+    if num_rows:
+        _gather_combine_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
+            y_RD if probs_NK is None else probs_NK.contiguous(), y_RD, rows_NK, out, hidden, K=top_k,
+            BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS, WEIGHTED=probs_NK is not None,
+        )
+    return out

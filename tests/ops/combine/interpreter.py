@@ -1,6 +1,7 @@
-"""Run `fused_combine` on CPU under the Triton interpreter against the fp64 reference. Run as
-`TRITON_INTERPRET=1 python -m tests.ops.combine.interpreter kernel` (test_combine.py does, in a
-subprocess); prints one JSON object: the relative error of every compared tensor."""
+"""Run `fused_combine` and `fused_gather_combine` on CPU under the Triton interpreter against the fp64
+reference. Run as `TRITON_INTERPRET=1 python -m tests.ops.combine.interpreter kernel|gather`
+(test_combine.py does, in a subprocess); prints one JSON object: the relative error of every compared
+tensor."""
 
 from __future__ import annotations
 
@@ -36,6 +37,31 @@ def case_kernel() -> dict[str, float]:
     return errors
 
 
+def case_gather() -> dict[str, float]:
+    """fused_gather_combine, weighted and plain, against the fp64 reference over shuffled rows; the weighted
+    sum must equal fused_combine on the gathered rows bit for bit (reported as an error too)."""
+    import torch
+
+    from harts.ops.combine import fused_combine, fused_gather_combine, naive_gather_combine
+    from tests.ops.kda.helpers import relative_error
+
+    errors = {}
+    for rows, top_k, hidden, dtype in SHAPES:
+        gen = torch.Generator().manual_seed(42)
+        probs = torch.rand(rows, top_k, generator=gen)
+        y = (torch.randn(rows * top_k, hidden, generator=gen) * 3).to(getattr(torch, dtype))
+        index = torch.randperm(rows * top_k, generator=gen).view(rows, top_k)
+        name = f"{rows}x{top_k}x{hidden}"
+        weighted = fused_gather_combine(probs, y, index)
+        errors[f"{name}.weighted"] = relative_error(weighted, naive_gather_combine(probs.double(), y.double(), index))
+        gathered = fused_combine(probs, y[index.reshape(-1)].view(rows, top_k, hidden))
+        errors[f"{name}.weighted_vs_combine"] = float((weighted != gathered).any())
+        plain = fused_gather_combine(None, y, index)
+        assert plain.dtype == y.dtype
+        errors[f"{name}.plain"] = relative_error(plain, naive_gather_combine(None, y.double(), index))
+    return errors
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    print(json.dumps({"kernel": case_kernel}[sys.argv[1]]()))
+    print(json.dumps({"kernel": case_kernel, "gather": case_gather}[sys.argv[1]]()))

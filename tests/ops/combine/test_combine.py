@@ -5,7 +5,7 @@ is the reference itself."""
 import pytest
 import torch
 
-from harts.ops.combine import combine, naive_combine
+from harts.ops.combine import combine, gather_combine, naive_combine, naive_gather_combine
 from tests.ops.kda.helpers import relative_error, value_and_grads
 from tests.ops.kda.interpreter import run_interpreted
 
@@ -17,6 +17,24 @@ def test_interpreted_kernel_matches_reference():
     assert max(exact.values()) < 1e-6, errors
     # dy is rounded once to bf16/fp16; the interpreter's fp32 → bf16 conversion truncates (≤ 2^-8).
     assert max(error for name, error in errors.items() if name.endswith(".dy")) < 2 ** -8, errors
+
+
+def test_interpreted_gather_kernel_matches_reference():
+    errors = run_interpreted("tests.ops.combine.interpreter", "gather")
+    assert len(errors) == 9
+    assert all(errors[name] == 0.0 for name in errors if name.endswith("weighted_vs_combine")), errors
+    assert max(errors[name] for name in errors if name.endswith(".weighted")) < 1e-6, errors
+    # the plain sum is rounded once to bf16/fp16 (the interpreter's conversion truncates: ≤ 2^-8)
+    assert max(errors[name] for name in errors if name.endswith(".plain")) < 2 ** -8, errors
+
+
+def test_gather_reference_is_combine_of_the_gathered_rows():
+    gen = torch.Generator().manual_seed(42)
+    probs, y = torch.rand(5, 3, generator=gen), torch.randn(15, 16, generator=gen)
+    rows = torch.randperm(15, generator=gen).view(5, 3)
+    assert torch.equal(gather_combine(probs, y, rows), naive_combine(probs, y[rows]))
+    assert torch.equal(gather_combine(None, y, rows), y[rows].sum(dim=1))
+    assert torch.equal(naive_gather_combine(probs, y, rows), gather_combine(probs, y, rows))
 
 
 def test_cpu_dispatch_is_the_reference():
@@ -45,3 +63,19 @@ def test_cuda_dispatch_matches_reference(top_k):
     assert relative_error(out, ref_out) < 1e-6 and relative_error(grad_probs, ref_probs) < 1e-6
     # dy: the fp32 product rounded once to nearest (a few ties of the fp64 product may round apart).
     assert (grad_y != ref_y.float().bfloat16()).float().mean() < 0.003
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_cuda_gather_combine(top_k):
+    """Weighted: bit for bit the combine of the gathered rows (the lean experts' forward is the grouped one);
+    plain: the fp32 sum rounded once."""
+    gen = torch.Generator(device="cuda").manual_seed(top_k)
+    probs = torch.rand(4099, top_k, generator=gen, device="cuda")
+    y = (torch.randn(4099 * top_k, 2048, generator=gen, device="cuda") * 3).bfloat16()
+    rows = torch.randperm(4099 * top_k, generator=gen, device="cuda").view(4099, top_k)
+    assert torch.equal(gather_combine(probs, y, rows), combine(probs, y[rows]))
+    plain = gather_combine(None, y, rows)
+    assert plain.dtype == torch.bfloat16
+    assert relative_error(plain, naive_gather_combine(None, y.double(), rows)) < 2 ** -8
