@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from harts.ops.attention.groups import inverse_permutation, permute_rows
 from harts.ops.combine import combine as weighted_sum
@@ -106,7 +107,7 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = not computed)."""
     experts_backend: str = "auto"
-    """"loop", "grouped" or "auto" (grouped on CUDA)."""
+    """"loop", "grouped", "lean" (grouped in one autograd node that keeps less) or "auto" (grouped on CUDA)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every weight."""
 
@@ -302,21 +303,33 @@ class _DispatchRows(torch.autograd.Function):
 
 class _RouterLogits(torch.autograd.Function):
     """x·Wᵀ in fp32 (fp64 for fp64 rows), as `x.float() @ w.float().T` computes it and its autograd
-    differentiates it, but keeping the rows in their own dtype for the backward instead of their fp32
-    copy (0.5 GB per layer at T = 65,536, D = 2,048), cast again when the weight gradient needs it."""
+    differentiates it (the same products in the same layouts), but keeping for the backward the rows the
+    product reads, in the narrowest dtype that holds them: the rows themselves (bf16 rows: not their fp32
+    copy, 0.5 GB per layer at T = 65,536, D = 2,048) or, under autocast with wider rows, autocast's copy."""
 
     @staticmethod
     def forward(ctx, x_ND, weight_ED):
         dtype = _accumulation_dtype(x_ND)
-        ctx.save_for_backward(x_ND, weight_ED)
+        kept = x_ND
+        device = x_ND.device.type
+        if torch.is_autocast_enabled(device) and x_ND.dtype.is_floating_point:
+            low = torch.get_autocast_dtype(device)
+            if low.itemsize < x_ND.dtype.itemsize and x_ND.dtype != torch.float64:
+                kept = x_ND.to(low)  # the values autocast's product reads
+        ctx.x_dtype = x_ND.dtype
+        ctx.save_for_backward(kept, weight_ED)
         return x_ND.to(dtype) @ weight_ED.to(dtype).T
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_NE):
-        x_ND, weight_ED = ctx.saved_tensors
+        kept_ND, weight_ED = ctx.saved_tensors
         dtype = grad_NE.dtype
-        grad_x = (grad_NE @ weight_ED.to(dtype)).to(x_ND.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad_NE.T @ x_ND.to(dtype)).to(weight_ED.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = (grad_NE @ weight_ED.to(dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # autograd's mm backward for the transposed weight view computes gradᵀ·x (the view's layout)
+            grad_weight = (grad_NE.T @ kept_ND.to(dtype)).to(weight_ED.dtype)
         return grad_x, grad_weight
 
 
@@ -343,6 +356,7 @@ class _LeanExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_ND):
         x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, h_R2F = ctx.saved_tensors
         num_rows, top_k = probs_NK.shape

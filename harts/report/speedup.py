@@ -83,7 +83,7 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
                    short: bool = False) -> str:
     """The step settings beside device and dtype: recomputation (of every block or the first N), bf16
     LM-head gradients, the MLA backend (the compact execution's after a slash where it differs) and the
-    MoE experts backend where it is not the device's default (lean)."""
+    MoE experts backend (callers pass it where it is not the device's default: `shown_experts`)."""
     parts = []
     if recompute:
         name = "rc" if short else "recompute"
@@ -93,22 +93,29 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
     if attention is not None:
         baseline, compact = attention
         parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
-    if experts not in (None, "grouped", "loop"):
+    if experts is not None:
         parts.append(f"{experts} experts")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
+def shown_experts(experts: str, device: str | None) -> str | None:
+    """The experts backend for a label: None where it is the device's default (what "auto" runs)."""
+    from harts.model.moe import resolve_experts_backend
+
+    return None if experts == resolve_experts_backend("auto", device == "cuda") else experts
+
+
 def configuration_label(key: tuple) -> str:
     model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention, experts = key
-    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, experts)
+    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device))
     return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
 
 
 def short_configuration_label(key: tuple) -> str:
     """One line for the figures' axes and legends: the configuration and its settings (not device and dtype)."""
-    model, parallel, planner, _, _, recompute, recompute_blocks, grad_precision, attention, experts = key
+    model, parallel, planner, device, _, recompute, recompute_blocks, grad_precision, attention, experts = key
     return f"{model} / {parallel} / {planner}" + settings_label(
-        recompute, recompute_blocks, grad_precision, attention, experts, short=True)
+        recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device), short=True)
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,7 +160,7 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
             r["logprob_grad_precision"],
             (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
-            r["experts_backend"] if r["source"] == "ours" else None, short=True)
+            shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None, short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

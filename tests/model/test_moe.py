@@ -289,6 +289,30 @@ def test_lean_forward_is_grouped_and_keeps_less():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [3, 4096], ids=lambda n: f"rows{n}")
+def test_lean_equals_grouped_cuda_autocast(num_rows):
+    """fp32 parameters under bf16 autocast (the cast operands), with empty expert groups at 3 rows (6 routed
+    rows, 8 experts): the lean
+    node's forward is the grouped path's bit for bit, its gradients the same function in bf16."""
+    device = torch.device("cuda")
+    overrides = MODULES["sigmoid-bias-scaled"]
+    grouped = _module(overrides, dtype=torch.float32, backend="grouped").to(device)
+    lean = _module(overrides, dtype=torch.float32, backend="lean").to(device)
+    generator = torch.Generator(device=device).manual_seed(42)
+    x = torch.randn(num_rows, 16, generator=generator, device=device)
+    upstream = torch.randn(num_rows, 16, generator=generator, device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _, grad_x, grads = _run(lean, x, None, None, upstream)
+        y_ref, aux_ref, grad_x_ref, grads_ref = _run(grouped, x, None, None, upstream)
+    if num_rows == 3:
+        assert (aux_ref.tokens_per_expert_E == 0).any()
+    assert torch.equal(y, y_ref)
+    for got, expected in [(grad_x, grad_x_ref)] + [(grads[p], grads_ref[p]) for p in grads]:
+        assert float((got - expected).abs().max()) <= 2e-2 * float(expected.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["grouped", "lean"])
 @pytest.mark.parametrize("name", MODULES)
 def test_grouped_equals_loop_cuda_bf16(name, backend):
@@ -387,3 +411,17 @@ def test_router_logits_equal_the_cast_expression(dtype, autocast):
         results.append((logits.detach(), rows.grad, module.router_weight.grad.clone()))
     for got, expected in zip(*results):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_keeps_the_narrowest_rows(dtype):
+    """Under bf16 autocast the router node keeps bf16 rows for the backward, whatever the rows' dtype (the plain
+    expression kept autocast's bf16 copy; the fp32 rows themselves would be twice that)."""
+    module = _module(MODULES["softmax-shared"], dtype=dtype)
+    x = torch.randn(33, 16, generator=torch.Generator().manual_seed(42)).to(dtype).requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            module.router_logits(x)
+    rows = [t for t in kept if t.shape == x.shape]
+    assert len(rows) == 1 and rows[0].dtype == torch.bfloat16

@@ -116,11 +116,13 @@ def test_experts_backends_are_configurations_of_their_own(tmp_path):
     named["config"]["model_config"] = {"moe": {"experts_backend": "loop"}}
     lean = speedup_record(step=0, base_fbg=6.0)
     lean["config"]["model_config"] = {"moe": {"experts_backend": "lean"}}
-    rows = speedup_rows([default, named, lean])
-    assert [r["experts_backend"] for r in rows] == ["loop", "loop", "lean", NOT_REPORTED]
+    grouped = speedup_record(step=0, base_fbg=7.0)
+    grouped["config"]["model_config"] = {"moe": {"experts_backend": "grouped"}}
+    rows = speedup_rows([default, named, lean, grouped])
+    assert [r["experts_backend"] for r in rows] == ["loop", "loop", "lean", "grouped", NOT_REPORTED]
     header, table = display_table(rows)
-    assert [line[header.index("device / dtype")] for line in table[:3]] == [
-        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 sdpa lean experts"]
+    assert [line[header.index("device / dtype")] for line in table[:4]] == [
+        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 sdpa lean experts", "cpu fp32 sdpa grouped experts"]
     path = write(tmp_path, "single.json", [default, named, lean])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)

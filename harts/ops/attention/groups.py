@@ -199,35 +199,37 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
     with its own multi-line exceptions (v head dim 32 on Hopper, for one): any failure of the probe means
     these shapes do not run on this GPU. The probe runs on a thread of its own: the caller's autograd state is
     thread-local (no_grad, inference mode, autocast, and the saved-tensor hooks of an activation checkpoint,
-    whose recomputation the probe's backward would otherwise enter and stop)."""
+    whose recomputation the probe's backward would otherwise enter and stop). Its backward runs on that
+    thread too, not on the device's autograd worker, which may be the caller blocked in `join` (a first
+    call from inside a backward)."""
     key = (num_heads, qk_dim, v_dim, dtype, device.index, torch.are_deterministic_algorithms_enabled())
     if key not in _FLASH4_FAILURES:
         outcome: list[str | None] = []
 
         def probe() -> None:
-            from flash_attn.cute import flash_attn_varlen_func
-
             try:
+                from flash_attn.cute import flash_attn_varlen_func
+
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
-                q, k, v = (torch.ones(32, num_heads, dim, device=device, dtype=dtype, requires_grad=True)
-                           for dim in (qk_dim, qk_dim, v_dim))
-                bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
-                out, _ = flash_attn_varlen_func(
-                    q, k, v, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=16, max_seqlen_k=16, causal=True,
-                    deterministic=key[-1],
-                )
-                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+                with torch.autograd.set_multithreading_enabled(False):
+                    q, k, v = (torch.ones(32, num_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                               for dim in (qk_dim, qk_dim, v_dim))
+                    bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
+                    out, _ = flash_attn_varlen_func(
+                        q, k, v, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=16, max_seqlen_k=16,
+                        causal=True, deterministic=key[-1],
+                    )
+                    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 outcome.append(None)
-            except Exception as error:  # noqa: BLE001 (assertions, CuTe DSL and MLIR errors alike; see above)
+            except BaseException as error:  # noqa: BLE001 (assertions, CuTe DSL and MLIR errors alike; see above)
                 outcome.append(" ".join(str(error).split())[:300] or type(error).__name__)
 
         thread = threading.Thread(target=probe, name="harts-flash4-probe")
         thread.start()
         thread.join()
-        assert len(outcome) == 1
         _FLASH4_FAILURES[key] = outcome[0]
     return _FLASH4_FAILURES[key]
 

@@ -81,8 +81,11 @@ def test_cuda_weighted_backward_matches_reference(rows):
     gate_up = torch.randn(rows, 2 * 512, generator=gen, device="cuda") * 3
     weight = torch.rand(rows, generator=gen, device="cuda") * 2
     grad = torch.randn(rows, 512, generator=gen, device="cuda")
+    gate_up, grad = gate_up.bfloat16(), grad.bfloat16()
     expected = _weighted_autograd(gate_up.double(), weight.double(), grad.double())
-    actual = weighted_swiglu_backward(gate_up.bfloat16(), weight, grad.bfloat16())
+    actual = weighted_swiglu_backward(gate_up, weight, grad)
     assert [t.dtype for t in actual] == [torch.bfloat16, torch.float32, torch.bfloat16]
-    for got, reference in zip(actual, expected):
-        assert relative_error(got, reference) < 1e-2
+    # from the same bf16 inputs: dw accumulated in fp32, the others rounded once to bf16
+    assert relative_error(actual[1], expected[1]) < 1e-5
+    for got, reference in (actual[0], expected[0]), (actual[2], expected[2]):
+        assert relative_error(got, reference) < 2 ** -8
