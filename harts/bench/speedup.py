@@ -72,12 +72,11 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.cli.args import EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, index_list, non_negative_int, positive_int
 
 BREAKDOWN_MICROBATCHES = 4
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
@@ -86,8 +85,6 @@ EFFICIENCY_LIMIT = 1.05
 SPREAD_LIMIT = 0.10
 # NVIDIA's datasheet: H100/H200 SXM dense bf16 (the measured ceiling on KINDS.md is lower).
 H200_BF16_PEAK_FLOPS = 989.5e12
-# harts.model.moe.EXPERT_BACKENDS, spelled out so that the CLI builds without importing torch.
-EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -117,9 +114,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
                              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
     parser.add_argument("--kda-backend", default=None)
-    parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS,
-                        help="the MoE experts' backend, overriding the model config's moe.experts_backend (auto: "
-                             "grouped on CUDA, loop elsewhere; lean: grouped in one autograd node that keeps less)")
+    parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
                         help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
                              "(rounded once to bf16, bf16 tensor-core matmuls)")
@@ -711,7 +706,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
     from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
-    from harts.model.config import load_model_config
+    from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
@@ -724,9 +719,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     params_name = parameter_dtype(args.params, dtype_name, args.parallel)
-    model_config = load_model_config(args.model)
-    if args.experts_backend is not None:
-        model_config = replace(model_config, moe=replace(model_config.moe, experts_backend=args.experts_backend))
+    model_config = load_model_config_with(args.model, args.experts_backend)
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     check_torchrun(parallel)
     if not is_reporting_rank():

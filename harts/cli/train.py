@@ -16,7 +16,14 @@ import json
 import sys
 from dataclasses import replace
 
-from harts.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from harts.cli.args import (
+    EXPERT_BACKENDS,
+    EXPERTS_BACKEND_HELP,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -64,6 +71,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     loss.add_argument("--aggregation", choices=AGGREGATIONS, help="token-mean (default) or seq-mean-token-mean")
     parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see README)")
     parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
+    parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
     parser.add_argument("--on-policy", action="store_true",
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
@@ -76,14 +84,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _setup(args: argparse.Namespace):
     import torch
 
-    from harts.model.config import load_model_config
+    from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    config = load_model_config(args.model)
+    config = load_model_config_with(args.model, args.experts_backend)
     step = read_step(args.trees, vocab_size=config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)
@@ -232,7 +240,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     torchrun every rank runs this, and the others print nothing)."""
     import torch
 
-    from harts.model.config import load_model_config
+    from harts.model.config import load_model_config_with
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, launch
     from harts.parallel.verify import train_step_on_rank, verify_on_rank
@@ -244,7 +252,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     parallel = load_parallel_config(args.parallel)
     check_torchrun(parallel)
     loss_config = _loss_summary(_step_config(args, "baseline"))
-    config = load_model_config(args.model)
+    config = load_model_config_with(args.model, args.experts_backend)
     parallel.check_model(config)
     step = read_step(args.trees, vocab_size=config.vocab_size)
     if args.on_policy:

@@ -13,7 +13,7 @@ checkpoints exactly (harts.model.hf): `KDAConfig.output_gate_bias`, `MLAConfig.u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harts.config import load_config, shipped_config_path
 from harts.model.moe import MoEConfig
@@ -110,3 +110,11 @@ class ModelConfig:
 def load_model_config(name_or_path: str) -> ModelConfig:
     """A shipped config by name (`tiny`, `cpu-small`, `h200`, `ling3-tiny`) or a YAML path."""
     return load_config(shipped_config_path(name_or_path, "models"), ModelConfig)
+
+
+def load_model_config_with(name_or_path: str, experts_backend: str | None = None) -> ModelConfig:
+    """`load_model_config`, with the MoE experts backend replaced when one is given (the CLIs' --experts-backend)."""
+    config = load_model_config(name_or_path)
+    if experts_backend is None:
+        return config
+    return replace(config, moe=replace(config.moe, experts_backend=experts_backend))

@@ -495,14 +495,18 @@ def test_parameter_dtype(params, dtype, parallel, expected):
             parameter_dtype(params, dtype, parallel)
 
 
-def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, capsys):
+def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, capsys, monkeypatch):
     """--experts-backend reaches the model both executions run and the record's model config; its choices are
     the model's backends."""
-    from harts.bench.speedup import EXPERT_BACKENDS as CLI_BACKENDS
-    from harts.model.moe import EXPERT_BACKENDS
+    from harts.cli.args import EXPERT_BACKENDS as CLI_BACKENDS
+    from harts.model.moe import EXPERT_BACKENDS, MoE
 
     assert CLI_BACKENDS == EXPERT_BACKENDS
+    backends = []
+    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing: backends.append(
+        self.config.experts_backend) or self.loop_experts(x, routing))
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--experts-backend", "lean"], tmp_path, capsys)
     assert code == 0 and records[0]["config"]["model_config"]["moe"]["experts_backend"] == "lean"
+    assert backends and set(backends) == {"lean"}

@@ -113,3 +113,16 @@ def test_execution_flags_reach_the_step_config(command):
     config = step_config([*COMMANDS[command], "--recompute", "--recompute-blocks", "2",
                           "--logprob-grad-precision", "input"])
     assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision) == (True, 2, "input")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_experts_backend_reaches_the_model(command, monkeypatch):
+    """--experts-backend replaces the model config's MoE experts backend in the model the command builds."""
+    from harts.model.moe import MoE
+
+    backends = []
+    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing: backends.append(
+        self.config.experts_backend) or self.loop_experts(x, routing))
+    argv = [*COMMANDS[command], "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--experts-backend", "lean"]
+    assert main(argv) == 0
+    assert backends and set(backends) == {"lean"}
