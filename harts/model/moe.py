@@ -312,10 +312,8 @@ class _RouterLogits(torch.autograd.Function):
         dtype = _accumulation_dtype(x_ND)
         kept = x_ND
         device = x_ND.device.type
-        if torch.is_autocast_enabled(device) and x_ND.dtype.is_floating_point:
-            low = torch.get_autocast_dtype(device)
-            if low.itemsize < x_ND.dtype.itemsize and x_ND.dtype != torch.float64:
-                kept = x_ND.to(low)  # the values autocast's product reads
+        if x_ND.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            kept = x_ND.to(torch.get_autocast_dtype(device))  # the values autocast's product reads
         ctx.x_dtype = x_ND.dtype
         ctx.save_for_backward(kept, weight_ED)
         return x_ND.to(dtype) @ weight_ED.to(dtype).T

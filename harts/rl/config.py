@@ -30,7 +30,6 @@ from harts.runtime.layout import EXECUTIONS
 from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
 
 
-
 @dataclass(kw_only=True)
 class RLExecutionConfig:
     """How each training step is planned and run (harts.objective.step); the execution is the run's."""

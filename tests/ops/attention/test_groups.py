@@ -16,6 +16,29 @@ from harts.trees.trie import PrefixIndex
 from tests.ops.attention.helpers import random_splits, random_step
 
 
+def _layout(step, execution: str):
+    """The step's baseline layout for "baseline", its compact layout otherwise (chunk size 64)."""
+    members = np.arange(step.num_trajectories)
+    if execution == "baseline":
+        return baseline_layout(step, members, conv_size=4, chunk_size=64)
+    return compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
+
+
+def _standin_flash4(monkeypatch, varlen_func):
+    """Install `varlen_func` as FA4's `flash_attn.cute.flash_attn_varlen_func` with an empty probe cache; returns
+    the groups module."""
+    import sys
+    import types
+
+    from harts.ops.attention import groups as groups_module
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
+    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
+    return groups_module
+
+
 def _ancestor_or_self(layout, step):
     """mask[r, c]: row c holds a path position <= row r's on r's path (from the semantic map)."""
     rows = layout.semantic_rows.numpy()
@@ -114,11 +137,7 @@ def test_packed_attention_matches_naive(execution):
     from harts.ops.attention.groups import AttentionGroups, _bottom_right, _packed_attention
 
     step = random_step(4, num=12, max_len=120, vocab=3)
-    members = np.arange(step.num_trajectories)
-    if execution == "baseline":
-        layout = baseline_layout(step, members, conv_size=4, chunk_size=64)
-    else:
-        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
+    layout = _layout(step, execution)
     groups = layout.groups
     if execution == "compact-rows-shuffled":
         position = torch.randperm(layout.num_rows, generator=torch.Generator().manual_seed(1))
@@ -147,11 +166,6 @@ def test_packed_attention_matches_naive(execution):
 def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
     """FA4 fails on unsupported shapes with assertions or multi-line compiler errors; the probe keeps one line per
     shape and runs each shape once."""
-    import sys
-    import types
-
-    from harts.ops.attention import groups as groups_module
-
     calls = []
 
     def refusing(q, k, v, **kwargs):
@@ -160,10 +174,7 @@ def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
             raise RuntimeError("Operation creation failed:\nerror: unknown: expected top-level shape equivalence")
         return q[..., : v.shape[-1]] + k[..., : v.shape[-1]] + v, None
 
-    module = types.ModuleType("flash_attn.cute")
-    module.flash_attn_varlen_func = refusing
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
-    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
+    groups_module = _standin_flash4(monkeypatch, refusing)
     cpu = torch.device("cpu")
     failure = groups_module._flash4_failure(2, 8, 4, torch.float32, cpu)
     assert failure == "Operation creation failed: error: unknown: expected top-level shape equivalence"
@@ -178,21 +189,13 @@ def test_flash4_probe_runs_apart_from_the_callers_autograd_state(monkeypatch, re
     """The first flash4 call of a process may come inside an activation checkpoint's forward (whose saved-tensor
     hooks would route the probe's backward into the block's recomputation) or under no_grad and autocast: the
     probe's forward and backward run as if alone."""
-    import sys
-    import types
-
     from torch.utils.checkpoint import checkpoint
-
-    from harts.ops.attention import groups as groups_module
 
     def standin(q, k, v, **kwargs):
         assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
         return (q * k)[..., : v.shape[-1]] * v, None  # products keep their inputs for the backward
 
-    module = types.ModuleType("flash_attn.cute")
-    module.flash_attn_varlen_func = standin
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
-    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
+    groups_module = _standin_flash4(monkeypatch, standin)
     x = torch.ones(3, requires_grad=True)
     failures = []
 
@@ -235,11 +238,7 @@ def test_gpu_backends_match_naive(backend, dims, execution):
         pytest.importorskip("flash_attn.cute", reason="flash4 needs the optional flash-attn-4 package")
     qk_dim, v_dim = dims
     step = random_step(3, num=16, max_len=200, vocab=3)
-    members = np.arange(step.num_trajectories)
-    if execution == "baseline":
-        layout = baseline_layout(step, members, conv_size=4, chunk_size=64)
-    else:
-        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
+    layout = _layout(step, execution)
     groups = layout.groups.to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, heads = layout.num_rows, 4
