@@ -305,7 +305,7 @@ class _RouterLogits(torch.autograd.Function):
     """x·Wᵀ in fp32 (fp64 for fp64 rows), as `x.float() @ w.float().T` computes it and its autograd
     differentiates it (the same products in the same layouts), but keeping for the backward the rows the
     product reads, in the narrowest dtype that holds them: the rows themselves (bf16 rows: not their fp32
-    copy, 0.5 GB per layer at T = 65,536, D = 2,048) or, under autocast with wider rows, autocast's copy."""
+    copy, 0.5 GB per layer at T = 65,536, D = 2,048) or, for fp32 rows under autocast, autocast's copy."""
 
     @staticmethod
     def forward(ctx, x_ND, weight_ED):
