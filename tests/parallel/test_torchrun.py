@@ -130,7 +130,10 @@ def test_failing_ranks_are_one_line_each_and_one_error_record(tmp_path):
 def test_a_world_that_does_not_fit_is_refused(tmp_path, extra, message):
     code, stdout, stderr = _one_node(tmp_path, "verify", "--model", "tiny", "--trees", STEP, "--json", *extra)
     assert code != 0 and not _json_lines(stdout)
-    assert _harts_lines(stderr) == [f"harts: error: {message}"] * 2
+    # Every rank refuses, one line each; the first rank to exit makes torchrun stop the other, which on a
+    # loaded machine can come before that one has printed (CI, stop 29). At least one line, never another.
+    lines = _harts_lines(stderr)
+    assert 1 <= len(lines) <= 2 and set(lines) == {f"harts: error: {message}"}, lines
 
 
 def _free_port() -> int:
