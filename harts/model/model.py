@@ -7,21 +7,28 @@ the MoE auxiliary outputs of every MoE layer. The LM head is applied by the obje
 forward and recomputed in backward with the same layout, so the KDA call plan, replay ranges and
 state handoffs are replayed exactly (DESIGN §4, activation recomputation). `recompute_blocks=N`
 checkpoints only blocks 0 … N − 1 (Megatron's block method): the others keep their activations,
-trading memory for the recomputation's time; the values are the same either way.
+trading memory for the recomputation's time; the values are the same either way. With
+`keep_attention=True` the recomputed MLA blocks keep their attention kernels' outputs (output and
+log-sum-exp, about 4-6 KB a row for the paper's shape) from the forward and the recomputation skips those
+kernels, the costliest part of a block per byte kept (torchtitan's op-level selective recomputation,
+through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`). The kernels are
+deterministic, so the values are the same again (tests/model/test_recompute.py).
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cache, partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from harts.model.config import ModelConfig
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
+from harts.ops.attention.groups import attention_kernel_ops
 from harts.runtime.layout import Layout
 
 
@@ -48,6 +55,16 @@ class Block(nn.Module):
         else:
             y_RD, aux = self.mlp(h_RD), None
         return x_RD + y_RD, aux
+
+
+@cache
+def _kept_attention_context():
+    kept = attention_kernel_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
 
 
 class HybridModel(nn.Module):
@@ -83,27 +100,28 @@ class HybridModel(nn.Module):
 
     def forward(
         self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False,
-        recompute_blocks: int | None = None,
+        recompute_blocks: int | None = None, keep_attention: bool = False,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         x_RD, auxes = self.run_blocks(
             self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute,
-            recompute_blocks=recompute_blocks,
+            recompute_blocks=recompute_blocks, keep_attention=keep_attention,
         )
         return self.final_norm(x_RD), auxes
 
     def run_blocks(
         self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False,
-        recompute_blocks: int | None = None,
+        recompute_blocks: int | None = None, keep_attention: bool = False,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """Blocks `indices` in order over the rows (with `recompute`, each recomputed in backward, or only
-        those numbered below `recompute_blocks`); the MoE aux of every MoE block. A pipeline stage runs its
-        own range of them."""
+        those numbered below `recompute_blocks`; with `keep_attention`, the recomputed MLA blocks keep their
+        attention outputs); the MoE aux of every MoE block. A pipeline stage runs its own range of them."""
         auxes: list[MoEAux] = []
         for index in indices:
             block = self.blocks[index]
             recomputed = recompute and (recompute_blocks is None or index < recompute_blocks)
             if recomputed and torch.is_grad_enabled():
-                x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False)
+                kept = {"context_fn": _kept_attention_context()} if keep_attention and block.kind == "mla" else {}
+                x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
             else:
                 x_RD, aux = block(x_RD, layout)
             if aux is not None:

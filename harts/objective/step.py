@@ -33,6 +33,7 @@ from harts.objective.losses import (
     ppo_loss,
 )
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
+from harts.ops.attention.groups import KEEPABLE_BACKENDS
 from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_layout
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
@@ -52,6 +53,9 @@ class StepConfig:
     recompute_blocks: int | None = None
     """With `recompute`: only the first N blocks (of each pipeline stage) are recomputed, the others keep their
     activations (Megatron's block method: less recomputation for more memory). None: every block."""
+    keep_attention: bool = False
+    """With `recompute`: the recomputed MLA blocks keep their attention outputs from the forward instead of
+    running the attention again (`HybridModel.forward`; backends `KEEPABLE_BACKENDS`). Same values."""
     replay: bool = True
     """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     attention_backend: str = "sdpa"
@@ -73,6 +77,7 @@ class StepConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         check_logprob_grad_precision(self.logprob_grad_precision)
         check_recompute_blocks(self.recompute, self.recompute_blocks)
+        check_keep_attention(self.recompute, self.keep_attention, self.attention_backend)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
@@ -103,6 +108,21 @@ def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix
         raise ValueError(f"{prefix}recompute_blocks must be an int >= 1, got {recompute_blocks!r}")
     if not recompute:
         raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
+
+
+def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
+                         prefix: str = "") -> None:
+    """`keep_attention` needs `recompute` and a backend whose kernels a recomputation can keep (ValueError
+    naming `prefix` + field); `attention_backend` None is the device's default (varlen or sdpa: both can)."""
+    if not keep_attention:
+        return
+    if keep_attention is not True:
+        raise ValueError(f"{prefix}keep_attention must be true or false, got {keep_attention!r}")
+    if not recompute:
+        raise ValueError(f"{prefix}keep_attention needs {prefix}recompute")
+    if attention_backend is not None and attention_backend not in KEEPABLE_BACKENDS:
+        raise ValueError(f"{prefix}keep_attention needs an attention backend among {', '.join(KEEPABLE_BACKENDS)} "
+                         f"(their kernels are dispatcher ops), got {attention_backend!r}")
 
 
 @dataclass
@@ -164,7 +184,8 @@ def microbatch_logprobs(
     (`layout.semantic_rows` order)."""
     with autocast_context(device, config):
         hidden, auxes = model(
-            layout.input_ids, layout, recompute=config.recompute, recompute_blocks=config.recompute_blocks
+            layout.input_ids, layout, recompute=config.recompute, recompute_blocks=config.recompute_blocks,
+            keep_attention=config.keep_attention,
         )
     weight = model.lm_head.weight
     if DTYPES[config.dtype] is not None:

@@ -2,19 +2,26 @@
 block method): the same step gives the same loss and bitwise the same gradients as without
 recomputation (the recomputed forward repeats the same ops on CPU), and exactly blocks 0 … N − 1 run
 their forward twice (a pre-forward hook counts: the recomputation stops early, after the last saved
-tensor)."""
+tensor). With `keep_attention` the recomputed MLA blocks keep their attention kernels' outputs: the same
+bits again, and each MLA layer's kernel runs once (a dispatch mode counts the kernel calls), not twice."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.step import StepConfig, run_step
+from harts.ops.attention.groups import attention_kernel_ops
 from tests.objective.helpers import random_tree_step
 
 SETTINGS = {"none": {}, "all": {"recompute": True}, "first-1": {"recompute": True, "recompute_blocks": 1},
-            "first-3": {"recompute": True, "recompute_blocks": 3}, "over": {"recompute": True, "recompute_blocks": 99}}
+            "first-3": {"recompute": True, "recompute_blocks": 3}, "over": {"recompute": True, "recompute_blocks": 99},
+            "all-keep-attention": {"recompute": True, "keep_attention": True},
+            "first-3-keep-attention": {"recompute": True, "recompute_blocks": 3, "keep_attention": True}}
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +52,65 @@ def test_recomputed_blocks_and_gradients(model_and_step, name):
     num_blocks = len(model.blocks)
     loss, grads, calls = _run(model, step, SETTINGS[name])
     reference_loss, reference_grads, _ = _run(model, step, SETTINGS["none"])
-    recomputed = {"none": 0, "all": num_blocks, "first-1": 1, "first-3": 3, "over": num_blocks}[name]
+    recomputed = {"none": 0, "all": num_blocks, "first-1": 1, "first-3": 3, "over": num_blocks,
+                  "all-keep-attention": num_blocks, "first-3-keep-attention": 3}[name]
     assert calls == [2] * recomputed + [1] * (num_blocks - recomputed)
     assert loss == reference_loss
     assert grads.keys() == reference_grads.keys()
     assert all(torch.equal(grads[k], reference_grads[k]) for k in grads)
+
+
+class _AttentionKernelCalls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels, self.calls = attention_kernel_ops(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in self.kernels
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def equal_head_dims_model():
+    # SDPA's fused CPU kernel (a dispatcher op to keep) takes equal q/k and v head dims: 8 + 8 = 16 here.
+    config = load_model_config("tiny")
+    model = HybridModel(replace(config, mla=replace(config.mla, qk_nope_head_dim=8)))
+    model.init_weights(seed=42)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+@pytest.mark.parametrize("recompute_blocks", [None, 3], ids=["all", "first-3"])
+def test_kept_attention_runs_each_kernel_once(model_and_step, equal_head_dims_model, backend, execution,
+                                              recompute_blocks):
+    model, (_, step) = equal_head_dims_model, model_and_step
+    counts, losses, grads = {}, {}, {}
+    for keep in (False, True):
+        config = StepConfig(execution=execution, attention_backend=backend, recompute=True,
+                            recompute_blocks=recompute_blocks, keep_attention=keep)
+        model.zero_grad(set_to_none=True)
+        with _AttentionKernelCalls() as calls:
+            losses[keep] = run_step(model, step, [np.arange(step.num_trajectories)], config).loss
+        counts[keep] = calls.calls
+        grads[keep] = [p.grad.clone() for p in model.parameters()]
+    # The MLA block (block 3) runs its kernels once per attention group in the forward, and again in its
+    # recomputation unless they are kept; with 3 blocks recomputed it is not recomputed at all.
+    recomputed = recompute_blocks is None
+    assert counts[True] > 0 and counts[False] == (2 if recomputed else 1) * counts[True]
+    assert losses[True] == losses[False]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"keep_attention": True}, "keep_attention needs recompute"),
+    ({"recompute": True, "keep_attention": True, "attention_backend": "flex"}, "attention backend among"),
+    ({"recompute": True, "keep_attention": True, "attention_backend": "flash4"}, "attention backend among"),
+    ({"recompute": True, "keep_attention": 1}, "true or false"),
+], ids=["without-recompute", "flex", "flash4", "not-bool"])
+def test_bad_keep_attention(bad, message):
+    with pytest.raises(ValueError, match=message):
+        StepConfig(**bad)
 
 
 @pytest.mark.parametrize("bad", [{"recompute_blocks": 1}, {"recompute": True, "recompute_blocks": 0},

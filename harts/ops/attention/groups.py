@@ -130,9 +130,9 @@ def _bottom_right(num_q: int, num_k: int, ancestors: int, device=None) -> torch.
 def naive_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
     mask = visibility_mask(groups, q_RHE.shape[0]).to(q_RHE.device)
     out = F.scaled_dot_product_attention(
-        q_RHE.transpose(0, 1), k_RHE.transpose(0, 1), v_RHF.transpose(0, 1), attn_mask=mask, scale=scale
+        *(x.transpose(0, 1).unsqueeze(0) for x in (q_RHE, k_RHE, v_RHF)), attn_mask=mask, scale=scale
     )
-    return out.transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)
 
 
 def sdpa_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
@@ -143,11 +143,12 @@ def sdpa_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: fl
         queries = groups.q_index[q_ptr[g] : q_ptr[g + 1]]
         keys = groups.kv_index[kv_ptr[g] : kv_ptr[g + 1]]
         mask = _bottom_right(len(queries), len(keys), len(keys) - len(queries), q_RHE.device)
+        # Batched [1, H, L, E]: SDPA's fused CPU kernel takes only 4-D input (and equal q/v head dims).
         o = F.scaled_dot_product_attention(
-            q_RHE[queries].transpose(0, 1), k_RHE[keys].transpose(0, 1), v_RHF[keys].transpose(0, 1),
+            *(x.transpose(0, 1).unsqueeze(0) for x in (q_RHE[queries], k_RHE[keys], v_RHF[keys])),
             attn_mask=mask, scale=scale,
         )
-        pieces.append(o.transpose(0, 1))
+        pieces.append(o.squeeze(0).transpose(0, 1))
         rows.append(queries)
     out_RHF = out_RHF.index_copy(0, torch.cat(rows), torch.cat(pieces))
     return out_RHF
@@ -301,6 +302,28 @@ BACKENDS = {
     "cudnn": cudnn_group_attention,
     "flash4": flash4_group_attention,
 }
+
+
+KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "cudnn")
+"""The backends whose kernels are dispatcher ops (`attention_kernel_ops`): an activation recomputation can keep
+their outputs instead of running them again (`HybridModel.run_blocks(keep_attention=True)`). FlashAttention-4
+launches its CuTe kernels from Python and FlexAttention is a compiled higher-order op; neither is seen there."""
+
+
+def attention_kernel_ops() -> frozenset:
+    """The dispatcher ops that compute the attention of `KEEPABLE_BACKENDS`: torch's SDPA kernels (sdpa and
+    naive; cudnn's pieces) and the varlen custom op. The math fallback of SDPA (an attention mask that no
+    fused kernel takes) is a composite of small ops and not among them: its recomputation stays."""
+    import torch.nn.attention.varlen  # noqa: F401 (registers torch_attn::_varlen_attn)
+
+    aten = torch.ops.aten
+    return frozenset({
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops.torch_attn._varlen_attn.default,
+    })
 
 
 def group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float, backend: str) -> torch.Tensor:
