@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from harts.objective.step import check_keep_attention
 from harts.parallel.config import load_parallel_config
 from harts.rl.config import load_rl_config
 
@@ -55,6 +56,11 @@ def _check_config():
         raise ValueError(f"{rl}: its `name` must be {config['rl']['config']!r} (records are labelled by it)")
     if config["speedup"]["recompute_blocks"] is not None and not config["speedup"]["recompute"]:
         raise ValueError("pipeline config: speedup.recompute_blocks needs speedup.recompute: true")
+    try:
+        check_keep_attention(config["speedup"]["recompute"], config["speedup"]["keep_attention"],
+                             config["speedup"]["attention_backend"], "speedup.")
+    except ValueError as error:
+        raise ValueError(f"pipeline config: {error}") from None
     for name in config["planning"]["datasets"]:
         if name not in SYNTH_DATASETS:
             raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
@@ -140,6 +146,8 @@ def speedup_execution_flags(speedup):
         flags.append(f"--recompute-blocks {speedup['recompute_blocks']}")
     if speedup["experts_backend"] is not None:
         flags.append(f"--experts-backend {speedup['experts_backend']}")
+    if speedup["keep_attention"]:
+        flags.append("--keep-attention")
     return " ".join(flags)
 
 

@@ -76,7 +76,9 @@ from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, index_list, non_negative_int, positive_int
+from harts.cli.args import (
+    EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
+)
 
 BREAKDOWN_MICROBATCHES = 4
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
@@ -108,6 +110,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
                         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
                              "(Megatron's block method; default: every block)")
+    parser.add_argument("--keep-attention", action="store_true", help=KEEP_ATTENTION_HELP)
     parser.add_argument("--attention-backend", default=None,
                         help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
     parser.add_argument("--compact-attention-backend", default=None,
@@ -321,7 +324,8 @@ def _step_configs(args, dtype_name: str) -> dict:
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     return {
         name: StepConfig(
-            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks, dtype=dtype_name,
+            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
+            keep_attention=args.keep_attention, dtype=dtype_name,
             attention_backend=backends[name],
             kda_backend=args.kda_backend or default_kda_backend(cuda),
             logprob_grad_precision=args.logprob_grad_precision,
@@ -752,7 +756,8 @@ def run(args: argparse.Namespace) -> int:
                     "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
                     "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
                     "params": params_name, "recompute": args.recompute,
-                    "recompute_blocks": args.recompute_blocks, "repeats": args.repeats,
+                    "recompute_blocks": args.recompute_blocks, "keep_attention": args.keep_attention,
+                    "repeats": args.repeats,
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
                     "parallel_config": config_to_dict(parallel) if parallel else None,

@@ -75,3 +75,7 @@ def non_finite_fields(value, prefix: str = "") -> list[str]:
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{prefix.rstrip('.')} = {value}"]
     return []
+
+KEEP_ATTENTION_HELP = ("with --recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and "
+                       "log-sum-exp) instead of running the attention again; same values, more memory (attention "
+                       "backends naive|sdpa|varlen|cudnn)")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.cli.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
 
 # (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
 OVERRIDES = [
@@ -40,6 +40,8 @@ OVERRIDES = [
                                             "help": "per-layer activation recomputation"}),
     ("--recompute-blocks", "execution.recompute_blocks", {"type": positive_int,
                                                           "help": "with --recompute: recompute only blocks 0..N-1"}),
+    ("--keep-attention", "execution.keep_attention", {"action": argparse.BooleanOptionalAction,
+                                                      "help": KEEP_ATTENTION_HELP}),
     ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn|flash4"}),
     ("--logprob-grad-precision", "execution.logprob_grad_precision", {
         "choices": ("fp32", "input"), "help": "the LM head's logit gradients: fp32 (TF32 matmuls) or input (bf16)"}),

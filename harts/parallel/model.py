@@ -105,10 +105,10 @@ class ParallelModel:
 
     def stage_forward(
         self, layout: Layout, x_in: torch.Tensor | None, *, recompute: bool = False,
-        recompute_blocks: int | None = None,
+        recompute_blocks: int | None = None, keep_attention: bool = False,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """This stage's part of `HybridModel.forward`: hidden rows out (final hidden [R, D] on the last stage);
-        with `recompute_blocks`, the stage's first N blocks recomputed."""
+        with `recompute_blocks`, the stage's first N blocks recomputed (`keep_attention`: their attention kept)."""
         model, groups = self.model, self.groups
         if groups.is_first_stage:
             x = model.embed(layout.input_ids)
@@ -117,7 +117,8 @@ class ParallelModel:
         else:
             x = x_in
         x, auxes = model.run_blocks(x, layout, self.blocks, recompute=recompute,
-                                    recompute_blocks=stage_recompute_limit(self.blocks, recompute_blocks))
+                                    recompute_blocks=stage_recompute_limit(self.blocks, recompute_blocks),
+                                    keep_attention=keep_attention)
         if groups.is_last_stage:
             x = model.final_norm(x)
             if self.sequence_parallel:

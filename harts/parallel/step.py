@@ -55,7 +55,7 @@ class _FinalHidden:
     def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Linear) -> None:
         self.hidden, self.lm_head = hidden, lm_head
 
-    def __call__(self, input_ids, layout, recompute=False, recompute_blocks=None):
+    def __call__(self, input_ids, layout, recompute=False, recompute_blocks=None, keep_attention=False):
         return self.hidden, []
 
 
@@ -152,7 +152,8 @@ def run_parallel_step(
         with torch.set_grad_enabled(backward):
             with autocast_context(device, config):
                 out, auxes = pmodel.stage_forward(
-                    layout, x_in, recompute=config.recompute, recompute_blocks=config.recompute_blocks
+                    layout, x_in, recompute=config.recompute, recompute_blocks=config.recompute_blocks,
+                    keep_attention=config.keep_attention,
                 )
             moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))
             if last:

@@ -31,7 +31,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "trees", "step",
+    "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -74,20 +74,23 @@ def experts_backend(config: dict[str, Any]) -> str:
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
-            bool(c.get("recompute")), c.get("recompute_blocks"), c.get("logprob_grad_precision") or "fp32",
-            attention_backends(c), experts_backend(c))
+            bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
+            c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c))
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
                    attention: tuple[str, str] | None = None, experts: str | None = None, *,
-                   short: bool = False) -> str:
-    """The step settings beside device and dtype: recomputation (of every block or the first N), bf16
+                   keep_attention: bool = False, short: bool = False) -> str:
+    """The step settings beside device and dtype: recomputation (of every block or the first N; the attention
+    kept where it is), bf16
     LM-head gradients, the MLA backend (the compact execution's after a slash where it differs) and the
     MoE experts backend (callers pass it where it is not the device's default: `shown_experts`)."""
     parts = []
     if recompute:
         name = "rc" if short else "recompute"
         parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
+        if keep_attention:
+            parts.append("attn kept" if short else "attention kept")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
     if attention is not None:
@@ -106,16 +109,18 @@ def shown_experts(experts: str, device: str | None) -> str | None:
 
 
 def configuration_label(key: tuple) -> str:
-    model, parallel, planner, device, dtype, recompute, recompute_blocks, grad_precision, attention, experts = key
-    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device))
+    model, parallel, planner, device, dtype, recompute, recompute_blocks, kept, grad_precision, attention, experts = key
+    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
+                              keep_attention=kept)
     return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
 
 
 def short_configuration_label(key: tuple) -> str:
     """One line for the figures' axes and legends: the configuration and its settings (not device and dtype)."""
-    model, parallel, planner, device, _, recompute, recompute_blocks, grad_precision, attention, experts = key
+    model, parallel, planner, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts = key
     return f"{model} / {parallel} / {planner}" + settings_label(
-        recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device), short=True)
+        recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device), keep_attention=kept,
+        short=True)
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,7 +132,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"source": "ours", "model": c.get("model"), "parallel": c.get("parallel", "single"),
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
                "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
-               "recompute_blocks": c.get("recompute_blocks"),
+               "recompute_blocks": c.get("recompute_blocks"), "keep_attention": bool(c.get("keep_attention")),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
                "experts_backend": experts_backend(c), "trees": c.get("trees"),
@@ -160,7 +165,8 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
             r["logprob_grad_precision"],
             (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
-            shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None, short=True)
+            shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None,
+            keep_attention=r["keep_attention"] is True, short=True)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

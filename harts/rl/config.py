@@ -20,7 +20,9 @@ from pathlib import Path
 
 from harts.config import load_config
 from harts.model.config import load_model_config
-from harts.objective.step import DTYPES, check_backends, check_logprob_grad_precision, check_recompute_blocks
+from harts.objective.step import (
+    DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
+)
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
 from harts.planning.microbatch import PLANNER_NAMES
@@ -42,6 +44,8 @@ class RLExecutionConfig:
     recompute: bool = False
     recompute_blocks: int | None = None
     """With `recompute`: recompute only blocks 0 … N − 1. None: every block."""
+    keep_attention: bool = False
+    """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
     attention_backend: str | None = None
     """None = "sdpa" on CPU, "varlen" on CUDA."""
     kda_backend: str | None = None
@@ -53,6 +57,7 @@ class RLExecutionConfig:
         if self.capacity < 1:
             raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
+        check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         check_backends(self.attention_backend, self.kda_backend, "execution.")
         for name in ("planner_compact", "planner_baseline"):

@@ -276,11 +276,13 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     from harts.bench.speedup import _step_configs
 
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=2)
+                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=2,
+                              keep_attention=True)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
         assert (config.logprob_grad_precision, config.recompute, config.recompute_blocks) == ("input", True, 2)
+        assert config.keep_attention
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)
@@ -293,9 +295,30 @@ def test_recompute_blocks(tree_step_path, tmp_path, capsys):
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "1"], tmp_path, capsys)
     assert code == 0 and records[0]["config"]["recompute_blocks"] == 1
+    assert records[0]["config"]["keep_attention"] is False
     code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute-blocks", "1",
                  "--out", str(tmp_path / "bad.json")])
     assert code != 0 and "--recompute-blocks needs --recompute" in capsys.readouterr().err
+
+
+def test_keep_attention(tree_step_path, tmp_path, capsys, monkeypatch):
+    """--keep-attention reaches the model's forward in both executions and the record; with a backend whose
+    kernels cannot be kept it is an error naming the field, one line, no record."""
+    from harts.model.model import HybridModel
+
+    kept = []
+    forward = HybridModel.forward
+    monkeypatch.setattr(HybridModel, "forward", lambda self, *a, **k: kept.append(k["keep_attention"]) or
+                        forward(self, *a, **k))
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--keep-attention"], tmp_path, capsys)
+    assert code == 0 and records[0]["config"]["keep_attention"] is True
+    assert kept and set(kept) == {True}
+    code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--keep-attention",
+                 "--attention-backend", "flex", "--out", str(tmp_path / "bad.json")])
+    err = capsys.readouterr().err
+    assert code != 0 and "keep_attention needs an attention backend among" in err and "Traceback" not in err
 
 
 def _check_record(record, step, parallel: str, world_size: int):

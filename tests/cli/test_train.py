@@ -111,8 +111,10 @@ def test_train_step_uses_and_prints_the_loss_config(tmp_path, capsys):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_execution_flags_reach_the_step_config(command):
     config = step_config([*COMMANDS[command], "--recompute", "--recompute-blocks", "2",
-                          "--logprob-grad-precision", "input"])
-    assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision) == (True, 2, "input")
+                          "--logprob-grad-precision", "input", "--keep-attention"])
+    assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision, config.keep_attention) == (
+        True, 2, "input", True)
+    assert step_config(COMMANDS[command]).keep_attention is False
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -43,10 +43,11 @@ def test_config_file_with_flag_overrides(capsys, tmp_path):
     config.write_text("model: tiny\nnum_steps: 1\ndata: {trees: tiny}\nexecution: {capacity: 1024}\n"
                       "loss: {name: ppo}\noptimizer: {lr: 1.0e-4}\n")
     _run(capsys, "--config", str(config), "--out", str(tmp_path / "run"), "--lr", "2e-4", "--execution", "baseline",
-         "--clip-ratio-high", "0.28", "--no-progress", "--json")
+         "--clip-ratio-high", "0.28", "--recompute", "--keep-attention", "--no-progress", "--json")
     resolved = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "config.json").read_text())["train"]
     assert resolved["optimizer"]["lr"] == 2e-4 and resolved["execution"]["execution"] == "baseline"
     assert resolved["execution"]["planner"] == "per-trajectory" and resolved["loss"]["ppo"]["clip_ratio_high"] == 0.28
+    assert resolved["execution"]["recompute"] and resolved["execution"]["keep_attention"]
 
 
 @pytest.mark.parametrize(

@@ -32,15 +32,24 @@ def _model():
     return model
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+RECOMPUTE = {"plain": {}, "recompute": {"recompute": True},
+             "keep-attention": {"recompute": True, "recompute_blocks": 3, "keep_attention": True}}
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
-def test_single_rank_is_run_step(groups, execution, recompute):
+def test_single_rank_is_run_step(groups, execution, recompute, monkeypatch):
     step, microbatches = tree_step_and_microbatches()
-    config = StepConfig(execution=execution, recompute=recompute)
+    config = StepConfig(execution=execution, **RECOMPUTE[recompute])
     reference = _model()
     expected = run_step(reference, step, microbatches, config, collect_logprobs=True)
     pmodel = parallelize(_model(), groups)
+    settings = []
+    run_blocks = HybridModel.run_blocks
+    monkeypatch.setattr(HybridModel, "run_blocks", lambda self, *a, **k: settings.append(
+        (k["recompute"], k["recompute_blocks"], k["keep_attention"])) or run_blocks(self, *a, **k))
     result = run_parallel_step(pmodel, step, microbatches, config, collect=True)
+    assert set(settings) == {(config.recompute, config.recompute_blocks, config.keep_attention)}
     assert result.loss == pytest.approx(expected.loss, rel=1e-12, abs=0)
     assert result.moe_loss == pytest.approx(expected.moe_loss, rel=1e-12, abs=0)
     assert result.num_rows == expected.num_rows and result.clip_fraction == pytest.approx(expected.clip_fraction)

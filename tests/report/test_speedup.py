@@ -129,3 +129,25 @@ def test_experts_backends_are_configurations_of_their_own(tmp_path):
     _, text = pdf_text(pdf)
     assert "cpu fp32, sdpa, lean experts" in text
     assert text.count("tiny / single / harts sdpa (ideal") == 1  # auto and named loop: one configuration
+
+
+def test_kept_attention_is_a_configuration_of_its_own(tmp_path):
+    """Records that differ only in keep_attention are not merged (older records have no key: not kept); the
+    labels say where the attention was kept."""
+    old = speedup_record(step=0)
+    old["config"].update(recompute=True, recompute_blocks=2)
+    plain = speedup_record(step=1)
+    plain["config"].update(recompute=True, recompute_blocks=2, keep_attention=False)
+    kept = speedup_record(step=0, base_fbg=7.0)
+    kept["config"].update(recompute=True, recompute_blocks=2, keep_attention=True)
+    rows = speedup_rows([old, plain, kept])
+    assert [r["keep_attention"] for r in rows] == [False, False, True, NOT_REPORTED]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:3]] == [
+        "cpu fp32 rc 2 blocks sdpa", "cpu fp32 rc 2 blocks sdpa", "cpu fp32 rc 2 blocks attn kept sdpa"]
+    path = write(tmp_path, "single.json", [old, plain, kept])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "recompute 2 blocks, attention kept" in text
+    assert text.count("tiny / single / harts rc 2 blocks sdpa (ideal") == 1  # old and plain: one configuration

@@ -50,9 +50,12 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
         (("execution: {capacity: 1024}", "execution: {attention_backend: flash3}"),
          "execution.attention_backend must be one of .*'flash4'.*, got 'flash3'"),
         (("execution: {capacity: 1024}", "execution: {kda_backend: triton}"), "execution.kda_backend must be one of"),
+        (("execution: {capacity: 1024}", "execution: {keep_attention: true}"),
+         "execution.keep_attention needs execution.recompute"),
     ],
     ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner",
-         "recompute-blocks-alone", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend"],
+         "recompute-blocks-alone", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend",
+         "keep-attention-alone"],
 )
 def test_yaml_is_strict(tmp_path, edit, message):
     old, new = edit
@@ -108,7 +111,9 @@ def test_execution_fields_reach_the_step_config():
     config = load_train_config(None, {
         "model": "tiny", "data.trees": "tiny", "execution.recompute": True, "execution.recompute_blocks": 2,
         "execution.logprob_grad_precision": "input", "execution.logprob_chunk_rows": 64,
+        "execution.keep_attention": True,
     })
     step = step_config_of(resolve(config, num_data_steps=1))
     assert (step.recompute, step.recompute_blocks, step.logprob_grad_precision, step.logprob_chunk_rows) == (
         True, 2, "input", 64)
+    assert step.keep_attention

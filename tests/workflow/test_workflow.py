@@ -240,6 +240,11 @@ BAD_CONFIGS = {
     "unknown-experts-backend": ({"speedup": {"experts_backend": "fused"}}, "'fused' is not one of"),
     "recompute-blocks-without-recompute": ({"speedup": {"recompute": False, "recompute_blocks": 2}},
                                            "speedup.recompute_blocks needs speedup.recompute: true"),
+    "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
+                                         "pipeline config: speedup.keep_attention needs speedup.recompute"),
+    "keep-attention-with-flash4": ({"speedup": {"recompute": True, "keep_attention": True,
+                                                "attention_backend": "flash4"}},
+                                   "pipeline config: speedup.keep_attention needs an attention backend among"),
 }
 
 
@@ -265,18 +270,18 @@ def test_nested_config_values_on_the_command_line(workdir):
     assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
     assert "--logprob-grad-precision fp32" in result.stdout
     assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
-    assert "--experts-backend" not in result.stdout
+    assert "--experts-backend" not in result.stdout and "--keep-attention" not in result.stdout
 
 
 def test_speedup_execution_settings_reach_the_jobs(workdir):
     """The pipeline's opt-in execution settings (attention backend, bf16 LM-head gradients, partial
     recomputation) become the bench's flags."""
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
-                       "--config", "speedup={recompute: true, attention_backend: flash4, "
-                       "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean}")
+                       "--config", "speedup={recompute: true, attention_backend: varlen, "
+                       "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("--recompute --logprob-grad-precision input --attention-backend flash4 --recompute-blocks 2 "
-            "--experts-backend lean") in result.stdout
+    assert ("--recompute --logprob-grad-precision input --attention-backend varlen --recompute-blocks 2 "
+            "--experts-backend lean --keep-attention") in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
