@@ -77,5 +77,5 @@ def non_finite_fields(value, prefix: str = "") -> list[str]:
     return []
 
 KEEP_ATTENTION_HELP = ("with --recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and "
-                       "log-sum-exp) instead of running the attention again; same values, more memory (attention "
-                       "backends naive|sdpa|varlen|cudnn)")
+                       "log-sum-exp) instead of running the attention again; same values, more memory (every "
+                       "attention backend but flex)")

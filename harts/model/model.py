@@ -58,7 +58,9 @@ class Block(nn.Module):
 
 
 @cache
-def _kept_attention_context():
+def keep_attention_context():
+    """The `context_fn` of a checkpoint whose recomputation keeps the attention kernels' outputs
+    (`attention_kernel_ops`) and runs every other op again."""
     kept = attention_kernel_ops()
 
     def policy(ctx, op, *args, **kwargs):
@@ -120,7 +122,7 @@ class HybridModel(nn.Module):
             block = self.blocks[index]
             recomputed = recompute and (recompute_blocks is None or index < recompute_blocks)
             if recomputed and torch.is_grad_enabled():
-                kept = {"context_fn": _kept_attention_context()} if keep_attention and block.kind == "mla" else {}
+                kept = {"context_fn": keep_attention_context()} if keep_attention and block.kind == "mla" else {}
                 x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
             else:
                 x_RD, aux = block(x_RD, layout)

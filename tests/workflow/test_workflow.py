@@ -242,8 +242,8 @@ BAD_CONFIGS = {
                                            "speedup.recompute_blocks needs speedup.recompute: true"),
     "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
                                          "pipeline config: speedup.keep_attention needs speedup.recompute"),
-    "keep-attention-with-flash4": ({"speedup": {"recompute": True, "keep_attention": True,
-                                                "attention_backend": "flash4"}},
+    "keep-attention-with-flex": ({"speedup": {"recompute": True, "keep_attention": True,
+                                              "attention_backend": "flex"}},
                                    "pipeline config: speedup.keep_attention needs an attention backend among"),
 }
 

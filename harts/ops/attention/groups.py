@@ -19,7 +19,8 @@ Backends (all compute the same function, tested against `naive_group_attention`)
 - `cudnn`: cuDNN's fused attention, one dense call per group (two for a group with ancestors,
   merged by log-sum-exp; `harts.ops.attention.split`), bf16/fp16 on CUDA.
 - `flash4`: FlashAttention-4's CuTe kernels (the optional `flash-attn-4` package; Hopper and
-  Blackwell), the varlen backend's single packed call without padding v and without per-shape plans.
+  Blackwell) through the operator `harts.ops.attention.flash4.flash4_varlen`, the varlen backend's single
+  packed call without padding v and without per-shape plans.
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -209,7 +210,7 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
 
         def probe() -> None:
             try:
-                from flash_attn.cute import flash_attn_varlen_func
+                from harts.ops.attention.flash4 import flash4_varlen
 
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
@@ -217,10 +218,7 @@ def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
                     q, k, v = (torch.ones(32, num_heads, dim, device=device, dtype=dtype, requires_grad=True)
                                for dim in (qk_dim, qk_dim, v_dim))
                     bounds = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
-                    out, _ = flash_attn_varlen_func(
-                        q, k, v, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=16, max_seqlen_k=16,
-                        causal=True, deterministic=key[-1],
-                    )
+                    out, _ = flash4_varlen(q, k, v, bounds, bounds, 16, 16, qk_dim ** -0.5, key[-1])
                     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -241,7 +239,7 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
         raise ValueError(f"attention backend 'flash4' needs q, k and v in one of bf16 or fp16 on CUDA "
                          f"(got {', '.join(sorted(str(d) for d in dtypes))} on {q_RHE.device.type})")
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401 (flash4_varlen's kernels)
     except ImportError as error:
         raise ValueError(
             "attention backend 'flash4' needs the optional flash-attn-4 package (FlashAttention-4's CuTe kernels, "
@@ -254,14 +252,14 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
         capability = "".join(map(str, torch.cuda.get_device_capability(q_RHE.device)))
         raise ValueError(f"attention backend 'flash4': FlashAttention-4 does not run {num_heads} heads of head dims "
                          f"{qk_dim}/{v_dim} in {q_RHE.dtype} on sm_{capability}: {failure}")
+    from harts.ops.attention.flash4 import flash4_varlen
+
     deterministic = torch.are_deterministic_algorithms_enabled()
     # FA's causal mask is aligned bottom-right when a group has more keys than queries: the ancestors.
     return _packed_attention(
         q_RHE, k_RHE, v_RHF, groups,
-        lambda q, k, v, cu_q, cu_k: flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=groups.max_q, max_seqlen_k=groups.max_k,
-            softmax_scale=scale, causal=True, deterministic=deterministic,
-        )[0],
+        lambda q, k, v, cu_q, cu_k: flash4_varlen(q, k, v, cu_q, cu_k, groups.max_q, groups.max_k, scale,
+                                                  deterministic)[0],
     )
 
 
@@ -304,17 +302,19 @@ BACKENDS = {
 }
 
 
-KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "cudnn")
+KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "cudnn", "flash4")
 """The backends whose kernels are dispatcher ops (`attention_kernel_ops`): an activation recomputation can keep
-their outputs instead of running them again (`HybridModel.run_blocks(keep_attention=True)`). FlashAttention-4
-launches its CuTe kernels from Python and FlexAttention is a compiled higher-order op; neither is seen there."""
+their outputs instead of running them again (`HybridModel.run_blocks(keep_attention=True)`). FlexAttention is a
+compiled higher-order op, not seen there."""
 
 
 def attention_kernel_ops() -> frozenset:
     """The dispatcher ops that compute the attention of `KEEPABLE_BACKENDS`: torch's SDPA kernels (sdpa and
-    naive; cudnn's pieces) and the varlen custom op. The math fallback of SDPA (an attention mask that no
+    naive; cudnn's pieces), torch's varlen operator and FlashAttention-4's (`flash4_varlen`). The math fallback of SDPA (an attention mask that no
     fused kernel takes) is a composite of small ops and not among them: its recomputation stays."""
     import torch.nn.attention.varlen  # noqa: F401 (registers torch_attn::_varlen_attn)
+
+    from harts.ops.attention.flash4 import flash4_varlen
 
     aten = torch.ops.aten
     return frozenset({
@@ -323,6 +323,7 @@ def attention_kernel_ops() -> frozenset:
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.torch_attn._varlen_attn.default,
+        torch.ops.harts.flash4_varlen.default,
     })
 
 

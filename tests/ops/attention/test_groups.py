@@ -13,7 +13,7 @@ from harts.ops.attention.groups import (
 )
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
-from tests.ops.attention.helpers import random_splits, random_step
+from tests.ops.attention.helpers import random_splits, random_step, standin_flash4, varlen_standin
 
 
 def _layout(step, execution: str):
@@ -22,21 +22,6 @@ def _layout(step, execution: str):
     if execution == "baseline":
         return baseline_layout(step, members, conv_size=4, chunk_size=64)
     return compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=64)
-
-
-def _standin_flash4(monkeypatch, varlen_func):
-    """Install `varlen_func` as FA4's `flash_attn.cute.flash_attn_varlen_func` with an empty probe cache; returns
-    the groups module."""
-    import sys
-    import types
-
-    from harts.ops.attention import groups as groups_module
-
-    module = types.ModuleType("flash_attn.cute")
-    module.flash_attn_varlen_func = varlen_func
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
-    monkeypatch.setattr(groups_module, "_FLASH4_FAILURES", {})
-    return groups_module
 
 
 def _ancestor_or_self(layout, step):
@@ -172,9 +157,9 @@ def test_flash4_probe_turns_any_failure_into_one_cached_line(monkeypatch):
         calls.append((q.shape, v.shape, kwargs["causal"]))
         if v.shape[-1] == 4:
             raise RuntimeError("Operation creation failed:\nerror: unknown: expected top-level shape equivalence")
-        return q[..., : v.shape[-1]] + k[..., : v.shape[-1]] + v, None
+        return varlen_standin(q, k, v, **kwargs)
 
-    groups_module = _standin_flash4(monkeypatch, refusing)
+    groups_module = standin_flash4(monkeypatch, refusing)
     cpu = torch.device("cpu")
     failure = groups_module._flash4_failure(2, 8, 4, torch.float32, cpu)
     assert failure == "Operation creation failed: error: unknown: expected top-level shape equivalence"
@@ -192,10 +177,11 @@ def test_flash4_probe_runs_apart_from_the_callers_autograd_state(monkeypatch, re
     from torch.utils.checkpoint import checkpoint
 
     def standin(q, k, v, **kwargs):
-        assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-        return (q * k)[..., : v.shape[-1]] * v, None  # products keep their inputs for the backward
+        # (Under no_grad, or inside the checkpoint's hooks, the probe's backward would fail: a failure line.)
+        assert not torch.is_autocast_enabled("cpu")
+        return varlen_standin(q, k, v, **kwargs)
 
-    groups_module = _standin_flash4(monkeypatch, standin)
+    groups_module = standin_flash4(monkeypatch, standin)
     x = torch.ones(3, requires_grad=True)
     failures = []
 

@@ -1,0 +1,76 @@
+"""`flash4_varlen` (FlashAttention-4's varlen kernels as an operator) with a stand-in FA4 module on the CPU: its
+autograd formula hands FA4's backward the saved tensors and returns dq, dk, dv in place (against autograd through
+the stand-in forward), and a recomputation that keeps the attention (`keep_attention_context`) does not call the
+forward kernel again and gives the same gradients bit for bit. The real kernels are tested on the GPU in
+test_groups.py (`test_gpu_backends_match_naive`)."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from harts.model.model import keep_attention_context
+from harts.ops.attention.flash4 import flash4_varlen
+from tests.ops.attention.helpers import standin_flash4, varlen_standin
+
+CU_Q = torch.tensor([0, 5, 12, 13], dtype=torch.int32)
+CU_K = torch.tensor([0, 9, 16, 20], dtype=torch.int32)  # keys before the queries: ancestors, bottom-right causal
+
+
+def _inputs(seed: int, heads=2, qk_dim=6, v_dim=4):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(CU_Q[-1]), heads, qk_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(int(CU_K[-1]), heads, qk_dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(int(CU_K[-1]), heads, v_dim, generator=generator, dtype=torch.float64)
+    return q, k, v, torch.randn(int(CU_Q[-1]), heads, v_dim, generator=generator, dtype=torch.float64)
+
+
+def _counting_standin(monkeypatch):
+    calls = []
+
+    def forward(q, k, v, **kwargs):
+        calls.append(q.shape)
+        return varlen_standin(q, k, v, **kwargs)
+
+    standin_flash4(monkeypatch, forward)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_operator_forward_and_gradients(monkeypatch, seed):
+    _counting_standin(monkeypatch)
+    q, k, v, grad = _inputs(seed)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash4_varlen(*inputs, CU_Q, CU_K, 7, 9, 0.3, False)
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, expected_lse, *_ = varlen_standin(*reference, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, softmax_scale=0.3,
+                                                causal=True, return_lse=True)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    assert out.requires_grad and not lse.requires_grad
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(expected, reference, grad)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_kept_recomputation_does_not_run_the_forward_kernel_again(monkeypatch):
+    calls = _counting_standin(monkeypatch)
+    q, k, v, grad = _inputs(0)
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(6, 6, generator=generator, dtype=torch.float64)
+
+    def block(q, k, v):
+        # Projections in front of the attention and behind it, as in an MLA block.
+        out, _ = flash4_varlen(q @ weight, k @ weight, v, CU_Q, CU_K, 7, 9, 0.3, False)
+        return out.tanh()
+
+    grads, counts = {}, {}
+    for kept in (False, True):
+        calls.clear()
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        context = {"context_fn": keep_attention_context()} if kept else {}
+        out = checkpoint(block, *inputs, use_reentrant=False, **context)
+        grads[kept] = torch.autograd.grad(out, inputs, grad)
+        counts[kept] = len(calls)
+    assert counts == {False: 2, True: 1}
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
