@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from harts.cli.args import print_error
+
 POLL_S = 1.0
 
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args.take, args.pool, command)
     except ValueError as error:
-        print(f"harts: error: {error}", file=sys.stderr)
+        print_error(str(error))
         return 2
 
 

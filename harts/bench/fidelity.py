@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.cli.args import non_negative_int, positive_int, print_error
 
 PAPER = {
     "symkl_excess_depth_4_5": (0.324, 0.361),
@@ -547,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             parallel_results(args, parallel, model_config, step, common)
         except RankFailed as error:
-            print(f"harts: error: {error}", file=sys.stderr)
+            print_error(str(error))
             return 1
         return 0
     config = {"model": model_config.name, "model_config": config_to_dict(model_config), **meta,

@@ -78,6 +78,7 @@ from typing import Any
 from harts.bench import wandb_log
 from harts.cli.args import (
     EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
+    print_error,
 )
 
 BREAKDOWN_MICROBATCHES = 4
@@ -828,7 +829,7 @@ def _follow_rank_zero(args, parallel, model_config, dtype_name) -> int:
         for _, step, _ in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
             measure_parallel_step(args, parallel, model_config, step, dtype_name)
     except RankFailed as error:
-        print(f"harts: error: {error}", file=sys.stderr)
+        print_error(str(error))
         return 1
     return 0
 

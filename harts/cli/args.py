@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+
+
+def print_error(message: str) -> None:
+    """`harts: error: MESSAGE` on stderr in one write: the ranks of a torchrun job share the stream, and a line
+    written in two pieces (as `print` does) can be split by another rank's line."""
+    sys.stderr.write(f"harts: error: {message}\n")
+    sys.stderr.flush()
 
 
 # harts.model.moe.EXPERT_BACKENDS, spelled out so that the CLI builds without importing torch.

@@ -20,6 +20,7 @@ from harts.cli import rl as rl_cli
 from harts.cli import train as train_cli
 from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
+from harts.cli.args import print_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HARTS_DEBUG"):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"harts: error: {message}", file=sys.stderr)
+        print_error(message)
         return 2
     except KeyboardInterrupt:
         print("harts: interrupted", file=sys.stderr)

@@ -24,6 +24,7 @@ from harts.cli.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    print_error,
 )
 
 
@@ -273,7 +274,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
             result = launch(train_step_on_rank, parallel, *common, _step_config(args, args.execution),
                             device=args.device)
     except RankFailed as error:
-        print(f"harts: error: {error}", file=sys.stderr)
+        print_error(str(error))
         return 1
     if result is None:
         return 0

@@ -121,3 +121,23 @@ def test_bad_option_is_refused_in_one_line(case, tmp_path, capsys):
     assert cli_error(argv, capsys) == f"harts: error: {prefix}{message} (see '{prog} --help')"
     assert not out.exists() and not (tmp_path / "synth").exists()
     assert not any(tmp_path.glob("?.json"))
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    """Ranks under torchrun share stderr: each error line goes out in one write (print's two writes let another
+    rank's line land inside it; CI, stop 29)."""
+    import io
+    import sys
+
+    from harts.cli.args import print_error
+
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    print_error("parallel config 'dp2-tp2-sp' needs 4 ranks")
+    assert writes == ["harts: error: parallel config 'dp2-tp2-sp' needs 4 ranks\n"]
