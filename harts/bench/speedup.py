@@ -713,6 +713,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.objective.step import check_keep_attention
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
     from harts.training.optim import Fp32Gradients
@@ -721,6 +722,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     if args.recompute_blocks is not None and not args.recompute:
         raise ValueError("--recompute-blocks needs --recompute")
+    if args.keep_attention and not args.recompute:
+        raise ValueError("--keep-attention needs --recompute")
+    for backend in (args.attention_backend, args.compact_attention_backend):
+        check_keep_attention(args.recompute, args.keep_attention, backend)
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     params_name = parameter_dtype(args.params, dtype_name, args.parallel)

@@ -114,7 +114,7 @@ def check_keep_attention(recompute: bool, keep_attention: bool, attention_backen
                          prefix: str = "") -> None:
     """`keep_attention` needs `recompute` and a backend whose kernels a recomputation can keep (ValueError
     naming `prefix` + field); `attention_backend` None is the device's default (varlen or sdpa: both can)."""
-    if not keep_attention:
+    if keep_attention is False:
         return
     if keep_attention is not True:
         raise ValueError(f"{prefix}keep_attention must be true or false, got {keep_attention!r}")

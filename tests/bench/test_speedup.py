@@ -315,10 +315,14 @@ def test_keep_attention(tree_step_path, tmp_path, capsys, monkeypatch):
                                  "--recompute", "--keep-attention"], tmp_path, capsys)
     assert code == 0 and records[0]["config"]["keep_attention"] is True
     assert kept and set(kept) == {True}
-    code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--keep-attention",
-                 "--attention-backend", "flex", "--out", str(tmp_path / "bad.json")])
-    err = capsys.readouterr().err
-    assert code != 0 and "keep_attention needs an attention backend among" in err and "Traceback" not in err
+    for flags, message in ((["--recompute", "--compact-attention-backend", "flex"],
+                            "keep_attention needs an attention backend among"),
+                           ([], "--keep-attention needs --recompute")):
+        code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--keep-attention", *flags,
+                     "--out", str(tmp_path / "bad.json")])
+        err = capsys.readouterr().err
+        assert code != 0 and message in err and "Traceback" not in err
+        assert not (tmp_path / "bad.json").exists()
 
 
 def _check_record(record, step, parallel: str, world_size: int):

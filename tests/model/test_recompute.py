@@ -105,8 +105,10 @@ def test_kept_attention_runs_each_kernel_once(model_and_step, equal_head_dims_mo
 @pytest.mark.parametrize("bad, message", [
     ({"keep_attention": True}, "keep_attention needs recompute"),
     ({"recompute": True, "keep_attention": True, "attention_backend": "flex"}, "attention backend among"),
+    ({"recompute": True, "keep_attention": True, "attention_backend": "cudnn"}, "attention backend among"),
+    ({"recompute": True, "keep_attention": 0}, "true or false"),
     ({"recompute": True, "keep_attention": 1}, "true or false"),
-], ids=["without-recompute", "flex", "not-bool"])
+], ids=["without-recompute", "flex", "cudnn", "not-bool", "zero"])
 def test_bad_keep_attention(bad, message):
     with pytest.raises(ValueError, match=message):
         StepConfig(**bad)
@@ -122,7 +124,7 @@ def test_bad_recompute_blocks(bad):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["varlen", "cudnn", "flash4"])
+@pytest.mark.parametrize("backend", ["varlen", "flash4"])
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
 def test_kept_attention_on_cuda(model_and_step, backend, execution):
     """On CUDA in bf16 each backend's kernel is an op the recomputation keeps: it runs once per attention call

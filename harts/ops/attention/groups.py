@@ -11,7 +11,9 @@ query r iff c <= r < row_subtree_end[c].
 
 Backends (all compute the same function, tested against `naive_group_attention`):
 - `naive_group_attention`: one dense R x R boolean mask, SDPA (the oracle; O(R^2) memory).
-- `sdpa_group_attention`: a loop over groups with gathered KV and a bottom-right mask (CPU path).
+- `sdpa_group_attention`: a loop over groups with gathered KV and a bottom-right mask (CPU path), each
+  call batched [1, H, L, E], so SDPA may pick a fused kernel (on the CPU at equal q/v head dims; from
+  c4ff385, before which 3-D calls always took its math path).
 - `varlen_group_attention`: all groups packed into one `torch.nn.attention.varlen.varlen_attn`
   call with `window_size=(-1, 0)` (causal, bottom-right aligned) over gathered KV (GPU).
 - `flex_tree_attention`: FlexAttention over the rows in place with the DFS tree mask (GPU; no
@@ -302,10 +304,12 @@ BACKENDS = {
 }
 
 
-KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "cudnn", "flash4")
-"""The backends whose kernels are dispatcher ops (`attention_kernel_ops`): an activation recomputation can keep
-their outputs instead of running them again (`HybridModel.run_blocks(keep_attention=True)`). FlexAttention is a
-compiled higher-order op, not seen there."""
+KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "flash4")
+"""The backends whose kernels are dispatcher ops (`attention_kernel_ops`) with about the attention's output and
+log-sum-exp as outputs: an activation recomputation can keep those instead of running the kernels again
+(`HybridModel.run_blocks(keep_attention=True)`; varlen's output has v padded to the q/k head dim). Not cudnn: its
+pieces' outputs are padded to bucketed shapes and chunked over ancestors, several times the attention's output,
+and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy."""
 
 
 def attention_kernel_ops() -> frozenset:

@@ -1,6 +1,7 @@
-"""`flash4_varlen` (FlashAttention-4's varlen kernels as an operator) with a stand-in FA4 module on the CPU: its
-autograd formula hands FA4's backward the saved tensors and returns dq, dk, dv in place (against autograd through
-the stand-in forward), and a recomputation that keeps the attention (`keep_attention_context`) does not call the
+"""`flash4_varlen` (FlashAttention-4's varlen kernels as an operator) with a stand-in FA4 module on the CPU (a
+forward, and a backward that reads the saved output and log-sum-exp as FA4's does): its autograd formula hands
+FA4's kernels the arguments `flash_attn_varlen_func` gives them and the forward's saved tensors, and returns dq,
+dk, dv in place (against autograd through the stand-in forward), and a recomputation that keeps the attention (`keep_attention_context`) does not call the
 forward kernel again and gives the same gradients bit for bit. The real kernels are tested on the GPU in
 test_groups.py (`test_gpu_backends_match_naive`)."""
 
@@ -10,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.model.model import keep_attention_context
 from harts.ops.attention.flash4 import flash4_varlen
-from tests.ops.attention.helpers import standin_flash4, varlen_standin
+from tests.ops.attention.helpers import flash_backward_standin, standin_flash4, varlen_standin
 
 CU_Q = torch.tensor([0, 5, 12, 13], dtype=torch.int32)
 CU_K = torch.tensor([0, 9, 16, 20], dtype=torch.int32)  # keys before the queries: ancestors, bottom-right causal
@@ -25,19 +26,24 @@ def _inputs(seed: int, heads=2, qk_dim=6, v_dim=4):
 
 
 def _counting_standin(monkeypatch):
-    calls = []
+    """The stand-in FA4, recording the keyword arguments of every forward call, then of every backward call."""
+    calls, backward_calls = [], []
 
     def forward(q, k, v, **kwargs):
-        calls.append(q.shape)
+        calls.append(kwargs)
         return varlen_standin(q, k, v, **kwargs)
 
-    standin_flash4(monkeypatch, forward)
-    return calls
+    def backward(*args, **kwargs):
+        backward_calls.append(kwargs)
+        return flash_backward_standin(*args, **kwargs)
+
+    standin_flash4(monkeypatch, forward, backward)
+    return calls, backward_calls
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_operator_forward_and_gradients(monkeypatch, seed):
-    _counting_standin(monkeypatch)
+    calls, backward_calls = _counting_standin(monkeypatch)
     q, k, v, grad = _inputs(seed)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash4_varlen(*inputs, CU_Q, CU_K, 7, 9, 0.3, False)
@@ -51,10 +57,16 @@ def test_operator_forward_and_gradients(monkeypatch, seed):
     want = torch.autograd.grad(expected, reference, grad)
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    ((forward_kwargs,), (backward_kwargs,)) = calls, backward_calls
+    assert {key: forward_kwargs[key] for key in ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal")} == {
+        "max_seqlen_q": 7, "max_seqlen_k": 9, "softmax_scale": 0.3, "causal": True}
+    assert {key: backward_kwargs[key] for key in ("max_seqlen_q", "max_seqlen_k", "deterministic")} == {
+        "max_seqlen_q": 7, "max_seqlen_k": 9, "deterministic": False}
+    assert forward_kwargs["cu_seqlens_q"] is CU_Q and backward_kwargs["cu_seqlens_k"] is CU_K
 
 
 def test_a_kept_recomputation_does_not_run_the_forward_kernel_again(monkeypatch):
-    calls = _counting_standin(monkeypatch)
+    calls, _ = _counting_standin(monkeypatch)
     q, k, v, grad = _inputs(0)
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(6, 6, generator=generator, dtype=torch.float64)
