@@ -41,6 +41,7 @@ from harts.ops import uses_fp32_kernels
 from harts.ops.kda.compact import l2norm
 from harts.ops.kda.gate import kda_gate
 from harts.ops.kda.naive import compute_dtype
+from harts.ops.norm_gate import norm_gate
 from harts.runtime.layout import conv_taps
 
 
@@ -140,7 +141,7 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     cache.state_BHKV = state
     o = ((q * layer.head_dim**-0.5).unsqueeze(-1) * state).sum(-2).to(v.dtype)
 
-    o = layer.o_norm(o) * torch.sigmoid(layer.g_proj(x_BD).view(shape)).to(o.dtype)
+    o = norm_gate(o, layer.g_proj(x_BD).view(shape), layer.o_norm.weight, layer.o_norm.eps)
     return layer.o_proj(o.reshape(batch, -1).to(x_BD.dtype))
 
 

@@ -16,8 +16,9 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   but never rotates it).
 - `SwiGLU`: the dense MLP of the first layers.
 On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`), its decay gate
-(`harts.ops.kda.gate.kda_gate`: fla's kernel) and every SwiGLU activation (`harts.ops.swiglu`) run as
-fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch expressions, their references.
+(`harts.ops.kda.gate.kda_gate`: fla's kernel), its output gate (`harts.ops.norm_gate`) and every SwiGLU
+activation (`harts.ops.swiglu`) run as fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch
+expressions, their references.
 - `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
   dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
@@ -34,6 +35,7 @@ from torch import nn
 
 from harts.model.config import KDAConfig, MLAConfig
 from harts.ops.kda.gate import kda_gate
+from harts.ops.norm_gate import norm_gate
 from harts.ops.swiglu import swiglu
 from harts.runtime.layout import Layout
 
@@ -137,7 +139,7 @@ class KDALayer(nn.Module):
         g = kda_gate(self.f_proj(x_PD).view(shape), self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x_PD).float())
         o = layout.linear_attention(q, k, v, g, beta)
-        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x_PD).view(shape)).to(o.dtype)
+        o = norm_gate(o, self.g_proj(x_PD).view(shape), self.o_norm.weight, self.o_norm.eps)
         return layout.from_kda_rows(self.o_proj(o.reshape(rows, -1).to(x_RD.dtype)))
 
 
