@@ -1,7 +1,8 @@
 """The KDA output gate in PyTorch: RMSNorm(o)·w · sigmoid(gate) per head over the head dim, rounded as the
 model wrote it before the fused kernel (and still runs on CPU): the norm in fp32 rounded to o's dtype
 (`harts.model.layers.rms_norm_reference`'s arithmetic), the sigmoid in the gate's dtype, their product in o's
-dtype (fp64 input stays fp64 throughout: the fused kernel's reference)."""
+dtype, bit for bit for fp32 and bf16 input. fp64 input stays fp64 throughout (the fused kernel's reference;
+`rms_norm_reference` computes in fp32 even then)."""
 
 from __future__ import annotations
 

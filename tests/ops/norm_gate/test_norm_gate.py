@@ -40,38 +40,44 @@ def test_mismatched_shapes_are_a_value_error():
         fused_norm_gate(torch.zeros(3, 2, 8), torch.zeros(3, 2, 4), torch.ones(8), 1e-6)
 
 
-def _cuda_inputs(rows, dim=128):
+def _cuda_inputs(rows, heads=16, dim=128):
     gen = torch.Generator(device="cuda").manual_seed(42)
-    o = torch.randn(rows, 16, dim, generator=gen, device="cuda") * 2
-    gate = torch.randn(rows, 16, dim, generator=gen, device="cuda") * 3
+    o = torch.randn(rows, heads, dim, generator=gen, device="cuda") * 2
+    gate = torch.randn(rows, heads, dim, generator=gen, device="cuda") * 3
     weight = 1 + torch.randn(dim, generator=gen, device="cuda") / 4
-    return o, gate, weight, torch.randn(rows, 16, dim, generator=gen, device="cuda")
+    return o, gate, weight, torch.randn(rows, heads, dim, generator=gen, device="cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 5000])
-def test_cuda_dispatch_matches_reference(rows):
-    o, gate, weight, upstream = _cuda_inputs(rows)
+@pytest.mark.parametrize("rows, heads, dim", [(1, 16, 128), (5000, 16, 128), (333, 3, 96)],
+                         ids=["one-row", "kda", "masked"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
+def test_cuda_dispatch_matches_reference(rows, heads, dim, weight_dtype):
+    """bf16 rows (as under autocast) with a bf16 or fp32 weight (bf16 or fp32 parameters); rows and a head dim
+    that do not fill the tiles."""
+    o, gate, weight, upstream = _cuda_inputs(rows, heads, dim)
     results = []
-    for dtype in (torch.float64, torch.bfloat16):
-        inputs = [t.to(dtype).requires_grad_() for t in (o, gate, weight)]
-        results.append(value_and_grads(lambda a, b, c: norm_gate(a, b, c, 1e-6), inputs, upstream))
-    assert results[1][0].dtype == torch.bfloat16
+    for dtypes in ((torch.float64,) * 2, (torch.bfloat16, weight_dtype)):
+        inputs = [o.to(dtypes[0]), gate.to(dtypes[0]), weight.to(dtypes[1])]
+        results.append(value_and_grads(lambda a, b, c: norm_gate(a, b, c, 1e-6),
+                                       [t.requires_grad_() for t in inputs], upstream))
+    assert results[1][0].dtype == torch.bfloat16 and results[1][3].dtype == weight_dtype
     for actual, reference in zip(results[1], results[0]):
         assert relative_error(actual, reference) < 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_rows_do_not_depend_on_the_rows_after_them():
-    o, gate, weight, upstream = (t.bfloat16() for t in _cuda_inputs(3000))
+@pytest.mark.parametrize("first", [1, 1234])
+def test_cuda_rows_do_not_depend_on_the_rows_after_them(first):
+    o, gate, weight, upstream = (t.bfloat16() for t in _cuda_inputs(3000, heads=3, dim=96))
     results = []
-    for rows in (1234, 3000):
+    for rows in (first, 3000):
         inputs = [t[:rows].detach().requires_grad_() for t in (o, gate)] + [weight.detach().requires_grad_()]
         results.append(value_and_grads(lambda a, b, c: norm_gate(a, b, c, 1e-6), inputs, upstream[:rows]))
     for alone, among in zip(results[0][:3], results[1][:3]):
-        assert torch.equal(alone, among[:1234])
+        assert torch.equal(alone, among[:first])
 
 
 def test_interpreted_node_keeps_the_inputs_and_the_row_norms():
