@@ -193,6 +193,17 @@ def default_attention_backend(cuda: bool) -> str:
 
 
 _FLASH4_FAILURES: dict[tuple, str | None] = {}
+FLASH4_VERSION = "flash-attn-4 4.0.0b36"
+"""The FA4 release whose module functions `harts.ops.attention.flash4` calls (and .ci/fa4-site packs)."""
+
+
+def _flash4_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"flash-attn-4 {version('flash-attn-4')}"
+    except PackageNotFoundError:
+        return "flash-attn-4 of unknown version"
 
 
 def _flash4_failure(num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -252,8 +263,9 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
     failure = _flash4_failure(num_heads, qk_dim, v_dim, q_RHE.dtype, q_RHE.device)
     if failure is not None:
         capability = "".join(map(str, torch.cuda.get_device_capability(q_RHE.device)))
-        raise ValueError(f"attention backend 'flash4': FlashAttention-4 does not run {num_heads} heads of head dims "
-                         f"{qk_dim}/{v_dim} in {q_RHE.dtype} on sm_{capability}: {failure}")
+        raise ValueError(f"attention backend 'flash4': FlashAttention-4 ({_flash4_version()}; harts calls the kernels "
+                         f"of {FLASH4_VERSION}) does not run {num_heads} heads of head dims {qk_dim}/{v_dim} in "
+                         f"{q_RHE.dtype} on sm_{capability}: {failure}")
     from harts.ops.attention.flash4 import flash4_varlen
 
     deterministic = torch.are_deterministic_algorithms_enabled()

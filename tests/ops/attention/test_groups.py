@@ -197,6 +197,22 @@ def test_flash4_probe_runs_apart_from_the_callers_autograd_state(monkeypatch, re
     assert failures[0] is None, failures
 
 
+def test_flash4_version_names_the_installed_package(monkeypatch):
+    """A refusal names the installed FA4 release beside the one harts calls (its module functions change)."""
+    import importlib.metadata
+
+    from harts.ops.attention import groups as groups_module
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"flash-attn-4": "4.0.0b40"}[name])
+    assert groups_module._flash4_version() == "flash-attn-4 4.0.0b40"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert groups_module._flash4_version() == "flash-attn-4 of unknown version"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash4_unsupported_head_dims_are_a_value_error():
@@ -206,7 +222,8 @@ def test_flash4_unsupported_head_dims_are_a_value_error():
     groups = layout.groups.to("cuda")
     q = torch.randn(layout.num_rows, 2, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(layout.num_rows, 2, 32, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="does not run 2 heads of head dims 64/32"):
+    with pytest.raises(ValueError, match=r"\(flash-attn-4 4\.\S+; harts calls the kernels of flash-attn-4 4\.0\.0b36\) "
+                                         "does not run 2 heads of head dims 64/32"):
         group_attention(q, q, v, groups, 0.125, "flash4")
 
 
