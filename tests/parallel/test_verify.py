@@ -114,6 +114,30 @@ def test_comparison_is_not_degenerate(two_rank_reports):
     assert 0 < report["clip_fraction"] < 1 and report["loss"] != 0
 
 
+KEPT_ATTENTION = [StepConfig(execution=e, recompute=True, keep_attention=True) for e in ("baseline", "compact")]
+
+
+def _verify_kept_attention(groups, names, step, microbatches):
+    # Equal q/k and v head dims, so that SDPA's fused CPU kernel runs and the recomputation keeps its outputs.
+    config = load_model_config("tiny")
+    model = replace(config, mla=replace(config.mla, qk_nope_head_dim=8))
+    return {name: verify_on_rank(build_groups(load_parallel_config(name), groups.device), model, 0, step, microbatches,
+                                 KEPT_ATTENTION) for name in names}
+
+
+def test_kept_attention_under_parallelism():
+    """Recomputation that keeps the attention (torch's selective checkpoint) beside the collectives of tensor
+    and sequence parallelism, pipeline stages and expert parallelism: the same comparison. (A policy that also
+    kept the collectives' in-place outputs fails here: torch refuses a kept tensor that was mutated.)"""
+    step, microbatches = tree_step_and_microbatches()
+    names = ("tp2-sp", "pp2", "ep2")
+    reports = launch(_verify_kept_attention, load_parallel_config(names[0]), names, step, microbatches)
+    for name in names:
+        assert len(reports[name]) == len(KEPT_ATTENTION)
+        for report in reports[name]:
+            _check(report)
+
+
 GPU_CONFIGS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2", "dp2-tp2-sp", "tp2-sp-pp2", "dp2-pp2-ep2")
 
 
