@@ -23,6 +23,9 @@ def print_error(message: str) -> None:
 EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 EXPERTS_BACKEND_HELP = ("the MoE experts' backend, overriding the model config's moe.experts_backend (auto: grouped on "
                         "CUDA, loop elsewhere; lean: grouped in one autograd node that keeps less for the backward)")
+KEEP_ATTENTION_HELP = ("with --recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and "
+                       "log-sum-exp) instead of running the attention again; same values, more memory (every "
+                       "attention backend but flex)")
 
 
 def index_list(text: str) -> list[int]:
@@ -83,7 +86,3 @@ def non_finite_fields(value, prefix: str = "") -> list[str]:
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{prefix.rstrip('.')} = {value}"]
     return []
-
-KEEP_ATTENTION_HELP = ("with --recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and "
-                       "log-sum-exp) instead of running the attention again; same values, more memory (every "
-                       "attention backend but flex)")

@@ -1,7 +1,7 @@
 """Operators of the compact execution: KDA linear attention (`harts.ops.kda`) and attention groups
 (`harts.ops.attention`), the fused per-row kernels of both executions (`harts.ops.conv`,
-`harts.ops.swiglu`, `harts.ops.combine`, `harts.ops.norm_gate`) and the LM head's logit gradient (`harts.ops.logit_grad`). Each
-has a plain reference next to its fast path."""
+`harts.ops.swiglu`, `harts.ops.combine`, `harts.ops.norm_gate`) and the LM head's logit gradient
+(`harts.ops.logit_grad`). Each has a plain reference next to its fast path."""
 
 import torch
 

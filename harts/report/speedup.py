@@ -31,7 +31,8 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "trees", "step",
+    "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend",
+    "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",

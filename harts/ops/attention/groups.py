@@ -325,12 +325,13 @@ and its backward reads only the merged one. Not flex: a compiled higher-order op
 
 
 def attention_kernel_ops() -> frozenset:
-    """The dispatcher ops that compute the attention of `KEEPABLE_BACKENDS`: torch's SDPA kernels (sdpa and
-    naive; cudnn's pieces), torch's varlen operator and FlashAttention-4's (`flash4_varlen`). The math fallback of SDPA (an attention mask that no
-    fused kernel takes) is a composite of small ops and not among them: its recomputation stays."""
+    """The dispatcher ops that compute the attention of `KEEPABLE_BACKENDS`: torch's SDPA kernels (those SDPA
+    dispatches sdpa's and naive's calls to, cuDNN's among them on CUDA), torch's varlen operator and
+    FlashAttention-4's (`flash4_varlen`). The math fallback of SDPA (an attention mask that no fused kernel takes)
+    is a composite of small ops and not among them: its recomputation stays."""
     import torch.nn.attention.varlen  # noqa: F401 (registers torch_attn::_varlen_attn)
 
-    from harts.ops.attention.flash4 import flash4_varlen
+    import harts.ops.attention.flash4  # noqa: F401 (registers harts::flash4_varlen)
 
     aten = torch.ops.aten
     return frozenset({

@@ -12,7 +12,9 @@ import torch
 
 from harts.ops.combine.naive import naive_combine, naive_gather_combine
 
-__all__ = ["combine", "fused_combine", "fused_gather_combine", "gather_combine", "naive_combine", "naive_gather_combine"]
+__all__ = [
+    "combine", "fused_combine", "fused_gather_combine", "gather_combine", "naive_combine", "naive_gather_combine",
+]
 
 
 def combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:

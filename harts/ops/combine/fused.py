@@ -122,7 +122,8 @@ def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows
                          f"{None if probs_NK is None else probs_NK.dtype}")
     if rows_NK.dim() != 2 or (probs_NK is not None and probs_NK.shape != rows_NK.shape) or y_RD.dim() != 2:
         raise ValueError(f"fused_gather_combine: rows {tuple(rows_NK.shape)}, weights "
-                         f"{None if probs_NK is None else tuple(probs_NK.shape)} and outputs {tuple(y_RD.shape)} do not match")
+                         f"{None if probs_NK is None else tuple(probs_NK.shape)} and outputs {tuple(y_RD.shape)} "
+                         "do not match")
     num_rows, top_k = rows_NK.shape
     hidden = y_RD.shape[1]
     y_RD, rows_NK = y_RD.contiguous(), rows_NK.contiguous()

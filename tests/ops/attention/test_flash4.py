@@ -1,9 +1,9 @@
 """`flash4_varlen` (FlashAttention-4's varlen kernels as an operator) with a stand-in FA4 module on the CPU (a
 forward, and a backward that reads the saved output and log-sum-exp as FA4's does): its autograd formula hands
 FA4's kernels the arguments `flash_attn_varlen_func` gives them and the forward's saved tensors, and returns dq,
-dk, dv in place (against autograd through the stand-in forward), and a recomputation that keeps the attention (`keep_attention_context`) does not call the
-forward kernel again and gives the same gradients bit for bit. The real kernels are tested on the GPU in
-test_groups.py (`test_gpu_backends_match_naive`)."""
+dk, dv in place (against autograd through the stand-in forward), and a recomputation that keeps the attention
+(`keep_attention_context`) does not call the forward kernel again and gives the same gradients bit for bit. The
+real kernels are tested on the GPU in test_groups.py (`test_gpu_backends_match_naive`)."""
 
 import pytest
 import torch
