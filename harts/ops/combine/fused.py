@@ -23,12 +23,16 @@ BLOCK_COLUMNS = 512
 
 
 @triton.jit
-def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+def _row_tile(D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """This program's row n (int64), its K expert slots and this program's columns, with their masks."""
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    return tl.program_id(0).to(tl.int64), o_k, o_k < K, o_d, o_d < D
+
+
+@triton.jit
+def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    n, o_k, m_k, o_d, m_d = _row_tile(D, K, BK, BD)
     b_p = tl.load(p + n * K + o_k, mask=m_k, other=0.0)
     b_y = tl.load(y + (n * K + o_k[:, None]) * D + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
     tl.store(out + n * D + o_d, tl.sum(b_p[:, None] * b_y.to(tl.float32), axis=0), mask=m_d)
@@ -37,11 +41,7 @@ def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD:
 @triton.jit
 def _gather_combine_kernel(p, y, rows, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                            WEIGHTED: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    n, o_k, m_k, o_d, m_d = _row_tile(D, K, BK, BD)
     b_r = tl.load(rows + n * K + o_k, mask=m_k, other=0)
     b_y = tl.load(y + b_r[:, None] * D + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
     if WEIGHTED:
