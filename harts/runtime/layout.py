@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from harts.ops import uses_fp32_kernels
 from harts.ops.attention.groups import AttentionGroups, group_attention
 from harts.ops.kda.compact import (
-    PreparedSchedule, computed_rows, gather_call_rows, normalise_qk, prepare_schedule, run_calls,
+    PreparedSchedule, check_kda_backend, computed_rows, gather_call_rows, normalise_qk, prepare_schedule, run_calls,
 )
 from harts.planning.kda_calls import compact_parent_row, plan_kda_calls
 from harts.planning.kda_schedule import KDASchedule
@@ -75,6 +75,10 @@ class Layout:
     _conv_exception_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
     _conv_exception_taps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Checked here rather than in the first KDA layer, which runs inside a checkpointed block.
+        check_kda_backend(self.kda_backend, self.chunk_size, packed=self.kda_schedule is None)
 
     @property
     def num_rows(self) -> int:

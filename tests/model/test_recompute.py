@@ -135,8 +135,9 @@ def test_kept_attention_on_cuda(model_and_step, backend, execution):
     _, step = model_and_step
     config = load_model_config("tiny")
     mla = replace(config.mla, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4 runs
+    kda = replace(config.kda, chunk_size=64)  # fla's packed chunk_kda runs chunks of 64
     with torch.device("cuda"):
-        model = HybridModel(replace(config, mla=mla))
+        model = HybridModel(replace(config, mla=mla, kda=kda))
     model.init_weights(seed=42)
     counts, losses, grads = {}, {}, {}
     for keep in (False, True):

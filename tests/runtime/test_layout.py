@@ -144,3 +144,32 @@ def test_shifted_conv_equals_the_gather_reference(seed, execution, dtype):
     breaks = [p for p in range(1, layout.num_kda_rows) if predecessors[p, 0] != p - 1]
     assert set(breaks) <= set(rows.tolist())
     assert len(rows) <= (CONV_SIZE - 1) * (len(breaks) + 1)
+
+
+@pytest.mark.parametrize(
+    "execution, backend, chunk_size, message",
+    [("baseline", "fla", 32, "uses chunks of 64"), ("compact", "fla", 16, "take chunk_size 32 or 64"),
+     ("baseline", "cuda", 64, "unknown backend"), ("compact", "cuda", 64, "unknown backend")],
+    ids=["baseline-fla-32", "compact-fla-16", "baseline-unknown", "compact-unknown"],
+)
+def test_layouts_refuse_a_kda_backend_that_cannot_run_their_chunks(execution, backend, chunk_size, message):
+    """Refused when the layout is built, before a model runs (not in the first KDA layer, inside a checkpoint)."""
+    step, members = _random_step(0)
+    index = PrefixIndex.from_step(step)
+    with pytest.raises(ValueError, match=message):
+        if execution == "baseline":
+            baseline_layout(step, members, conv_size=CONV_SIZE, chunk_size=chunk_size, kda_backend=backend)
+        else:
+            compact_layout(step, index, members, conv_size=CONV_SIZE, chunk_size=chunk_size, kda_backend=backend)
+
+
+@pytest.mark.parametrize("execution, chunk_size", [("baseline", 64), ("compact", 32), ("compact", 64)],
+                         ids=["baseline-64", "compact-32", "compact-64"])
+def test_layouts_take_the_chunks_fla_runs(execution, chunk_size):
+    step, members = _random_step(0)
+    if execution == "baseline":
+        layout = baseline_layout(step, members, conv_size=CONV_SIZE, chunk_size=chunk_size, kda_backend="fla")
+    else:
+        layout = compact_layout(step, PrefixIndex.from_step(step), members, conv_size=CONV_SIZE,
+                                chunk_size=chunk_size, kda_backend="fla")
+    assert layout.kda_backend == "fla"

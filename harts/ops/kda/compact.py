@@ -58,14 +58,22 @@ def default_kda_backend(cuda: bool) -> str:
     return "fla" if cuda else "torch"
 
 
-def _check_backend(name: str, chunk_size: int) -> None:
+def check_kda_backend(name: str, chunk_size: int, *, packed: bool = False) -> None:
+    """ValueError unless backend `name` runs chunks of `chunk_size`: fla's compact kernels take 32 or 64, its
+    packed `chunk_kda` (`packed=True`, the baseline's one call) only 64. Layouts check this when they are built,
+    before a model runs: an error raised inside a checkpointed block under torch 2.11 leaves the checkpoint's
+    saved-tensor hooks installed (its generator is not closed), and later graphs then recompute that block."""
     if name not in KDA_BACKENDS:
-        raise ValueError(f"compact_kda: unknown backend {name!r} (expected 'torch' or 'fla')")
-    if name == "fla":
-        from harts.ops.kda.fla_chunk import FLA_CHUNK_SIZES
+        prefix = "packed_kda" if packed else "compact_kda"
+        raise ValueError(f"{prefix}: unknown backend {name!r} (expected 'torch' or 'fla')")
+    if name != "fla":
+        return
+    if packed and chunk_size != 64:
+        raise ValueError(f"packed_kda: fla's chunk_kda uses chunks of 64, got chunk_size {chunk_size}")
+    from harts.ops.kda.fla_chunk import FLA_CHUNK_SIZES
 
-        if chunk_size not in FLA_CHUNK_SIZES:
-            raise ValueError(f"compact_kda: fla's KDA kernels take chunk_size 32 or 64, got {chunk_size}")
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"compact_kda: fla's KDA kernels take chunk_size 32 or 64, got {chunk_size}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +123,7 @@ class PreparedSchedule:
 
 def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch") -> PreparedSchedule:
     """The device form of `schedule` for `compact_kda` with `backend`."""
-    _check_backend(backend, schedule.chunk_size)
+    check_kda_backend(backend, schedule.chunk_size)
     device = torch.device(device)
 
     def on_device(index: np.ndarray) -> torch.Tensor:

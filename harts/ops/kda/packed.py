@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from harts.ops.kda.chunk import chunk_kda_torch
-from harts.ops.kda.compact import l2norm
+from harts.ops.kda.compact import check_kda_backend, l2norm
 
 
 def packed_kda(
@@ -22,19 +22,16 @@ def packed_kda(
 ) -> torch.Tensor:
     """o [R, H, V] for q, k, g [R, H, K], v [R, H, V], beta [R, H] and cu_seqlens [N + 1]
     (`cu_seqlens_cpu`: their host copy, which spares fla a device-to-host read)."""
+    check_kda_backend(backend, chunk_size, packed=True)
     if backend == "fla":
         from fla.ops.kda import chunk_kda
 
-        if chunk_size != 64:
-            raise ValueError(f"packed_kda: fla's chunk_kda uses chunks of 64, got chunk_size {chunk_size}")
         o, _ = chunk_kda(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long(),
             cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
         )
         return o[0]
-    if backend != "torch":
-        raise ValueError(f"packed_kda: unknown backend {backend!r} (expected 'torch' or 'fla')")
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     o, _, _ = chunk_kda_torch(
