@@ -135,13 +135,13 @@ def test_kept_attention_on_cuda(model_and_step, backend, execution):
     _, step = model_and_step
     config = load_model_config("tiny")
     mla = replace(config.mla, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4 runs
-    kda = replace(config.kda, chunk_size=64)  # fla's packed chunk_kda runs chunks of 64
     with torch.device("cuda"):
-        model = HybridModel(replace(config, mla=mla, kda=kda))
+        model = HybridModel(replace(config, mla=mla))
     model.init_weights(seed=42)
     counts, losses, grads = {}, {}, {}
     for keep in (False, True):
-        config = StepConfig(execution=execution, attention_backend=backend, kda_backend="fla", dtype="bf16",
+        # The KDA backend plays no part here; torch's runs the tiny model's chunks of 16 without fla's autotuning.
+        config = StepConfig(execution=execution, attention_backend=backend, kda_backend="torch", dtype="bf16",
                             recompute=True, keep_attention=keep)
         model.zero_grad(set_to_none=True)
         with _AttentionKernelCalls() as calls:
