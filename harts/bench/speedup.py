@@ -30,6 +30,11 @@ and take medians. One record per step (config, environment, hardware) with:
 - `timing_flags`: why the timings should not be trusted, if they should not (efficiency above
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
+`--variant FLAG[=VALUE],...` (repeatable) measures every step again with some of the run flags changed
+(`VARIANT_FLAGS`: recomputation, kept attention, backends, LM-head gradient precision, planner, capacity,
+repeats), in this process on the same weights and compiled kernels: one record per step and variant, its
+`config` holding the variant's settings and its text under `variant` (a trade study, e.g. how many blocks to
+recompute, costs one model build and one compilation instead of one per setting).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -99,30 +104,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-trees", type=positive_int, default=None,
                         help="use the first N task trees of each step (a slice of the same shape)")
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
-    parser.add_argument("--planner", default="harts")
-    parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--params", choices=("fp32", "bf16"), default=None,
                         help="parameter dtype: bf16 = bf16 parameters with every microbatch's gradients added "
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
-    parser.add_argument("--recompute", action="store_true", help="full per-layer activation recomputation")
-    parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
-                        help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
-                             "(Megatron's block method; default: every block)")
-    parser.add_argument("--keep-attention", action="store_true", help=KEEP_ATTENTION_HELP)
-    parser.add_argument("--attention-backend", default=None,
-                        help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
-    parser.add_argument("--compact-attention-backend", default=None,
-                        help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
-                             "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
-    parser.add_argument("--kda-backend", default=None)
+    _add_run_flags(parser)
     parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
-    parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
-                        help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
-                             "(rounded once to bf16, bf16 tensor-core matmuls)")
-    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--variant", action="append", type=parse_variant, default=None, metavar="FLAG[=VALUE],...",
+                        help="measure each step again with these run flags changed (repeatable; one record per step "
+                             "and variant, all in this process on the same weights and compiled kernels), e.g. "
+                             "--variant recompute-blocks=14 --variant recompute-blocks=14,keep-attention. Flags: "
+                             + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "
@@ -134,6 +128,77 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
+
+
+# The flags a `--variant` may change: how a step runs, not the model (its config, seed and parameter dtype), the
+# device or the trees, so that one process measures every variant on the same weights and compiled kernels.
+VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "attention-backend",
+                 "compact-attention-backend", "kda-backend", "logprob-grad-precision", "repeats")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> None:
+    """The `VARIANT_FLAGS` with their defaults; for a variant's parser (`variant`), without defaults (only the
+    flags it names are set) and with the booleans taking an optional yes/no."""
+
+    def add(name: str, *, boolean: bool = False, **kwargs) -> None:
+        if variant:
+            kwargs.pop("default", None)
+            if boolean:
+                kwargs.update(nargs="?", const=True, type=yes_no)
+        elif boolean:
+            kwargs["action"] = "store_true"
+        parser.add_argument(name, **kwargs)
+
+    add("--planner", default="harts")
+    add("--capacity", type=positive_int, default=65536)
+    add("--recompute", boolean=True, help="full per-layer activation recomputation")
+    add("--recompute-blocks", type=all_or_positive_int if variant else positive_int, default=None, metavar="N",
+        help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
+             "(Megatron's block method; default: every block)")
+    add("--keep-attention", boolean=True, help=KEEP_ATTENTION_HELP)
+    add("--attention-backend", default=None,
+        help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
+    add("--compact-attention-backend", default=None,
+        help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
+             "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
+    add("--kda-backend", default=None)
+    add("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
+        help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
+             "(rounded once to bf16, bf16 tensor-core matmuls)")
+    add("--repeats", type=positive_int, default=3)
+
+
+def yes_no(text: str) -> bool:
+    if text in ("yes", "no"):
+        return text == "yes"
+    raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
+
+
+def all_or_positive_int(text: str) -> int | None:
+    return None if text == "all" else positive_int(text)
+
+
+class _VariantParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise argparse.ArgumentTypeError(message)
+
+
+def parse_variant(text: str) -> dict[str, Any]:
+    """argparse type of `--variant`: `FLAG[=VALUE]` items joined by commas, each one of `VARIANT_FLAGS`; the
+    run flags they set (dest → value), in a dict with the text itself under "variant"."""
+    argv = []
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if name not in VARIANT_FLAGS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {name!r} is not one of {', '.join(VARIANT_FLAGS)}")
+        argv += [f"--{name}", value] if sep else [f"--{name}"]
+    parser = _VariantParser(prog="--variant", add_help=False, argument_default=argparse.SUPPRESS)
+    _add_run_flags(parser, variant=True)
+    try:
+        overrides = vars(parser.parse_args(argv))
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    return {**overrides, "variant": text}
 
 
 class PeakMemory:
@@ -709,23 +774,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
-    from harts.bench.steps import iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
-    from harts.objective.step import check_keep_attention
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
     from harts.training.optim import Fp32Gradients
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    if args.recompute_blocks is not None and not args.recompute:
-        raise ValueError("--recompute-blocks needs --recompute")
-    if args.keep_attention and not args.recompute:
-        raise ValueError("--keep-attention needs --recompute")
-    for backend in (args.attention_backend, args.compact_attention_backend):
-        check_keep_attention(args.recompute, args.keep_attention, backend)
+    variants = run_variants(args)
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     params_name = parameter_dtype(args.params, dtype_name, args.parallel)
@@ -733,7 +791,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     check_torchrun(parallel)
     if not is_reporting_rank():
-        return _follow_rank_zero(args, parallel, model_config, dtype_name)
+        return _follow_rank_zero(variants, parallel, model_config, dtype_name)
     if parallel is None:
         with device:
             model = HybridModel(model_config)
@@ -757,31 +815,33 @@ def run(args: argparse.Namespace) -> int:
     current = None  # (config, progress) of the step being measured, until its row is written
     with sigterm_raises():
         try:
-            for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
+            for index, step, step_meta, run_args in _cases(args, variants):
                 config = {
                     "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
-                    "planner": args.planner, "capacity": args.capacity, "device": args.device, "dtype": dtype_name,
-                    "params": params_name, "recompute": args.recompute,
-                    "recompute_blocks": args.recompute_blocks, "keep_attention": args.keep_attention,
-                    "repeats": args.repeats,
+                    "planner": run_args.planner, "capacity": run_args.capacity, "device": args.device,
+                    "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
+                    "recompute_blocks": run_args.recompute_blocks, "keep_attention": run_args.keep_attention,
+                    "repeats": run_args.repeats,
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
                     "parallel_config": config_to_dict(parallel) if parallel else None,
-                    "attention_backend": args.attention_backend,
-                    "compact_attention_backend": args.compact_attention_backend, "kda_backend": args.kda_backend,
-                    "logprob_grad_precision": args.logprob_grad_precision,
+                    "attention_backend": run_args.attention_backend,
+                    "compact_attention_backend": run_args.compact_attention_backend,
+                    "kda_backend": run_args.kda_backend,
+                    "logprob_grad_precision": run_args.logprob_grad_precision, "variant": run_args.variant,
                 }
-                print(f"step {index}: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens ...",
-                      file=sys.stderr)
+                variant = f" (--variant {run_args.variant})" if run_args.variant else ""
+                print(f"step {index}{variant}: {step.num_trajectories} trajectories, "
+                      f"{step.num_semantic_tokens:,} tokens ...", file=sys.stderr)
                 tracker.start("speedup", config)
                 progress: dict[str, Any] = {"phase": "planning", "finished": [], "log": tracker.log}
                 current = (config, progress)
                 try:
                     if parallel is None:
-                        results = measure_step(args, model, step, device, dtype_name, progress)
+                        results = measure_step(run_args, model, step, device, dtype_name, progress)
                     else:
                         progress["phase"] = f"--parallel {parallel.name}"
-                        results = measure_parallel_step(args, parallel, model_config, step, dtype_name)
+                        results = measure_parallel_step(run_args, parallel, model_config, step, dtype_name)
                         # The ranks' timings come back at the end: each repeat's history row then.
                         for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in EXECUTIONS))):
                             tracker.log({"repeat": repeat + 1, **{name: {"fbg_s": value}
@@ -796,6 +856,8 @@ def run(args: argparse.Namespace) -> int:
                         raise
                     if parallel is not None and launched_by_torchrun():
                         break  # this process is one rank of torchrun's: after a failure the ranks are out of step
+                finally:
+                    release_memory(device)
                 write_records(records, out)
         except Terminated as error:
             terminated = True
@@ -812,6 +874,47 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in records) else 1
 
 
+def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The run's settings: `args` with each `--variant`'s flags over them (or `args` alone, variant None), each
+    checked before any model is built (ValueError naming the variant)."""
+    from harts.objective.step import check_keep_attention
+
+    variants = [argparse.Namespace(**{**vars(args), **overrides}) for overrides in args.variant or [{"variant": None}]]
+    for run_args in variants:
+        where = f"--variant {run_args.variant}: " if run_args.variant else ""
+        if run_args.recompute_blocks is not None and not run_args.recompute:
+            raise ValueError(f"{where}--recompute-blocks needs --recompute")
+        if run_args.keep_attention and not run_args.recompute:
+            raise ValueError(f"{where}--keep-attention needs --recompute")
+        try:
+            for backend in (run_args.attention_backend, run_args.compact_attention_backend):
+                check_keep_attention(run_args.recompute, run_args.keep_attention, backend)
+        except ValueError as error:
+            raise ValueError(f"{where}{error}") from None
+    return variants
+
+
+def _cases(args: argparse.Namespace, variants: list[argparse.Namespace]):
+    """(index, step, step meta, settings) of every step of the trees, each with every variant in turn."""
+    from harts.bench.steps import iter_steps
+
+    for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
+        for run_args in variants:
+            yield index, step, step_meta, run_args
+
+
+def release_memory(device) -> None:
+    """Free what a measured case left (a failed case's graph, cycles through its traceback, the allocator's
+    cached blocks) so that the next case starts from the weights alone."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None) -> str:
     """The parameters' dtype of a run: `--params`, or bf16 for a bf16 run in one process, else fp32."""
     if requested is None:
@@ -824,15 +927,14 @@ def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None
     return requested
 
 
-def _follow_rank_zero(args, parallel, model_config, dtype_name) -> int:
-    """A torchrun rank other than 0: its part of every step's `--parallel` run, nothing printed or
+def _follow_rank_zero(variants, parallel, model_config, dtype_name) -> int:
+    """A torchrun rank other than 0: its part of every step's and variant's `--parallel` run, nothing printed or
     written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line."""
-    from harts.bench.steps import iter_steps
     from harts.parallel.launch import RankFailed
 
     try:
-        for _, step, _ in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
-            measure_parallel_step(args, parallel, model_config, step, dtype_name)
+        for _, step, _, run_args in _cases(variants[0], variants):
+            measure_parallel_step(run_args, parallel, model_config, step, dtype_name)
     except RankFailed as error:
         print_error(str(error))
         return 1

@@ -537,3 +537,68 @@ def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, ca
                                  "--experts-backend", "lean"], tmp_path, capsys)
     assert code == 0 and records[0]["config"]["model_config"]["moe"]["experts_backend"] == "lean"
     assert backends and set(backends) == {"lean"}
+
+
+def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_path, capsys, monkeypatch):
+    """Every step runs once per `--variant`, on one model (built once), each record with the settings its
+    variant gave and its run steps with those settings; a variant that fails is its own error row."""
+    import harts.model.model as model_module
+    import harts.objective.step as step_module
+
+    path, step = tree_step_path
+    seen, builds = [], []
+    run_step = step_module.run_step
+    init = model_module.HybridModel.__init__
+
+    def recording_run_step(model, step, microbatches, config, **kwargs):
+        seen.append((config.execution, config.recompute, config.recompute_blocks, config.keep_attention))
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    def counting_init(self, *args, **kwargs):
+        builds.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "run_step", recording_run_step)
+    monkeypatch.setattr(model_module.HybridModel, "__init__", counting_init)
+    too_small = int(step.lengths.max()) - 1
+    code, records, printed = _speedup(
+        ["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--recompute",
+         "--variant", "recompute-blocks=1", "--variant", "recompute-blocks=1,keep-attention",
+         "--variant", f"capacity={too_small}", "--variant", "recompute=no,repeats=2"], tmp_path, capsys)
+    assert code == 1 and builds == [1] and len(records) == len(printed) == 4
+    configs = [r["config"] for r in records]
+    assert [(c["recompute"], c["recompute_blocks"], c["keep_attention"], c["capacity"], c["repeats"])
+            for c in configs] == [(True, 1, False, 80, 1), (True, 1, True, 80, 1), (True, None, False, too_small, 1),
+                                  (False, None, False, 80, 2)]
+    assert [c["variant"] for c in configs] == ["recompute-blocks=1", "recompute-blocks=1,keep-attention",
+                                               f"capacity={too_small}", "recompute=no,repeats=2"]
+    assert ["error" in r for r in records] == [False, False, True, False]
+    assert "more than the capacity" in records[2]["error"]
+    # Warm-up and timed steps of both executions, per variant, with that variant's settings.
+    expected = [(execution, *settings) for settings, runs in
+                [((True, 1, False), 2), ((True, 1, True), 2), ((False, None, False), 3)]
+                for execution in ("baseline", "compact") for _ in range(runs)]
+    assert sorted(seen) == sorted(expected)
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [("recompute-blocks=2,dtype=fp32", "'dtype' is not one of"), ("keep-attention=maybe", "expected yes or no"),
+     ("capacity=0", "a positive integer"), ("recompute=no,keep-attention", "--keep-attention needs --recompute"),
+     ("recompute=no,recompute-blocks=2", "--recompute-blocks needs --recompute"),
+     ("keep-attention,attention-backend=flex", "flex")],
+    ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
+         "keep-with-flex"],
+)
+def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
+    path, _ = tree_step_path
+    out = tmp_path / "speedup.json"
+    argv = ["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--variant", variant,
+            "--out", str(out)]
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and variant in err, err
+    assert "Traceback" not in err and not out.exists()
