@@ -11,8 +11,9 @@ trading memory for the recomputation's time; the values are the same either way.
 `keep_attention=True` the recomputed MLA blocks keep their attention kernels' outputs (output and
 log-sum-exp, about 4-6 KB a row for the paper's shape) from the forward and the recomputation skips those
 kernels, the costliest part of a block per byte kept (torchtitan's op-level selective recomputation,
-through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`). The kernels are
-deterministic, so the values are the same again (tests/model/test_recompute.py).
+through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`; `flash4` through its own
+keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). The kernels are deterministic, so
+the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py).
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
@@ -29,6 +30,7 @@ from harts.model.config import ModelConfig
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
 from harts.ops.attention.groups import attention_kernel_ops
+from harts.ops.attention.keep import keeper_contexts
 from harts.runtime.layout import Layout
 
 
@@ -58,9 +60,12 @@ class Block(nn.Module):
 
 
 @cache
-def keep_attention_context():
-    """The `context_fn` of a checkpoint whose recomputation keeps the attention kernels' outputs
-    (`attention_kernel_ops`) and runs every other op again."""
+def keep_attention_context(backend: str | None = None):
+    """The `context_fn` of a checkpoint whose recomputation keeps the attention kernels' outputs and runs every
+    other op again: for `flash4`, its own keeper (harts.ops.attention.keep: no dispatch mode over the block's
+    other ops); for the other backends, torch's selective checkpointing of `attention_kernel_ops`."""
+    if backend == "flash4":
+        return keeper_contexts
     kept = attention_kernel_ops()
 
     def policy(ctx, op, *args, **kwargs):
@@ -122,7 +127,8 @@ class HybridModel(nn.Module):
             block = self.blocks[index]
             recomputed = recompute and (recompute_blocks is None or index < recompute_blocks)
             if recomputed and torch.is_grad_enabled():
-                kept = {"context_fn": keep_attention_context()} if keep_attention and block.kind == "mla" else {}
+                kept = ({"context_fn": keep_attention_context(layout.attention_backend)}
+                        if keep_attention and block.kind == "mla" else {})
                 x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
             else:
                 x_RD, aux = block(x_RD, layout)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from harts.ops.attention.keep import active_keeper
+
 
 @torch.library.custom_op("harts::flash4_varlen", mutates_args=())
 def flash4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -48,10 +50,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, dlse):
+def _kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k):
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = _flash_attn_bwd(
         q, k, v, out, dout, lse, ctx.scale, True, 0.0, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=ctx.lengths[0], max_seqlen_k=ctx.lengths[1], deterministic=ctx.deterministic,
@@ -59,4 +60,50 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    return _kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k)
+
+
 flash4_varlen.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _KeptFlash4(torch.autograd.Function):
+    """`flash4_varlen` inside a checkpoint whose keeper is active (harts.ops.attention.keep): the forward runs the
+    kernel and records (out, lse), a recomputation replays them. Inputs are saved through the checkpoint (in the
+    same order in both, so its recomputation matches them); out and lse are kept as attributes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic, keeper,
+                replaying):
+        if replaying:
+            out, lse = keeper.replay()
+        else:
+            out, lse = flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                     deterministic)
+            keeper.record((out.detach(), lse.detach()))
+        # Detached aliases: the node's attributes must not reference its own outputs (a reference cycle).
+        ctx.kept = (out.detach(), lse.detach())
+        ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        ctx.lengths, ctx.scale, ctx.deterministic = (max_seqlen_q, max_seqlen_k), scale, deterministic
+        out, lse = out.detach(), lse.detach()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        out, lse = ctx.kept
+        return (*_kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k), None, None)
+
+
+def flash4_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, scale: float, deterministic: bool) -> Tensor:
+    """out [Tq, H, F] of `flash4_varlen`; inside a checkpoint with an active keeper (`keeper_contexts`), its
+    kernel runs in the forward only, and the recomputation replays the output."""
+    active = active_keeper()
+    if active is None or not torch.is_grad_enabled():
+        return flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic)[0]
+    keeper, replaying = active
+    return _KeptFlash4.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic,
+                             keeper, replaying)[0]

@@ -266,14 +266,14 @@ def flash4_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
         raise ValueError(f"attention backend 'flash4': FlashAttention-4 ({_flash4_version()}; harts calls the kernels "
                          f"of {FLASH4_VERSION}) does not run {num_heads} heads of head dims {qk_dim}/{v_dim} in "
                          f"{q_RHE.dtype} on sm_{capability}: {failure}")
-    from harts.ops.attention.flash4 import flash4_varlen
+    from harts.ops.attention.flash4 import flash4_attention
 
     deterministic = torch.are_deterministic_algorithms_enabled()
     # FA's causal mask is aligned bottom-right when a group has more keys than queries: the ancestors.
     return _packed_attention(
         q_RHE, k_RHE, v_RHF, groups,
-        lambda q, k, v, cu_q, cu_k: flash4_varlen(q, k, v, cu_q, cu_k, groups.max_q, groups.max_k, scale,
-                                                  deterministic)[0],
+        lambda q, k, v, cu_q, cu_k: flash4_attention(q, k, v, cu_q, cu_k, groups.max_q, groups.max_k, scale,
+                                                     deterministic),
     )
 
 
@@ -321,7 +321,8 @@ KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "flash4")
 log-sum-exp as outputs: an activation recomputation can keep those instead of running the kernels again
 (`HybridModel.run_blocks(keep_attention=True)`; varlen's output has v padded to the q/k head dim). Not cudnn: its
 pieces' outputs are padded to bucketed shapes and chunked over ancestors, several times the attention's output,
-and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy."""
+and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy. flash4
+keeps its output through its own keeper instead of the policy (harts.ops.attention.keep)."""
 
 
 def attention_kernel_ops() -> frozenset:

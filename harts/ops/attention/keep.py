@@ -1,0 +1,76 @@
+"""Attention outputs kept from an activation checkpoint's forward for its recomputation, without a dispatch mode.
+
+`keeper_contexts()` is a `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it makes
+one `AttentionKeeper` per checkpointed call and returns its two contexts, entered around the forward and around
+each recomputation. While one is entered, `active_keeper()` returns the keeper, and an attention that supports it
+(the `flash4` backend, harts.ops.attention.flash4) records its output and log-sum-exp in the forward
+(`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order (`replay`) instead of
+running its kernel again. Its autograd node keeps them as attributes and saves only its inputs through the
+checkpoint, which recomputes those.
+
+Why not torch's selective checkpointing (`create_selective_checkpoint_contexts`, which the other backends use):
+its contexts are dispatch modes, so every op of the checkpointed block, not only the attention, goes through
+Python in the forward and again in the recomputation (about 10 µs an op here; 373 ops in the tiny model's MLA
+block). Here the only cost is a thread-local read per attention call.
+
+Invariant (tests/ops/attention/test_flash4.py): a recomputation that keeps the attention calls its forward kernel
+once instead of twice and gives the same gradients bit for bit, also when the backward runs twice
+(`retain_graph`), since a recomputation replays from the start.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_ACTIVE = threading.local()
+
+
+def _stack() -> list[tuple[AttentionKeeper, bool]]:
+    if not hasattr(_ACTIVE, "stack"):
+        _ACTIVE.stack = []
+    return _ACTIVE.stack
+
+
+class _Context:
+    """Entered around the forward (`replaying` False) or each recomputation (True); re-enterable, since a
+    checkpoint enters its recomputation context once per backward."""
+
+    def __init__(self, keeper: AttentionKeeper, replaying: bool) -> None:
+        self.keeper, self.replaying = keeper, replaying
+
+    def __enter__(self) -> None:
+        self.keeper.cursor = 0
+        _stack().append((self.keeper, self.replaying))
+
+    def __exit__(self, *exc) -> None:
+        _stack().pop()
+
+
+class AttentionKeeper:
+    """The kept values of one checkpointed call, in the order of its attention calls."""
+
+    def __init__(self) -> None:
+        self.kept: list[Any] = []
+        self.cursor = 0
+
+    def record(self, value: Any) -> None:
+        self.kept.append(value)
+
+    def replay(self) -> Any:
+        assert self.cursor < len(self.kept), "a recomputation made more attention calls than its forward"
+        value = self.kept[self.cursor]
+        self.cursor += 1
+        return value
+
+
+def active_keeper() -> tuple[AttentionKeeper, bool] | None:
+    """(keeper, replaying) of the innermost entered context of this thread, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def keeper_contexts() -> tuple[_Context, _Context]:
+    """A checkpoint `context_fn`: the forward and recomputation contexts of a new keeper."""
+    keeper = AttentionKeeper()
+    return _Context(keeper, False), _Context(keeper, True)
