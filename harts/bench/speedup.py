@@ -31,8 +31,8 @@ and take medians. One record per step (config, environment, hardware) with:
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
 `--variant FLAG[=VALUE],...` (repeatable) measures every step again with some of the run flags changed
-(`VARIANT_FLAGS`: recomputation, kept attention, backends, LM-head gradient precision, planner, capacity,
-repeats), in this process on the same weights and compiled kernels: one record per step and variant, its
+(`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head gradient precision,
+planner, capacity, repeats), in this process on the same weights and compiled kernels: one record per step and variant, its
 `config` holding the variant's settings and its text under `variant` (a trade study, e.g. how many blocks to
 recompute, costs one model build and one compilation instead of one per setting).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
@@ -111,7 +111,6 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     _add_run_flags(parser)
-    parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--variant", action="append", type=parse_variant, default=None, metavar="FLAG[=VALUE],...",
                         help="measure each step again with these run flags changed (repeatable; one record per step "
                              "and variant, all in this process on the same weights and compiled kernels), e.g. "
@@ -130,10 +129,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-# The flags a `--variant` may change: how a step runs, not the model (its config, seed and parameter dtype), the
-# device or the trees, so that one process measures every variant on the same weights and compiled kernels.
+# The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter
+# dtype), the device or the trees, so that one process measures every variant on the same weights and compiled
+# kernels. The experts backend is one: its three backends hold the same parameters.
 VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "attention-backend",
-                 "compact-attention-backend", "kda-backend", "logprob-grad-precision", "repeats")
+                 "compact-attention-backend", "kda-backend", "experts-backend", "logprob-grad-precision", "repeats")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> None:
@@ -162,6 +162,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
              "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
     add("--kda-backend", default=None)
+    add("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     add("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
         help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
              "(rounded once to bf16, bf16 tensor-core matmuls)")
@@ -791,7 +792,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     check_torchrun(parallel)
     if not is_reporting_rank():
-        return _follow_rank_zero(variants, parallel, model_config, dtype_name)
+        return _follow_rank_zero(variants, parallel, dtype_name)
     if parallel is None:
         with device:
             model = HybridModel(model_config)
@@ -816,8 +817,11 @@ def run(args: argparse.Namespace) -> int:
     with sigterm_raises():
         try:
             for index, step, step_meta, run_args in _cases(args, variants):
+                case_config = load_model_config_with(args.model, run_args.experts_backend)
+                if parallel is None:
+                    model.set_experts_backend(case_config.moe.experts_backend)
                 config = {
-                    "model": model_config.name, "model_config": config_to_dict(model_config), **step_meta,
+                    "model": model_config.name, "model_config": config_to_dict(case_config), **step_meta,
                     "planner": run_args.planner, "capacity": run_args.capacity, "device": args.device,
                     "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
                     "recompute_blocks": run_args.recompute_blocks, "keep_attention": run_args.keep_attention,
@@ -841,7 +845,7 @@ def run(args: argparse.Namespace) -> int:
                         results = measure_step(run_args, model, step, device, dtype_name, progress)
                     else:
                         progress["phase"] = f"--parallel {parallel.name}"
-                        results = measure_parallel_step(run_args, parallel, model_config, step, dtype_name)
+                        results = measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
                         # The ranks' timings come back at the end: each repeat's history row then.
                         for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in EXECUTIONS))):
                             tracker.log({"repeat": repeat + 1, **{name: {"fbg_s": value}
@@ -927,14 +931,16 @@ def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None
     return requested
 
 
-def _follow_rank_zero(variants, parallel, model_config, dtype_name) -> int:
+def _follow_rank_zero(variants, parallel, dtype_name) -> int:
     """A torchrun rank other than 0: its part of every step's and variant's `--parallel` run, nothing printed or
     written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line."""
+    from harts.model.config import load_model_config_with
     from harts.parallel.launch import RankFailed
 
     try:
         for _, step, _, run_args in _cases(variants[0], variants):
-            measure_parallel_step(run_args, parallel, model_config, step, dtype_name)
+            case_config = load_model_config_with(run_args.model, run_args.experts_backend)
+            measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
     except RankFailed as error:
         print_error(str(error))
         return 1

@@ -20,6 +20,7 @@ Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import cache, partial
 
 import torch
@@ -84,6 +85,15 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+
+    def set_experts_backend(self, backend: str) -> None:
+        """Run every MoE layer's experts with `backend` from now on (`EXPERT_BACKENDS`; they share the
+        parameters, so a benchmark can compare them on the same weights)."""
+        moe = replace(self.config.moe, experts_backend=backend)
+        self.config = replace(self.config, moe=moe)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.config = moe
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

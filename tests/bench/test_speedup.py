@@ -25,6 +25,7 @@ from harts.bench.speedup import (
     timing_flags,
 )
 from harts.cli.main import main
+from harts.model.moe import MoE
 from harts.parallel.launch import RankFailed
 from harts.trees.trie import PrefixIndex
 from tests.bench.helpers import sigterm_on_call, tiny_with_vocab
@@ -551,7 +552,8 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     init = model_module.HybridModel.__init__
 
     def recording_run_step(model, step, microbatches, config, **kwargs):
-        seen.append((config.execution, config.recompute, config.recompute_blocks, config.keep_attention))
+        backends = {m.config.experts_backend for m in model.modules() if isinstance(m, MoE)}
+        seen.append((config.execution, config.recompute, config.recompute_blocks, config.keep_attention, *backends))
         return run_step(model, step, microbatches, config, **kwargs)
 
     def counting_init(self, *args, **kwargs):
@@ -564,19 +566,21 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     code, records, printed = _speedup(
         ["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--recompute",
          "--variant", "recompute-blocks=1", "--variant", "recompute-blocks=1,keep-attention",
-         "--variant", f"capacity={too_small}", "--variant", "recompute=no,repeats=2"], tmp_path, capsys)
+         "--variant", f"capacity={too_small}", "--variant", "recompute=no,repeats=2,experts-backend=grouped"],
+        tmp_path, capsys)
     assert code == 1 and builds == [1] and len(records) == len(printed) == 4
     configs = [r["config"] for r in records]
-    assert [(c["recompute"], c["recompute_blocks"], c["keep_attention"], c["capacity"], c["repeats"])
-            for c in configs] == [(True, 1, False, 80, 1), (True, 1, True, 80, 1), (True, None, False, too_small, 1),
-                                  (False, None, False, 80, 2)]
+    assert [(c["recompute"], c["recompute_blocks"], c["keep_attention"], c["capacity"], c["repeats"],
+             c["model_config"]["moe"]["experts_backend"]) for c in configs] == [
+        (True, 1, False, 80, 1, "auto"), (True, 1, True, 80, 1, "auto"), (True, None, False, too_small, 1, "auto"),
+        (False, None, False, 80, 2, "grouped")]
     assert [c["variant"] for c in configs] == ["recompute-blocks=1", "recompute-blocks=1,keep-attention",
-                                               f"capacity={too_small}", "recompute=no,repeats=2"]
+                                               f"capacity={too_small}", "recompute=no,repeats=2,experts-backend=grouped"]
     assert ["error" in r for r in records] == [False, False, True, False]
     assert "more than the capacity" in records[2]["error"]
     # Warm-up and timed steps of both executions, per variant, with that variant's settings.
     expected = [(execution, *settings) for settings, runs in
-                [((True, 1, False), 2), ((True, 1, True), 2), ((False, None, False), 3)]
+                [((True, 1, False, "auto"), 2), ((True, 1, True, "auto"), 2), ((False, None, False, "grouped"), 3)]
                 for execution in ("baseline", "compact") for _ in range(runs)]
     assert sorted(seen) == sorted(expected)
 
@@ -586,9 +590,9 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     [("recompute-blocks=2,dtype=fp32", "'dtype' is not one of"), ("keep-attention=maybe", "expected yes or no"),
      ("capacity=0", "a positive integer"), ("recompute=no,keep-attention", "--keep-attention needs --recompute"),
      ("recompute=no,recompute-blocks=2", "--recompute-blocks needs --recompute"),
-     ("keep-attention,attention-backend=flex", "flex")],
+     ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
-         "keep-with-flex"],
+         "keep-with-flex", "bad-experts-backend"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path

@@ -425,3 +425,23 @@ def test_router_keeps_the_narrowest_rows(dtype):
             module.router_logits(x)
     rows = [t for t in kept if t.shape == x.shape]
     assert len(rows) == 1 and rows[0].dtype == torch.bfloat16
+
+
+def test_a_model_switches_its_experts_backend_on_the_same_weights():
+    """`HybridModel.set_experts_backend`: every MoE layer and the model's config run the new backend; the
+    parameters are untouched; an unknown backend is refused and changes nothing."""
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.model.moe import MoE
+
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(seed=0)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    model.set_experts_backend("lean")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and {m.config.experts_backend for m in layers} == {"lean"}
+    assert model.config.moe.experts_backend == "lean"
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    with pytest.raises(ValueError, match="experts_backend must be one of"):
+        model.set_experts_backend("fast")
+    assert {m.config.experts_backend for m in layers} == {"lean"} and model.config.moe.experts_backend == "lean"
