@@ -151,19 +151,17 @@ class Layout:
         contiguous) computes every row as if its predecessors were the previous rows; the
         `conv_exception_rows` are then recomputed from their true predecessors by a kernel with the
         same arithmetic (so a row's bits do not depend on which rows are exceptions: the two
-        executions stay equal). Otherwise `causal_conv` in x's dtype, then SiLU, as views of one tensor."""
+        executions stay equal), written into the output in place (`fused_conv_silu`). Otherwise
+        `causal_conv` in x's dtype, then SiLU, as views of one tensor."""
         if fused is None:
             fused = uses_fp32_kernels(x_PC)
         if not fused:
             return F.silu(self.causal_conv(x_PC, weight_CW)).chunk(num_parts, dim=-1)
-        from harts.ops.conv.fused import fused_gathered_conv_silu, fused_shifted_conv_silu
+        from harts.ops.conv.fused import fused_conv_silu
 
-        y = fused_shifted_conv_silu(x_PC, weight_CW, num_parts)
         rows = self.conv_exception_rows()
-        if weight_CW.shape[1] > 1 and len(rows):
-            taps, distinct, slot = self.conv_exception_taps()
-            y = y.index_copy(1, rows, fused_gathered_conv_silu(x_PC, weight_CW, taps, num_parts, (distinct, slot)))
-        return y.unbind(0)
+        exceptions = (rows, *self.conv_exception_taps()) if weight_CW.shape[1] > 1 and len(rows) else None
+        return fused_conv_silu(x_PC, weight_CW, num_parts, exceptions).unbind(0)
 
     def conv_exception_taps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The `conv_exception_rows`' taps [n, W] (the row, then its predecessors; P = the zero row), the

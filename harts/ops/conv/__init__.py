@@ -7,7 +7,8 @@
 Both compute y[part, p, c'] = silu(Σ_j w[c, W−1−j] · x[p − j, c]) (x[p − j] = 0 before row 0,
 c = part·C' + c') in fp32 with one rounding, the parts (KDA's q, k, v) written as separate
 contiguous tensors. Rows whose predecessors are not the previous rows (paths' starts, forks, call
-boundaries) are the caller's to fix afterwards (`harts.runtime.layout.Layout.causal_conv_silu`).
+boundaries) are computed from their taps by a gathered kernel with the same arithmetic; `fused.fused_conv_silu`
+does both in one autograd node (`harts.runtime.layout.Layout.causal_conv_silu` calls it).
 """
 
 from harts.ops.conv.naive import naive_shifted_conv_silu

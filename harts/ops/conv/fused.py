@@ -11,6 +11,10 @@ with the weight gradient summed per row tile in fp32 and the tiles summed afterw
 deterministic). `fused_gathered_conv_silu` computes given rows from an explicit tap table with the
 same fused multiply-adds in the same order (the rows whose predecessors are not the previous rows:
 a row's value must not depend on which kernel computed it, or the two executions would differ).
+`fused_conv_silu` runs both as one autograd node: the gathered rows written into the shifted output in
+place, skipped by the shifted backward (a row mask) and their taps' gradients added at their rows, with
+none of the full-size copies of composing the two nodes with `index_copy` (tested equal to that
+composition in every value, under the interpreter).
 Tested against `naive_shifted_conv_silu` under the Triton interpreter on CPU (fp32) and on CUDA
 (bf16), both executions bitwise equal at every semantic position: tests/ops/conv/test_conv.py.
 
@@ -89,7 +93,8 @@ def _conv_silu_gathered_forward_kernel(
 
 @triton.jit
 def _conv_silu_backward_kernel(
-    x, w, dy, dx, dw_tiles, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    x, w, dy, dx, dw_tiles, skip, P, C, CP, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)
@@ -101,6 +106,10 @@ def _conv_silu_backward_kernel(
         pre = _pre_activation(x, w, rows, o_c, m_c, P, C, W, BR, BC)
         m = (rows < P)[:, None] & m_c[None, :]
         b_dy = tl.load(dy + _part_offsets(rows, o_c, P, CP), mask=m, other=0.0).to(tl.float32)
+        if HAS_SKIP:
+            # Rows another kernel computed (the exception rows): their gradient is not this conv's.
+            b_skip = tl.load(skip + rows, mask=rows < P, other=0)
+            b_dy = tl.where(b_skip[:, None] != 0, 0.0, b_dy)
         sig = tl.sigmoid(pre)
         dpre = b_dy * sig * (1.0 + pre * (1.0 - sig))
         b_w = tl.load(w + o_c * W + (W - 1 - i), mask=m_c, other=0.0).to(tl.float32)
@@ -135,9 +144,11 @@ def shifted_conv_silu_forward(
 
 def shifted_conv_silu_backward(
     x_PC: torch.Tensor, weight_CW: torch.Tensor, dy: torch.Tensor, tile: tuple[int, int, int] = BACKWARD_TILE,
+    skip_P: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, fp32 dw) of the backward kernel at `tile`: dx has the same bits at every tile; dw sums the tiles'
-    partial sums, so its rounding follows the tile's rows."""
+    partial sums, so its rounding follows the tile's rows. `skip_P` (bool [P]): rows whose dy is taken as 0
+    (the same bits as zeroing those rows of dy first)."""
     num_rows, channels = x_PC.shape
     width = weight_CW.shape[1]
     rows, columns, warps = tile
@@ -146,8 +157,8 @@ def shifted_conv_silu_backward(
     dw_tiles = torch.empty(grid[0], channels, width, dtype=torch.float32, device=x_PC.device)
     if num_rows:
         _conv_silu_backward_kernel[grid](
-            x_PC, weight_CW, dy.contiguous(), dx, dw_tiles, num_rows, channels, channels // dy.shape[0],
-            W=width, BR=rows, BC=columns, num_warps=warps,
+            x_PC, weight_CW, dy.contiguous(), dx, dw_tiles, skip_P, num_rows, channels, channels // dy.shape[0],
+            W=width, BR=rows, BC=columns, HAS_SKIP=skip_P is not None, num_warps=warps,
         )
     return dx, dw_tiles.sum(dim=0)
 
@@ -166,40 +177,76 @@ class _ShiftedConvSiLU(torch.autograd.Function):
         return dx, dw.to(weight_CW.dtype), None
 
 
+def gathered_conv_silu_forward(x_PC: torch.Tensor, weight_CW: torch.Tensor, taps_NW: torch.Tensor,
+                               num_parts: int) -> torch.Tensor:
+    """[num_parts, N, C'] of the gathered kernel (contiguous x, weight and taps)."""
+    num_rows, channels = x_PC.shape
+    y = x_PC.new_empty(num_parts, taps_NW.shape[0], channels // num_parts)
+    if taps_NW.shape[0]:
+        rows, columns, warps = FORWARD_TILE
+        _conv_silu_gathered_forward_kernel[_grid(taps_NW.shape[0], channels, rows, columns)](
+            x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts,
+            W=weight_CW.shape[1], BR=rows, BC=columns, num_warps=warps,
+        )
+    return y
+
+
+def gathered_conv_silu_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW, dy):
+    """(rows, their fp32 gradient sums [n, C], fp32 dw) of the gathered rows for dy [num_parts, N, C']: the taps'
+    gradients summed per distinct row in fp32 (the reference formula over the tap rows only: a few rows)."""
+    num_rows, channels = x_PC.shape
+    inside = taps_NW < num_rows
+    x_NWC = x_PC[taps_NW.clamp(max=num_rows - 1)].float() * inside[..., None]
+    weight_WC = weight_CW.float().flip(1).T
+    pre = (x_NWC * weight_WC).sum(dim=1)
+    sig = torch.sigmoid(pre)
+    d_pre = dy.permute(1, 0, 2).reshape(-1, channels).float() * sig * (1 + pre * (1 - sig))
+    sums = torch.zeros(len(distinct_T), channels, dtype=torch.float32, device=x_PC.device)
+    sums.index_add_(0, slot_NW.reshape(-1), (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
+    real = distinct_T < num_rows
+    dw = (d_pre[:, None, :] * x_NWC).sum(dim=0).T.flip(1)
+    return distinct_T[real], sums[real], dw
+
+
 class _GatheredConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PC, weight_CW, taps_NW, num_parts, distinct_T, slot_NW):
         x_PC, weight_CW, taps_NW = x_PC.contiguous(), weight_CW.contiguous(), taps_NW.contiguous()
-        num_rows, channels = x_PC.shape
-        width = weight_CW.shape[1]
-        y = x_PC.new_empty(num_parts, taps_NW.shape[0], channels // num_parts)
-        if taps_NW.shape[0]:
-            rows, columns, warps = FORWARD_TILE
-            _conv_silu_gathered_forward_kernel[_grid(taps_NW.shape[0], channels, rows, columns)](
-                x_PC, weight_CW, taps_NW, y, taps_NW.shape[0], num_rows, channels, channels // num_parts, W=width,
-                BR=rows, BC=columns, num_warps=warps,
-            )
         ctx.save_for_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW)
+        return gathered_conv_silu_forward(x_PC, weight_CW, taps_NW, num_parts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_PC, weight_CW, taps_NW, distinct_T, slot_NW = ctx.saved_tensors
+        rows, sums, dw = gathered_conv_silu_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW, dy)
+        dx = torch.zeros_like(x_PC).index_copy_(0, rows, sums.to(x_PC.dtype))
+        return dx, dw.to(weight_CW.dtype), None, None, None, None
+
+
+class _ConvSiLU(torch.autograd.Function):
+    """The shifted kernel over all rows with the exception rows' values from the gathered kernel written into its
+    output in place; the backward skips those rows in the shifted kernel and adds their taps' gradients to its dx
+    at their rows. The values of `_ShiftedConvSiLU` + `index_copy` + `_GatheredConvSiLU` (dx and dw: the same
+    bf16 additions; only a zero's sign may differ), without their full-size passes: the out-of-place copy of y,
+    the copy of dy with the exception rows zeroed, the zero dx of the gathered rows and the sum of the two dx."""
+
+    @staticmethod
+    def forward(ctx, x_PC, weight_CW, num_parts, rows_N, taps_NW, distinct_T, slot_NW):
+        x_PC, weight_CW, taps_NW = x_PC.contiguous(), weight_CW.contiguous(), taps_NW.contiguous()
+        y = shifted_conv_silu_forward(x_PC, weight_CW, num_parts)
+        y.index_copy_(1, rows_N, gathered_conv_silu_forward(x_PC, weight_CW, taps_NW, num_parts))
+        ctx.save_for_backward(x_PC, weight_CW, rows_N, taps_NW, distinct_T, slot_NW)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        # A few rows: the reference formula in fp32 over the tap rows only; their gradients summed per
-        # distinct row in fp32 and written into a zero gradient of x's size and dtype.
-        x_PC, weight_CW, taps_NW, distinct_T, slot_NW = ctx.saved_tensors
-        num_rows, channels = x_PC.shape
-        inside = taps_NW < num_rows
-        x_NWC = x_PC[taps_NW.clamp(max=num_rows - 1)].float() * inside[..., None]
-        weight_WC = weight_CW.float().flip(1).T
-        pre = (x_NWC * weight_WC).sum(dim=1)
-        sig = torch.sigmoid(pre)
-        d_pre = dy.permute(1, 0, 2).reshape(-1, channels).float() * sig * (1 + pre * (1 - sig))
-        sums = torch.zeros(len(distinct_T), channels, dtype=torch.float32, device=x_PC.device)
-        sums.index_add_(0, slot_NW.reshape(-1), (d_pre[:, None, :] * weight_WC).reshape(-1, channels))
-        real = distinct_T < num_rows
-        dx = torch.zeros_like(x_PC).index_copy_(0, distinct_T[real], sums[real].to(x_PC.dtype))
-        dw = (d_pre[:, None, :] * x_NWC).sum(dim=0).T.flip(1)
-        return dx, dw.to(weight_CW.dtype), None, None, None, None
+        x_PC, weight_CW, rows_N, taps_NW, distinct_T, slot_NW = ctx.saved_tensors
+        skip_P = torch.zeros(x_PC.shape[0], dtype=torch.bool, device=x_PC.device).index_fill_(0, rows_N, True)
+        dx, dw = shifted_conv_silu_backward(x_PC, weight_CW, dy, skip_P=skip_P)
+        rows, sums, dw_rows = gathered_conv_silu_backward(x_PC, weight_CW, taps_NW, distinct_T, slot_NW,
+                                                          dy.index_select(1, rows_N))
+        dx.index_put_((rows,), dx[rows] + sums.to(dx.dtype))
+        return dx, dw.to(weight_CW.dtype) + dw_rows.to(weight_CW.dtype), None, None, None, None, None
 
 
 def fused_gathered_conv_silu(
@@ -236,3 +283,19 @@ def fused_shifted_conv_silu(x_PC: torch.Tensor, weight_CW: torch.Tensor, num_par
     if x_PC.shape[1] % num_parts:
         raise ValueError(f"fused_shifted_conv_silu: {x_PC.shape[1]} channels do not split into {num_parts} parts")
     return _ShiftedConvSiLU.apply(x_PC, weight_CW, num_parts)
+
+
+def fused_conv_silu(
+    x_PC: torch.Tensor, weight_CW: torch.Tensor, num_parts: int,
+    exceptions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`fused_shifted_conv_silu` with the rows `exceptions` = (rows [N], their taps [N, W], and
+    `torch.unique(taps, return_inverse=True)`) computed from their taps as `fused_gathered_conv_silu` does,
+    in one autograd node (`_ConvSiLU`): the same values as writing the gathered rows into the shifted output."""
+    if exceptions is None or not len(exceptions[0]):
+        return fused_shifted_conv_silu(x_PC, weight_CW, num_parts)
+    rows_N, taps_NW, distinct_T, slot_NW = exceptions
+    if x_PC.shape[1] % num_parts or taps_NW.shape != (len(rows_N), weight_CW.shape[1]):
+        raise ValueError(f"fused_conv_silu: {x_PC.shape[1]} channels in {num_parts} parts, taps "
+                         f"{tuple(taps_NW.shape)} for {len(rows_N)} rows of width {weight_CW.shape[1]}")
+    return _ConvSiLU.apply(x_PC, weight_CW, num_parts, rows_N, taps_NW, distinct_T, slot_NW)

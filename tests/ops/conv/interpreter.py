@@ -142,8 +142,75 @@ def case_tiles() -> dict[str, float]:
     return errors
 
 
+def case_one_node() -> dict[str, float]:
+    """`fused_conv_silu` (one node: the gathered rows written in place, skipped in the shifted backward) against
+    the composition it replaces (the shifted node, `index_copy` of the gathered node's rows) on both executions'
+    layouts: how many elements of y, dx and dw differ in value (0: the same), the exception rows, and how many
+    aten ops of either made a new tensor of y's or x's size, besides allocations (the composition's full-size
+    copies; the new node's none)."""
+    import numpy as np
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harts.ops.conv.fused import fused_conv_silu, fused_gathered_conv_silu, fused_shifted_conv_silu
+    from harts.runtime.layout import baseline_layout, compact_layout
+    from harts.trees.trie import PrefixIndex
+    from tests.ops.kda.helpers import value_and_grads
+    from tests.trees.helpers import make_step, random_sequences
+
+    class FullSize(TorchDispatchMode):
+        def __init__(self, sizes):
+            super().__init__()
+            self.sizes, self.ops = sizes, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (isinstance(out, torch.Tensor) and out.numel() in self.sizes and func not in ALLOCATIONS
+                    and not func._schema.is_mutable):
+                self.ops.append(str(func))
+            return out
+
+    ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                   torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+    def composition(x, weight, layout):
+        y = fused_shifted_conv_silu(x, weight, 3)
+        taps, distinct, slot = layout.conv_exception_taps()
+        return y.index_copy(1, layout.conv_exception_rows(),
+                            fused_gathered_conv_silu(x, weight, taps, 3, (distinct, slot)))
+
+    def one_node(x, weight, layout):
+        return fused_conv_silu(x, weight, 3, (layout.conv_exception_rows(), *layout.conv_exception_taps()))
+
+    results = {}
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        step = make_step(random_sequences(rng, 10, 60, 3))
+        members = rng.permutation(step.num_trajectories)[:8]
+        layouts = {
+            "baseline": baseline_layout(step, members, conv_size=4, chunk_size=4),
+            "compact": compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4,
+                                      replay=True),
+        }
+        for execution, layout in layouts.items():
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(layout.num_kda_rows, 3 * 6, generator=gen)
+            weight = torch.randn(3 * 6, 4, generator=gen)
+            upstream = torch.randn(3, layout.num_kda_rows, 6, generator=gen)
+            got = {}
+            for name, run in (("composition", composition), ("one_node", one_node)):
+                leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+                with FullSize({x.numel()}) as mode:
+                    got[name] = value_and_grads(partial(run, layout=layout), leaves, upstream)
+                results[f"{execution}{seed}.{name}_full_size_ops"] = float(len(mode.ops))
+            for part, a, b in zip(("y", "dx", "dw"), got["one_node"], got["composition"]):
+                results[f"{execution}{seed}.{part}_differing"] = float((a != b).sum())
+            results[f"{execution}{seed}.exception_rows"] = float(len(layout.conv_exception_rows()))
+    return results
+
+
 if __name__ == "__main__":
     patch_interpreter()
     case = {"kernel": case_kernel, "layout": case_layout, "executions": differing_positions,
-            "tiles": case_tiles}[sys.argv[1]]
+            "tiles": case_tiles, "one_node": case_one_node}[sys.argv[1]]
     print(json.dumps(case()))

@@ -39,6 +39,17 @@ def test_interpreted_layout_fixes_the_exception_rows():
     assert max(errors.values()) < 1e-5, errors
 
 
+def test_interpreted_one_node_equals_the_composition_without_full_size_copies():
+    """`fused_conv_silu` gives the values of the shifted node + `index_copy` of the gathered node's rows (y, dx,
+    dw), on both executions' layouts, and makes no full-size tensor outside its kernels (the composition makes
+    several: y's copy, dy with the exception rows zeroed, the gathered node's zero dx, the sum of the two dx)."""
+    results = run_interpreted("tests.ops.conv.interpreter", "one_node")
+    assert min(v for k, v in results.items() if k.endswith("exception_rows")) > 0, results
+    assert all(v == 0 for k, v in results.items() if k.endswith("_differing")), results
+    assert all(v == 0 for k, v in results.items() if k.endswith("one_node_full_size_ops")), results
+    assert min(v for k, v in results.items() if k.endswith("composition_full_size_ops")) >= 3, results
+
+
 def _check_bitwise(counts):
     assert min(v for k, v in counts.items() if k.endswith("compact_exception_rows")) > 0, counts
     assert all(v == 0 for k, v in counts.items() if k.endswith("differing_positions")), counts
