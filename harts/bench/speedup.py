@@ -861,7 +861,7 @@ def run(args: argparse.Namespace) -> int:
                     if parallel is not None and launched_by_torchrun():
                         break  # this process is one rank of torchrun's: after a failure the ranks are out of step
                 finally:
-                    release_memory(device)
+                    release_memory(device, model if parallel is None else None)
                 write_records(records, out)
         except Terminated as error:
             terminated = True
@@ -881,7 +881,7 @@ def run(args: argparse.Namespace) -> int:
 def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The run's settings: `args` with each `--variant`'s flags over them (or `args` alone, variant None), each
     checked before any model is built (ValueError naming the variant)."""
-    from harts.objective.step import check_keep_attention
+    from harts.objective.step import check_backends, check_keep_attention
 
     variants = [argparse.Namespace(**{**vars(args), **overrides}) for overrides in args.variant or [{"variant": None}]]
     for run_args in variants:
@@ -892,6 +892,7 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             raise ValueError(f"{where}--keep-attention needs --recompute")
         try:
             for backend in (run_args.attention_backend, run_args.compact_attention_backend):
+                check_backends(backend, run_args.kda_backend)
                 check_keep_attention(run_args.recompute, run_args.keep_attention, backend)
         except ValueError as error:
             raise ValueError(f"{where}{error}") from None
@@ -907,13 +908,16 @@ def _cases(args: argparse.Namespace, variants: list[argparse.Namespace]):
             yield index, step, step_meta, run_args
 
 
-def release_memory(device) -> None:
-    """Free what a measured case left (a failed case's graph, cycles through its traceback, the allocator's
-    cached blocks) so that the next case starts from the weights alone."""
+def release_memory(device, model=None) -> None:
+    """Free what a measured case left (gradients of a case that failed in its backward, a failed case's graph,
+    cycles through its traceback, the allocator's cached blocks) so that the next case starts from the weights
+    alone."""
     import gc
 
     import torch
 
+    if model is not None:
+        model.zero_grad(set_to_none=True)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -934,13 +938,18 @@ def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None
 def _follow_rank_zero(variants, parallel, dtype_name) -> int:
     """A torchrun rank other than 0: its part of every step's and variant's `--parallel` run, nothing printed or
     written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line."""
+    import torch
+
     from harts.model.config import load_model_config_with
     from harts.parallel.launch import RankFailed
 
     try:
         for _, step, _, run_args in _cases(variants[0], variants):
             case_config = load_model_config_with(run_args.model, run_args.experts_backend)
-            measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
+            try:
+                measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
+            finally:
+                release_memory(torch.device(run_args.device))
     except RankFailed as error:
         print_error(str(error))
         return 1

@@ -31,7 +31,7 @@ from harts.model.config import ModelConfig
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
 from harts.ops.attention.groups import attention_kernel_ops
-from harts.ops.attention.keep import keeper_contexts
+from harts.ops.attention.keep import keeper_contexts, keeper_scope
 from harts.runtime.layout import Layout
 
 
@@ -139,7 +139,8 @@ class HybridModel(nn.Module):
             if recomputed and torch.is_grad_enabled():
                 kept = ({"context_fn": keep_attention_context(layout.attention_backend)}
                         if keep_attention and block.kind == "mla" else {})
-                x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
+                with keeper_scope():
+                    x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
             else:
                 x_RD, aux = block(x_RD, layout)
             if aux is not None:

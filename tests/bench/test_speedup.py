@@ -590,9 +590,11 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     [("recompute-blocks=2,dtype=fp32", "'dtype' is not one of"), ("keep-attention=maybe", "expected yes or no"),
      ("capacity=0", "a positive integer"), ("recompute=no,keep-attention", "--keep-attention needs --recompute"),
      ("recompute=no,recompute-blocks=2", "--recompute-blocks needs --recompute"),
-     ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice")],
+     ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice"),
+     ("attention-backend=flsh4", "attention_backend must be one of"), ("kda-backend=cuda", "kda_backend must be"),
+     ("attention-backend=", "attention_backend must be one of")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
-         "keep-with-flex", "bad-experts-backend"],
+         "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path

@@ -4,8 +4,9 @@ operator's autograd formula. The `flash4` MLA backend (harts.ops.attention.group
 
 Why an operator and not FA4's `flash_attn_varlen_func`: FA4 launches its CuTe kernels from Python inside an
 autograd Function, where an activation checkpoint's selective policy cannot see them, so a recomputation would
-run them again. As one dispatcher operator the forward is a call that the policy keeps
-(`HybridModel.run_blocks(keep_attention=True)`, `attention_kernel_ops`).
+run them again. As one dispatcher operator the forward is a call that such a policy can keep
+(`attention_kernel_ops`). `HybridModel.run_blocks(keep_attention=True)` keeps it through `flash4_attention` and
+harts.ops.attention.keep instead, which puts no dispatch mode over the rest of the block.
 
 The operator calls the kernels that `flash_attn_varlen_func(..., causal=True)` of flash-attn-4 4.0.0b36 calls,
 with the same arguments (`FlashAttnVarlenFunc`): `flash_attn.cute.interface._flash_attn_fwd` with the
@@ -18,6 +19,8 @@ stand-in FA4 module for the autograd formula and for a recomputation that keeps 
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -77,13 +80,13 @@ class _KeptFlash4(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic, keeper,
                 replaying):
         if replaying:
-            out, lse = keeper.replay()
+            (out, lse), index = keeper.replay()
         else:
             out, lse = flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                                      deterministic)
-            keeper.record((out.detach(), lse.detach()))
-        # Detached aliases: the node's attributes must not reference its own outputs (a reference cycle).
-        ctx.kept = (out.detach(), lse.detach())
+            index = keeper.record((out.detach(), lse.detach()))
+        # A weak reference: the node outlives its backward (a caller may hold the loss), the kept values must not.
+        ctx.keeper, ctx.index = weakref.ref(keeper), index
         ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
         ctx.lengths, ctx.scale, ctx.deterministic = (max_seqlen_q, max_seqlen_k), scale, deterministic
         out, lse = out.detach(), lse.detach()
@@ -92,8 +95,8 @@ class _KeptFlash4(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        out, lse = ctx.kept
+        q, k, v, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors  # alive while the keeper is
+        out, lse = ctx.keeper().kept[ctx.index]
         return (*_kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k), None, None)
 
 

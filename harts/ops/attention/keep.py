@@ -5,8 +5,9 @@ one `AttentionKeeper` per checkpointed call and returns its two contexts, entere
 each recomputation. While one is entered, `active_keeper()` returns the keeper, and an attention that supports it
 (the `flash4` backend, harts.ops.attention.flash4) records its output and log-sum-exp in the forward
 (`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order (`replay`) instead of
-running its kernel again. Its autograd node keeps them as attributes and saves only its inputs through the
-checkpoint, which recomputes those.
+running its kernel again. Its autograd node saves only its inputs through the checkpoint, which recomputes
+those, and reads the kept values from the keeper, which lives exactly as long as the checkpoint's saved tensors
+(it is freed with them after the backward, or kept with them by `retain_graph`).
 
 Why not torch's selective checkpointing (`create_selective_checkpoint_contexts`, which the other backends use):
 its contexts are dispatch modes, so every op of the checkpointed block, not only the attention, goes through
@@ -21,6 +22,7 @@ once instead of twice and gives the same gradients bit for bit, also when the ba
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Any
 
 _ACTIVE = threading.local()
@@ -44,7 +46,13 @@ class _Context:
         _stack().append((self.keeper, self.replaying))
 
     def __exit__(self, *exc) -> None:
-        _stack().pop()
+        # Its own entry, not the top one: under torch 2.11 a block that raised leaves its checkpoint's generator,
+        # and this context in it, open until the generator is collected (`keeper_scope` drops the entry then).
+        stack = _stack()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is self.keeper and stack[i][1] == self.replaying:
+                del stack[i]
+                return
 
 
 class AttentionKeeper:
@@ -54,20 +62,36 @@ class AttentionKeeper:
         self.kept: list[Any] = []
         self.cursor = 0
 
-    def record(self, value: Any) -> None:
+    def record(self, value: Any) -> int:
+        """Keep `value`; its index."""
         self.kept.append(value)
+        return len(self.kept) - 1
 
-    def replay(self) -> Any:
+    def replay(self) -> tuple[Any, int]:
+        """The next kept value of this recomputation, and its index."""
         assert self.cursor < len(self.kept), "a recomputation made more attention calls than its forward"
-        value = self.kept[self.cursor]
         self.cursor += 1
-        return value
+        return self.kept[self.cursor - 1], self.cursor - 1
 
 
 def active_keeper() -> tuple[AttentionKeeper, bool] | None:
     """(keeper, replaying) of the innermost entered context of this thread, or None."""
     stack = _stack()
     return stack[-1] if stack else None
+
+
+@contextmanager
+def keeper_scope():
+    """Around a checkpointed call: if it raises, the keeper entries it left on this thread's stack are dropped
+    (under torch 2.11 its forward context would otherwise stay entered until the garbage collector closes the
+    checkpoint's generator, and every later attention call would record into that keeper)."""
+    stack = _stack()
+    depth = len(stack)
+    try:
+        yield
+    except BaseException:
+        del stack[depth:]
+        raise
 
 
 def keeper_contexts() -> tuple[_Context, _Context]:

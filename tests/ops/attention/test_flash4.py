@@ -144,3 +144,49 @@ def test_outside_a_keeper_flash4_attention_is_the_operator(monkeypatch):
     with torch.no_grad():
         got = flash4_attention(q, k, v, CU_Q, CU_K, 7, 9, 0.3, False)
     assert torch.equal(got, flash4_varlen(q, k, v, CU_Q, CU_K, 7, 9, 0.3, False)[0]) and len(calls) == 2
+
+
+def test_the_kept_values_go_with_the_backward_not_with_the_graph(monkeypatch):
+    """After the backward the kept outputs are freed, though the caller still holds the output (and so the
+    graph's nodes): nothing but the checkpoint's saved tensors holds them."""
+    import gc
+
+    pointers = []
+
+    def forward(q, k, v, **kwargs):
+        result = varlen_standin(q, k, v, **kwargs)
+        pointers.append(result[0].data_ptr())
+        return result
+
+    standin_flash4(monkeypatch, forward)
+    q, k, v, grad = _inputs(4)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = checkpoint(_block(torch.eye(6, dtype=torch.float64)), *inputs, use_reentrant=False,
+                     context_fn=keep_attention_context("flash4"))
+
+    def alive():
+        return [o for o in gc.get_objects() if type(o) is torch.Tensor and o.data_ptr() in pointers]
+
+    assert len(pointers) == 2 and alive()
+    torch.autograd.grad(out, inputs, grad)
+    assert out.grad_fn is not None and not alive()
+
+
+def test_a_context_leaves_its_own_entry_and_a_failed_call_leaves_none():
+    """A keeper context removes its own entry (not the top one), and `keeper_scope` drops what a call that raised
+    left entered (under torch 2.11 a checkpoint's forward context stays entered after its block raised)."""
+    from harts.ops.attention.keep import active_keeper, keeper_contexts, keeper_scope
+
+    (first, _), (second, _) = keeper_contexts(), keeper_contexts()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert active_keeper() == (second.keeper, False)
+    second.__exit__(None, None, None)
+    assert active_keeper() is None
+    with pytest.raises(RuntimeError, match="in the block"):
+        with keeper_scope():
+            forward, _ = keeper_contexts()
+            forward.__enter__()  # never exited, as a checkpoint's context after its block raised
+            raise RuntimeError("in the block")
+    assert active_keeper() is None
