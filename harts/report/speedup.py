@@ -32,7 +32,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
     "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend",
-    "trees", "step",
+    "kda_backend", "capacity", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -72,21 +72,36 @@ def experts_backend(config: dict[str, Any]) -> str:
     return resolve_experts_backend(backend if isinstance(backend, str) else "auto", config.get("device") == "cuda")
 
 
+def kda_backend(config: dict[str, Any]) -> str:
+    """The KDA backend a record ran (the bench's default resolved by the record's device)."""
+    from harts.ops.kda.compact import default_kda_backend
+
+    return config.get("kda_backend") or default_kda_backend(config.get("device") == "cuda")
+
+
+# The bench's default capacity T: labels name another.
+DEFAULT_CAPACITY = 65536
+
+
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
-            c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c))
+            c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
+            c.get("capacity"))
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
                    attention: tuple[str, str] | None = None, experts: str | None = None, *,
-                   keep_attention: bool = False, short: bool = False) -> str:
-    """The step settings beside device and dtype: recomputation (of every block or the first N; the attention
-    kept where it is), bf16
-    LM-head gradients, the MLA backend (the compact execution's after a slash where it differs) and the
-    MoE experts backend (callers pass it where it is not the device's default: `shown_experts`)."""
+                   keep_attention: bool = False, short: bool = False, kda: str | None = None,
+                   capacity: int | None = None) -> str:
+    """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
+    recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
+    MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
+    backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`)."""
     parts = []
+    if capacity is not None:
+        parts.append(f"T={capacity:,}" if short else f"T = {capacity:,}")
     if recompute:
         name = "rc" if short else "recompute"
         parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
@@ -99,6 +114,8 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
     if experts is not None:
         parts.append(f"{experts} experts")
+    if kda is not None:
+        parts.append(f"{kda} KDA")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
@@ -109,19 +126,35 @@ def shown_experts(experts: str, device: str | None) -> str | None:
     return None if experts == resolve_experts_backend("auto", device == "cuda") else experts
 
 
+def shown_kda(kda: str, device: str | None) -> str | None:
+    """The KDA backend for a label: None where it is the device's default."""
+    from harts.ops.kda.compact import default_kda_backend
+
+    return None if kda == default_kda_backend(device == "cuda") else kda
+
+
+def shown_capacity(capacity: Any) -> int | None:
+    """The capacity for a label: None where it is the bench's default (or not recorded)."""
+    return capacity if is_number(capacity) and capacity != DEFAULT_CAPACITY else None
+
+
+def _key_settings(key: tuple, short: bool) -> str:
+    (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
+     capacity) = key
+    return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
+                          keep_attention=kept, short=short, kda=shown_kda(kda, device),
+                          capacity=shown_capacity(capacity))
+
+
 def configuration_label(key: tuple) -> str:
-    model, parallel, planner, device, dtype, recompute, recompute_blocks, kept, grad_precision, attention, experts = key
-    settings = settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
-                              keep_attention=kept)
-    return f"{model} / {parallel} / {planner}\n{device} {dtype}{settings}"
+    model, parallel, planner, device, dtype = key[:5]
+    return f"{model} / {parallel} / {planner}\n{device} {dtype}{_key_settings(key, short=False)}"
 
 
 def short_configuration_label(key: tuple) -> str:
     """One line for the figures' axes and legends: the configuration and its settings (not device and dtype)."""
-    model, parallel, planner, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts = key
-    return f"{model} / {parallel} / {planner}" + settings_label(
-        recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device), keep_attention=kept,
-        short=True)
+    model, parallel, planner = key[:3]
+    return f"{model} / {parallel} / {planner}" + _key_settings(key, short=True)
 
 
 def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,7 +169,8 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "recompute_blocks": c.get("recompute_blocks"), "keep_attention": bool(c.get("keep_attention")),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
-               "experts_backend": experts_backend(c), "trees": c.get("trees"),
+               "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "capacity": c.get("capacity"),
+               "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():
             if "error" in record:
@@ -167,7 +201,9 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             r["logprob_grad_precision"],
             (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
             shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None,
-            keep_attention=r["keep_attention"] is True, short=True)
+            keep_attention=r["keep_attention"] is True, short=True,
+            kda=shown_kda(r["kda_backend"], r["device"]) if r["source"] == "ours" else None,
+            capacity=shown_capacity(r["capacity"]) if r["source"] == "ours" else None)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

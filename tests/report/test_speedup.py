@@ -98,14 +98,14 @@ def test_attention_backends_are_configurations_of_their_own(tmp_path):
     header, table = display_table(rows)
     column = header.index("device / dtype")
     assert [line[column] for line in table] == [
-        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 flash4", "cpu fp32 varlen/flex", "cuda bf16 rc"]
+        "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa", "cpu fp32 T=512 flash4", "cpu fp32 T=512 varlen/flex", "cuda bf16 rc"]
     path = write(tmp_path, "single.json", [default, named, flash4, mixed])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)
     _, text = pdf_text(pdf)
-    assert "cpu fp32, flash4" in text and "cpu fp32, varlen/flex" in text
-    assert "tiny / single / harts flash4: compact" in text  # the step-time figure's labels
-    assert text.count("tiny / single / harts sdpa (ideal") == 1  # default and named sdpa: one breakdown bar
+    assert "cpu fp32, T = 512, flash4" in text and "cpu fp32, T = 512, varlen/flex" in text
+    assert "tiny / single / harts T=512 flash4: compact" in text  # the step-time figure's labels
+    assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # default and named sdpa: one breakdown bar
 
 
 def test_experts_backends_are_configurations_of_their_own(tmp_path):
@@ -122,13 +122,13 @@ def test_experts_backends_are_configurations_of_their_own(tmp_path):
     assert [r["experts_backend"] for r in rows] == ["loop", "loop", "lean", "grouped", NOT_REPORTED]
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:4]] == [
-        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 sdpa lean experts", "cpu fp32 sdpa grouped experts"]
+        "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa lean experts", "cpu fp32 T=512 sdpa grouped experts"]
     path = write(tmp_path, "single.json", [default, named, lean])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)
     _, text = pdf_text(pdf)
-    assert "cpu fp32, sdpa, lean experts" in text
-    assert text.count("tiny / single / harts sdpa (ideal") == 1  # auto and named loop: one configuration
+    assert "cpu fp32, T = 512, sdpa, lean experts" in text
+    assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # auto and named loop: one configuration
 
 
 def test_kept_attention_is_a_configuration_of_its_own(tmp_path):
@@ -144,10 +144,34 @@ def test_kept_attention_is_a_configuration_of_its_own(tmp_path):
     assert [r["keep_attention"] for r in rows] == [False, False, True, NOT_REPORTED]
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:3]] == [
-        "cpu fp32 rc 2 blocks sdpa", "cpu fp32 rc 2 blocks sdpa", "cpu fp32 rc 2 blocks attn kept sdpa"]
+        "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks attn kept sdpa"]
     path = write(tmp_path, "single.json", [old, plain, kept])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)
     _, text = pdf_text(pdf)
-    assert "recompute 2 blocks, attention kept" in text
-    assert text.count("tiny / single / harts rc 2 blocks sdpa (ideal") == 1  # old and plain: one configuration
+    assert "T = 512, recompute 2 blocks, attention kept" in text
+    assert text.count("tiny / single / harts T=512 rc 2 blocks sdpa (ideal") == 1  # old and plain: one configuration
+
+
+def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
+    """Records that differ only in the KDA backend or the capacity T (e.g. `bench speedup --variant`) are not
+    merged; the bench's default KDA backend (torch on CPU) and T = 65,536 are not labelled."""
+    default = speedup_record(step=0)
+    default["config"]["capacity"] = 65536
+    named = speedup_record(step=1)
+    named["config"].update(capacity=65536, kda_backend="torch")
+    fla = speedup_record(step=0, base_fbg=6.0)
+    fla["config"].update(capacity=65536, kda_backend="fla")
+    smaller = speedup_record(step=0, base_fbg=7.0)
+    smaller["config"]["capacity"] = 32768
+    rows = speedup_rows([default, named, fla, smaller])
+    assert [(r["kda_backend"], r["capacity"]) for r in rows[:4]] == [
+        ("torch", 65536), ("torch", 65536), ("fla", 65536), ("torch", 32768)]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:4]] == [
+        "cpu fp32 sdpa", "cpu fp32 sdpa", "cpu fp32 sdpa fla KDA", "cpu fp32 T=32,768 sdpa"]
+    path = write(tmp_path, "single.json", [default, named, fla, smaller])
+    write_speedup_report([path], tmp_path / "speedup.pdf", tmp_path / "speedup.csv")
+    _, text = pdf_text(tmp_path / "speedup.pdf")
+    assert "cpu fp32, sdpa, fla KDA" in text and "cpu fp32, T = 32,768, sdpa" in text
+    assert text.count("tiny / single / harts sdpa (ideal") == 1  # default and named torch: one configuration
