@@ -87,6 +87,8 @@ from harts.cli.args import (
 )
 
 BREAKDOWN_MICROBATCHES = 4
+# The LM head's default chunk (harts.objective.logprobs.DEFAULT_CHUNK_ROWS; not imported here: torch loads lazily).
+DEFAULT_CHUNK_ROWS = 4096
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
 # Timings are flagged (`timing_flags`) above this efficiency or this relative F+B+G range over repeats.
 EFFICIENCY_LIMIT = 1.05
@@ -133,7 +135,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 # dtype), the device or the trees, so that one process measures every variant on the same weights and compiled
 # kernels. The experts backend is one: its three backends hold the same parameters.
 VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "attention-backend",
-                 "compact-attention-backend", "kda-backend", "experts-backend", "logprob-grad-precision", "repeats")
+                 "compact-attention-backend", "kda-backend", "experts-backend", "logprob-grad-precision",
+                 "logprob-chunk-rows", "repeats")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> None:
@@ -166,6 +169,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
     add("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
         help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
              "(rounded once to bf16, bf16 tensor-core matmuls)")
+    add("--logprob-chunk-rows", type=positive_int, default=DEFAULT_CHUNK_ROWS, metavar="N",
+        help="rows of the LM head's logits formed at a time (its transient memory: N x vocabulary fp32; default "
+             f"{DEFAULT_CHUNK_ROWS:,})")
     add("--repeats", type=positive_int, default=3)
 
 
@@ -395,7 +401,7 @@ def _step_configs(args, dtype_name: str) -> dict:
             keep_attention=args.keep_attention, dtype=dtype_name,
             attention_backend=backends[name],
             kda_backend=args.kda_backend or default_kda_backend(cuda),
-            logprob_grad_precision=args.logprob_grad_precision,
+            logprob_grad_precision=args.logprob_grad_precision, logprob_chunk_rows=args.logprob_chunk_rows,
         )
         for name in EXECUTIONS
     }
@@ -832,7 +838,8 @@ def run(args: argparse.Namespace) -> int:
                     "attention_backend": run_args.attention_backend,
                     "compact_attention_backend": run_args.compact_attention_backend,
                     "kda_backend": run_args.kda_backend,
-                    "logprob_grad_precision": run_args.logprob_grad_precision, "variant": run_args.variant,
+                    "logprob_grad_precision": run_args.logprob_grad_precision,
+                    "logprob_chunk_rows": run_args.logprob_chunk_rows, "variant": run_args.variant,
                 }
                 variant = f" (--variant {run_args.variant})" if run_args.variant else ""
                 print(f"step {index}{variant}: {step.num_trajectories} trajectories, "

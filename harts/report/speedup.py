@@ -32,7 +32,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
     "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend",
-    "kda_backend", "capacity", "trees", "step",
+    "kda_backend", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -79,8 +79,9 @@ def kda_backend(config: dict[str, Any]) -> str:
     return config.get("kda_backend") or default_kda_backend(config.get("device") == "cuda")
 
 
-# The bench's default capacity T: labels name another.
+# The bench's default capacity T and LM-head chunk: labels name others.
 DEFAULT_CAPACITY = 65536
+DEFAULT_CHUNK_ROWS = 4096
 
 
 def configuration(record: dict[str, Any]) -> tuple:
@@ -88,17 +89,18 @@ def configuration(record: dict[str, Any]) -> tuple:
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
-            c.get("capacity"))
+            c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS)
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
                    attention: tuple[str, str] | None = None, experts: str | None = None, *,
                    keep_attention: bool = False, short: bool = False, kda: str | None = None,
-                   capacity: int | None = None) -> str:
+                   capacity: int | None = None, chunk_rows: int | None = None) -> str:
     """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
     recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
     MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
-    backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`)."""
+    backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`); the LM
+    head's chunk rows where not the default."""
     parts = []
     if capacity is not None:
         parts.append(f"T={capacity:,}" if short else f"T = {capacity:,}")
@@ -109,6 +111,8 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
             parts.append("attn kept" if short else "attention kept")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
+    if chunk_rows is not None:
+        parts.append(f"LM-head chunks {chunk_rows:,}")
     if attention is not None:
         baseline, compact = attention
         parts.append(baseline if baseline == compact else f"{baseline}/{compact}")
@@ -133,6 +137,11 @@ def shown_kda(kda: str, device: str | None) -> str | None:
     return None if kda == default_kda_backend(device == "cuda") else kda
 
 
+def shown_chunk_rows(chunk_rows: Any) -> int | None:
+    """The LM head's chunk rows for a label: None where they are the default (or not recorded)."""
+    return chunk_rows if is_number(chunk_rows) and chunk_rows != DEFAULT_CHUNK_ROWS else None
+
+
 def shown_capacity(capacity: Any) -> int | None:
     """The capacity for a label: None where it is the bench's default (or not recorded)."""
     return capacity if is_number(capacity) and capacity != DEFAULT_CAPACITY else None
@@ -140,10 +149,10 @@ def shown_capacity(capacity: Any) -> int | None:
 
 def _key_settings(key: tuple, short: bool) -> str:
     (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
-     capacity) = key
+     capacity, chunk_rows) = key
     return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
                           keep_attention=kept, short=short, kda=shown_kda(kda, device),
-                          capacity=shown_capacity(capacity))
+                          capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows))
 
 
 def configuration_label(key: tuple) -> str:
@@ -170,6 +179,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
                "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "capacity": c.get("capacity"),
+               "logprob_chunk_rows": c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS,
                "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():
@@ -203,7 +213,8 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None,
             keep_attention=r["keep_attention"] is True, short=True,
             kda=shown_kda(r["kda_backend"], r["device"]) if r["source"] == "ours" else None,
-            capacity=shown_capacity(r["capacity"]) if r["source"] == "ours" else None)
+            capacity=shown_capacity(r["capacity"]) if r["source"] == "ours" else None,
+            chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if r["source"] == "ours" else None)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),

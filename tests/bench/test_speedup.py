@@ -547,12 +547,13 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     import harts.objective.step as step_module
 
     path, step = tree_step_path
-    seen, builds = [], []
+    seen, builds, chunks = [], [], set()
     run_step = step_module.run_step
     init = model_module.HybridModel.__init__
 
     def recording_run_step(model, step, microbatches, config, **kwargs):
         backends = {m.config.experts_backend for m in model.modules() if isinstance(m, MoE)}
+        chunks.add((config.logprob_chunk_rows, tuple(backends)))
         seen.append((config.execution, config.recompute, config.recompute_blocks, config.keep_attention, *backends))
         return run_step(model, step, microbatches, config, **kwargs)
 
@@ -566,16 +567,19 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     code, records, printed = _speedup(
         ["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--recompute",
          "--variant", "recompute-blocks=1", "--variant", "recompute-blocks=1,keep-attention",
-         "--variant", f"capacity={too_small}", "--variant", "recompute=no,repeats=2,experts-backend=grouped"],
-        tmp_path, capsys)
+         "--variant", f"capacity={too_small}",
+         "--variant", "recompute=no,repeats=2,experts-backend=grouped,logprob-chunk-rows=16"], tmp_path, capsys)
     assert code == 1 and builds == [1] and len(records) == len(printed) == 4
     configs = [r["config"] for r in records]
     assert [(c["recompute"], c["recompute_blocks"], c["keep_attention"], c["capacity"], c["repeats"],
              c["model_config"]["moe"]["experts_backend"]) for c in configs] == [
         (True, 1, False, 80, 1, "auto"), (True, 1, True, 80, 1, "auto"), (True, None, False, too_small, 1, "auto"),
         (False, None, False, 80, 2, "grouped")]
-    assert [c["variant"] for c in configs] == ["recompute-blocks=1", "recompute-blocks=1,keep-attention",
-                                               f"capacity={too_small}", "recompute=no,repeats=2,experts-backend=grouped"]
+    assert [c["variant"] for c in configs] == [
+        "recompute-blocks=1", "recompute-blocks=1,keep-attention", f"capacity={too_small}",
+        "recompute=no,repeats=2,experts-backend=grouped,logprob-chunk-rows=16"]
+    assert [c["logprob_chunk_rows"] for c in configs] == [4096, 4096, 4096, 16]
+    assert chunks == {(4096, ("auto",)), (16, ("grouped",))}
     assert ["error" in r for r in records] == [False, False, True, False]
     assert "more than the capacity" in records[2]["error"]
     # Warm-up and timed steps of both executions, per variant, with that variant's settings.

@@ -175,3 +175,29 @@ def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
     _, text = pdf_text(tmp_path / "speedup.pdf")
     assert "cpu fp32, sdpa, fla KDA" in text and "cpu fp32, T = 32,768, sdpa" in text
     assert text.count("tiny / single / harts sdpa (ideal") == 1  # default and named torch: one configuration
+
+
+def test_the_lm_head_chunk_is_a_configuration_of_its_own(tmp_path):
+    """Records that differ only in the LM head's chunk rows are not merged; older records (no key) and the
+    default 4,096 are one configuration, not labelled."""
+    from harts.bench.speedup import DEFAULT_CHUNK_ROWS as BENCH_DEFAULT
+    from harts.objective.logprobs import DEFAULT_CHUNK_ROWS
+    from harts.objective.step import StepConfig
+    from harts.report.speedup import DEFAULT_CHUNK_ROWS as REPORT_DEFAULT
+
+    assert BENCH_DEFAULT == REPORT_DEFAULT == DEFAULT_CHUNK_ROWS == StepConfig().logprob_chunk_rows
+    old = speedup_record(step=0)
+    named = speedup_record(step=1)
+    named["config"]["logprob_chunk_rows"] = 4096
+    smaller = speedup_record(step=0, base_fbg=6.0)
+    smaller["config"]["logprob_chunk_rows"] = 2048
+    rows = speedup_rows([old, named, smaller])
+    assert [r["logprob_chunk_rows"] for r in rows[:3]] == [4096, 4096, 2048]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:3]] == [
+        "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa", "cpu fp32 T=512 LM-head chunks 2,048 sdpa"]
+    path = write(tmp_path, "single.json", [old, named, smaller])
+    write_speedup_report([path], tmp_path / "speedup.pdf", tmp_path / "speedup.csv")
+    _, text = pdf_text(tmp_path / "speedup.pdf")
+    assert "LM-head chunks 2,048" in text
+    assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # old and named: one configuration
