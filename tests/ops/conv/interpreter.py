@@ -43,22 +43,16 @@ def case_kernel() -> dict[str, float]:
     return errors
 
 
-def case_layout() -> dict[str, float]:
-    """`Layout.causal_conv_silu(fused=True)` (the kernel, then the exception rows: path starts,
-    forks, call boundaries and replay rows) against SiLU of the gather reference, both executions."""
+def _layout_cases():
+    """(name, layout, x, weight, upstream) of both executions' layouts of two random steps (exception rows: path
+    starts, forks, call boundaries, replay rows) with random fp32 inputs of 3 parts of 6 channels, width 4."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
-    from harts.runtime.layout import baseline_layout, compact_layout, naive_causal_conv
+    from harts.runtime.layout import baseline_layout, compact_layout
     from harts.trees.trie import PrefixIndex
-    from tests.ops.kda.helpers import value_and_grads
     from tests.trees.helpers import make_step, random_sequences
 
-    def reference(x, weight, predecessors):
-        return F.silu(naive_causal_conv(x, weight, predecessors)).view(-1, 3, 6).transpose(0, 1)
-
-    errors = {}
     for seed in range(2):
         rng = np.random.default_rng(seed)
         step = make_step(random_sequences(rng, 10, 60, 3))
@@ -73,13 +67,29 @@ def case_layout() -> dict[str, float]:
             x = torch.randn(layout.num_kda_rows, 3 * 6, generator=gen)
             weight = torch.randn(3 * 6, 4, generator=gen)
             upstream = torch.randn(3, layout.num_kda_rows, 6, generator=gen)
-            expected = value_and_grads(partial(reference, predecessors=layout.predecessors),
-                                       [x.double().requires_grad_(), weight.double().requires_grad_()], upstream)
-            got = value_and_grads(partial(layout.causal_conv_silu, num_parts=3, fused=True),
-                                  [x.requires_grad_(), weight.requires_grad_()], upstream)
-            for name, error in zip(("y", "dx", "dw"), _errors(got, expected)):
-                errors[f"{execution}{seed}.{name}"] = error
-            errors[f"{execution}{seed}.exception_rows"] = float(len(layout.conv_exception_rows()))
+            yield f"{execution}{seed}", layout, x, weight, upstream
+
+
+def case_layout() -> dict[str, float]:
+    """`Layout.causal_conv_silu(fused=True)` (the kernel, then the exception rows: path starts,
+    forks, call boundaries and replay rows) against SiLU of the gather reference, both executions."""
+    import torch.nn.functional as F
+
+    from harts.runtime.layout import naive_causal_conv
+    from tests.ops.kda.helpers import value_and_grads
+
+    def reference(x, weight, predecessors):
+        return F.silu(naive_causal_conv(x, weight, predecessors)).view(-1, 3, 6).transpose(0, 1)
+
+    errors = {}
+    for case, layout, x, weight, upstream in _layout_cases():
+        expected = value_and_grads(partial(reference, predecessors=layout.predecessors),
+                                   [x.double().requires_grad_(), weight.double().requires_grad_()], upstream)
+        got = value_and_grads(partial(layout.causal_conv_silu, num_parts=3, fused=True),
+                              [x.requires_grad_(), weight.requires_grad_()], upstream)
+        for name, error in zip(("y", "dx", "dw"), _errors(got, expected)):
+            errors[f"{case}.{name}"] = error
+        errors[f"{case}.exception_rows"] = float(len(layout.conv_exception_rows()))
     return errors
 
 
@@ -148,15 +158,11 @@ def case_one_node() -> dict[str, float]:
     layouts: how many elements of y, dx and dw differ in value (0: the same), the exception rows, and how many
     aten ops of either made a new tensor of y's or x's size, besides allocations (the composition's full-size
     copies; the new node's none)."""
-    import numpy as np
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from harts.ops.conv.fused import fused_conv_silu, fused_gathered_conv_silu, fused_shifted_conv_silu
-    from harts.runtime.layout import baseline_layout, compact_layout
-    from harts.trees.trie import PrefixIndex
     from tests.ops.kda.helpers import value_and_grads
-    from tests.trees.helpers import make_step, random_sequences
 
     class FullSize(TorchDispatchMode):
         def __init__(self, sizes):
@@ -183,29 +189,16 @@ def case_one_node() -> dict[str, float]:
         return fused_conv_silu(x, weight, 3, (layout.conv_exception_rows(), *layout.conv_exception_taps()))
 
     results = {}
-    for seed in range(2):
-        rng = np.random.default_rng(seed)
-        step = make_step(random_sequences(rng, 10, 60, 3))
-        members = rng.permutation(step.num_trajectories)[:8]
-        layouts = {
-            "baseline": baseline_layout(step, members, conv_size=4, chunk_size=4),
-            "compact": compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=4,
-                                      replay=True),
-        }
-        for execution, layout in layouts.items():
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(layout.num_kda_rows, 3 * 6, generator=gen)
-            weight = torch.randn(3 * 6, 4, generator=gen)
-            upstream = torch.randn(3, layout.num_kda_rows, 6, generator=gen)
-            got = {}
-            for name, run in (("composition", composition), ("one_node", one_node)):
-                leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
-                with FullSize({x.numel()}) as mode:
-                    got[name] = value_and_grads(partial(run, layout=layout), leaves, upstream)
-                results[f"{execution}{seed}.{name}_full_size_ops"] = float(len(mode.ops))
-            for part, a, b in zip(("y", "dx", "dw"), got["one_node"], got["composition"]):
-                results[f"{execution}{seed}.{part}_differing"] = float((a != b).sum())
-            results[f"{execution}{seed}.exception_rows"] = float(len(layout.conv_exception_rows()))
+    for case, layout, x, weight, upstream in _layout_cases():
+        got = {}
+        for name, run in (("composition", composition), ("one_node", one_node)):
+            leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+            with FullSize({x.numel()}) as mode:
+                got[name] = value_and_grads(partial(run, layout=layout), leaves, upstream)
+            results[f"{case}.{name}_full_size_ops"] = float(len(mode.ops))
+        for part, a, b in zip(("y", "dx", "dw"), got["one_node"], got["composition"]):
+            results[f"{case}.{part}_differing"] = float((a != b).sum())
+        results[f"{case}.exception_rows"] = float(len(layout.conv_exception_rows()))
     return results
 
 
