@@ -278,11 +278,12 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
 
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
                               kda_backend=None, logprob_grad_precision="input", recompute_blocks=2,
-                              keep_attention=True)
+                              keep_attention=True, logprob_chunk_rows=1024)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
         assert (config.logprob_grad_precision, config.recompute, config.recompute_blocks) == ("input", True, 2)
+        assert config.logprob_chunk_rows == 1024
         assert config.keep_attention
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
