@@ -31,10 +31,10 @@ and take medians. One record per step (config, environment, hardware) with:
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
 `--variant FLAG[=VALUE],...` (repeatable) measures every step again with some of the run flags changed
-(`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head gradient precision,
-planner, capacity, repeats), in this process on the same weights and compiled kernels: one record per step and variant, its
-`config` holding the variant's settings and its text under `variant` (a trade study, e.g. how many blocks to
-recompute, costs one model build and one compilation instead of one per setting).
+(`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head gradient precision and
+chunk rows, planner, capacity, repeats), in this process on the same weights and compiled kernels: one record
+per step and variant, its `config` holding the variant's settings and its text under `variant` (a trade study,
+e.g. how many blocks to recompute, costs one model build and one compilation instead of one per setting).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -87,7 +87,9 @@ from harts.cli.args import (
 )
 
 BREAKDOWN_MICROBATCHES = 4
-# The LM head's default chunk (harts.objective.logprobs.DEFAULT_CHUNK_ROWS; not imported here: torch loads lazily).
+# The default capacity T, and the LM head's default chunk (harts.objective.logprobs.DEFAULT_CHUNK_ROWS; not
+# imported here: torch loads lazily). The speedup report labels other values.
+DEFAULT_CAPACITY = 65536
 DEFAULT_CHUNK_ROWS = 4096
 PAPER = {"compression": 5.62, "speedup": 4.81, "efficiency": 4.81 / 5.62}
 # Timings are flagged (`timing_flags`) above this efficiency or this relative F+B+G range over repeats.
@@ -153,7 +155,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         parser.add_argument(name, **kwargs)
 
     add("--planner", default="harts")
-    add("--capacity", type=positive_int, default=65536)
+    add("--capacity", type=positive_int, default=DEFAULT_CAPACITY)
     add("--recompute", boolean=True, help="full per-layer activation recomputation")
     add("--recompute-blocks", type=all_or_positive_int if variant else positive_int, default=None, metavar="N",
         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "

@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from harts.bench.speedup import DEFAULT_CAPACITY, DEFAULT_CHUNK_ROWS
 from harts.report.records import (
     ERROR, NOT_MEASURED, NOT_REPORTED, format_value, get, is_number, load_records, provenance_lines,
 )
@@ -77,11 +78,6 @@ def kda_backend(config: dict[str, Any]) -> str:
     from harts.ops.kda.compact import default_kda_backend
 
     return config.get("kda_backend") or default_kda_backend(config.get("device") == "cuda")
-
-
-# The bench's default capacity T and LM-head chunk: labels name others.
-DEFAULT_CAPACITY = 65536
-DEFAULT_CHUNK_ROWS = 4096
 
 
 def configuration(record: dict[str, Any]) -> tuple:

@@ -74,7 +74,8 @@ flash4_varlen.register_autograd(_backward, setup_context=_setup_context)
 class _KeptFlash4(torch.autograd.Function):
     """`flash4_varlen` inside a checkpoint whose keeper is active (harts.ops.attention.keep): the forward runs the
     kernel and records (out, lse), a recomputation replays them. Inputs are saved through the checkpoint (in the
-    same order in both, so its recomputation matches them); out and lse are kept as attributes."""
+    same order in both, so its recomputation matches them); the backward reads out and lse from the keeper, held
+    by a weak reference and an index."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic, keeper,
