@@ -30,10 +30,11 @@ and take medians. One record per step (config, environment, hardware) with:
 - `timing_flags`: why the timings should not be trusted, if they should not (efficiency above
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
-`--variant FLAG[=VALUE],...` (repeatable) measures every step again with some of the run flags changed
-(`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head gradient precision and
-chunk rows, planner, capacity, repeats), in this process on the same weights and compiled kernels: one record
-per step and variant, its `config` holding the variant's settings and its text under `variant` (a trade study,
+`--variant FLAG[=VALUE],...` (repeatable) measures every step again, after the run's own settings, with some of
+the run flags changed (`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head
+gradient precision and chunk rows, planner, capacity, repeats), in this process on the same weights and compiled
+kernels: one record per step for the run's settings (`variant` null) and one per step and variant, its `config`
+holding the variant's settings and its text under `variant` (a trade study,
 e.g. how many blocks to recompute, costs one model build and one compilation instead of one per setting).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
@@ -116,8 +117,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "cast by autocast at every use. Default: bf16 with --dtype bf16 in one process, else fp32")
     _add_run_flags(parser)
     parser.add_argument("--variant", action="append", type=parse_variant, default=None, metavar="FLAG[=VALUE],...",
-                        help="measure each step again with these run flags changed (repeatable; one record per step "
-                             "and variant, all in this process on the same weights and compiled kernels), e.g. "
+                        help="after the run's own settings, measure each step again with these run flags changed "
+                             "(repeatable; one record per step and variant, all in this process on the same weights and compiled kernels), e.g. "
                              "--variant recompute-blocks=14 --variant recompute-blocks=14,keep-attention. Flags: "
                              + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
@@ -888,11 +889,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """The run's settings: `args` with each `--variant`'s flags over them (or `args` alone, variant None), each
-    checked before any model is built (ValueError naming the variant)."""
+    """The run's settings: `args` itself (variant None), then `args` with each `--variant`'s flags over them,
+    each checked before any model is built (ValueError naming the variant)."""
     from harts.objective.step import check_backends, check_keep_attention
 
-    variants = [argparse.Namespace(**{**vars(args), **overrides}) for overrides in args.variant or [{"variant": None}]]
+    overrides = [{"variant": None}, *(args.variant or [])]
+    variants = [argparse.Namespace(**{**vars(args), **override}) for override in overrides]
     for run_args in variants:
         where = f"--variant {run_args.variant}: " if run_args.variant else ""
         if run_args.recompute_blocks is not None and not run_args.recompute:

@@ -10,6 +10,7 @@ that fails) and `--json` prints the headline keys. `--parallel` runs dp2, tp2-sp
 
 import json
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -542,8 +543,9 @@ def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, ca
 
 
 def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_path, capsys, monkeypatch):
-    """Every step runs once per `--variant`, on one model (built once), each record with the settings its
-    variant gave and its run steps with those settings; a variant that fails is its own error row."""
+    """Every step runs with the run's own settings, then once per `--variant`, on one model (built once), each
+    record with the settings its variant gave and its run steps with those settings; a variant that fails is its
+    own error row."""
     import harts.model.model as model_module
     import harts.objective.step as step_module
 
@@ -570,24 +572,25 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
          "--variant", "recompute-blocks=1", "--variant", "recompute-blocks=1,keep-attention",
          "--variant", f"capacity={too_small}",
          "--variant", "recompute=no,repeats=2,experts-backend=grouped,logprob-chunk-rows=16"], tmp_path, capsys)
-    assert code == 1 and builds == [1] and len(records) == len(printed) == 4
+    assert code == 1 and builds == [1] and len(records) == len(printed) == 5
     configs = [r["config"] for r in records]
     assert [(c["recompute"], c["recompute_blocks"], c["keep_attention"], c["capacity"], c["repeats"],
              c["model_config"]["moe"]["experts_backend"]) for c in configs] == [
-        (True, 1, False, 80, 1, "auto"), (True, 1, True, 80, 1, "auto"), (True, None, False, too_small, 1, "auto"),
-        (False, None, False, 80, 2, "grouped")]
+        (True, None, False, 80, 1, "auto"), (True, 1, False, 80, 1, "auto"), (True, 1, True, 80, 1, "auto"),
+        (True, None, False, too_small, 1, "auto"), (False, None, False, 80, 2, "grouped")]
     assert [c["variant"] for c in configs] == [
-        "recompute-blocks=1", "recompute-blocks=1,keep-attention", f"capacity={too_small}",
+        None, "recompute-blocks=1", "recompute-blocks=1,keep-attention", f"capacity={too_small}",
         "recompute=no,repeats=2,experts-backend=grouped,logprob-chunk-rows=16"]
-    assert [c["logprob_chunk_rows"] for c in configs] == [4096, 4096, 4096, 16]
+    assert [c["logprob_chunk_rows"] for c in configs] == [4096, 4096, 4096, 4096, 16]
     assert chunks == {(4096, ("auto",)), (16, ("grouped",))}
-    assert ["error" in r for r in records] == [False, False, True, False]
-    assert "more than the capacity" in records[2]["error"]
-    # Warm-up and timed steps of both executions, per variant, with that variant's settings.
+    assert ["error" in r for r in records] == [False, False, False, True, False]
+    assert "more than the capacity" in records[3]["error"]
+    # Warm-up and timed steps of both executions, per case, with that case's settings.
     expected = [(execution, *settings) for settings, runs in
-                [((True, 1, False, "auto"), 2), ((True, 1, True, "auto"), 2), ((False, None, False, "grouped"), 3)]
+                [((True, None, False, "auto"), 2), ((True, 1, False, "auto"), 2), ((True, 1, True, "auto"), 2),
+                 ((False, None, False, "grouped"), 3)]
                 for execution in ("baseline", "compact") for _ in range(runs)]
-    assert sorted(seen) == sorted(expected)
+    assert Counter(seen) == Counter(expected)
 
 
 @pytest.mark.parametrize(
