@@ -3,8 +3,10 @@
 `packed_kda(q, k, v, g, beta, cu_seqlens)` runs rows [R, ...] holding whole sequences back to
 back, each from the zero state and chunked from its own first row — what a standard trainer
 does. Backends: "torch" (`chunk_kda_torch`, any device) and "fla" (fla's own varlen
-`chunk_kda` with the L2 norm fused in the kernel: the strong baseline a user would run on GPU).
-Tested through the model's equivalence tests (torch) and the GPU tests (fla vs torch).
+`chunk_kda` with the L2 norm fused in the kernel: the strong baseline a user would run on GPU;
+through `harts.ops.kda.fla_packed`, its stages bit for bit without keeping the unused gate input).
+Tested through the model's equivalence tests (torch), the interpreter (fla_packed vs fla's
+`chunk_kda`) and the GPU tests (fla vs torch).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ def packed_kda(
     (`cu_seqlens_cpu`: their host copy, which spares fla a device-to-host read)."""
     check_kda_backend(backend, chunk_size, packed=True)
     if backend == "fla":
-        from fla.ops.kda import chunk_kda
+        from harts.ops.kda.fla_packed import packed_chunk_kda
 
-        o, _ = chunk_kda(
+        o = packed_chunk_kda(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
-            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens.long(),
+            cu_seqlens.long(), chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
         )
         return o[0]

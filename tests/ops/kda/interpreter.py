@@ -152,7 +152,52 @@ def case_gate() -> dict[str, float]:
     return {name: relative_error(actual, expected) for name, actual, expected in zip(names, *results[::-1])}
 
 
+def case_packed() -> dict[str, float]:
+    """The baseline's packed call (`packed_chunk_kda`, the L2 norm in the kernel) against fla's `chunk_kda`: the
+    largest absolute difference of o and of each gradient, and what each keeps for the backward (the number of
+    its saved tensors that are g, the bytes of the others, each storage once)."""
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    from harts.ops.kda.fla_packed import packed_chunk_kda
+
+    gen = torch.Generator().manual_seed(42)
+    lengths = [70, 1, 64, 33]
+    total, heads, key_dim, value_dim = sum(lengths), 2, 16, 16
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k = (torch.randn(1, total, heads, key_dim, generator=gen) for _ in range(2))
+    v = torch.randn(1, total, heads, value_dim, generator=gen)
+    leaves = (q, k, v, -torch.rand(1, total, heads, key_dim, generator=gen) * 0.5,
+              torch.rand(1, total, heads, generator=gen))
+    upstream = torch.randn(1, total, heads, value_dim, generator=gen)
+
+    def fla(q, k, v, g, beta):
+        return chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+
+    def lean(q, k, v, g, beta):
+        return packed_chunk_kda(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True)
+
+    runs = {}
+    for name, run in (("fla", fla), ("lean", lean)):
+        inputs = [x.clone().requires_grad_() for x in leaves]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o = run(*inputs)
+        grads = torch.autograd.grad(o, inputs, upstream)
+        g = inputs[3]
+        is_g = [t.data_ptr() == g.data_ptr() and t.shape == g.shape for t in saved]
+        others = {(t.data_ptr(), t.shape): t.numel() * t.element_size() for t, gate in zip(saved, is_g) if not gate}
+        runs[name] = (o, grads, sum(is_g), sum(others.values()))
+    (o_fla, grads_fla, g_fla, bytes_fla), (o_lean, grads_lean, g_lean, bytes_lean) = runs["fla"], runs["lean"]
+    results = {"o": (o_lean - o_fla).abs().max().item()}
+    for grad_name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_lean, grads_fla):
+        results[grad_name] = (got - want).abs().max().item()
+    results.update({"g_kept_fla": g_fla, "g_kept_lean": g_lean, "other_bytes_fla": bytes_fla,
+                    "other_bytes_lean": bytes_lean})
+    return results
+
+
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"states": case_states, "compact": case_compact, "gate": case_gate}[sys.argv[1]]
+    case = {"states": case_states, "compact": case_compact, "gate": case_gate, "packed": case_packed}[sys.argv[1]]
     print(json.dumps(case()))

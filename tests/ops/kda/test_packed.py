@@ -7,6 +7,7 @@ from harts.ops.kda.naive import naive_recurrent_kda
 from harts.ops.kda.packed import packed_kda
 
 from .helpers import relative_error
+from .interpreter import run_interpreted
 
 
 def _inputs(rows, heads, dim, device, dtype, seed=0):
@@ -53,3 +54,32 @@ def test_fla_backend_matches_torch_reference():
     errors.update({name: relative_error(g.float(), r) for name, g, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, ref_grads)})
     print("packed fla vs torch fp32:", {k: f"{v:.2e}" for k, v in errors.items()})
     assert errors["o"] < 1e-2 and max(errors.values()) < 4e-2, errors
+
+
+def test_interpreted_fla_packed_is_fla_chunk_kda_without_keeping_g():
+    """`packed_chunk_kda` (the baseline's "fla" call) under the Triton interpreter: fla's `chunk_kda` bit for bit
+    (output and every gradient, the L2 norm in the kernel), keeping the same tensors but g."""
+    result = run_interpreted("tests.ops.kda.interpreter", "packed")
+    diffs = {name: result[name] for name in ("o", "dq", "dk", "dv", "dg", "dbeta")}
+    assert all(diff == 0 for diff in diffs.values()), diffs
+    assert (result["g_kept_fla"], result["g_kept_lean"]) == (1, 0), result
+    assert result["other_bytes_lean"] == result["other_bytes_fla"] > 0, result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_backend_is_fla_chunk_kda_on_cuda():
+    """On the GPU in bf16 the baseline's call gives fla's `chunk_kda`'s output and gradients bit for bit."""
+    from fla.ops.kda import chunk_kda
+
+    cu = torch.tensor([0, 1000, 1063, 3000, 4097], device="cuda")
+    inputs = _inputs(4097, 4, 64, "cuda", torch.bfloat16)
+    upstream = torch.randn(4097, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out = packed_kda(*inputs, cu, chunk_size=64, use_qk_l2norm=True, backend="fla")
+    grads = torch.autograd.grad(out, inputs, upstream)
+    q, k, v, g, beta = (x.unsqueeze(0) for x in inputs)
+    expected = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0][0]
+    expected_grads = torch.autograd.grad(expected, inputs, upstream)
+    assert torch.equal(out, expected)
+    for got, want in zip(grads, expected_grads):
+        assert torch.equal(got, want)
