@@ -20,8 +20,7 @@ On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`), its decay
 activation (`harts.ops.swiglu`) run as fused Triton kernels (fp32 inside, one rounding); elsewhere as PyTorch
 expressions, their references.
 - `RMSNorm`: fp32 inside, one rounding (`rms_norm_reference`); on CUDA with x and weight of one
-  dtype (bf16 parameters) torch's fused kernel outside autocast (it keeps x, not an fp32 copy), tested
-  against the reference on the GPU.
+  dtype (bf16 parameters) torch's fused kernel, tested against the reference on the GPU.
 Legend: R rows, P KDA rows (harts.runtime.layout), D hidden, H heads, K/V KDA head dims, E = qk
 head dim, F = v head dim of MLA.
 """
@@ -51,14 +50,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool | None = None) -> torch.Tensor:
     """`rms_norm_reference`'s function through `F.rms_norm`, which on CUDA is torch's fused kernel
     (one pass, fp32 inside, one rounding) instead of seven elementwise kernels over fp32 copies.
-    `fused=None`: fused on CUDA when x and weight have one dtype (bf16 parameters), else the reference.
-    The fused kernel runs outside autocast: autocast would hand it fp32 copies of a bf16 x and weight, which it
-    keeps for the backward (twice x's bytes, beside x itself) and whose output it rounds back in another pass."""
+    `fused=None`: fused on CUDA when x and weight have one dtype (bf16 parameters), else the reference."""
     if fused is None:
         fused = x.is_cuda and weight.dtype == x.dtype
     if fused:
-        with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x, (x.shape[-1],), weight, eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps).to(x.dtype)
     return rms_norm_reference(x, weight, eps)
 
 
