@@ -23,6 +23,13 @@ from harts.config import load_config, shipped_config_path
 BACKENDS = ("auto", "gloo", "nccl")
 
 
+# The lean experts gather each row's k routed copies inside their own node and combine them there; expert
+# parallelism instead sends the routed rows to the experts' owners and back, so its ranks run the grouped experts
+# on what they receive, and a "lean" configuration would not be what ran.
+LEAN_UNDER_EP = ("moe.experts_backend 'lean' fuses the dispatch and combine that expert parallelism (ep = {ep}) "
+                 "replaces by its all-to-all exchange: use 'grouped' (or 'auto')")
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Degrees of parallelism of one run."""
@@ -93,6 +100,7 @@ class ParallelConfig:
             (self.ep > 1 or moe.shared_expert_hidden_size % tp == 0,
              f"moe.shared_expert_hidden_size ({moe.shared_expert_hidden_size}) not divisible by tp ({tp})"),
             (model.num_layers >= self.pp, f"num_layers ({model.num_layers}) < pp ({self.pp})"),
+            (self.ep == 1 or moe.experts_backend != "lean", LEAN_UNDER_EP.format(ep=self.ep)),
         ]
         for ok, message in checks:
             if not ok:

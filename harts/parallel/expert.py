@@ -60,6 +60,7 @@ from harts.parallel.comm import (
     reduce_from_group,
     reduce_scatter_rows,
 )
+from harts.parallel.config import LEAN_UNDER_EP
 from harts.parallel.tensor import Sharder, head_index, halves_index
 
 ROUTED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -86,6 +87,8 @@ def parallelize_moe(
     """Shard `moe` in place; returns the names of its whole parameters with partial gradients over TP."""
     c = moe.config
     shared = moe.shared_gate_up_proj is not None
+    if parallelism.ep > 1 and c.experts_backend == "lean":
+        raise ValueError(LEAN_UNDER_EP.format(ep=parallelism.ep))
     if parallelism.ep > 1:
         per_rank = c.num_experts // parallelism.ep
         experts = torch.arange(ep_rank * per_rank, (ep_rank + 1) * per_rank)
@@ -170,7 +173,7 @@ class ParallelMoE(MoE):
 
     def _local_experts(self, x_RD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert."""
-        if self._backend(x_RD) != "loop":  # "lean" fuses dispatch and combine, which expert parallelism replaces
+        if self._backend(x_RD) != "loop":
             counts = torch.tensor(tokens_per_expert, device=x_RD.device)
             return self.grouped_experts(x_RD, counts)
         pieces = torch.split(x_RD, tokens_per_expert)

@@ -65,6 +65,22 @@ def test_model_does_not_split(fields, message):
         ParallelConfig(name="bad", **fields).check_model(load_model_config("tiny"))
 
 
+@pytest.mark.parametrize("backend, ep, refused", [("lean", 2, True), ("lean", 1, False), ("grouped", 2, False)],
+                         ids=["lean-ep2", "lean-ep1", "grouped-ep2"])
+def test_lean_experts_need_ep_1(backend, ep, refused):
+    """Expert parallelism replaces the lean experts' fused dispatch and combine: refused before any rank runs."""
+    from dataclasses import replace
+
+    model = load_model_config("tiny")
+    model = replace(model, moe=replace(model.moe, experts_backend=backend))
+    config = ParallelConfig(name="ep", dp=2, ep=ep)
+    if refused:
+        with pytest.raises(ValueError, match=r"'lean' fuses the dispatch and combine .* \(ep = 2\)"):
+            config.check_model(model)
+    else:
+        config.check_model(model)
+
+
 def test_tied_embeddings_across_stages_are_not_implemented():
     from dataclasses import replace
 

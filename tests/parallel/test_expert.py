@@ -3,7 +3,8 @@
 Scenarios (the groups of a config): dp2-ep2 (each rank its own rows, experts split between the
 ranks), tp2 (replicated rows, expert and shared-expert columns split), tp2-sp (row shards,
 columns split), ep2 (row shards, experts split). With the loop, grouped and lean expert backends
-(lean runs as grouped under expert parallelism), random multiplicities and a non-zero expert bias, each rank checks in fp32: its output rows, the
+(lean is refused under expert parallelism), random multiplicities and a non-zero expert bias, each rank checks
+in fp32: its output rows, the
 gradient of its input rows, the z- and load-balancing losses, the expert-bias counts (summed
 over shards) and, after summing partial gradients as `ParallelModel.reduce_gradients` does, every
 parameter gradient (cut ones against their slice of the full gradient).
@@ -26,6 +27,8 @@ from harts.parallel.tensor import Sharder
 
 SCENARIOS = ("dp2-ep2", "tp2", "tp2-sp", "ep2")
 BACKENDS = ("loop", "grouped", "lean")
+# Under expert parallelism the lean experts are refused (test_lean_experts_are_refused_under_expert_parallelism).
+CASES = [(s, b) for s in SCENARIOS for b in BACKENDS if not ("ep" in s and b == "lean")]
 ROWS = 11
 QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "counts", "param_grads")
 
@@ -109,11 +112,26 @@ def _case(groups, backend: str) -> list[float]:
     ]
 
 
-def _all_cases(groups) -> dict[tuple[str, str], dict[str, float]]:
+def _lean_refused(groups) -> bool:
+    """Whether `parallelize_moe` refuses the lean experts with a ValueError naming the all-to-all exchange."""
+    moe = _plain_moe("lean")
+    parallelism = MoEParallelism(tp_group=groups.tp, ep_group=groups.ep,
+                                 sequence_parallel=groups.config.sequence_parallel)
+    try:
+        parallelize_moe(Sharder(moe), moe, parallelism, tp_rank=groups.layout.tp_rank, ep_rank=groups.layout.ep_rank)
+    except ValueError as error:
+        return "all-to-all" in str(error)
+    return False
+
+
+def _all_cases(groups) -> dict[tuple[str, str], dict[str, float] | bool]:
     results = {}
     for name in SCENARIOS:
         scenario_groups = build_groups(load_parallel_config(name), groups.device)
         for backend in BACKENDS:
+            if (name, backend) not in CASES:
+                results[name, backend] = _lean_refused(scenario_groups)
+                continue
             errors = torch.tensor(_case(scenario_groups, backend), dtype=torch.float64)
             all_reduce_(errors, dist.group.WORLD, op=dist.ReduceOp.MAX)
             results[name, backend] = dict(zip(QUANTITIES, errors.tolist()))
@@ -125,8 +143,14 @@ def errors():
     return launch(_all_cases, ParallelConfig(name="two-ranks", dp=2))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario, backend", CASES, ids=[f"{s}-{b}" for s, b in CASES])
 def test_parallel_moe_equals_plain(errors, scenario, backend):
     report = errors[scenario, backend]
     assert max(report.values()) <= 1e-5, report
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if "ep" in s])
+def test_lean_experts_are_refused_under_expert_parallelism(errors, scenario):
+    """Expert parallelism runs the grouped experts on the rows it receives: a lean configuration is an error,
+    not a record that says lean while grouped ran."""
+    assert errors[scenario, "lean"] is True
