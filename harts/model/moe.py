@@ -218,7 +218,7 @@ def _weights(multiplicity_N: torch.Tensor | None, logits_NE: torch.Tensor) -> to
 def router_z_loss(logits_NE: torch.Tensor, multiplicity_N: torch.Tensor | None, coeff: float) -> torch.Tensor:
     """coeff · Σ q_c·lse_c² / Σ q_c (megatron's `z_loss_func` when q ≡ 1)."""
     q = _weights(multiplicity_N, logits_NE)
-    return (q * torch.logsumexp(logits_NE, dim=-1).square()).sum() / q.sum() * coeff
+    return (q * torch.logsumexp(logits_NE, dim=-1).square()).sum() / _row_total(q.sum()) * coeff
 
 
 def aux_loss_scores(
@@ -249,7 +249,13 @@ def load_balancing_loss(
     total = q.sum()
     probability_mass_E = (q[:, None] * scores_NE).sum(dim=0)
     assignments_E = (q[:, None] * selected_NE.to(q.dtype)).sum(dim=0)
-    return (probability_mass_E * assignments_E).sum() * (num_experts * coeff / top_k) / (total * total)
+    return (probability_mass_E * assignments_E).sum() * (num_experts * coeff / top_k) / _row_total(total * total)
+
+
+def _row_total(total: torch.Tensor) -> torch.Tensor:
+    """A loss's denominator Σ q (or its square); for rows of no weight at all (no rows) the smallest positive
+    number instead of 0, so that the loss is 0 (its numerator is a sum over the same rows), not 0/0."""
+    return total.clamp(min=torch.finfo(total.dtype).tiny)
 
 
 @torch.no_grad()
@@ -470,7 +476,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """[N, D] in the combine dtype (fp32; fp64 for fp64 rows): Σ_experts weight · output."""
         probs_NK = routing.probs_NK
-        y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], -1)
+        y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], y_RD.shape[-1])
         return weighted_sum(probs_NK, y_NKD)
 
     def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:

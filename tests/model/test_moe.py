@@ -4,6 +4,7 @@ import warnings
 import pytest
 import torch
 
+from harts.model.config import load_model_config
 from harts.model.moe import (
     MoE,
     MoEConfig,
@@ -332,6 +333,30 @@ def test_grouped_equals_loop_cuda_bf16(name, backend):
         assert float(error) <= 2e-2
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("backend", ["loop", "grouped", "lean"])
+def test_zero_rows(backend, device):
+    """A layer given no rows (an empty shard or microbatch) returns no rows, losses of 0 and zero counts, and runs
+    backward: the losses are sums over no rows, not 0/0. On CUDA the grouped and lean paths launch their kernels
+    over no rows."""
+    if device == "cpu" and backend != "loop" and not _grouped_mm_runs_on_cpu():
+        pytest.skip("torch._grouped_mm has no CPU kernel in this torch")
+    torch.manual_seed(0)
+    config = dataclasses.replace(load_model_config("tiny").moe, experts_backend=backend, z_loss_coeff=1e-3)
+    moe = MoE(config).to(device)
+    x = torch.zeros(0, config.hidden_size, device=device, requires_grad=True)
+    out, aux = moe(x)
+    (out.sum() + aux.loss).backward()
+    assert out.shape == (0, config.hidden_size)
+    assert aux.z_loss.item() == 0 and aux.load_balancing_loss.item() == 0 and aux.loss.item() == 0
+    assert aux.tokens_per_expert_E.sum().item() == 0
+    assert all(p.grad is None or not p.grad.any() for p in moe.parameters())
+
+
 def test_update_expert_bias_in_place():
     module = _module(MODULES["sigmoid-bias-scaled"], dtype=torch.float32)
     before = module.expert_bias.clone()
@@ -430,7 +455,6 @@ def test_router_keeps_the_narrowest_rows(dtype):
 def test_a_model_switches_its_experts_backend_on_the_same_weights():
     """`HybridModel.set_experts_backend`: every MoE layer and the model's config run the new backend; the
     parameters are untouched; an unknown backend is refused and changes nothing."""
-    from harts.model.config import load_model_config
     from harts.model.model import HybridModel
     from harts.model.moe import MoE
 
