@@ -118,8 +118,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     _add_run_flags(parser)
     parser.add_argument("--variant", action="append", type=parse_variant, default=None, metavar="FLAG[=VALUE],...",
                         help="after the run's own settings, measure each step again with these run flags changed "
-                             "(repeatable; one record per step and variant, all in this process on the same weights and compiled kernels), e.g. "
-                             "--variant recompute-blocks=14 --variant recompute-blocks=14,keep-attention. Flags: "
+                             "(repeatable; one record per step and variant, all in this process on the same weights "
+                             "and compiled kernels), e.g. --variant recompute-blocks=14 "
+                             "--variant recompute-blocks=14,keep-attention. Flags: "
                              + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
@@ -895,8 +896,15 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
 
     overrides = [{"variant": None}, *(args.variant or [])]
     variants = [argparse.Namespace(**{**vars(args), **override}) for override in overrides]
+    measured: dict[tuple, str] = {}
     for run_args in variants:
         where = f"--variant {run_args.variant}: " if run_args.variant else ""
+        # The same settings measured again would be two records of one configuration (and one step counted
+        # twice in the report); more repeats belong in --repeats.
+        settings = tuple(sorted((k, repr(v)) for k, v in vars(run_args).items() if k not in ("variant", "repeats")))
+        if settings in measured:
+            raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
+        measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
         if run_args.recompute_blocks is not None and not run_args.recompute:
             raise ValueError(f"{where}--recompute-blocks needs --recompute")
         if run_args.keep_attention and not run_args.recompute:

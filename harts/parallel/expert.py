@@ -184,6 +184,8 @@ class ParallelMoE(MoE):
     def _expert_parallel_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         group = self.parallelism.ep_group
         ep = self.parallelism.ep
+        if self.config.experts_backend == "lean":  # set after `parallelize_moe` checked it
+            raise ValueError(LEAN_UNDER_EP.format(ep=ep))
         x_RD, plan = self.dispatch(x_ND, routing)
         send_E = plan.tokens_per_expert_E.view(ep, -1)
         receive_E = all_to_all_counts(send_E, group).cpu().numpy()

@@ -600,9 +600,12 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
      ("recompute=no,recompute-blocks=2", "--recompute-blocks needs --recompute"),
      ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice"),
      ("attention-backend=flsh4", "attention_backend must be one of"), ("kda-backend=cuda", "kda_backend must be"),
-     ("attention-backend=", "attention_backend must be one of")],
+     ("attention-backend=", "attention_backend must be one of"),
+     ("repeats=3", "the same run settings as the run's own (only repeats differ)"),
+     ("recompute", "the same run settings as the run's own")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
-         "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend"],
+         "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend",
+         "only-repeats", "no-change"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path

@@ -113,15 +113,22 @@ def _case(groups, backend: str) -> list[float]:
 
 
 def _lean_refused(groups) -> bool:
-    """Whether `parallelize_moe` refuses the lean experts with a ValueError naming the all-to-all exchange."""
-    moe = _plain_moe("lean")
+    """Whether the lean experts are refused with a ValueError naming the all-to-all exchange: by
+    `parallelize_moe`, and by the forward of a layer switched to lean after it was parallelized."""
     parallelism = MoEParallelism(tp_group=groups.tp, ep_group=groups.ep,
                                  sequence_parallel=groups.config.sequence_parallel)
-    try:
-        parallelize_moe(Sharder(moe), moe, parallelism, tp_rank=groups.layout.tp_rank, ep_rank=groups.layout.ep_rank)
-    except ValueError as error:
-        return "all-to-all" in str(error)
-    return False
+    refusals = []
+    for backend in ("lean", "grouped"):
+        moe = _plain_moe(backend)
+        try:
+            parallelize_moe(Sharder(moe), moe, parallelism, tp_rank=groups.layout.tp_rank,
+                            ep_rank=groups.layout.ep_rank)
+            moe.config = replace(moe.config, experts_backend="lean")
+            x, q, _ = _rows(0)
+            moe(x, multiplicity_N=q)
+        except ValueError as error:
+            refusals.append("all-to-all" in str(error))
+    return refusals == [True, True]
 
 
 def _all_cases(groups) -> dict[tuple[str, str], dict[str, float] | bool]:
