@@ -122,6 +122,8 @@ def run_identity(benchmark: str, config: dict[str, Any]) -> dict[str, Any]:
         tags.append("recompute")
     tags = sorted({str(t)[:64] for t in tags if t})
     name = group + (f"/{planner}" if planner else "") + (f"/step{step}" if step is not None else "")
+    if config.get("variant"):  # `bench speedup --variant`: one run per step and variant
+        name += f"/{config['variant']}"
     return {"group": group, "job_type": benchmark, "name": name, "tags": tags}
 
 

@@ -78,6 +78,10 @@ def test_identity_one_run_per_record_and_metrics():
         "group": "speedup/tiny/dp2", "job_type": "speedup", "name": "speedup/tiny/dp2/harts/step0",
         "tags": ["cpu", "dp2", "fp32", "harts", "recompute", "speedup", "tiny"]}
     assert run_identity("speedup", speedup(1)["config"])["name"] == "speedup/tiny/single/harts/step1"
+    variant = {**speedup(1)["config"], "variant": "recompute-blocks=14,keep-attention"}
+    name = run_identity("speedup", variant)["name"]
+    assert name == "speedup/tiny/single/harts/step1/recompute-blocks=14,keep-attention"
+    assert wandb_log.artifact_name(name) == "speedup-tiny-single-harts-step1-recompute-blocks-14-keep-attention"
     planning = {"trees": "configs/trees/paper.yaml", "data": "data/trees/paper", "step": 3, "planner": "treetrain-ortools"}
     assert run_identity("planning", planning)["group"] == "planning/paper"
     assert run_identity("planning", planning)["name"] == "planning/paper/treetrain-ortools/step3"
