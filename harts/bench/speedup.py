@@ -31,11 +31,11 @@ and take medians. One record per step (config, environment, hardware) with:
   1.05, or an execution's F+B+G varying by more than 10% over the repeats, each repeat's in
   `fbg_repeats_s`); the printed table and the report mark such records.
 `--variant FLAG[=VALUE],...` (repeatable) measures every step again, after the run's own settings, with some of
-the run flags changed (`VARIANT_FLAGS`: recomputation, kept attention, attention/KDA/experts backends, LM-head
-gradient precision and chunk rows, planner, capacity, repeats), in this process on the same weights and compiled
-kernels: one record per step for the run's settings (`variant` null) and one per step and variant, its `config`
-holding the variant's settings and its text under `variant` (a trade study,
-e.g. how many blocks to recompute, costs one model build and one compilation instead of one per setting).
+the run flags changed (`VARIANT_FLAGS`: recomputation, kept attention and KDA intermediates, attention/KDA/experts
+backends, LM-head gradient precision and chunk rows, planner, capacity, repeats), in this process on the same
+weights and compiled kernels: one record per step for the run's settings (`variant` null) and one per step and
+variant, its `config` holding the variant's settings and its text under `variant` (a trade study, e.g. how many
+blocks to recompute, costs one model build and one compilation instead of one per setting).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -138,9 +138,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 # The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter
 # dtype), the device or the trees, so that one process measures every variant on the same weights and compiled
 # kernels. The experts backend is one: its three backends hold the same parameters.
-VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "attention-backend",
-                 "compact-attention-backend", "kda-backend", "experts-backend", "logprob-grad-precision",
-                 "logprob-chunk-rows", "repeats")
+VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "keep-kda-intermediates",
+                 "attention-backend", "compact-attention-backend", "kda-backend", "experts-backend",
+                 "logprob-grad-precision", "logprob-chunk-rows", "repeats")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> None:
@@ -163,6 +163,10 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
              "(Megatron's block method; default: every block)")
     add("--keep-attention", boolean=True, help=KEEP_ATTENTION_HELP)
+    add("--keep-kda-intermediates", boolean=True,
+        help="with --recompute and the fla KDA (the CUDA default): the recomputed blocks' KDA calls keep fla's "
+             "intermediates (WY factors, gated q/k, chunk states) from the recomputation for the backward instead "
+             "of computing them again (a transient of one block's intermediates)")
     add("--attention-backend", default=None,
         help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
     add("--compact-attention-backend", default=None,
@@ -402,8 +406,8 @@ def _step_configs(args, dtype_name: str) -> dict:
     return {
         name: StepConfig(
             execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
-            keep_attention=args.keep_attention, dtype=dtype_name,
-            attention_backend=backends[name],
+            keep_attention=args.keep_attention, keep_kda_intermediates=args.keep_kda_intermediates,
+            dtype=dtype_name, attention_backend=backends[name],
             kda_backend=args.kda_backend or default_kda_backend(cuda),
             logprob_grad_precision=args.logprob_grad_precision, logprob_chunk_rows=args.logprob_chunk_rows,
         )
@@ -835,6 +839,7 @@ def run(args: argparse.Namespace) -> int:
                     "planner": run_args.planner, "capacity": run_args.capacity, "device": args.device,
                     "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
                     "recompute_blocks": run_args.recompute_blocks, "keep_attention": run_args.keep_attention,
+                    "keep_kda_intermediates": run_args.keep_kda_intermediates,
                     "repeats": run_args.repeats,
                     "parallel": parallel.name if parallel else "single",
                     "world_size": parallel.world_size if parallel else 1,
@@ -892,7 +897,8 @@ def run(args: argparse.Namespace) -> int:
 def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The run's settings: `args` itself (variant None), then `args` with each `--variant`'s flags over them,
     each checked before any model is built (ValueError naming the variant)."""
-    from harts.objective.step import check_backends, check_keep_attention
+    from harts.objective.step import check_backends, check_keep_attention, check_keep_kda_intermediates
+    from harts.ops.kda.compact import default_kda_backend
 
     overrides = [{"variant": None}, *(args.variant or [])]
     variants = [argparse.Namespace(**{**vars(args), **override}) for override in overrides]
@@ -913,6 +919,8 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             for backend in (run_args.attention_backend, run_args.compact_attention_backend):
                 check_backends(backend, run_args.kda_backend)
                 check_keep_attention(run_args.recompute, run_args.keep_attention, backend)
+            check_keep_kda_intermediates(run_args.recompute, run_args.keep_kda_intermediates,
+                                         run_args.kda_backend or default_kda_backend(run_args.device == "cuda"))
         except ValueError as error:
             raise ValueError(f"{where}{error}") from None
     return variants

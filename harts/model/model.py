@@ -14,6 +14,8 @@ kernels, the costliest part of a block per byte kept (torchtitan's op-level sele
 through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`; `flash4` through its own
 keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). The kernels are deterministic, so
 the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py).
+With a layout's `keep_kda_intermediates` the recomputed blocks run inside harts.ops.kda.keep's context, where fla's
+KDA calls keep their intermediates for the backward instead of computing them again.
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
@@ -32,6 +34,7 @@ from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
 from harts.ops.attention.groups import attention_kernel_ops
 from harts.ops.attention.keep import keeper_contexts, keeper_scope
+from harts.ops.kda.keep import keeping_kda_intermediates
 from harts.runtime.layout import Layout
 
 
@@ -73,6 +76,17 @@ def keep_attention_context(backend: str | None = None):
         return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _keeping_kda_intermediates(block: nn.Module):
+    """`block` run inside `keeping_kda_intermediates()`: the checkpoint runs this function in the forward and
+    again in the recomputation, each time with the context entered on the thread that runs it."""
+
+    def run(x_RD: torch.Tensor, layout: Layout):
+        with keeping_kda_intermediates():
+            return block(x_RD, layout)
+
+    return run
 
 
 class HybridModel(nn.Module):
@@ -139,8 +153,9 @@ class HybridModel(nn.Module):
             if recomputed and torch.is_grad_enabled():
                 kept = ({"context_fn": keep_attention_context(layout.attention_backend)}
                         if keep_attention and block.kind == "mla" else {})
+                run = _keeping_kda_intermediates(block) if layout.keep_kda_intermediates else block
                 with keeper_scope():
-                    x_RD, aux = checkpoint(block, x_RD, layout, use_reentrant=False, **kept)
+                    x_RD, aux = checkpoint(run, x_RD, layout, use_reentrant=False, **kept)
             else:
                 x_RD, aux = block(x_RD, layout)
             if aux is not None:

@@ -56,6 +56,10 @@ class StepConfig:
     keep_attention: bool = False
     """With `recompute`: the recomputed MLA blocks keep their attention outputs from the forward instead of
     running the attention again (`HybridModel.forward`; backends `KEEPABLE_BACKENDS`). Same values."""
+    keep_kda_intermediates: bool = False
+    """With `recompute` and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors,
+    gated q/k, chunk states) from the recomputation for the backward instead of computing them a third time
+    (harts.ops.kda.keep). Same kernels; a transient of one block's intermediates during its backward."""
     replay: bool = True
     """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     attention_backend: str = "sdpa"
@@ -78,6 +82,7 @@ class StepConfig:
         check_logprob_grad_precision(self.logprob_grad_precision)
         check_recompute_blocks(self.recompute, self.recompute_blocks)
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend)
+        check_keep_kda_intermediates(self.recompute, self.keep_kda_intermediates, self.kda_backend)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
@@ -97,6 +102,19 @@ def check_backends(attention_backend: str | None, kda_backend: str | None, prefi
         raise ValueError(f"{prefix}attention_backend must be one of {tuple(BACKENDS)}, got {attention_backend!r}")
     if kda_backend is not None and kda_backend not in KDA_BACKENDS:
         raise ValueError(f"{prefix}kda_backend must be one of {KDA_BACKENDS}, got {kda_backend!r}")
+
+
+def check_keep_kda_intermediates(recompute: bool, keep: bool, kda_backend: str | None, prefix: str = "") -> None:
+    """`keep_kda_intermediates` needs `recompute` and the fla KDA (ValueError naming `prefix` + field)."""
+    if keep is False:
+        return
+    if keep is not True:
+        raise ValueError(f"{prefix}keep_kda_intermediates must be true or false, got {keep!r}")
+    if not recompute:
+        raise ValueError(f"{prefix}keep_kda_intermediates needs {prefix}recompute")
+    if kda_backend != "fla":
+        raise ValueError(f"{prefix}keep_kda_intermediates keeps fla's KDA intermediates: it needs kda_backend 'fla', "
+                         f"got {kda_backend!r}")
 
 
 def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:
@@ -155,14 +173,18 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
     kda = model.config.kda
     if config.execution == "compact":
         assert attention_splits is None, "attention splits belong to the baseline layout"
-        return compact_layout(
+        layout = compact_layout(
             step, index, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size, replay=config.replay,
             attention_backend=config.attention_backend, kda_backend=config.kda_backend,
         )
-    return baseline_layout(
-        step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
-        attention_backend=config.attention_backend, kda_backend=config.kda_backend, attention_splits=attention_splits,
-    )
+    else:
+        layout = baseline_layout(
+            step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
+            attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+            attention_splits=attention_splits,
+        )
+    layout.keep_kda_intermediates = config.keep_kda_intermediates
+    return layout
 
 
 def autocast_context(device: torch.device, config: StepConfig):

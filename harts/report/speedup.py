@@ -32,8 +32,8 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "keep_attention", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend",
-    "kda_backend", "capacity", "logprob_chunk_rows", "trees", "step",
+    "keep_attention", "keep_kda_intermediates", "logprob_grad_precision", "attention_backend",
+    "compact_attention_backend", "experts_backend", "kda_backend", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -85,13 +85,15 @@ def configuration(record: dict[str, Any]) -> tuple:
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
-            c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS)
+            c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS,
+            bool(c.get("keep_kda_intermediates")))
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
                    attention: tuple[str, str] | None = None, experts: str | None = None, *,
                    keep_attention: bool = False, short: bool = False, kda: str | None = None,
-                   capacity: int | None = None, chunk_rows: int | None = None) -> str:
+                   capacity: int | None = None, chunk_rows: int | None = None,
+                   kda_intermediates_kept: bool = False) -> str:
     """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
     recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
     MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
@@ -105,6 +107,8 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
         if keep_attention:
             parts.append("attn kept" if short else "attention kept")
+        if kda_intermediates_kept:
+            parts.append("KDA kept" if short else "KDA intermediates kept")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
     if chunk_rows is not None:
@@ -145,10 +149,11 @@ def shown_capacity(capacity: Any) -> int | None:
 
 def _key_settings(key: tuple, short: bool) -> str:
     (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
-     capacity, chunk_rows) = key
+     capacity, chunk_rows, kda_kept) = key
     return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
                           keep_attention=kept, short=short, kda=shown_kda(kda, device),
-                          capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows))
+                          capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows),
+                          kda_intermediates_kept=kda_kept)
 
 
 def configuration_label(key: tuple) -> str:
@@ -172,6 +177,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
                "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
                "recompute_blocks": c.get("recompute_blocks"), "keep_attention": bool(c.get("keep_attention")),
+               "keep_kda_intermediates": bool(c.get("keep_kda_intermediates")),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
                "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "capacity": c.get("capacity"),
@@ -208,6 +214,7 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
             shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None,
             keep_attention=r["keep_attention"] is True, short=True,
+            kda_intermediates_kept=r["keep_kda_intermediates"] is True,
             kda=shown_kda(r["kda_backend"], r["device"]) if r["source"] == "ours" else None,
             capacity=shown_capacity(r["capacity"]) if r["source"] == "ours" else None,
             chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if r["source"] == "ours" else None)

@@ -70,6 +70,9 @@ class Layout:
     """Their host copy, so fla need not read them back from the device in every layer."""
     attention_backend: str = "sdpa"
     kda_backend: str = "torch"
+    keep_kda_intermediates: bool = False
+    """Recomputed blocks keep fla's KDA intermediates for their backward (`HybridModel.run_blocks`,
+    harts.ops.kda.keep; `StepConfig.keep_kda_intermediates`); the torch KDA has none and ignores it."""
     info: dict = field(default_factory=dict)
     """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
     _conv_exception_rows: torch.Tensor | None = field(default=None, init=False, repr=False)

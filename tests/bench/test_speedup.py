@@ -278,14 +278,14 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     from harts.bench.speedup import _step_configs
 
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend=None, logprob_grad_precision="input", recompute_blocks=2,
-                              keep_attention=True, logprob_chunk_rows=1024)
+                              kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
+                              keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
         assert (config.logprob_grad_precision, config.recompute, config.recompute_blocks) == ("input", True, 2)
         assert config.logprob_chunk_rows == 1024
-        assert config.keep_attention
+        assert config.keep_attention and config.keep_kda_intermediates and config.kda_backend == "fla"
     path, _ = tree_step_path
     code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)
@@ -601,11 +601,13 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
      ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice"),
      ("attention-backend=flsh4", "attention_backend must be one of"), ("kda-backend=cuda", "kda_backend must be"),
      ("attention-backend=", "attention_backend must be one of"),
+     ("keep-kda-intermediates", "needs kda_backend 'fla', got 'torch'"),
+     ("recompute=no,keep-kda-intermediates,kda-backend=fla", "keep_kda_intermediates needs recompute"),
      ("repeats=3", "the same run settings as the run's own (only repeats differ)"),
      ("recompute", "the same run settings as the run's own")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
          "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend",
-         "only-repeats", "no-change"],
+         "keep-kda-with-torch-kda", "keep-kda-without-recompute", "only-repeats", "no-change"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path

@@ -16,6 +16,7 @@ from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.step import StepConfig, run_step
 from harts.ops.attention.groups import attention_kernel_ops
+from harts.ops.kda.keep import kda_intermediates_kept
 from tests.objective.helpers import random_tree_step
 
 SETTINGS = {"none": {}, "all": {"recompute": True}, "first-1": {"recompute": True, "recompute_blocks": 1},
@@ -110,6 +111,40 @@ def test_kept_attention_runs_each_kernel_once(model_and_step, equal_head_dims_mo
     ({"recompute": True, "keep_attention": 1}, "true or false"),
 ], ids=["without-recompute", "flex", "cudnn", "not-bool", "zero"])
 def test_bad_keep_attention(bad, message):
+    with pytest.raises(ValueError, match=message):
+        StepConfig(**bad)
+
+
+def test_recomputed_blocks_run_inside_the_kda_keeping_context(model_and_step):
+    """With the layout's `keep_kda_intermediates` the recomputed blocks, and only they, run inside
+    harts.ops.kda.keep's context, in their forward and in their recomputation (where fla's KDA calls then keep
+    their intermediates; here the torch KDA ignores it, so the bits are the reference's)."""
+    model, step = model_and_step
+    seen = []
+    hooks = [block.register_forward_pre_hook(lambda *_, i=i: seen.append((i, kda_intermediates_kept())))
+             for i, block in enumerate(model.blocks)]
+    config = StepConfig(execution="compact", recompute=True, recompute_blocks=3)
+    config.keep_kda_intermediates = True  # past the check that asks for fla, whose kernels the CPU lacks
+    model.zero_grad(set_to_none=True)
+    try:
+        result = run_step(model, step, [np.arange(step.num_trajectories)], config)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    reference_loss, reference_grads, _ = _run(model, step, SETTINGS["first-3"])
+    num_blocks = len(model.blocks)
+    assert sorted(seen) == sorted([(i, True) for i in range(3)] * 2 + [(i, False) for i in range(3, num_blocks)])
+    assert not kda_intermediates_kept()
+    assert result.loss == reference_loss and all(torch.equal(grads[k], reference_grads[k]) for k in grads)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"keep_kda_intermediates": True, "kda_backend": "fla"}, "needs recompute"),
+    ({"recompute": True, "keep_kda_intermediates": True}, "needs kda_backend 'fla', got 'torch'"),
+    ({"recompute": True, "keep_kda_intermediates": 1, "kda_backend": "fla"}, "true or false"),
+], ids=["without-recompute", "torch-kda", "not-bool"])
+def test_bad_keep_kda_intermediates(bad, message):
     with pytest.raises(ValueError, match=message):
         StepConfig(**bad)
 

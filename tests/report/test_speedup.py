@@ -153,6 +153,25 @@ def test_kept_attention_is_a_configuration_of_its_own(tmp_path):
     assert text.count("tiny / single / harts T=512 rc 2 blocks sdpa (ideal") == 1  # old and plain: one configuration
 
 
+def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
+    """Records that differ only in keep_kda_intermediates are not merged; the labels and the CSV say where they
+    were kept."""
+    plain = speedup_record(step=0)
+    plain["config"].update(recompute=True, kda_backend="fla")
+    kept = speedup_record(step=0, base_fbg=7.0)
+    kept["config"].update(recompute=True, kda_backend="fla", keep_kda_intermediates=True)
+    rows = speedup_rows([plain, kept])
+    assert [r["keep_kda_intermediates"] for r in rows] == [False, True, NOT_REPORTED]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:2]] == [
+        "cpu fp32 T=512 rc sdpa fla KDA", "cpu fp32 T=512 rc KDA kept sdpa fla KDA"]
+    path = write(tmp_path, "single.json", [plain, kept])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "T = 512, recompute, KDA intermediates kept, sdpa, fla KDA" in text
+
+
 def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
     """Records that differ only in the KDA backend or the capacity T (e.g. `bench speedup --variant`) are not
     merged; the bench's default KDA backend (torch on CPU) and T = 65,536 are not labelled."""

@@ -39,6 +39,7 @@ from fla.ops.utils.constant import RCP_LN2
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
 from harts.ops.kda.chunk import check_inputs, check_requests, chunk_kda_torch, index_tensor
+from harts.ops.kda.keep import kda_intermediates_kept
 from harts.ops.kda.triton_state import state_backward, state_forward
 
 FLA_CHUNK_SIZES = (32, 64)
@@ -52,12 +53,12 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
     @input_guard
     @autocast_custom_fwd
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
-                chunk_size, num_chunks, num_slots):
+                chunk_size, num_chunks, num_slots, keep_intermediates):
         g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                    chunk_indices=chunk_indices)
-        w, u, _, kg, aqk, akk = chunk_kda_fwd_intra(
+        w, u, qg, kg, aqk, akk = chunk_kda_fwd_intra(
             q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size, chunk_indices=chunk_indices,
+            chunk_size=chunk_size, chunk_indices=chunk_indices, disable_recompute=keep_intermediates,
         )
         h, v_new, final_state, slot_states = state_forward(
             kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size, num_chunks,
@@ -65,8 +66,12 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         )
         o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=aqk, h=h, scale=scale, cu_seqlens=cu_seqlens,
                                chunk_size=chunk_size, chunk_indices=chunk_indices)
+        # Kept (harts.ops.kda.keep): what the backward would otherwise compute again, the same kernels'
+        # values (the intra kernel's w, u and gated q/k, the state pass's h and v_new).
+        kept = (w, u, qg, kg, h, v_new) if keep_intermediates else ()
+        assert all(x is not None for x in kept), "fla's intra kernel hands back the gated q when asked"
         ctx.save_for_backward(q, k, v, g_cum, beta, aqk, akk, initial_state, cu_seqlens, chunk_indices,
-                              chunk_offsets, state_slot)
+                              chunk_offsets, state_slot, *kept)
         ctx.scale, ctx.chunk_size, ctx.num_chunks, ctx.g_dtype = scale, chunk_size, num_chunks, g.dtype
         ctx.set_materialize_grads(False)
         return o.type_as(q), final_state, slot_states
@@ -76,14 +81,17 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
     @autocast_custom_bwd
     def backward(ctx, do, dht, dslots):
         (q, k, v, g_cum, beta, aqk, akk, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-         state_slot) = ctx.saved_tensors
+         state_slot, *kept) = ctx.saved_tensors
         scale, chunk_size, num_chunks = ctx.scale, ctx.chunk_size, ctx.num_chunks
         if do is None:
             do = torch.zeros_like(v)
-        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=akk, gk=g_cum, q=q, cu_seqlens=cu_seqlens,
-                                         chunk_indices=chunk_indices)
-        h, v_new, _, _ = state_forward(kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size,
-                                       num_chunks)
+        if kept:
+            w, u, qg, kg, h, v_new = kept
+        else:
+            w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=akk, gk=g_cum, q=q, cu_seqlens=cu_seqlens,
+                                             chunk_indices=chunk_indices)
+            h, v_new, _, _ = state_forward(kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size,
+                                           num_chunks)
         daqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=aqk, scale=scale, cu_seqlens=cu_seqlens,
                                      chunk_size=chunk_size, chunk_indices=chunk_indices)
         dh, dh0, dv = state_backward(qg, kg, w, g_cum, do, dv, dht, dslots, state_slot, cu_seqlens,
@@ -99,7 +107,7 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
                                 chunk_indices=chunk_indices)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def chunk_kda_fla(
@@ -197,7 +205,7 @@ class FlaCall:
             initial = initial_state.float()
         o, final_state, slot_states = ChunkKDAStatesFunction.apply(
             q, k, v, g, beta, initial, scale, self.row_start, self.chunk_indices, self.chunk_offsets,
-            self.state_slot, self.chunk_size, self.num_chunks, self.plan.num_slots,
+            self.state_slot, self.chunk_size, self.num_chunks, self.plan.num_slots, kda_intermediates_kept(),
         )
         states = None
         if self.plan.kind is not None:

@@ -15,6 +15,7 @@ import torch
 
 from harts.ops.kda.chunk import chunk_kda_torch
 from harts.ops.kda.compact import check_kda_backend, l2norm
+from harts.ops.kda.keep import kda_intermediates_kept
 
 
 def packed_kda(
@@ -32,6 +33,7 @@ def packed_kda(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0).float(),
             cu_seqlens.long(), chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
+            keep_intermediates=kda_intermediates_kept(),
         )
         return o[0]
     if use_qk_l2norm:

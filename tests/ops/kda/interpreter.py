@@ -15,6 +15,7 @@ does, so kernels may call `.to()` on it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import sys
@@ -68,6 +69,7 @@ def case_states() -> dict[str, float]:
 
     from harts.ops.kda.chunk import chunk_kda_torch
     from harts.ops.kda.fla_chunk import chunk_kda_fla
+    from harts.ops.kda.keep import keeping_kda_intermediates
 
     from .helpers import relative_error
 
@@ -85,10 +87,14 @@ def case_states() -> dict[str, float]:
     offsets = np.array([32, 64, 40, 70, 1, 0, 32, 50, 64, 33])
     ptr = np.array([0, 4, 5, 9, 10])
     errors = {}
-    results = []
-    for run in (chunk_kda_torch, chunk_kda_fla):
-        o, final, states = run(*leaves[:5], initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                               chunk_size=chunk, state_offsets=offsets, state_ptr=ptr)
+    results, num_saved = [], []
+    for run, keep in ((chunk_kda_torch, False), (chunk_kda_fla, False), (chunk_kda_fla, True)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with keeping_kda_intermediates() if keep else contextlib.nullcontext():
+                o, final, states = run(*leaves[:5], initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=chunk, state_offsets=offsets, state_ptr=ptr)
+        num_saved.append(len(saved))
         weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + i)) for i, x in
                    enumerate((o, final, states))]
         loss = sum((x * w).sum() for x, w in zip((o, final, states), weights))
@@ -96,6 +102,9 @@ def case_states() -> dict[str, float]:
     names = ["o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     for name, actual, expected in zip(names, results[1], results[0]):
         errors[name] = relative_error(actual, expected)
+    # Keeping fla's intermediates (harts.ops.kda.keep): the same kernels' values, six more tensors kept.
+    errors["kept_vs_recomputed"] = max((a - b).abs().max().item() for a, b in zip(results[2], results[1]))
+    errors["kept_tensors"] = num_saved[2] - num_saved[1]
     return errors
 
 
@@ -177,8 +186,11 @@ def case_packed() -> dict[str, float]:
     def lean(q, k, v, g, beta):
         return packed_chunk_kda(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True)
 
+    def keeping(q, k, v, g, beta):
+        return packed_chunk_kda(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, keep_intermediates=True)
+
     runs = {}
-    for name, run in (("fla", fla), ("lean", lean)):
+    for name, run in (("fla", fla), ("lean", lean), ("keep", keeping)):
         inputs = [x.clone().requires_grad_() for x in leaves]
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -194,6 +206,11 @@ def case_packed() -> dict[str, float]:
         results[grad_name] = (got - want).abs().max().item()
     results.update({"g_kept_fla": g_fla, "g_kept_lean": g_lean, "other_bytes_fla": bytes_fla,
                     "other_bytes_lean": bytes_lean})
+    # Keeping fla's intermediates: the same values from the same kernels, with fla's six intermediates kept.
+    o_keep, grads_keep, _, bytes_keep = runs["keep"]
+    results["kept_vs_recomputed"] = max((a - b).abs().max().item()
+                                        for a, b in zip((o_keep, *grads_keep), (o_lean, *grads_lean)))
+    results["kept_extra_bytes"] = bytes_keep - bytes_lean
     return results
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from harts.ops.kda.naive import naive_recurrent_kda
+from harts.ops.kda.keep import keeping_kda_intermediates
 from harts.ops.kda.packed import packed_kda
 
 from .helpers import relative_error
@@ -58,18 +59,22 @@ def test_fla_backend_matches_torch_reference():
 
 def test_interpreted_fla_packed_is_fla_chunk_kda_without_keeping_g():
     """`packed_chunk_kda` (the baseline's "fla" call) under the Triton interpreter: fla's `chunk_kda` bit for bit
-    (output and every gradient, the L2 norm in the kernel), keeping the same tensors but g."""
+    (output and every gradient, the L2 norm in the kernel), keeping the same tensors but g; keeping fla's
+    intermediates for the backward changes no bit."""
     result = run_interpreted("tests.ops.kda.interpreter", "packed")
     diffs = {name: result[name] for name in ("o", "dq", "dk", "dv", "dg", "dbeta")}
     assert all(diff == 0 for diff in diffs.values()), diffs
     assert (result["g_kept_fla"], result["g_kept_lean"]) == (1, 0), result
     assert result["other_bytes_lean"] == result["other_bytes_fla"] > 0, result
+    # keep_intermediates (harts.ops.kda.keep): the same bits from the same kernels, fla's intermediates kept.
+    assert result["kept_vs_recomputed"] == 0 and result["kept_extra_bytes"] > 0, result
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_backend_is_fla_chunk_kda_on_cuda():
-    """On the GPU in bf16 the baseline's call gives fla's `chunk_kda`'s output and gradients bit for bit."""
+    """On the GPU in bf16 the baseline's call gives fla's `chunk_kda`'s output and gradients bit for bit, also
+    keeping fla's intermediates."""
     from fla.ops.kda import chunk_kda
 
     cu = torch.tensor([0, 1000, 1063, 3000, 4097], device="cuda")
@@ -82,4 +87,10 @@ def test_fla_backend_is_fla_chunk_kda_on_cuda():
     expected_grads = torch.autograd.grad(expected, inputs, upstream)
     assert torch.equal(out, expected)
     for got, want in zip(grads, expected_grads):
+        assert torch.equal(got, want)
+    # Keeping fla's intermediates for the backward (as a recomputed block does) changes no bit either.
+    with keeping_kda_intermediates():
+        kept = packed_kda(*inputs, cu, chunk_size=64, use_qk_l2norm=True, backend="fla")
+    assert torch.equal(kept, expected)
+    for got, want in zip(torch.autograd.grad(kept, inputs, upstream), expected_grads):
         assert torch.equal(got, want)
