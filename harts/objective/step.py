@@ -104,14 +104,22 @@ def check_backends(attention_backend: str | None, kda_backend: str | None, prefi
         raise ValueError(f"{prefix}kda_backend must be one of {KDA_BACKENDS}, got {kda_backend!r}")
 
 
+def _recompute_option_on(name: str, value: bool, recompute: bool, prefix: str) -> bool:
+    """Whether a boolean option of the recomputation is on (ValueError unless a bool, and on only with
+    `recompute`)."""
+    if value is False:
+        return False
+    if value is not True:
+        raise ValueError(f"{prefix}{name} must be true or false, got {value!r}")
+    if not recompute:
+        raise ValueError(f"{prefix}{name} needs {prefix}recompute")
+    return True
+
+
 def check_keep_kda_intermediates(recompute: bool, keep: bool, kda_backend: str | None, prefix: str = "") -> None:
     """`keep_kda_intermediates` needs `recompute` and the fla KDA (ValueError naming `prefix` + field)."""
-    if keep is False:
+    if not _recompute_option_on("keep_kda_intermediates", keep, recompute, prefix):
         return
-    if keep is not True:
-        raise ValueError(f"{prefix}keep_kda_intermediates must be true or false, got {keep!r}")
-    if not recompute:
-        raise ValueError(f"{prefix}keep_kda_intermediates needs {prefix}recompute")
     if kda_backend != "fla":
         raise ValueError(f"{prefix}keep_kda_intermediates keeps fla's KDA intermediates: it needs kda_backend 'fla', "
                          f"got {kda_backend!r}")
@@ -132,12 +140,8 @@ def check_keep_attention(recompute: bool, keep_attention: bool, attention_backen
                          prefix: str = "") -> None:
     """`keep_attention` needs `recompute` and a backend whose kernels a recomputation can keep (ValueError
     naming `prefix` + field); `attention_backend` None is the device's default (varlen or sdpa: both can)."""
-    if keep_attention is False:
+    if not _recompute_option_on("keep_attention", keep_attention, recompute, prefix):
         return
-    if keep_attention is not True:
-        raise ValueError(f"{prefix}keep_attention must be true or false, got {keep_attention!r}")
-    if not recompute:
-        raise ValueError(f"{prefix}keep_attention needs {prefix}recompute")
     if attention_backend is not None and attention_backend not in KEEPABLE_BACKENDS:
         raise ValueError(f"{prefix}keep_attention needs an attention backend among {', '.join(KEEPABLE_BACKENDS)} "
                          f"(their kernels are dispatcher ops), got {attention_backend!r}")
