@@ -186,3 +186,28 @@ def test_kept_attention_on_cuda(model_and_step, backend, execution):
     assert counts[True] > 0 and counts[False] == 2 * counts[True]
     assert losses[True] == losses[False]
     assert (grads[True] - grads[False]).norm() <= 1e-3 * grads[False].norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def test_kept_kda_intermediates_on_cuda(model_and_step, execution):
+    """On CUDA in bf16 with fla's KDA, recomputed blocks that keep fla's intermediates give the loss and gradients
+    of recomputing them, within the spread of two runs that recompute (0 where the kernels are deterministic)."""
+    _, step = model_and_step
+    config = load_model_config("tiny")
+    with torch.device("cuda"):
+        model = HybridModel(replace(config, kda=replace(config.kda, chunk_size=64)))  # fla's chunks
+    model.init_weights(seed=42)
+    losses, grads = [], []
+    for keep in (False, False, True):
+        config = StepConfig(execution=execution, kda_backend="fla", dtype="bf16", recompute=True,
+                            keep_kda_intermediates=keep)
+        model.zero_grad(set_to_none=True)
+        losses.append(run_step(model, step, [np.arange(step.num_trajectories)], config).loss)
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None]))
+    spread = (grads[1] - grads[0]).norm() / grads[0].norm()
+    gap = (grads[2] - grads[0]).norm() / grads[0].norm()
+    print(f"{execution}: kept vs recomputed {gap:.3g}, two recomputing runs {spread:.3g}")
+    assert abs(losses[2] - losses[0]) <= 10 * abs(losses[1] - losses[0]) + 1e-6 * abs(losses[0])
+    assert gap <= 10 * spread + 1e-6
