@@ -59,7 +59,8 @@ class StepConfig:
     keep_kda_intermediates: bool = False
     """With `recompute` and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors,
     gated q/k, chunk states) from the recomputation for the backward instead of computing them a third time
-    (harts.ops.kda.keep). Same kernels; a transient of one block's intermediates during its backward."""
+    (harts.ops.kda.keep). The same kernels (autotuned per call, so on CUDA not always the same bits); a transient
+    of one layer's intermediates, from the recomputation until its backward."""
     replay: bool = True
     """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     attention_backend: str = "sdpa"

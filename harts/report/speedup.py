@@ -108,7 +108,7 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         if keep_attention:
             parts.append("attn kept" if short else "attention kept")
         if kda_intermediates_kept:
-            parts.append("KDA kept" if short else "KDA intermediates kept")
+            parts.append("KDA interm. kept" if short else "KDA intermediates kept")
     if grad_precision == "input":
         parts.append("bf16 LM-head grads")
     if chunk_rows is not None:

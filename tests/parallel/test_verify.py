@@ -203,3 +203,15 @@ def _full_gradients_of(ranks, monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda: len(ranks))
     monkeypatch.setattr(dist, "gather_object", gather_object)
     return full_gradients(pmodel)
+
+
+def test_reference_config_runs_without_recomputation():
+    """The reference of a candidate that recomputes (with every option of the recomputation) is the baseline
+    without recomputation, and a valid config."""
+    from harts.parallel.verify import reference_config
+
+    candidate = StepConfig(execution="compact", recompute=True, recompute_blocks=2, keep_attention=True,
+                           keep_kda_intermediates=True, kda_backend="fla", replay=False)
+    reference = reference_config(candidate)
+    assert (reference.execution, reference.recompute, reference.recompute_blocks, reference.keep_attention,
+            reference.keep_kda_intermediates, reference.replay) == ("baseline", False, None, False, False, True)

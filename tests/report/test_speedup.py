@@ -164,7 +164,7 @@ def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
     assert [r["keep_kda_intermediates"] for r in rows] == [False, True, NOT_REPORTED]
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:2]] == [
-        "cpu fp32 T=512 rc sdpa fla KDA", "cpu fp32 T=512 rc KDA kept sdpa fla KDA"]
+        "cpu fp32 T=512 rc sdpa fla KDA", "cpu fp32 T=512 rc KDA interm. kept sdpa fla KDA"]
     path = write(tmp_path, "single.json", [plain, kept])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)

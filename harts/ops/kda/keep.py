@@ -4,7 +4,7 @@ fla's chunked KDA computes, besides its output, the WY factors (w, u), the gated
 the corrected values v_new; by default its backward computes them again (two kernels, one of them the sequential
 pass over the chunks), so that the call keeps only its inputs. Inside a recomputed block (an activation
 checkpoint) keeping them costs only a transient: the checkpoint drops what the forward saves, and what the
-recomputation saves lives until the block's backward has run. `HybridModel.run_blocks` runs such a block's
+recomputation saves lives until the KDA layer's backward has read it. `HybridModel.run_blocks` runs such a block's
 function inside `keeping_kda_intermediates()` when its layout asks for it (`Layout.keep_kda_intermediates`); the
 fla calls (`harts.ops.kda.fla_packed`, `harts.ops.kda.fla_chunk`) read `kda_intermediates_kept()` and then keep
 them (fla's `disable_recompute`) instead of computing them again. The function runs inside the context in the

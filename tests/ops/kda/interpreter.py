@@ -62,11 +62,34 @@ def patch_interpreter() -> None:
     interpreter.ASTTransformer.visit_For = visit_for
 
 
+@contextlib.contextmanager
+def counting_calls(module, *names):
+    """Counts the calls of `module`'s functions `names` (as the module's other code finds them) while entered."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(module, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(module, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
 def case_states() -> dict[str, float]:
     """One varlen call with interior, final, mid-chunk and zero-offset state requests."""
     import numpy as np
     import torch
 
+    from harts.ops.kda import fla_chunk
     from harts.ops.kda.chunk import chunk_kda_torch
     from harts.ops.kda.fla_chunk import chunk_kda_fla
     from harts.ops.kda.keep import keeping_kda_intermediates
@@ -87,7 +110,7 @@ def case_states() -> dict[str, float]:
     offsets = np.array([32, 64, 40, 70, 1, 0, 32, 50, 64, 33])
     ptr = np.array([0, 4, 5, 9, 10])
     errors = {}
-    results, num_saved = [], []
+    results, num_saved, recomputed = [], [], []
     for run, keep in ((chunk_kda_torch, False), (chunk_kda_fla, False), (chunk_kda_fla, True)):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -98,13 +121,18 @@ def case_states() -> dict[str, float]:
         weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + i)) for i, x in
                    enumerate((o, final, states))]
         loss = sum((x * w).sum() for x, w in zip((o, final, states), weights))
-        results.append([o, final, states, *torch.autograd.grad(loss, leaves)])
+        with counting_calls(fla_chunk, "recompute_w_u_fwd", "state_forward") as counts:
+            results.append([o, final, states, *torch.autograd.grad(loss, leaves)])
+        recomputed.append(sum(counts.values()))
     names = ["o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     for name, actual, expected in zip(names, results[1], results[0]):
         errors[name] = relative_error(actual, expected)
     # Keeping fla's intermediates (harts.ops.kda.keep): the same kernels' values, six more tensors kept.
     errors["kept_vs_recomputed"] = max((a - b).abs().max().item() for a, b in zip(results[2], results[1]))
     errors["kept_tensors"] = num_saved[2] - num_saved[1]
+    # What the backward computes again: w/u/gated q/k and the states without them kept, nothing with them.
+    errors["backward_recomputes"] = recomputed[1]
+    errors["backward_recomputes_kept"] = recomputed[2]
     return errors
 
 
@@ -166,6 +194,7 @@ def case_packed() -> dict[str, float]:
     largest absolute difference of o and of each gradient, and what each keeps for the backward (the number of
     its saved tensors that are g, the bytes of the others, each storage once)."""
     import torch
+    from fla.ops.kda import chunk_bwd as fla_chunk_bwd
     from fla.ops.kda import chunk_kda
 
     from harts.ops.kda.fla_packed import packed_chunk_kda
@@ -189,13 +218,15 @@ def case_packed() -> dict[str, float]:
     def keeping(q, k, v, g, beta):
         return packed_chunk_kda(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, keep_intermediates=True)
 
-    runs = {}
+    runs, recomputed = {}, {}
     for name, run in (("fla", fla), ("lean", lean), ("keep", keeping)):
         inputs = [x.clone().requires_grad_() for x in leaves]
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             o = run(*inputs)
-        grads = torch.autograd.grad(o, inputs, upstream)
+        with counting_calls(fla_chunk_bwd, "recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h") as counts:
+            grads = torch.autograd.grad(o, inputs, upstream)
+        recomputed[name] = sum(counts.values())
         g = inputs[3]
         is_g = [t.data_ptr() == g.data_ptr() and t.shape == g.shape for t in saved]
         others = {(t.data_ptr(), t.shape): t.numel() * t.element_size() for t, gate in zip(saved, is_g) if not gate}
@@ -211,6 +242,8 @@ def case_packed() -> dict[str, float]:
     results["kept_vs_recomputed"] = max((a - b).abs().max().item()
                                         for a, b in zip((o_keep, *grads_keep), (o_lean, *grads_lean)))
     results["kept_extra_bytes"] = bytes_keep - bytes_lean
+    results["backward_recomputes"] = recomputed["lean"]
+    results["backward_recomputes_kept"] = recomputed["keep"]
     return results
 
 

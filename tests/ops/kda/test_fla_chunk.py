@@ -30,6 +30,8 @@ def test_interpreted_states_match_torch():
     errors = _interpreted("states")
     # Keeping fla's intermediates for the backward (harts.ops.kda.keep): the same bits, six more tensors kept.
     assert (errors.pop("kept_vs_recomputed"), errors.pop("kept_tensors")) == (0, 6), errors
+    # and the backward reads them instead of computing them again (w/u and the states: two calls)
+    assert (errors.pop("backward_recomputes"), errors.pop("backward_recomputes_kept")) == (2, 0), errors
     assert set(errors) == {"o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
     assert max(errors.values()) < 1e-5, errors
 

@@ -68,6 +68,8 @@ def test_interpreted_fla_packed_is_fla_chunk_kda_without_keeping_g():
     assert result["other_bytes_lean"] == result["other_bytes_fla"] > 0, result
     # keep_intermediates (harts.ops.kda.keep): the same bits from the same kernels, fla's intermediates kept.
     assert result["kept_vs_recomputed"] == 0 and result["kept_extra_bytes"] > 0, result
+    # and fla's backward reads them instead of computing them again (w/u and the states: two calls)
+    assert (result["backward_recomputes"], result["backward_recomputes_kept"]) == (2, 0), result
 
 
 @pytest.mark.gpu
