@@ -75,8 +75,8 @@ def test_interpreted_fla_packed_is_fla_chunk_kda_without_keeping_g():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_backend_is_fla_chunk_kda_on_cuda():
-    """On the GPU in bf16 the baseline's call gives fla's `chunk_kda`'s output and gradients bit for bit, also
-    keeping fla's intermediates."""
+    """On the GPU in bf16 the baseline's call gives fla's `chunk_kda`'s output and gradients bit for bit, and
+    within bf16 rounding when it keeps fla's intermediates."""
     from fla.ops.kda import chunk_kda
 
     cu = torch.tensor([0, 1000, 1063, 3000, 4097], device="cuda")
@@ -90,9 +90,10 @@ def test_fla_backend_is_fla_chunk_kda_on_cuda():
     assert torch.equal(out, expected)
     for got, want in zip(grads, expected_grads):
         assert torch.equal(got, want)
-    # Keeping fla's intermediates for the backward (as a recomputed block does) changes no bit either.
+    # Keeping fla's intermediates for the backward (as a recomputed block does): the same kernels, though the
+    # autotuner may pick other tiles for the WY kernel's call with the gated q, so the bits may differ.
     with keeping_kda_intermediates():
         kept = packed_kda(*inputs, cu, chunk_size=64, use_qk_l2norm=True, backend="fla")
-    assert torch.equal(kept, expected)
+    assert relative_error(kept.float(), expected.float()) < 1e-2
     for got, want in zip(torch.autograd.grad(kept, inputs, upstream), expected_grads):
-        assert torch.equal(got, want)
+        assert relative_error(got.float(), want.float()) < 1e-2
