@@ -208,16 +208,17 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
               "baseline F+B+G s", "compact F+B+G s", "F/B/Grad speedup", "Core speedup", "efficiency", "note"]
     table = []
     for r in rows:
+        ours = r["source"] == "ours"  # the paper's row names no backends, capacity or chunk
         dtype = f"{r['device']} {r['dtype']}" + settings_label(
             r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
             r["logprob_grad_precision"],
-            (r["attention_backend"], r["compact_attention_backend"]) if r["source"] == "ours" else None,
-            shown_experts(r["experts_backend"], r["device"]) if r["source"] == "ours" else None,
+            (r["attention_backend"], r["compact_attention_backend"]) if ours else None,
+            shown_experts(r["experts_backend"], r["device"]) if ours else None,
             keep_attention=r["keep_attention"] is True, short=True,
             kda_intermediates_kept=r["keep_kda_intermediates"] is True,
-            kda=shown_kda(r["kda_backend"], r["device"]) if r["source"] == "ours" else None,
-            capacity=shown_capacity(r["capacity"]) if r["source"] == "ours" else None,
-            chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if r["source"] == "ours" else None)
+            kda=shown_kda(r["kda_backend"], r["device"]) if ours else None,
+            capacity=shown_capacity(r["capacity"]) if ours else None,
+            chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if ours else None)
         table.append([
             r["source"], str(r["model"]), str(r["parallel"]), str(r["planner"]), dtype, str(r["step"]),
             format_value(r["semantic_tokens"], ","), format_value(r["compact_tokens"], ","),
