@@ -1,4 +1,5 @@
-"""RMSNorm: the fused path (F.rms_norm, torch's fused kernel on CUDA) against the fp32 reference."""
+"""RMSNorm: the fused path (F.rms_norm, torch's fused kernel on CUDA) against the fp32 reference; the KDA layer's v
+in training is its own tensor (what the KDA call keeps of the conv)."""
 
 import pytest
 import torch
@@ -40,3 +41,35 @@ def test_module_uses_the_reference_for_mixed_dtypes_on_cpu():
     norm = RMSNorm(96, 1e-5)
     x, _, _ = _inputs(torch.bfloat16, "cpu")
     torch.testing.assert_close(norm(x), rms_norm_reference(x, norm.weight, 1e-5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def test_kda_value_is_its_own_tensor_in_training(monkeypatch, execution):
+    """The KDA call keeps v for its backward: v must not be a view of the conv's q/k/v buffer, or the kept
+    v keeps q and k alive with it (8 KB a row per kept KDA layer in bf16). Without grad there is no copy."""
+    import numpy as np
+
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig, run_step
+    from harts.runtime.layout import Layout
+    from tests.objective.helpers import random_tree_step
+
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(seed=0)
+    step = random_tree_step(np.random.default_rng(0), num=4, max_len=30, vocab=3).step
+    calls = []
+    original = Layout.linear_attention
+
+    def recording(self, q, k, v, g, beta):
+        calls.append((torch.is_grad_enabled(), *(x.untyped_storage().data_ptr() for x in (q, k, v))))
+        return original(self, q, k, v, g, beta)
+
+    monkeypatch.setattr(Layout, "linear_attention", recording)
+    for backward in (True, False):
+        run_step(model, step, [np.arange(step.num_trajectories)], StepConfig(execution=execution), backward=backward)
+    training = [call for call in calls if call[0]]
+    inference = [call for call in calls if not call[0]]
+    assert training and inference
+    assert all(v != q and v != k for _, q, k, v in training), training
+    assert all(q == k == v for _, q, k, v in inference), inference
