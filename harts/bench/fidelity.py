@@ -329,7 +329,7 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
         losses, grads = {}, {}
         for name in ("baseline", "compact"):
             model.zero_grad(set_to_none=True)
-            config = replace(configs[name], recompute=recompute, recompute_blocks=None)
+            config = replace(configs[name], recompute=recompute, recompute_blocks=None, recompute_by_rows=False)
             result = run_step(model, step, microbatches[name], config, index=index)
             losses[name] = result.loss
             grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])

@@ -138,7 +138,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 # The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter
 # dtype), the device or the trees, so that one process measures every variant on the same weights and compiled
 # kernels. The experts backend is one: its three backends hold the same parameters.
-VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "keep-attention", "keep-kda-intermediates",
+VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "compact-recompute-blocks",
+                 "recompute-by-rows", "keep-attention", "keep-kda-intermediates",
                  "attention-backend", "compact-attention-backend", "kda-backend", "experts-backend",
                  "logprob-grad-precision", "logprob-chunk-rows", "repeats")
 
@@ -162,6 +163,12 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
     add("--recompute-blocks", type=all_or_positive_int if variant else positive_int, default=None, metavar="N",
         help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
              "(Megatron's block method; default: every block)")
+    add("--compact-recompute-blocks", type=positive_int, default=None,
+        metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
+                          "each execution recomputes what its own memory needs (the compact one has fewer rows)")
+    add("--recompute-by-rows", boolean=True,
+        help="with --recompute-blocks: a microbatch smaller than the step's largest keeps more blocks, in "
+             "proportion to its rows (and ancestor-KV rows), within the largest one's activation memory")
     add("--keep-attention", boolean=True, help=KEEP_ATTENTION_HELP)
     add("--keep-kda-intermediates", boolean=True,
         help="with --recompute and the fla KDA (the CUDA default): the recomputed blocks' KDA calls keep fla's "
@@ -403,9 +410,11 @@ def _step_configs(args, dtype_name: str) -> dict:
     cuda = args.device == "cuda"
     attention = args.attention_backend or default_attention_backend(cuda)
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
+    blocks = {"baseline": args.recompute_blocks, "compact": compact_recompute_blocks(args)}
     return {
         name: StepConfig(
-            execution=name, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
+            execution=name, recompute=args.recompute, recompute_blocks=blocks[name],
+            recompute_by_rows=args.recompute_by_rows,
             keep_attention=args.keep_attention, keep_kda_intermediates=args.keep_kda_intermediates,
             dtype=dtype_name, attention_backend=backends[name],
             kda_backend=args.kda_backend or default_kda_backend(cuda),
@@ -413,6 +422,11 @@ def _step_configs(args, dtype_name: str) -> dict:
         )
         for name in EXECUTIONS
     }
+
+
+def compact_recompute_blocks(args) -> int | None:
+    """The compact execution's recompute_blocks: --compact-recompute-blocks where given, else --recompute-blocks."""
+    return args.recompute_blocks if args.compact_recompute_blocks is None else args.compact_recompute_blocks
 
 
 def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tokens: int,
@@ -838,7 +852,9 @@ def run(args: argparse.Namespace) -> int:
                     "model": model_config.name, "model_config": config_to_dict(case_config), **step_meta,
                     "planner": run_args.planner, "capacity": run_args.capacity, "device": args.device,
                     "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
-                    "recompute_blocks": run_args.recompute_blocks, "keep_attention": run_args.keep_attention,
+                    "recompute_blocks": run_args.recompute_blocks,
+                    "compact_recompute_blocks": compact_recompute_blocks(run_args),
+                    "recompute_by_rows": run_args.recompute_by_rows, "keep_attention": run_args.keep_attention,
                     "keep_kda_intermediates": run_args.keep_kda_intermediates,
                     "repeats": run_args.repeats,
                     "parallel": parallel.name if parallel else "single",
@@ -911,8 +927,11 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
         if settings in measured:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
         measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
-        if run_args.recompute_blocks is not None and not run_args.recompute:
-            raise ValueError(f"{where}--recompute-blocks needs --recompute")
+        for flag in ("recompute_blocks", "compact_recompute_blocks"):
+            if getattr(run_args, flag) is not None and not run_args.recompute:
+                raise ValueError(f"{where}--{flag.replace('_', '-')} needs --recompute")
+        if run_args.recompute_by_rows and run_args.recompute_blocks is None:
+            raise ValueError(f"{where}--recompute-by-rows scales the kept blocks: it needs --recompute-blocks")
         if run_args.keep_attention and not run_args.recompute:
             raise ValueError(f"{where}--keep-attention needs --recompute")
         try:

@@ -56,6 +56,10 @@ class StepConfig:
     keep_attention: bool = False
     """With `recompute`: the recomputed MLA blocks keep their attention outputs from the forward instead of
     running the attention again (`HybridModel.forward`; backends `KEEPABLE_BACKENDS`). Same values."""
+    recompute_by_rows: bool = False
+    """With `recompute_blocks`: a microbatch smaller than the step's largest keeps more blocks, in proportion
+    (`scaled_recompute_blocks`): kept activations are per row (and per ancestor-KV row), so it keeps no more
+    than the largest microbatch does with `recompute_blocks`. Same values; less recomputation."""
     keep_kda_intermediates: bool = False
     """With `recompute` and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors,
     gated q/k, chunk states) from the recomputation for the backward instead of computing them a third time
@@ -82,6 +86,7 @@ class StepConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         check_logprob_grad_precision(self.logprob_grad_precision)
         check_recompute_blocks(self.recompute, self.recompute_blocks)
+        check_recompute_by_rows(self.recompute_blocks, self.recompute_by_rows)
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend)
         check_keep_kda_intermediates(self.recompute, self.keep_kda_intermediates, self.kda_backend)
         if self.dtype not in DTYPES:
@@ -135,6 +140,35 @@ def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix
         raise ValueError(f"{prefix}recompute_blocks must be an int >= 1, got {recompute_blocks!r}")
     if not recompute:
         raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
+
+
+def check_recompute_by_rows(recompute_blocks: int | None, by_rows: bool, prefix: str = "") -> None:
+    """`recompute_by_rows` scales the kept blocks of `recompute_blocks`: it needs them (ValueError naming
+    `prefix` + field)."""
+    if by_rows is False:
+        return
+    if by_rows is not True:
+        raise ValueError(f"{prefix}recompute_by_rows must be true or false, got {by_rows!r}")
+    if recompute_blocks is None:
+        raise ValueError(f"{prefix}recompute_by_rows scales the blocks {prefix}recompute_blocks keeps: it needs "
+                         f"{prefix}recompute_blocks")
+
+
+def microbatch_extent(layout: Layout) -> tuple[int, int]:
+    """What a microbatch's kept activations scale with: its rows and its MLA's key/value rows (the compact
+    execution's ancestor KV)."""
+    return layout.num_rows, layout.groups.num_kv_rows
+
+
+def scaled_recompute_blocks(recompute_blocks: int, num_blocks: int, extent: tuple[int, int],
+                            largest: tuple[int, int]) -> int:
+    """Blocks to recompute (the first ones, of `num_blocks`) in a microbatch of `extent` (`microbatch_extent`)
+    when the step's `largest` recomputes `recompute_blocks`: the kept blocks grow by the smaller of the two
+    ratios largest / extent, at most to all of them, so the microbatch keeps no more activations than the
+    largest. The largest itself recomputes `recompute_blocks`."""
+    kept = num_blocks - min(recompute_blocks, num_blocks)
+    scaled = min(kept * big // max(small, 1) for small, big in zip(extent, largest))
+    return num_blocks - min(num_blocks, scaled)
 
 
 def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
@@ -204,14 +238,15 @@ def _sync(device: torch.device) -> None:
 
 def microbatch_logprobs(
     model: HybridModel, layout: Layout, targets_S: torch.Tensor, config: StepConfig, device: torch.device, *,
-    temperature: float = 1.0, return_entropy: bool = False,
+    temperature: float = 1.0, return_entropy: bool = False, recompute_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list]:
     """(λ, entropy or None, MoE loss, MoE aux) of one microbatch: the model over the layout's rows,
     then the compact LM head at `temperature` for the targets `targets_S` of its semantic positions
-    (`layout.semantic_rows` order)."""
+    (`layout.semantic_rows` order). `recompute_blocks` overrides the config's (`recompute_by_rows`)."""
     with autocast_context(device, config):
         hidden, auxes = model(
-            layout.input_ids, layout, recompute=config.recompute, recompute_blocks=config.recompute_blocks,
+            layout.input_ids, layout, recompute=config.recompute,
+            recompute_blocks=config.recompute_blocks if recompute_blocks is None else recompute_blocks,
             keep_attention=config.keep_attention,
         )
     weight = model.lm_head.weight
@@ -245,12 +280,14 @@ def policy_loss_of(
 
 def microbatch_loss(
     model: HybridModel, layout: Layout, targets: SemanticTargets, sem_index: np.ndarray, config: StepConfig,
-    normalizer: float, device: torch.device,
+    normalizer: float, device: torch.device, *, recompute_blocks: int | None = None,
 ) -> tuple[PolicyLoss, torch.Tensor, torch.Tensor, list]:
-    """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch."""
+    """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch (`recompute_blocks`:
+    `microbatch_logprobs`)."""
     sem = torch.from_numpy(sem_index).to(device)
     logprobs, _, moe, auxes = microbatch_logprobs(
-        model, layout, torch.from_numpy(targets.targets).to(device)[sem], config, device
+        model, layout, torch.from_numpy(targets.targets).to(device)[sem], config, device,
+        recompute_blocks=recompute_blocks,
     )
 
     def pick(array):
@@ -303,19 +340,30 @@ def run_step(
     rows = 0
     infos, tokens_per_expert, clip_fractions = [], [], []
     logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
-    for members in tqdm(microbatches, desc=progress, disable=progress is None, file=sys.stderr, leave=False):
-        members = np.asarray(members, dtype=np.int64)
+    microbatches = [np.asarray(members, dtype=np.int64) for members in microbatches]
+    layouts, largest = None, None
+    if config.recompute_by_rows:
+        # Each microbatch's recomputation depends on the step's largest: every layout first (layout time).
+        start = time.perf_counter()
+        layouts = [build_layout(step, m, model, config, index) if len(m) else None for m in microbatches]
+        largest = tuple(max(sizes) for sizes in zip(*(microbatch_extent(x) for x in layouts if x is not None)))
+        seconds["layout"] += time.perf_counter() - start
+    for j, members in enumerate(tqdm(microbatches, desc=progress, disable=progress is None, file=sys.stderr,
+                                     leave=False)):
         if not len(members):
             continue
         start = time.perf_counter()
-        layout = build_layout(step, members, model, config, index).to(device)
+        layout = (build_layout(step, members, model, config, index) if layouts is None else layouts[j]).to(device)
         sem_index = semantic_index(step, members)
         _sync(device)
         seconds["layout"] += time.perf_counter() - start
+        recompute_blocks = None if largest is None else scaled_recompute_blocks(
+            config.recompute_blocks, len(model.blocks), microbatch_extent(layout), largest)
 
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
-            policy, moe, logprobs, auxes = microbatch_loss(model, layout, targets, sem_index, config, normalizer, device)
+            policy, moe, logprobs, auxes = microbatch_loss(model, layout, targets, sem_index, config, normalizer,
+                                                           device, recompute_blocks=recompute_blocks)
             loss = policy.loss + moe / num_microbatches
         _sync(device)
         seconds["forward"] += time.perf_counter() - start

@@ -35,7 +35,9 @@ from harts.objective.step import (
     autocast_context,
     build_layout,
     check_partition,
+    microbatch_extent,
     microbatch_loss,
+    scaled_recompute_blocks,
     semantic_index,
     step_normalizer,
 )
@@ -129,6 +131,9 @@ def run_parallel_step(
         pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine
     ]
     sem_indices = [semantic_index(step, microbatches[j]) for j in mine]
+    # recompute_by_rows: against this rank's largest microbatch (its memory), the same on the ranks of a replica.
+    largest = (tuple(max(sizes) for sizes in zip(*(microbatch_extent(x) for x in layouts)))
+               if config.recompute_by_rows and layouts else None)
     _synchronize(device)
     seconds["layout"] = time.perf_counter() - start
 
@@ -151,8 +156,10 @@ def run_parallel_step(
             x_in.requires_grad_(backward)
         with torch.set_grad_enabled(backward):
             with autocast_context(device, config):
+                recompute_blocks = config.recompute_blocks if largest is None else scaled_recompute_blocks(
+                    config.recompute_blocks, len(pmodel.blocks), microbatch_extent(layout), largest)
                 out, auxes = pmodel.stage_forward(
-                    layout, x_in, recompute=config.recompute, recompute_blocks=config.recompute_blocks,
+                    layout, x_in, recompute=config.recompute, recompute_blocks=recompute_blocks,
                     keep_attention=config.keep_attention,
                 )
             moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))

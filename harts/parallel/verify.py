@@ -105,8 +105,8 @@ def _final_hidden(model: HybridModel, step: Step, microbatches, config: StepConf
 
 def reference_config(candidate: StepConfig) -> StepConfig:
     """The single-process reference of a candidate: the baseline execution, same loss, no recomputation."""
-    return replace(candidate, execution="baseline", recompute=False, recompute_blocks=None, keep_attention=False,
-                   keep_kda_intermediates=False, replay=True)
+    return replace(candidate, execution="baseline", recompute=False, recompute_blocks=None, recompute_by_rows=False,
+                   keep_attention=False, keep_kda_intermediates=False, replay=True)
 
 
 def _reference(model_config: ModelConfig, seed: int, step: Step, microbatches, config: StepConfig,

@@ -32,7 +32,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "keep_attention", "keep_kda_intermediates", "logprob_grad_precision", "attention_backend",
+    "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates", "logprob_grad_precision", "attention_backend",
     "compact_attention_backend", "experts_backend", "kda_backend", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
@@ -86,25 +86,38 @@ def configuration(record: dict[str, Any]) -> tuple:
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
             c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS,
-            bool(c.get("keep_kda_intermediates")))
+            bool(c.get("keep_kda_intermediates")), compact_recompute_blocks(c), bool(c.get("recompute_by_rows")))
+
+
+def compact_recompute_blocks(config: dict[str, Any]) -> int | None:
+    """The compact execution's recompute_blocks of a record (the same as the baseline's before records named it)."""
+    return config.get("compact_recompute_blocks", config.get("recompute_blocks"))
 
 
 def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision: str,
                    attention: tuple[str, str] | None = None, experts: str | None = None, *,
                    keep_attention: bool = False, short: bool = False, kda: str | None = None,
                    capacity: int | None = None, chunk_rows: int | None = None,
-                   kda_intermediates_kept: bool = False) -> str:
+                   kda_intermediates_kept: bool = False, compact_recompute_blocks: int | None = None,
+                   by_rows: bool = False) -> str:
     """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
     recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
     MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
     backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`); the LM
-    head's chunk rows where not the default."""
+    head's chunk rows where not the default. The compact execution's recomputed blocks follow the baseline's
+    after a slash where they differ."""
     parts = []
     if capacity is not None:
         parts.append(f"T={capacity:,}" if short else f"T = {capacity:,}")
     if recompute:
         name = "rc" if short else "recompute"
-        parts.append(name if recompute_blocks is None else f"{name} {recompute_blocks} blocks")
+        blocks = [recompute_blocks] + ([compact_recompute_blocks] if compact_recompute_blocks != recompute_blocks else [])
+        if blocks != [None]:
+            parts.append(f"{name} {'/'.join('all' if b is None else str(b) for b in blocks)} blocks")
+        else:
+            parts.append(name)
+        if by_rows:
+            parts.append("by rows")
         if keep_attention:
             parts.append("attn kept" if short else "attention kept")
         if kda_intermediates_kept:
@@ -149,11 +162,12 @@ def shown_capacity(capacity: Any) -> int | None:
 
 def _key_settings(key: tuple, short: bool) -> str:
     (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
-     capacity, chunk_rows, kda_kept) = key
+     capacity, chunk_rows, kda_kept, compact_blocks, by_rows) = key
     return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
                           keep_attention=kept, short=short, kda=shown_kda(kda, device),
                           capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows),
-                          kda_intermediates_kept=kda_kept)
+                          kda_intermediates_kept=kda_kept, compact_recompute_blocks=compact_blocks,
+                          by_rows=by_rows)
 
 
 def configuration_label(key: tuple) -> str:
@@ -176,7 +190,8 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"source": "ours", "model": c.get("model"), "parallel": c.get("parallel", "single"),
                "planner": c.get("planner"), "world_size": c.get("world_size", 1), "device": c.get("device"),
                "dtype": c.get("dtype"), "recompute": bool(c.get("recompute")),
-               "recompute_blocks": c.get("recompute_blocks"), "keep_attention": bool(c.get("keep_attention")),
+               "recompute_blocks": c.get("recompute_blocks"), "compact_recompute_blocks": compact_recompute_blocks(c),
+               "recompute_by_rows": bool(c.get("recompute_by_rows")), "keep_attention": bool(c.get("keep_attention")),
                "keep_kda_intermediates": bool(c.get("keep_kda_intermediates")),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
@@ -209,13 +224,17 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
     table = []
     for r in rows:
         ours = r["source"] == "ours"  # the paper's row names no backends, capacity or chunk
+        blocks = r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None
+        compact_blocks = r["compact_recompute_blocks"] if ours and is_number(r["compact_recompute_blocks"]) else blocks
         dtype = f"{r['device']} {r['dtype']}" + settings_label(
-            r["recompute"] is True, r["recompute_blocks"] if is_number(r["recompute_blocks"]) else None,
+            r["recompute"] is True, blocks,
             r["logprob_grad_precision"],
             (r["attention_backend"], r["compact_attention_backend"]) if ours else None,
             shown_experts(r["experts_backend"], r["device"]) if ours else None,
             keep_attention=r["keep_attention"] is True, short=True,
             kda_intermediates_kept=r["keep_kda_intermediates"] is True,
+            compact_recompute_blocks=compact_blocks,
+            by_rows=r["recompute_by_rows"] is True,
             kda=shown_kda(r["kda_backend"], r["device"]) if ours else None,
             capacity=shown_capacity(r["capacity"]) if ours else None,
             chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if ours else None)

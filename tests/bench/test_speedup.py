@@ -279,7 +279,8 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
 
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
                               kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
-                              keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024)
+                              keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
+                              compact_recompute_blocks=None, recompute_by_rows=False)
     configs = _step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
@@ -302,6 +303,32 @@ def test_recompute_blocks(tree_step_path, tmp_path, capsys):
     code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute-blocks", "1",
                  "--out", str(tmp_path / "bad.json")])
     assert code != 0 and "--recompute-blocks needs --recompute" in capsys.readouterr().err
+
+
+def test_compact_recompute_blocks_and_recompute_by_rows(tree_step_path, tmp_path, capsys, monkeypatch):
+    """--compact-recompute-blocks reaches the compact execution's StepConfig only and --recompute-by-rows both,
+    and the record names both; each without what it needs is a one-line error, no record."""
+    from harts.objective import step as step_module
+
+    seen = []
+    run_step = step_module.run_step
+    monkeypatch.setattr(step_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
+        (config.execution, config.recompute_blocks, config.recompute_by_rows)) or run_step(
+        model, step, microbatches, config, **k))
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "1",
+                                 "--recompute-by-rows"], tmp_path, capsys)
+    config = records[0]["config"]
+    assert code == 0 and (config["recompute_blocks"], config["compact_recompute_blocks"]) == (2, 1)
+    assert config["recompute_by_rows"] is True
+    assert seen and set(seen) == {("baseline", 2, True), ("compact", 1, True)}
+    for flags, message in ((["--compact-recompute-blocks", "1"], "--compact-recompute-blocks needs --recompute"),
+                           (["--recompute", "--recompute-by-rows"], "--recompute-by-rows scales the kept blocks")):
+        code = main(["bench", "speedup", "--model", "tiny", "--trees", path, *flags, "--out", str(tmp_path / "bad.json")])
+        err = capsys.readouterr().err
+        assert code != 0 and message in err and "Traceback" not in err
+        assert not (tmp_path / "bad.json").exists()
 
 
 def test_keep_attention(tree_step_path, tmp_path, capsys, monkeypatch):
@@ -604,10 +631,13 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
      ("keep-kda-intermediates", "needs kda_backend 'fla', got 'torch'"),
      ("recompute=no,keep-kda-intermediates,kda-backend=fla", "keep_kda_intermediates needs recompute"),
      ("repeats=3", "the same run settings as the run's own (only repeats differ)"),
-     ("recompute", "the same run settings as the run's own")],
+     ("recompute", "the same run settings as the run's own"),
+     ("recompute=no,compact-recompute-blocks=2", "--compact-recompute-blocks needs --recompute"),
+     ("recompute-by-rows", "--recompute-by-rows scales the kept blocks")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
          "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend",
-         "keep-kda-with-torch-kda", "keep-kda-without-recompute", "only-repeats", "no-change"],
+         "keep-kda-with-torch-kda", "keep-kda-without-recompute", "only-repeats", "no-change",
+         "compact-blocks-without-recompute", "by-rows-without-blocks"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path

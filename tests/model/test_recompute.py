@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
-from harts.objective.step import StepConfig, run_step
+from harts.objective.step import StepConfig, build_layout, microbatch_extent, run_step, scaled_recompute_blocks
 from harts.ops.attention.groups import attention_kernel_ops
 from harts.ops.kda.keep import kda_intermediates_kept
+from harts.trees.trie import PrefixIndex
 from tests.objective.helpers import random_tree_step
 
 SETTINGS = {"none": {}, "all": {"recompute": True}, "first-1": {"recompute": True, "recompute_blocks": 1},
@@ -145,6 +146,58 @@ def test_recomputed_blocks_run_inside_the_kda_keeping_context(model_and_step):
     ({"recompute": True, "keep_kda_intermediates": 1, "kda_backend": "fla"}, "true or false"),
 ], ids=["without-recompute", "torch-kda", "not-bool"])
 def test_bad_keep_kda_intermediates(bad, message):
+    with pytest.raises(ValueError, match=message):
+        StepConfig(**bad)
+
+
+@pytest.mark.parametrize("recompute_blocks, num_blocks, extent, largest, expected", [
+    (12, 24, (65536, 65536), (65536, 65536), 12),
+    (12, 24, (22497, 22497), (65536, 65536), 0),     # a third of the rows: every block kept (34 capped at 24)
+    (12, 24, (40000, 40000), (65536, 65536), 5),     # kept 12 -> 19
+    (12, 24, (40000, 200000), (65536, 200000), 12),  # as many ancestor-KV rows as the largest: no more kept
+    (3, 4, (10, 10), (30, 30), 1),
+    (4, 4, (10, 10), (30, 30), 4),                   # nothing kept in the largest: nothing kept here
+    (9, 4, (10, 10), (30, 30), 4),
+], ids=["largest", "third", "compact-rows", "compact-kv", "tiny", "all", "over"])
+def test_scaled_recompute_blocks(recompute_blocks, num_blocks, extent, largest, expected):
+    assert scaled_recompute_blocks(recompute_blocks, num_blocks, extent, largest) == expected
+
+
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def test_recompute_by_rows_keeps_more_blocks_in_smaller_microbatches(model_and_step, execution):
+    """`recompute_by_rows`: the step's largest microbatch recomputes `recompute_blocks`, a smaller one the first
+    `scaled_recompute_blocks` (fewer); the loss and gradients are those without recomputation, bit for bit."""
+    model, step = model_and_step
+    num_blocks, trajectories = len(model.blocks), np.arange(step.num_trajectories)
+    microbatches = [trajectories[:-1], trajectories[-1:]]
+    config = StepConfig(execution=execution, recompute=True, recompute_blocks=3, recompute_by_rows=True)
+    extents = [microbatch_extent(build_layout(step, m, model, config, PrefixIndex.from_step(step)))
+               for m in microbatches]
+    largest = tuple(max(sizes) for sizes in zip(*extents))
+    small = scaled_recompute_blocks(3, num_blocks, extents[1], largest)
+    assert extents[0] == largest and small < 3  # the step exercises the scaling
+    calls = [0] * num_blocks
+    hooks = [block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, block in enumerate(model.blocks)]
+    model.zero_grad(set_to_none=True)
+    try:
+        result = run_step(model, step, microbatches, config)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert calls == [2 + (i < 3) + (i < small) for i in range(num_blocks)]
+    model.zero_grad(set_to_none=True)
+    reference = run_step(model, step, microbatches, StepConfig(execution=execution))
+    assert result.loss == reference.loss
+    assert all(torch.equal(grads[name], p.grad) for name, p in model.named_parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"recompute": True, "recompute_by_rows": True}, "needs recompute_blocks"),
+    ({"recompute": True, "recompute_blocks": 2, "recompute_by_rows": 1}, "true or false"),
+], ids=["every-block", "not-bool"])
+def test_bad_recompute_by_rows(bad, message):
     with pytest.raises(ValueError, match=message):
         StepConfig(**bad)
 

@@ -33,7 +33,8 @@ def _model():
 
 
 RECOMPUTE = {"plain": {}, "recompute": {"recompute": True},
-             "keep-attention": {"recompute": True, "recompute_blocks": 3, "keep_attention": True}}
+             "keep-attention": {"recompute": True, "recompute_blocks": 3, "keep_attention": True},
+             "by-rows": {"recompute": True, "recompute_blocks": 3, "recompute_by_rows": True}}
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)
@@ -41,15 +42,20 @@ RECOMPUTE = {"plain": {}, "recompute": {"recompute": True},
 def test_single_rank_is_run_step(groups, execution, recompute, monkeypatch):
     step, microbatches = tree_step_and_microbatches()
     config = StepConfig(execution=execution, **RECOMPUTE[recompute])
-    reference = _model()
-    expected = run_step(reference, step, microbatches, config, collect_logprobs=True)
-    pmodel = parallelize(_model(), groups)
     settings = []
     run_blocks = HybridModel.run_blocks
     monkeypatch.setattr(HybridModel, "run_blocks", lambda self, *a, **k: settings.append(
         (k["recompute"], k["recompute_blocks"], k["keep_attention"])) or run_blocks(self, *a, **k))
+    reference = _model()
+    expected = run_step(reference, step, microbatches, config, collect_logprobs=True)
+    expected_settings, settings[:] = list(settings), []
+    pmodel = parallelize(_model(), groups)
     result = run_parallel_step(pmodel, step, microbatches, config, collect=True)
-    assert set(settings) == {(config.recompute, config.recompute_blocks, config.keep_attention)}
+    assert settings == expected_settings
+    if config.recompute_by_rows:  # the smaller microbatches recompute fewer blocks, as in run_step
+        assert len({blocks for _, blocks, _ in settings}) > 1 and max(b for _, b, _ in settings) == 3, settings
+    else:
+        assert set(settings) == {(config.recompute, config.recompute_blocks, config.keep_attention)}
     assert result.loss == pytest.approx(expected.loss, rel=1e-12, abs=0)
     assert result.moe_loss == pytest.approx(expected.moe_loss, rel=1e-12, abs=0)
     assert result.num_rows == expected.num_rows and result.clip_fraction == pytest.approx(expected.clip_fraction)

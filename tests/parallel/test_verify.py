@@ -211,7 +211,8 @@ def test_reference_config_runs_without_recomputation():
     from harts.parallel.verify import reference_config
 
     candidate = StepConfig(execution="compact", recompute=True, recompute_blocks=2, keep_attention=True,
-                           keep_kda_intermediates=True, kda_backend="fla", replay=False)
+                           keep_kda_intermediates=True, kda_backend="fla", replay=False, recompute_by_rows=True)
     reference = reference_config(candidate)
     assert (reference.execution, reference.recompute, reference.recompute_blocks, reference.keep_attention,
-            reference.keep_kda_intermediates, reference.replay) == ("baseline", False, None, False, False, True)
+            reference.keep_kda_intermediates, reference.replay, reference.recompute_by_rows) == (
+        "baseline", False, None, False, False, True, False)

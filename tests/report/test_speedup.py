@@ -172,6 +172,32 @@ def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
     assert "T = 512, recompute, KDA intermediates kept, sdpa, fla KDA" in text
 
 
+def test_compact_recompute_blocks_and_by_rows_are_configurations_of_their_own(tmp_path):
+    """Records that differ only in the compact execution's recomputed blocks or in recompute_by_rows are not
+    merged; the labels give the compact blocks after the baseline's; a record from before the compact blocks
+    were recorded is one with the baseline's."""
+    old = speedup_record(step=0)
+    old["config"].update(recompute=True, recompute_blocks=2)
+    same = speedup_record(step=1)
+    same["config"].update(recompute=True, recompute_blocks=2, compact_recompute_blocks=2, recompute_by_rows=False)
+    fewer = speedup_record(step=0, base_fbg=7.0)
+    fewer["config"].update(recompute=True, recompute_blocks=2, compact_recompute_blocks=1)
+    by_rows = speedup_record(step=0, base_fbg=6.0)
+    by_rows["config"].update(recompute=True, recompute_blocks=2, compact_recompute_blocks=1, recompute_by_rows=True)
+    rows = speedup_rows([old, same, fewer, by_rows])
+    assert [r["compact_recompute_blocks"] for r in rows[:4]] == [2, 2, 1, 1]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:4]] == [
+        "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2/1 blocks sdpa",
+        "cpu fp32 T=512 rc 2/1 blocks by rows sdpa"]
+    path = write(tmp_path, "single.json", [old, same, fewer, by_rows])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "T = 512, recompute 2/1 blocks, by rows, sdpa" in text
+    assert text.count("tiny / single / harts T=512 rc 2 blocks sdpa (ideal") == 1  # old and same: one configuration
+
+
 def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
     """Records that differ only in the KDA backend or the capacity T (e.g. `bench speedup --variant`) are not
     merged; the bench's default KDA backend (torch on CPU) and T = 65,536 are not labelled."""
