@@ -57,6 +57,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
     parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
                         help="with --recompute: recompute only blocks 0..N-1 (default: every block)")
+    parser.add_argument("--recompute-by-rows", action="store_true",
+                        help="with --recompute-blocks: smaller microbatches keep proportionally more blocks")
     parser.add_argument("--keep-attention", action="store_true", help=KEEP_ATTENTION_HELP)
     parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
                         help="the LM head's logit gradients: fp32 (TF32 matmuls for bf16) or input (bf16)")
@@ -134,7 +136,7 @@ def _step_config(args: argparse.Namespace, execution: str, **extra):
     cuda = args.device == "cuda"
     return StepConfig(
         execution=execution, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
-        keep_attention=args.keep_attention, logprob_grad_precision=args.logprob_grad_precision, loss=args.loss,
+        recompute_by_rows=args.recompute_by_rows, keep_attention=args.keep_attention, logprob_grad_precision=args.logprob_grad_precision, loss=args.loss,
         dtype=args.dtype,
         attention_backend=args.attention_backend or default_attention_backend(cuda),
         kda_backend=args.kda_backend or default_kda_backend(cuda),

@@ -40,6 +40,9 @@ OVERRIDES = [
                                             "help": "per-layer activation recomputation"}),
     ("--recompute-blocks", "execution.recompute_blocks", {"type": positive_int,
                                                           "help": "with --recompute: recompute only blocks 0..N-1"}),
+    ("--recompute-by-rows", "execution.recompute_by_rows", {
+        "action": argparse.BooleanOptionalAction,
+        "help": "with --recompute-blocks: smaller microbatches keep proportionally more blocks"}),
     ("--keep-attention", "execution.keep_attention", {"action": argparse.BooleanOptionalAction,
                                                       "help": KEEP_ATTENTION_HELP}),
     ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn|flash4"}),

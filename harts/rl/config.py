@@ -22,6 +22,7 @@ from harts.config import load_config
 from harts.model.config import load_model_config
 from harts.objective.step import (
     DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
+    check_recompute_by_rows,
 )
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
@@ -44,6 +45,9 @@ class RLExecutionConfig:
     recompute: bool = False
     recompute_blocks: int | None = None
     """With `recompute`: recompute only blocks 0 … N − 1. None: every block."""
+    recompute_by_rows: bool = False
+    """With `recompute_blocks`: a microbatch smaller than the step's largest keeps more blocks, in proportion
+    (same values, no more memory than the largest; harts.objective.step.scaled_recompute_blocks)."""
     keep_attention: bool = False
     """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
     attention_backend: str | None = None
@@ -57,6 +61,7 @@ class RLExecutionConfig:
         if self.capacity < 1:
             raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
+        check_recompute_by_rows(self.recompute_blocks, self.recompute_by_rows, "execution.")
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         check_backends(self.attention_backend, self.kda_backend, "execution.")

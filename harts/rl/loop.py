@@ -125,7 +125,7 @@ def _learner(execution: str, model: HybridModel, config: RLConfig) -> _Learner:
     optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
     e = config.execution
     step_config = StepConfig(execution=execution, recompute=e.recompute, recompute_blocks=e.recompute_blocks,
-                             keep_attention=e.keep_attention,
+                             recompute_by_rows=e.recompute_by_rows, keep_attention=e.keep_attention,
                              logprob_grad_precision=e.logprob_grad_precision, attention_backend=e.attention_backend,
                              kda_backend=e.kda_backend, loss="grpo", grpo=config.loss.grpo, dtype=config.dtype)
     return _Learner(execution=execution, model=model, optimizer=optimizer,

@@ -26,6 +26,7 @@ from harts.config import from_dict, load_yaml_mapping
 from harts.objective.losses import GRPOConfig, PPOConfig
 from harts.objective.step import (
     DTYPES, LOSSES, check_backends, check_logprob_grad_precision, check_keep_attention, check_recompute_blocks,
+    check_recompute_by_rows,
 )
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.runtime.layout import EXECUTIONS
@@ -69,6 +70,9 @@ class ExecutionConfig:
     """Per-layer activation recomputation."""
     recompute_blocks: int | None = None
     """With `recompute`: recompute only blocks 0 … N − 1, the others keep their activations. None: every block."""
+    recompute_by_rows: bool = False
+    """With `recompute_blocks`: a microbatch smaller than the step's largest keeps more blocks, in proportion
+    (same values, no more memory than the largest; harts.objective.step.scaled_recompute_blocks)."""
     keep_attention: bool = False
     """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
     attention_backend: str | None = None
@@ -88,6 +92,7 @@ class ExecutionConfig:
         if self.capacity < 1 or self.logprob_chunk_rows < 1:
             raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
+        check_recompute_by_rows(self.recompute_blocks, self.recompute_by_rows, "execution.")
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         check_backends(self.attention_backend, self.kda_backend, "execution.")

@@ -151,7 +151,7 @@ def step_config_of(config: TrainConfig) -> StepConfig:
     execution = config.execution
     return StepConfig(
         execution=execution.execution, recompute=execution.recompute, recompute_blocks=execution.recompute_blocks,
-        keep_attention=execution.keep_attention,
+        recompute_by_rows=execution.recompute_by_rows, keep_attention=execution.keep_attention,
         logprob_grad_precision=execution.logprob_grad_precision, attention_backend=execution.attention_backend,
         kda_backend=execution.kda_backend, loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
         logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,

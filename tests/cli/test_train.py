@@ -111,10 +111,11 @@ def test_train_step_uses_and_prints_the_loss_config(tmp_path, capsys):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_execution_flags_reach_the_step_config(command):
     config = step_config([*COMMANDS[command], "--recompute", "--recompute-blocks", "2",
-                          "--logprob-grad-precision", "input", "--keep-attention"])
-    assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision, config.keep_attention) == (
-        True, 2, "input", True)
-    assert step_config(COMMANDS[command]).keep_attention is False
+                          "--logprob-grad-precision", "input", "--keep-attention", "--recompute-by-rows"])
+    assert (config.recompute, config.recompute_blocks, config.logprob_grad_precision, config.keep_attention,
+            config.recompute_by_rows) == (True, 2, "input", True, True)
+    default = step_config(COMMANDS[command])
+    assert default.keep_attention is False and default.recompute_by_rows is False
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -52,6 +52,8 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nrollout: {top_p: 0}\n", "rollout.top_p must be in"),
     ("name: x\nmodel: tiny\nexecution: {recompute_blocks: 1}\n",
      "execution.recompute_blocks needs execution.recompute"),
+    ("name: x\nmodel: tiny\nexecution: {recompute: true, recompute_by_rows: true}\n",
+     "execution.recompute_by_rows scales the blocks execution.recompute_blocks keeps"),
     ("name: x\nmodel: tiny\nexecution: {logprob_grad_precision: tf32}\n", "execution.logprob_grad_precision must be"),
     ("name: x\nmodel: tiny\nexecution: {kda_backend: triton}\n",
      re.escape("execution.kda_backend must be one of ('torch', 'fla'), got 'triton'")),
@@ -59,7 +61,7 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nexecution: {recompute: true, keep_attention: true, attention_backend: flex}\n",
      "execution.keep_attention needs an attention backend among"),
 ], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "accuracy",
-        "values", "top-p", "recompute-blocks-alone", "grad-precision", "kda-backend", "attention-backend",
+        "values", "top-p", "recompute-blocks-alone", "by-rows-without-blocks", "grad-precision", "kda-backend", "attention-backend",
         "keep-attention-flex"])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "rl.yaml"
@@ -88,10 +90,10 @@ def test_execution_fields_reach_the_learners(tmp_path):
 
     path = tmp_path / "rl.yaml"
     path.write_text("name: x\nmodel: tiny\nexecution: {recompute: true, recompute_blocks: 1, "
-                    "logprob_grad_precision: input, keep_attention: true}\n")
+                    "logprob_grad_precision: input, keep_attention: true, recompute_by_rows: true}\n")
     config = resolve(load_rl_config(path))
     for execution in ("compact", "baseline"):
         step = _learner(execution, initial_model(config, seed=0), config).step_config
         assert (step.execution, step.recompute, step.recompute_blocks, step.logprob_grad_precision) == (
             execution, True, 1, "input")
-        assert step.keep_attention
+        assert step.keep_attention and step.recompute_by_rows

@@ -45,6 +45,8 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
         (("execution: {capacity: 1024}", "execution: {planner: best}"), "execution.planner must be one of"),
         (("execution: {capacity: 1024}", "execution: {recompute_blocks: 2}"),
          "execution.recompute_blocks needs execution.recompute"),
+        (("execution: {capacity: 1024}", "execution: {recompute: true, recompute_by_rows: true}"),
+         "execution.recompute_by_rows scales the blocks execution.recompute_blocks keeps"),
         (("execution: {capacity: 1024}", "execution: {logprob_grad_precision: bf16}"),
          "execution.logprob_grad_precision must be one of"),
         (("execution: {capacity: 1024}", "execution: {attention_backend: flash3}"),
@@ -54,7 +56,7 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
          "execution.keep_attention needs execution.recompute"),
     ],
     ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner",
-         "recompute-blocks-alone", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend",
+         "recompute-blocks-alone", "by-rows-without-blocks", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend",
          "keep-attention-alone"],
 )
 def test_yaml_is_strict(tmp_path, edit, message):
@@ -111,9 +113,9 @@ def test_execution_fields_reach_the_step_config():
     config = load_train_config(None, {
         "model": "tiny", "data.trees": "tiny", "execution.recompute": True, "execution.recompute_blocks": 2,
         "execution.logprob_grad_precision": "input", "execution.logprob_chunk_rows": 64,
-        "execution.keep_attention": True,
+        "execution.keep_attention": True, "execution.recompute_by_rows": True,
     })
     step = step_config_of(resolve(config, num_data_steps=1))
     assert (step.recompute, step.recompute_blocks, step.logprob_grad_precision, step.logprob_chunk_rows) == (
         True, 2, "input", 64)
-    assert step.keep_attention
+    assert step.keep_attention and step.recompute_by_rows
