@@ -54,8 +54,11 @@ def _check_config():
         raise ValueError(f"pipeline config: rl.config: no file {rl}")
     if load_rl_config(rl).name != config["rl"]["config"]:
         raise ValueError(f"{rl}: its `name` must be {config['rl']['config']!r} (records are labelled by it)")
-    if config["speedup"]["recompute_blocks"] is not None and not config["speedup"]["recompute"]:
-        raise ValueError("pipeline config: speedup.recompute_blocks needs speedup.recompute: true")
+    for key in ("recompute_blocks", "compact_recompute_blocks"):
+        if config["speedup"][key] is not None and not config["speedup"]["recompute"]:
+            raise ValueError(f"pipeline config: speedup.{key} needs speedup.recompute: true")
+    if config["speedup"]["recompute_by_rows"] and config["speedup"]["recompute_blocks"] is None:
+        raise ValueError("pipeline config: speedup.recompute_by_rows needs speedup.recompute_blocks")
     try:
         check_keep_attention(config["speedup"]["recompute"], config["speedup"]["keep_attention"],
                              config["speedup"]["attention_backend"], "speedup.")
@@ -148,6 +151,12 @@ def speedup_execution_flags(speedup):
         flags.append(f"--experts-backend {speedup['experts_backend']}")
     if speedup["keep_attention"]:
         flags.append("--keep-attention")
+    if speedup["compact_recompute_blocks"] is not None:
+        flags.append(f"--compact-recompute-blocks {speedup['compact_recompute_blocks']}")
+    if speedup["recompute_by_rows"]:
+        flags.append("--recompute-by-rows")
+    if speedup["logprob_chunk_rows"] is not None:
+        flags.append(f"--logprob-chunk-rows {speedup['logprob_chunk_rows']}")
     return " ".join(flags)
 
 

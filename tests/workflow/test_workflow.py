@@ -240,6 +240,10 @@ BAD_CONFIGS = {
     "unknown-experts-backend": ({"speedup": {"experts_backend": "fused"}}, "'fused' is not one of"),
     "recompute-blocks-without-recompute": ({"speedup": {"recompute": False, "recompute_blocks": 2}},
                                            "speedup.recompute_blocks needs speedup.recompute: true"),
+    "compact-blocks-without-recompute": ({"speedup": {"recompute": False, "compact_recompute_blocks": 2}},
+                                         "speedup.compact_recompute_blocks needs speedup.recompute: true"),
+    "by-rows-without-blocks": ({"speedup": {"recompute": True, "recompute_by_rows": True}},
+                               "speedup.recompute_by_rows needs speedup.recompute_blocks"),
     "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
                                          "pipeline config: speedup.keep_attention needs speedup.recompute"),
     "keep-attention-with-flex": ({"speedup": {"recompute": True, "keep_attention": True,
@@ -271,6 +275,8 @@ def test_nested_config_values_on_the_command_line(workdir):
     assert "--logprob-grad-precision fp32" in result.stdout
     assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
     assert "--experts-backend" not in result.stdout and "--keep-attention" not in result.stdout
+    assert "--compact-recompute-blocks" not in result.stdout and "--recompute-by-rows" not in result.stdout
+    assert "--logprob-chunk-rows" not in result.stdout
 
 
 def test_speedup_execution_settings_reach_the_jobs(workdir):
@@ -278,10 +284,12 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
     recomputation) become the bench's flags."""
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={recompute: true, attention_backend: varlen, "
-                       "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true}")
+                       "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true, "
+                       "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("--recompute --logprob-grad-precision input --attention-backend varlen --recompute-blocks 2 "
-            "--experts-backend lean --keep-attention") in result.stdout
+            "--experts-backend lean --keep-attention --compact-recompute-blocks 1 --recompute-by-rows "
+            "--logprob-chunk-rows 2048") in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
