@@ -923,7 +923,8 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
         where = f"--variant {run_args.variant}: " if run_args.variant else ""
         # The same settings measured again would be two records of one configuration (and one step counted
         # twice in the report); more repeats belong in --repeats.
-        settings = tuple(sorted((k, repr(v)) for k, v in vars(run_args).items() if k not in ("variant", "repeats")))
+        resolved = {**vars(run_args), "compact_recompute_blocks": compact_recompute_blocks(run_args)}
+        settings = tuple(sorted((k, repr(v)) for k, v in resolved.items() if k not in ("variant", "repeats")))
         if settings in measured:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
         measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"

@@ -57,9 +57,9 @@ class StepConfig:
     """With `recompute`: the recomputed MLA blocks keep their attention outputs from the forward instead of
     running the attention again (`HybridModel.forward`; backends `KEEPABLE_BACKENDS`). Same values."""
     recompute_by_rows: bool = False
-    """With `recompute_blocks`: a microbatch smaller than the step's largest keeps more blocks, in proportion
-    (`scaled_recompute_blocks`): kept activations are per row (and per ancestor-KV row), so it keeps no more
-    than the largest microbatch does with `recompute_blocks`. Same values; less recomputation."""
+    """With `recompute_blocks`: a microbatch smaller than another of the step keeps more blocks, in proportion
+    (`scaled_recompute_blocks`): kept activations are per row (KDA row, ancestor-KV row), so it keeps no more
+    than that microbatch does with `recompute_blocks`. Same values; less recomputation."""
     keep_kda_intermediates: bool = False
     """With `recompute` and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors,
     gated q/k, chunk states) from the recomputation for the backward instead of computing them a third time
@@ -154,21 +154,23 @@ def check_recompute_by_rows(recompute_blocks: int | None, by_rows: bool, prefix:
                          f"{prefix}recompute_blocks")
 
 
-def microbatch_extent(layout: Layout) -> tuple[int, int]:
-    """What a microbatch's kept activations scale with: its rows and its MLA's key/value rows (the compact
-    execution's ancestor KV)."""
-    return layout.num_rows, layout.groups.num_kv_rows
+def microbatch_extent(layout: Layout) -> tuple[int, int, int]:
+    """What a microbatch's kept activations scale with: its rows, its KDA rows (the compact execution's replay
+    rows added) and its MLA's key/value rows (the compact execution's ancestor KV)."""
+    return layout.num_rows, layout.num_kda_rows, layout.groups.num_kv_rows
 
 
-def scaled_recompute_blocks(recompute_blocks: int, num_blocks: int, extent: tuple[int, int],
-                            largest: tuple[int, int]) -> int:
+def scaled_recompute_blocks(recompute_blocks: int, num_blocks: int, extent: tuple[int, ...],
+                            extents: list[tuple[int, ...]]) -> int:
     """Blocks to recompute (the first ones, of `num_blocks`) in a microbatch of `extent` (`microbatch_extent`)
-    when the step's `largest` recomputes `recompute_blocks`: the kept blocks grow by the smaller of the two
-    ratios largest / extent, at most to all of them, so the microbatch keeps no more activations than the
-    largest. The largest itself recomputes `recompute_blocks`."""
+    among the step's `extents`, each of which fits with `recompute_blocks` recomputed. The kept blocks grow by
+    the largest factor f for which some microbatch of the step is at least f times this one in every extent, at
+    most to all blocks: the activations kept then stay within that microbatch's (kept activations are per row,
+    per KDA row and per key/value row, about alike from block to block). The step's largest microbatch
+    recomputes `recompute_blocks`."""
     kept = num_blocks - min(recompute_blocks, num_blocks)
-    scaled = min(kept * big // max(small, 1) for small, big in zip(extent, largest))
-    return num_blocks - min(num_blocks, scaled)
+    scaled = max(min(kept * big // max(small, 1) for small, big in zip(extent, other)) for other in extents)
+    return num_blocks - min(num_blocks, max(kept, scaled))
 
 
 def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
@@ -341,12 +343,12 @@ def run_step(
     infos, tokens_per_expert, clip_fractions = [], [], []
     logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
     microbatches = [np.asarray(members, dtype=np.int64) for members in microbatches]
-    layouts, largest = None, None
+    layouts, extents = None, None
     if config.recompute_by_rows:
-        # Each microbatch's recomputation depends on the step's largest: every layout first (layout time).
+        # Each microbatch's recomputation depends on the step's others: every layout first (layout time).
         start = time.perf_counter()
         layouts = [build_layout(step, m, model, config, index) if len(m) else None for m in microbatches]
-        largest = tuple(max(sizes) for sizes in zip(*(microbatch_extent(x) for x in layouts if x is not None)))
+        extents = [microbatch_extent(x) for x in layouts if x is not None]
         seconds["layout"] += time.perf_counter() - start
     for j, members in enumerate(tqdm(microbatches, desc=progress, disable=progress is None, file=sys.stderr,
                                      leave=False)):
@@ -357,8 +359,8 @@ def run_step(
         sem_index = semantic_index(step, members)
         _sync(device)
         seconds["layout"] += time.perf_counter() - start
-        recompute_blocks = None if largest is None else scaled_recompute_blocks(
-            config.recompute_blocks, len(model.blocks), microbatch_extent(layout), largest)
+        recompute_blocks = None if extents is None else scaled_recompute_blocks(
+            config.recompute_blocks, len(model.blocks), microbatch_extent(layout), extents)
 
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):

@@ -131,9 +131,15 @@ def run_parallel_step(
         pmodel.prepare_layout(build_layout(step, microbatches[j], model, config, index).to(device)) for j in mine
     ]
     sem_indices = [semantic_index(step, microbatches[j]) for j in mine]
-    # recompute_by_rows: against this rank's largest microbatch (its memory), the same on the ranks of a replica.
-    largest = (tuple(max(sizes) for sizes in zip(*(microbatch_extent(x) for x in layouts)))
-               if config.recompute_by_rows and layouts else None)
+    recompute_blocks = [config.recompute_blocks] * len(layouts)
+    if config.recompute_by_rows and layouts:
+        # Against this rank's own microbatches (its memory); then the most of every rank's, slot by slot: a
+        # recomputed MoE block exchanges its rows again in the backward, so an expert-parallel group spanning
+        # replicas (which run different microbatches) must recompute the same blocks.
+        extents = [microbatch_extent(x) for x in layouts]
+        mine_blocks = torch.tensor([scaled_recompute_blocks(config.recompute_blocks, len(pmodel.blocks), extent,
+                                                            extents) for extent in extents], device=device)
+        recompute_blocks = all_reduce_(mine_blocks, dist.group.WORLD, op=dist.ReduceOp.MAX).tolist()
     _synchronize(device)
     seconds["layout"] = time.perf_counter() - start
 
@@ -156,10 +162,8 @@ def run_parallel_step(
             x_in.requires_grad_(backward)
         with torch.set_grad_enabled(backward):
             with autocast_context(device, config):
-                recompute_blocks = config.recompute_blocks if largest is None else scaled_recompute_blocks(
-                    config.recompute_blocks, len(pmodel.blocks), microbatch_extent(layout), largest)
                 out, auxes = pmodel.stage_forward(
-                    layout, x_in, recompute=config.recompute, recompute_blocks=recompute_blocks,
+                    layout, x_in, recompute=config.recompute, recompute_blocks=recompute_blocks[j],
                     keep_attention=config.keep_attention,
                 )
             moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))

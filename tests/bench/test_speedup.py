@@ -620,6 +620,16 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     assert Counter(seen) == Counter(expected)
 
 
+def test_a_variant_giving_the_compact_execution_the_baseline_blocks_is_the_same_settings(tree_step_path, tmp_path,
+                                                                                         capsys):
+    path, _ = tree_step_path
+    out = tmp_path / "speedup.json"
+    code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--recompute-blocks", "2",
+                 "--variant", "compact-recompute-blocks=2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code != 0 and "the same run settings as the run's own" in err and not out.exists(), err
+
+
 @pytest.mark.parametrize(
     "variant, message",
     [("recompute-blocks=2,dtype=fp32", "'dtype' is not one of"), ("keep-attention=maybe", "expected yes or no"),

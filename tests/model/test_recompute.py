@@ -150,17 +150,23 @@ def test_bad_keep_kda_intermediates(bad, message):
         StepConfig(**bad)
 
 
-@pytest.mark.parametrize("recompute_blocks, num_blocks, extent, largest, expected", [
-    (12, 24, (65536, 65536), (65536, 65536), 12),
-    (12, 24, (22497, 22497), (65536, 65536), 0),     # a third of the rows: every block kept (34 capped at 24)
-    (12, 24, (40000, 40000), (65536, 65536), 5),     # kept 12 -> 19
-    (12, 24, (40000, 200000), (65536, 200000), 12),  # as many ancestor-KV rows as the largest: no more kept
-    (3, 4, (10, 10), (30, 30), 1),
-    (4, 4, (10, 10), (30, 30), 4),                   # nothing kept in the largest: nothing kept here
-    (9, 4, (10, 10), (30, 30), 4),
-], ids=["largest", "third", "compact-rows", "compact-kv", "tiny", "all", "over"])
-def test_scaled_recompute_blocks(recompute_blocks, num_blocks, extent, largest, expected):
-    assert scaled_recompute_blocks(recompute_blocks, num_blocks, extent, largest) == expected
+LARGEST = (65536, 65536, 65536)
+
+
+@pytest.mark.parametrize("recompute_blocks, num_blocks, extent, extents, expected", [
+    (12, 24, LARGEST, [LARGEST], 12),
+    (12, 24, (22497,) * 3, [LARGEST, (22497,) * 3], 0),    # a third of the rows: every block kept (34 capped at 24)
+    (12, 24, (40000,) * 3, [LARGEST, (40000,) * 3], 5),     # kept 12 -> 19
+    (12, 24, (40000, 41000, 200000), [(65536, 66000, 200000), (40000, 41000, 200000)], 12),  # as many KV rows
+    (12, 24, (40000, 60000, 40000), [LARGEST, (40000, 60000, 40000)], 11),  # replay rows: kept 12 -> 13 (by KDA rows)
+    # No microbatch of the step is at least (100, 100, 150) / 60 x this one: not the rows of one and the KV of another.
+    (12, 24, (60, 60, 120), [(100, 100, 150), (80, 80, 200), (60, 60, 120)], 8),
+    (3, 4, (10, 10, 10), [(30, 30, 30), (10, 10, 10)], 1),
+    (4, 4, (10, 10, 10), [(30, 30, 30), (10, 10, 10)], 4),  # nothing kept in the largest: nothing kept here
+    (9, 4, (10, 10, 10), [(30, 30, 30), (10, 10, 10)], 4),
+], ids=["largest", "third", "compact-rows", "compact-kv", "replay-rows", "no-virtual-largest", "tiny", "all", "over"])
+def test_scaled_recompute_blocks(recompute_blocks, num_blocks, extent, extents, expected):
+    assert scaled_recompute_blocks(recompute_blocks, num_blocks, extent, extents) == expected
 
 
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
@@ -173,9 +179,8 @@ def test_recompute_by_rows_keeps_more_blocks_in_smaller_microbatches(model_and_s
     config = StepConfig(execution=execution, recompute=True, recompute_blocks=3, recompute_by_rows=True)
     extents = [microbatch_extent(build_layout(step, m, model, config, PrefixIndex.from_step(step)))
                for m in microbatches]
-    largest = tuple(max(sizes) for sizes in zip(*extents))
-    small = scaled_recompute_blocks(3, num_blocks, extents[1], largest)
-    assert extents[0] == largest and small < 3  # the step exercises the scaling
+    small = scaled_recompute_blocks(3, num_blocks, extents[1], extents)
+    assert scaled_recompute_blocks(3, num_blocks, extents[0], extents) == 3 and small < 3  # the scaling is exercised
     calls = [0] * num_blocks
     hooks = [block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
              for i, block in enumerate(model.blocks)]

@@ -17,6 +17,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -123,6 +124,30 @@ def _verify_kept_attention(groups, names, step, microbatches):
     model = replace(config, mla=replace(config.mla, qk_nope_head_dim=8))
     return {name: verify_on_rank(build_groups(load_parallel_config(name), groups.device), model, 0, step, microbatches,
                                  KEPT_ATTENTION) for name in names}
+
+
+BY_ROWS = [StepConfig(execution=e, recompute=True, recompute_blocks=3, recompute_by_rows=True)
+           for e in ("baseline", "compact")]
+
+
+def _verify_by_rows(groups, names, step, microbatches):
+    return {name: verify_on_rank(build_groups(load_parallel_config(name), groups.device), load_model_config("tiny"),
+                                 0, step, microbatches, BY_ROWS) for name in names}
+
+
+def test_recompute_by_rows_under_parallelism():
+    """`recompute_by_rows` with microbatches of unequal sizes: under dp2-ep2 the two replicas run different
+    microbatches in one slot while their MoE layers exchange rows, so they must recompute the same blocks (a
+    rank that recomputes a block its peer keeps exchanges rows again in the backward: gloo's sizes mismatch);
+    under pp2 and tp2-sp the ranks of one replica decide alike. The same comparison as without it."""
+    step, _ = tree_step_and_microbatches()
+    microbatches = [np.arange(0, 5), np.arange(5, 6), np.arange(6, 7), np.arange(7, 8)]  # replica 0: 0 and 2
+    names = ("dp2-ep2", "pp2", "tp2-sp")
+    reports = launch(_verify_by_rows, load_parallel_config(names[0]), names, step, microbatches)
+    for name in names:
+        assert len(reports[name]) == len(BY_ROWS)
+        for report in reports[name]:
+            _check(report)
 
 
 def test_kept_attention_under_parallelism():
