@@ -170,7 +170,7 @@ def scaled_recompute_blocks(recompute_blocks: int, num_blocks: int, extent: tupl
     recomputes `recompute_blocks`."""
     kept = num_blocks - min(recompute_blocks, num_blocks)
     scaled = max(min(kept * big // max(small, 1) for small, big in zip(extent, other)) for other in extents)
-    return num_blocks - min(num_blocks, max(kept, scaled))
+    return num_blocks - min(num_blocks, scaled)
 
 
 def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
