@@ -115,6 +115,13 @@ def test_comparison_is_not_degenerate(two_rank_reports):
     assert 0 < report["clip_fraction"] < 1 and report["loss"] != 0
 
 
+def _check_every(reports, names, candidates):
+    for name in names:
+        assert len(reports[name]) == len(candidates)
+        for report in reports[name]:
+            _check(report)
+
+
 KEPT_ATTENTION = [StepConfig(execution=e, recompute=True, keep_attention=True) for e in ("baseline", "compact")]
 
 
@@ -143,11 +150,7 @@ def test_recompute_by_rows_under_parallelism():
     step, _ = tree_step_and_microbatches()
     microbatches = [np.arange(0, 5), np.arange(5, 6), np.arange(6, 7), np.arange(7, 8)]  # replica 0: 0 and 2
     names = ("dp2-ep2", "pp2", "tp2-sp")
-    reports = launch(_verify_by_rows, load_parallel_config(names[0]), names, step, microbatches)
-    for name in names:
-        assert len(reports[name]) == len(BY_ROWS)
-        for report in reports[name]:
-            _check(report)
+    _check_every(launch(_verify_by_rows, load_parallel_config(names[0]), names, step, microbatches), names, BY_ROWS)
 
 
 def test_kept_attention_under_parallelism():
@@ -156,11 +159,8 @@ def test_kept_attention_under_parallelism():
     kept the collectives' in-place outputs fails here: torch refuses a kept tensor that was mutated.)"""
     step, microbatches = tree_step_and_microbatches()
     names = ("tp2-sp", "pp2", "ep2")
-    reports = launch(_verify_kept_attention, load_parallel_config(names[0]), names, step, microbatches)
-    for name in names:
-        assert len(reports[name]) == len(KEPT_ATTENTION)
-        for report in reports[name]:
-            _check(report)
+    _check_every(launch(_verify_kept_attention, load_parallel_config(names[0]), names, step, microbatches), names,
+                 KEPT_ATTENTION)
 
 
 GPU_CONFIGS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2", "dp2-tp2-sp", "tp2-sp-pp2", "dp2-pp2-ep2")
