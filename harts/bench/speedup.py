@@ -167,8 +167,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
                           "each execution recomputes what its own memory needs (the compact one has fewer rows)")
     add("--recompute-by-rows", boolean=True,
-        help="with --recompute-blocks: a microbatch smaller than the step's largest keeps more blocks, in "
-             "proportion to its rows (and ancestor-KV rows), within the largest one's activation memory")
+        help="with --recompute-blocks: a microbatch smaller than another of the step keeps more blocks, in "
+             "proportion to its rows (KDA and ancestor-KV rows too), within that one's activation memory")
     add("--keep-attention", boolean=True, help=KEEP_ATTENTION_HELP)
     add("--keep-kda-intermediates", boolean=True,
         help="with --recompute and the fla KDA (the CUDA default): the recomputed blocks' KDA calls keep fla's "

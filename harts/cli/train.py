@@ -136,8 +136,8 @@ def _step_config(args: argparse.Namespace, execution: str, **extra):
     cuda = args.device == "cuda"
     return StepConfig(
         execution=execution, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
-        recompute_by_rows=args.recompute_by_rows, keep_attention=args.keep_attention, logprob_grad_precision=args.logprob_grad_precision, loss=args.loss,
-        dtype=args.dtype,
+        recompute_by_rows=args.recompute_by_rows, keep_attention=args.keep_attention,
+        logprob_grad_precision=args.logprob_grad_precision, loss=args.loss, dtype=args.dtype,
         attention_backend=args.attention_backend or default_attention_backend(cuda),
         kda_backend=args.kda_backend or default_kda_backend(cuda),
         **{args.loss: _loss_config(args)}, **extra,

@@ -86,7 +86,7 @@ class StepConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         check_logprob_grad_precision(self.logprob_grad_precision)
         check_recompute_blocks(self.recompute, self.recompute_blocks)
-        check_recompute_by_rows(self.recompute_blocks, self.recompute_by_rows)
+        check_recompute_by_rows(self.recompute, self.recompute_blocks, self.recompute_by_rows)
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend)
         check_keep_kda_intermediates(self.recompute, self.keep_kda_intermediates, self.kda_backend)
         if self.dtype not in DTYPES:
@@ -142,13 +142,11 @@ def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix
         raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
 
 
-def check_recompute_by_rows(recompute_blocks: int | None, by_rows: bool, prefix: str = "") -> None:
+def check_recompute_by_rows(recompute: bool, recompute_blocks: int | None, by_rows: bool, prefix: str = "") -> None:
     """`recompute_by_rows` scales the kept blocks of `recompute_blocks`: it needs them (ValueError naming
     `prefix` + field)."""
-    if by_rows is False:
+    if not _recompute_option_on("recompute_by_rows", by_rows, recompute, prefix):
         return
-    if by_rows is not True:
-        raise ValueError(f"{prefix}recompute_by_rows must be true or false, got {by_rows!r}")
     if recompute_blocks is None:
         raise ValueError(f"{prefix}recompute_by_rows scales the blocks {prefix}recompute_blocks keeps: it needs "
                          f"{prefix}recompute_blocks")
@@ -171,6 +169,12 @@ def scaled_recompute_blocks(recompute_blocks: int, num_blocks: int, extent: tupl
     kept = num_blocks - min(recompute_blocks, num_blocks)
     scaled = max(min(kept * big // max(small, 1) for small, big in zip(extent, other)) for other in extents)
     return num_blocks - min(num_blocks, scaled)
+
+
+def recompute_blocks_by_rows(recompute_blocks: int, num_blocks: int, layouts: list[Layout]) -> list[int]:
+    """`scaled_recompute_blocks` of each of a step's microbatch layouts among all of them."""
+    extents = [microbatch_extent(layout) for layout in layouts]
+    return [scaled_recompute_blocks(recompute_blocks, num_blocks, extent, extents) for extent in extents]
 
 
 def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
@@ -343,12 +347,15 @@ def run_step(
     infos, tokens_per_expert, clip_fractions = [], [], []
     logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
     microbatches = [np.asarray(members, dtype=np.int64) for members in microbatches]
-    layouts, extents = None, None
+    layouts, recompute_blocks = None, [None] * len(microbatches)
     if config.recompute_by_rows:
         # Each microbatch's recomputation depends on the step's others: every layout first (layout time).
         start = time.perf_counter()
         layouts = [build_layout(step, m, model, config, index) if len(m) else None for m in microbatches]
-        extents = [microbatch_extent(x) for x in layouts if x is not None]
+        present = [j for j, layout in enumerate(layouts) if layout is not None]
+        scaled = recompute_blocks_by_rows(config.recompute_blocks, len(model.blocks), [layouts[j] for j in present])
+        for j, blocks in zip(present, scaled):
+            recompute_blocks[j] = blocks
         seconds["layout"] += time.perf_counter() - start
     for j, members in enumerate(tqdm(microbatches, desc=progress, disable=progress is None, file=sys.stderr,
                                      leave=False)):
@@ -359,13 +366,11 @@ def run_step(
         sem_index = semantic_index(step, members)
         _sync(device)
         seconds["layout"] += time.perf_counter() - start
-        recompute_blocks = None if extents is None else scaled_recompute_blocks(
-            config.recompute_blocks, len(model.blocks), microbatch_extent(layout), extents)
 
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
             policy, moe, logprobs, auxes = microbatch_loss(model, layout, targets, sem_index, config, normalizer,
-                                                           device, recompute_blocks=recompute_blocks)
+                                                           device, recompute_blocks=recompute_blocks[j])
             loss = policy.loss + moe / num_microbatches
         _sync(device)
         seconds["forward"] += time.perf_counter() - start

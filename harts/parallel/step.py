@@ -35,9 +35,8 @@ from harts.objective.step import (
     autocast_context,
     build_layout,
     check_partition,
-    microbatch_extent,
     microbatch_loss,
-    scaled_recompute_blocks,
+    recompute_blocks_by_rows,
     semantic_index,
     step_normalizer,
 )
@@ -136,10 +135,9 @@ def run_parallel_step(
         # Against this rank's own microbatches (its memory); then the most of every rank's, slot by slot: a
         # recomputed MoE block exchanges its rows again in the backward, so an expert-parallel group spanning
         # replicas (which run different microbatches) must recompute the same blocks.
-        extents = [microbatch_extent(x) for x in layouts]
-        mine_blocks = torch.tensor([scaled_recompute_blocks(config.recompute_blocks, len(pmodel.blocks), extent,
-                                                            extents) for extent in extents], device=device)
-        recompute_blocks = all_reduce_(mine_blocks, dist.group.WORLD, op=dist.ReduceOp.MAX).tolist()
+        mine_blocks = recompute_blocks_by_rows(config.recompute_blocks, len(pmodel.blocks), layouts)
+        recompute_blocks = all_reduce_(torch.tensor(mine_blocks, device=device), dist.group.WORLD,
+                                       op=dist.ReduceOp.MAX).tolist()
     _synchronize(device)
     seconds["layout"] = time.perf_counter() - start
 

@@ -32,8 +32,9 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates", "logprob_grad_precision", "attention_backend",
-    "compact_attention_backend", "experts_backend", "kda_backend", "capacity", "logprob_chunk_rows", "trees", "step",
+    "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates",
+    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
+    "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
@@ -111,7 +112,9 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         parts.append(f"T={capacity:,}" if short else f"T = {capacity:,}")
     if recompute:
         name = "rc" if short else "recompute"
-        blocks = [recompute_blocks] + ([compact_recompute_blocks] if compact_recompute_blocks != recompute_blocks else [])
+        blocks = [recompute_blocks]
+        if compact_recompute_blocks != recompute_blocks:
+            blocks.append(compact_recompute_blocks)
         if blocks != [None]:
             parts.append(f"{name} {'/'.join('all' if b is None else str(b) for b in blocks)} blocks")
         else:

@@ -71,8 +71,8 @@ class ExecutionConfig:
     recompute_blocks: int | None = None
     """With `recompute`: recompute only blocks 0 … N − 1, the others keep their activations. None: every block."""
     recompute_by_rows: bool = False
-    """With `recompute_blocks`: a microbatch smaller than the step's largest keeps more blocks, in proportion
-    (same values, no more memory than the largest; harts.objective.step.scaled_recompute_blocks)."""
+    """With `recompute_blocks`: a microbatch smaller than another of the step keeps more blocks, in proportion
+    (same values, no more memory than that one; harts.objective.step.scaled_recompute_blocks)."""
     keep_attention: bool = False
     """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
     attention_backend: str | None = None
@@ -92,7 +92,7 @@ class ExecutionConfig:
         if self.capacity < 1 or self.logprob_chunk_rows < 1:
             raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
         check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
-        check_recompute_by_rows(self.recompute_blocks, self.recompute_by_rows, "execution.")
+        check_recompute_by_rows(self.recompute, self.recompute_blocks, self.recompute_by_rows, "execution.")
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         check_backends(self.attention_backend, self.kda_backend, "execution.")

@@ -325,7 +325,8 @@ def test_compact_recompute_blocks_and_recompute_by_rows(tree_step_path, tmp_path
     assert seen and set(seen) == {("baseline", 2, True), ("compact", 1, True)}
     for flags, message in ((["--compact-recompute-blocks", "1"], "--compact-recompute-blocks needs --recompute"),
                            (["--recompute", "--recompute-by-rows"], "--recompute-by-rows scales the kept blocks")):
-        code = main(["bench", "speedup", "--model", "tiny", "--trees", path, *flags, "--out", str(tmp_path / "bad.json")])
+        code = main(["bench", "speedup", "--model", "tiny", "--trees", path, *flags,
+                     "--out", str(tmp_path / "bad.json")])
         err = capsys.readouterr().err
         assert code != 0 and message in err and "Traceback" not in err
         assert not (tmp_path / "bad.json").exists()

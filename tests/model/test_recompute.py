@@ -155,7 +155,7 @@ LARGEST = (65536, 65536, 65536)
 
 @pytest.mark.parametrize("recompute_blocks, num_blocks, extent, extents, expected", [
     (12, 24, LARGEST, [LARGEST], 12),
-    (12, 24, (23864,) * 3, [LARGEST, (23864,) * 3], 0),    # about a third of the rows: every block kept (32 capped at 24)
+    (12, 24, (23864,) * 3, [LARGEST, (23864,) * 3], 0),     # about a third: every block kept (32 capped at 24)
     (12, 24, (40000,) * 3, [LARGEST, (40000,) * 3], 5),     # kept 12 -> 19
     (12, 24, (40000, 41000, 200000), [(65536, 66000, 200000), (40000, 41000, 200000)], 12),  # as many KV rows
     (12, 24, (40000, 60000, 40000), [LARGEST, (40000, 60000, 40000)], 11),  # replay rows: kept 12 -> 13 (by KDA rows)

@@ -173,7 +173,7 @@ def test_resume_is_exact_with_two_threads(tmp_path):
 
 
 def _relative_gaps(run, reference) -> dict[str, float]:
-    """|a − b| / |b| of each step's loss and gradient norm, and ‖a − b‖ / ‖b‖ of each final weight, by name."""
+    """By name: |a − b| / |b| of each step's loss and gradient norm, ‖a − b‖ / ‖b‖ of each final weight."""
     (records, weights), (reference_records, reference_weights) = run, reference
     gaps = {f"step {e['step']} {key}": abs(r[key] - e[key]) / abs(e[key])
             for r, e in zip(records, reference_records) for key in ("loss", "grad_norm")}
