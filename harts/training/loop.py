@@ -20,7 +20,8 @@ moments and step counts, the scheduler's step, the RNG states, the epoch's order
 index); planning and the step itself are deterministic functions of the data step and the
 weights. So a run killed after any step and resumed from its last checkpoint repeats the
 uninterrupted run: bitwise on the CPU (fp32, or bf16 with fp32 masters) with the same torch
-thread count (a different one is warned about), on CUDA up to the kernels' own nondeterminism. A
+thread count (a different one is warned about), and on CUDA under `torch.use_deterministic_algorithms(True)`;
+otherwise on CUDA up to the kernels' own nondeterminism, which a few steps amplify. A
 resumed run must have the same resolved config and model config as the checkpoint (the first
 differing key is named). With `wandb`, each step record also goes to W&B (harts.training.tracking).
 
@@ -30,8 +31,8 @@ clip fraction, KL to the reference policy, S, C, rows, seconds) and {"event": "c
 per checkpoint. On resume the records of steps after the checkpoint (done before the stop, about
 to be redone) are removed from the log, and their number is printed.
 Tested in tests/training/test_loop.py (resume exactness after a hook that raises and after
-max_steps, in fp32, bf16 and with two threads; the expert-bias update with the step's counts;
-non-finite steps; run-directory checks).
+max_steps, in fp32, bf16 and with two threads, and on CUDA under deterministic algorithms; the
+expert-bias update with the step's counts; non-finite steps; run-directory checks).
 """
 
 from __future__ import annotations
