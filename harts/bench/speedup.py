@@ -36,6 +36,14 @@ backends, LM-head gradient precision and chunk rows, planner, capacity, repeats)
 weights and compiled kernels: one record per step for the run's settings (`variant` null) and one per step and
 variant, its `config` holding the variant's settings and its text under `variant` (a trade study, e.g. how many
 blocks to recompute, costs one model build and one compilation instead of one per setting).
+`--recompute-blocks auto` (and `--compact-recompute-blocks auto`; one process on CUDA) finds, per execution, the
+fewest recomputed blocks with which a whole step of it runs in the GPU's memory (`fewest_recomputed_blocks`):
+a first untimed step recomputing every block (it also compiles and autotunes), then a bisection over fewer, each
+probe a whole untimed step that either finishes or runs out of memory (`step_fits`). With `--recompute-by-rows`
+the smaller microbatches keep more, as always. The record's config holds the blocks found (the report labels
+them like given ones), `recompute_blocks_auto` names the executions searched, and `results.recompute_search` every
+probe (blocks, fits, peak memory, seconds). The compact execution follows `--recompute-blocks` unless given its
+own, so `auto` there searches both executions, each for itself.
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -121,7 +129,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "(repeatable; one record per step and variant, all in this process on the same weights "
                              "and compiled kernels), e.g. --variant recompute-blocks=14 "
                              "--variant recompute-blocks=14,keep-attention. Flags: "
-                             + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all)")
+                             + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all or =auto)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "
@@ -160,12 +168,15 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
     add("--planner", default="harts")
     add("--capacity", type=positive_int, default=DEFAULT_CAPACITY)
     add("--recompute", boolean=True, help="full per-layer activation recomputation")
-    add("--recompute-blocks", type=all_or_positive_int if variant else positive_int, default=None, metavar="N",
-        help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
-             "(Megatron's block method; default: every block)")
-    add("--compact-recompute-blocks", type=positive_int, default=None,
+    add("--recompute-blocks", type=all_auto_or_positive_int if variant else auto_or_positive_int, default=None,
+        metavar="N", help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
+                          "(Megatron's block method; default: every block); auto: the fewest with which a whole "
+                          "step of each execution runs in the GPU's memory (searched by untimed steps; one process "
+                          "on CUDA)")
+    add("--compact-recompute-blocks", type=auto_or_positive_int, default=None,
         metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
-                          "each execution recomputes what its own memory needs (the compact one has fewer rows)")
+                          "each execution recomputes what its own memory needs (the compact one has fewer rows); "
+                          "auto as there")
     add("--recompute-by-rows", boolean=True,
         help="with --recompute-blocks: a microbatch smaller than another of the step keeps more blocks, in "
              "proportion to its rows (KDA and ancestor-KV rows too), within that one's activation memory")
@@ -196,8 +207,23 @@ def yes_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
 
 
-def all_or_positive_int(text: str) -> int | None:
-    return None if text == "all" else positive_int(text)
+AUTO = "auto"
+# `--recompute-blocks auto` probes for an out-of-memory error, which only a GPU's allocator raises (on the CPU the
+# system would kill the process); the tests add the CPU to run the search against a simulated memory.
+AUTO_DEVICES = ("cuda",)
+
+
+def auto_or_positive_int(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(", got", " or auto, got", 1)) from None
+
+
+def all_auto_or_positive_int(text: str) -> int | str | None:
+    return None if text == "all" else auto_or_positive_int(text)
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -402,7 +428,8 @@ def _microbatches(step, plan) -> list:
     return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in plan.microbatches]
 
 
-def _step_configs(args, dtype_name: str) -> dict:
+def _step_configs(args, dtype_name: str, blocks: dict[str, int | None] | None = None) -> dict:
+    """Each execution's StepConfig; `blocks`: its recompute_blocks (default: the flags')."""
     from harts.objective.step import StepConfig
     from harts.ops.attention.groups import default_attention_backend
     from harts.ops.kda.compact import default_kda_backend
@@ -410,7 +437,7 @@ def _step_configs(args, dtype_name: str) -> dict:
     cuda = args.device == "cuda"
     attention = args.attention_backend or default_attention_backend(cuda)
     backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
-    blocks = {"baseline": args.recompute_blocks, "compact": compact_recompute_blocks(args)}
+    blocks = blocks or requested_blocks(args)
     return {
         name: StepConfig(
             execution=name, recompute=args.recompute, recompute_blocks=blocks[name],
@@ -424,9 +451,74 @@ def _step_configs(args, dtype_name: str) -> dict:
     }
 
 
-def compact_recompute_blocks(args) -> int | None:
+def compact_recompute_blocks(args) -> int | str | None:
     """The compact execution's recompute_blocks: --compact-recompute-blocks where given, else --recompute-blocks."""
     return args.recompute_blocks if args.compact_recompute_blocks is None else args.compact_recompute_blocks
+
+
+def requested_blocks(args) -> dict[str, int | str | None]:
+    """Each execution's recompute_blocks as the flags give them (an int, None: every block, or AUTO)."""
+    return {"baseline": args.recompute_blocks, "compact": compact_recompute_blocks(args)}
+
+
+def fewest_recomputed_blocks(fits, num_blocks: int) -> int:
+    """The fewest recomputed blocks n in 1..num_blocks with `fits(n)` true, fits being monotone (more recomputed
+    blocks, less memory), by bisection. The first try is every block (on the GPU it also compiles and autotunes,
+    with the most memory to spare); if that does not fit, ValueError."""
+    if not fits(num_blocks):
+        raise ValueError(f"the step does not fit in memory even with every block ({num_blocks}) recomputed")
+    too_few, enough = 0, num_blocks
+    while enough - too_few > 1:
+        middle = (too_few + enough) // 2
+        if fits(middle):
+            enough = middle
+        else:
+            too_few = middle
+    return enough
+
+
+def step_fits(model, step, microbatches, config, index, device) -> dict[str, Any]:
+    """One untimed step of `config`'s execution: whether it ran in the device's memory (a CUDA out-of-memory
+    error is the answer no), its peak memory and seconds; what it left is freed either way."""
+    import torch
+
+    from harts.objective.step import run_step
+
+    start = time.perf_counter()
+    fits = True
+    with PeakMemory(device) as memory:
+        try:
+            run_step(model, step, microbatches, config, index=index)
+        except torch.OutOfMemoryError:
+            fits = False
+    release_memory(device, model)
+    return {"recompute_blocks": config.recompute_blocks, "fits": fits, "peak_memory_bytes": memory.peak,
+            "seconds": time.perf_counter() - start}
+
+
+def search_recompute_blocks(model, step, microbatches, configs, index, device, requested, progress) -> tuple:
+    """Each execution's recompute_blocks, those `requested` as AUTO found by `fewest_recomputed_blocks` (probes by
+    `step_fits`); and, per execution searched, {"recompute_blocks": found, "probes": [step_fits' answers]}."""
+    from dataclasses import replace
+
+    blocks, search = dict(requested), {}
+    for name, value in requested.items():
+        if value != AUTO:
+            continue
+        probes = []
+
+        def fits(n: int) -> bool:
+            progress["phase"] = f"{name} memory search ({n} blocks recomputed)"
+            probes.append(step_fits(model, step, microbatches[name], replace(configs[name], recompute_blocks=n),
+                                    index, device))
+            return probes[-1]["fits"]
+
+        try:
+            blocks[name] = fewest_recomputed_blocks(fits, model.config.num_layers)
+        except ValueError as error:
+            raise ValueError(f"--recompute-blocks auto: the {name} execution: {error}") from None
+        search[name] = {"recompute_blocks": blocks[name], "probes": probes}
+    return blocks, search
 
 
 def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tokens: int,
@@ -532,7 +624,11 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     }
     microbatches = {name: _microbatches(step, p) for name, p in plans.items()}
     index = PrefixIndex.from_step(step)
-    configs = _step_configs(args, dtype_name)
+    requested = requested_blocks(args)
+    num_blocks = model.config.num_layers
+    configs = _step_configs(args, dtype_name, {k: num_blocks if v == AUTO else v for k, v in requested.items()})
+    blocks, search = search_recompute_blocks(model, step, microbatches, configs, index, device, requested, progress)
+    configs = _step_configs(args, dtype_name, blocks)
     for name in configs:
         progress["phase"] = f"{name} warm-up"
         _warm(model, step, microbatches[name], configs[name], index, progress)
@@ -558,6 +654,8 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         for name in EXECUTIONS
     }
     results = _results(step, index, executions, infos["compact"])
+    if search:
+        results["recompute_search"] = search
     if device.type == "cuda":
         results.update(_mfu(model.config, step, executions["baseline"], 1))
     if args.no_breakdown:
@@ -875,6 +973,7 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     if parallel is None:
                         results = measure_step(run_args, model, step, device, dtype_name, progress)
+                        config.update(found_blocks(results))
                     else:
                         progress["phase"] = f"--parallel {parallel.name}"
                         results = measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
@@ -910,6 +1009,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in records) else 1
 
 
+def found_blocks(results: dict[str, Any]) -> dict[str, Any]:
+    """The config keys of the blocks `--recompute-blocks auto` found, with `recompute_blocks_auto` naming the
+    executions searched; empty without a search."""
+    search = results.get("recompute_search")
+    if not search:
+        return {}
+    keys = {"baseline": "recompute_blocks", "compact": "compact_recompute_blocks"}
+    return {**{keys[name]: found["recompute_blocks"] for name, found in search.items()},
+            "recompute_blocks_auto": sorted(search)}
+
+
 def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The run's settings: `args` itself (variant None), then `args` with each `--variant`'s flags over them,
     each checked before any model is built (ValueError naming the variant)."""
@@ -929,8 +1039,12 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
         measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
         for flag in ("recompute_blocks", "compact_recompute_blocks"):
-            if getattr(run_args, flag) is not None and not run_args.recompute:
-                raise ValueError(f"{where}--{flag.replace('_', '-')} needs --recompute")
+            value, name = getattr(run_args, flag), f"--{flag.replace('_', '-')}"
+            if value is not None and not run_args.recompute:
+                raise ValueError(f"{where}{name} needs --recompute")
+            if value == AUTO and (run_args.device not in AUTO_DEVICES or run_args.parallel):
+                raise ValueError(f"{where}{name} auto searches one GPU's memory: it needs --device cuda and no "
+                                 "--parallel")
         if run_args.recompute_by_rows and run_args.recompute_blocks is None:
             raise ValueError(f"{where}--recompute-by-rows scales the kept blocks: it needs --recompute-blocks")
         if run_args.keep_attention and not run_args.recompute:

@@ -16,13 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+from harts.bench import speedup as speedup_module
 from harts.bench.speedup import (
     HEADLINE_KEYS,
     breakdown_terms,
     execution_times,
+    fewest_recomputed_blocks,
     first_slot,
     headline,
     speedup_metrics,
+    step_fits,
     timing_flags,
 )
 from harts.cli.main import main
@@ -330,6 +333,140 @@ def test_compact_recompute_blocks_and_recompute_by_rows(tree_step_path, tmp_path
         err = capsys.readouterr().err
         assert code != 0 and message in err and "Traceback" not in err
         assert not (tmp_path / "bad.json").exists()
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 4, 24])
+def test_fewest_recomputed_blocks_bisects_from_every_block(num_blocks):
+    """Against every threshold k (n fits when n >= k): the answer is k, the first try is every block, and the
+    tries are at most 1 + ceil(log2(num_blocks)); with k above num_blocks nothing fits, a ValueError."""
+    for k in range(1, num_blocks + 2):
+        tried = []
+        fits = lambda n: tried.append(n) or n >= k  # noqa: E731
+        if k > num_blocks:
+            with pytest.raises(ValueError, match=f"even with every block \\({num_blocks}\\) recomputed"):
+                fewest_recomputed_blocks(fits, num_blocks)
+            assert tried == [num_blocks]
+            continue
+        assert fewest_recomputed_blocks(fits, num_blocks) == k, (k, tried)
+        assert tried[0] == num_blocks and len(tried) <= 1 + math.ceil(math.log2(num_blocks))
+        assert all(1 <= n <= num_blocks for n in tried)
+
+
+def test_step_fits_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step_path, monkeypatch):
+    """An out-of-memory error in the step is the answer "does not fit" (the gradients it left freed); a step that
+    runs fits; another error is raised."""
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective import step as step_module
+    from harts.objective.step import StepConfig
+
+    _, step = tree_step_path
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    config = StepConfig(execution="baseline", recompute=True, recompute_blocks=2)
+    microbatches = [np.arange(step.num_trajectories)]
+    run_step = step_module.run_step
+
+    def out_of_memory(model, step, microbatches, config, **kwargs):
+        run_step(model, step, microbatches, config, **kwargs)  # leaves gradients, as a backward that failed late
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    answer = step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+    assert answer["fits"] is True and answer["recompute_blocks"] == 2 and answer["seconds"] > 0
+    monkeypatch.setattr(step_module, "run_step", out_of_memory)
+    answer = step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+    assert answer["fits"] is False and all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(step_module, "run_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):
+        step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+
+
+def _simulated_memory(monkeypatch, fewest):
+    """run_step raises out of memory when an execution recomputes fewer blocks than `fewest[execution]`; the
+    (execution, blocks) of every step that ran, in order."""
+    from harts.objective import step as step_module
+
+    monkeypatch.setattr(speedup_module, "AUTO_DEVICES", ("cpu", "cuda"))
+    ran = []
+    run_step = step_module.run_step
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        if config.recompute_blocks < fewest[config.execution]:
+            raise torch.OutOfMemoryError(f"{config.execution} at {config.recompute_blocks} blocks (simulated)")
+        ran.append((config.execution, config.recompute_blocks))
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(step_module, "run_step", simulated)
+    return ran
+
+
+def test_recompute_blocks_auto_finds_each_executions_fewest(tree_step_path, tmp_path, capsys, monkeypatch):
+    """`auto` searches each execution for itself (the tiny model's 4 blocks): the timed steps run the blocks found,
+    the record's config holds them and names the executions searched, and results keep every probe."""
+    ran = _simulated_memory(monkeypatch, {"baseline": 3, "compact": 2})
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "2", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "auto", "--recompute-by-rows"], tmp_path, capsys)
+    assert code == 0, records
+    config, search = records[0]["config"], records[0]["results"]["recompute_search"]
+    assert (config["recompute_blocks"], config["compact_recompute_blocks"]) == (3, 2)
+    assert config["recompute_blocks_auto"] == ["baseline", "compact"]
+    for name, found, tries in (("baseline", 3, [(4, True), (2, False), (3, True)]),
+                               ("compact", 2, [(4, True), (2, True), (1, False)])):
+        assert search[name]["recompute_blocks"] == found
+        assert [(p["recompute_blocks"], p["fits"]) for p in search[name]["probes"]] == tries
+    # After the search: one warm-up and two timed steps of each execution, with the blocks found.
+    assert ran[-6:] == [("baseline", 3), ("compact", 2)] + [("baseline", 3), ("compact", 2)] * 2
+
+
+def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_step_path, tmp_path, capsys,
+                                                                         monkeypatch):
+    """A given --compact-recompute-blocks is kept while the baseline's are searched; an execution that does not fit
+    with every block recomputed is an error row that says so."""
+    fewest = {"baseline": 3, "compact": 1}
+    _simulated_memory(monkeypatch, fewest)
+    path, _ = tree_step_path
+    flags = ["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--recompute",
+             "--recompute-blocks", "auto", "--compact-recompute-blocks", "4"]
+    code, records, _ = _speedup(flags, tmp_path, capsys)
+    config = records[0]["config"]
+    assert code == 0 and (config["recompute_blocks"], config["compact_recompute_blocks"]) == (3, 4)
+    assert config["recompute_blocks_auto"] == ["baseline"]
+    assert list(records[0]["results"]["recompute_search"]) == ["baseline"]
+    fewest["baseline"] = 5
+    code = main(["bench", "speedup", "--model", "tiny", *flags, "--out", str(tmp_path / "none.json")])
+    (record,) = json.loads((tmp_path / "none.json").read_text())
+    assert code != 0 and record["config"]["recompute_blocks"] == "auto"
+    assert "the baseline execution: the step does not fit in memory even with every block (4)" in record["error"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute", "--recompute-blocks", "auto"], "--recompute-blocks auto searches one GPU's memory"),
+    (["--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "auto"],
+     "--compact-recompute-blocks auto searches one GPU's memory"),
+    (["--recompute", "--variant", "recompute-blocks=auto"], "--variant recompute-blocks=auto: --recompute-blocks"),
+    (["--recompute-blocks", "auto"], "--recompute-blocks needs --recompute"),
+    (["--recompute", "--recompute-blocks", "some"], "below 2^62 or auto, got 'some'"),
+], ids=["on-cpu", "compact-on-cpu", "variant-on-cpu", "without-recompute", "not-a-number"])
+def test_recompute_blocks_auto_errors(flags, message, tree_step_path, tmp_path, capsys):
+    path, _ = tree_step_path
+    out = tmp_path / "speedup.json"
+    try:
+        code = main(["bench", "speedup", "--model", "tiny", "--trees", path, *flags, "--out", str(out)])
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_recompute_blocks_auto_needs_one_process(tree_step_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(speedup_module, "AUTO_DEVICES", ("cpu", "cuda"))
+    path, _ = tree_step_path
+    code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--recompute-blocks",
+                 "auto", "--parallel", "dp2", "--out", str(tmp_path / "bad.json")])
+    err = capsys.readouterr().err
+    assert code != 0 and "needs --device cuda and no --parallel" in err and "Traceback" not in err
 
 
 def test_keep_attention(tree_step_path, tmp_path, capsys, monkeypatch):
