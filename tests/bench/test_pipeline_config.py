@@ -52,9 +52,14 @@ def test_nullable_fields_take_their_type_or_null():
     config = coerce_strings(_config(recompute_blocks="null", attention_backend="flash4"), SCHEMA)
     jsonschema.validate(config, SCHEMA)
     assert config["speedup"]["recompute_blocks"] is None and config["speedup"]["attention_backend"] == "flash4"
-    config = coerce_strings(_config(recompute_blocks="all"), SCHEMA)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(config, SCHEMA)
+    config = coerce_strings(_config(recompute_blocks="auto", compact_recompute_blocks="auto"), SCHEMA)
+    jsonschema.validate(config, SCHEMA)
+    assert config["speedup"]["recompute_blocks"] == config["speedup"]["compact_recompute_blocks"] == "auto"
+    for key, value in (("recompute_blocks", "all"), ("compact_recompute_blocks", "automatic"),
+                       ("recompute_blocks", "0")):
+        config = coerce_strings(_config(**{key: value}), SCHEMA)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(config, SCHEMA)
 
 
 def test_the_schema_offers_every_attention_backend():

@@ -242,6 +242,11 @@ BAD_CONFIGS = {
                                            "speedup.recompute_blocks needs speedup.recompute: true"),
     "compact-blocks-without-recompute": ({"speedup": {"recompute": False, "compact_recompute_blocks": 2}},
                                          "speedup.compact_recompute_blocks needs speedup.recompute: true"),
+    "auto-blocks-on-cpu": ({"speedup": {"recompute": True, "recompute_blocks": "auto"}},
+                           "speedup.recompute_blocks: auto searches one GPU's memory: it needs speedup.device cuda"),
+    "auto-compact-blocks-in-parallel": ({"speedup": {"recompute": True, "compact_recompute_blocks": "auto",
+                                                     "device": "cuda", "parallel": ["single", "dp2"]}},
+                                        "speedup.compact_recompute_blocks: auto searches one GPU's memory"),
     "by-rows-without-blocks": ({"speedup": {"recompute": True, "recompute_by_rows": True}},
                                "speedup.recompute_by_rows needs speedup.recompute_blocks"),
     "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
@@ -290,6 +295,14 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
     assert ("--recompute --logprob-grad-precision input --attention-backend varlen --recompute-blocks 2 "
             "--experts-backend lean --keep-attention --compact-recompute-blocks 1 --recompute-by-rows "
             "--logprob-chunk-rows 2048") in result.stdout
+
+
+def test_auto_recompute_blocks_reach_the_gpu_jobs(workdir):
+    result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
+                       "--config", "speedup={device: cuda, dtype: bf16, parallel: [single], recompute: true, "
+                       "recompute_blocks: auto}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--recompute-blocks auto" in result.stdout and "--device cuda" in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
