@@ -381,6 +381,37 @@ def test_step_fits_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step
         step_fits(model, step, microbatches, config, None, torch.device("cpu"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory(tree_step_path):
+    """With the allocator capped at half of what a step needs beyond the weights, the step runs out of memory:
+    the answer is no, nothing it allocated stays, and the same step fits again once the cap is lifted."""
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig
+
+    _, step = tree_step_path
+    device = torch.device("cuda")
+    with device:
+        model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    config = StepConfig(execution="baseline", recompute=True, recompute_blocks=2, dtype="bf16", kda_backend="torch")
+    microbatches = [np.arange(step.num_trajectories)]
+    assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
+    weights = torch.cuda.memory_allocated(device)
+    answer = step_fits(model, step, microbatches, config, None, device)
+    need = answer["peak_memory_bytes"] - weights
+    assert answer["fits"] is True and need > 0 and torch.cuda.memory_allocated(device) == weights
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + need // 2) / total, device)
+    try:
+        answer = step_fits(model, step, microbatches, config, None, device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert answer["fits"] is False and torch.cuda.memory_allocated(device) == weights
+    assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
+
+
 def _simulated_memory(monkeypatch, fewest):
     """run_step raises out of memory when an execution recomputes fewer blocks than `fewest[execution]`; the
     (execution, blocks) of every step that ran, in order."""
