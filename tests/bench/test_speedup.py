@@ -11,6 +11,7 @@ that fails) and `--json` prints the headline keys. `--parallel` runs dp2, tp2-sp
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,15 +384,16 @@ def test_step_fits_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory(tree_step_path):
-    """With the allocator capped at half of what a step needs beyond the weights, the step runs out of memory:
-    the answer is no, nothing it allocated stays, and the same step fits again once the cap is lifted."""
+def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory():
+    """With the GPU's memory taken but for less than a step needs beyond the weights, the step runs out of memory:
+    the answer is no, nothing it allocated stays, and the same step fits again once the memory is given back."""
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
     from harts.objective.step import StepConfig
+    from harts.trees.io import read_step
 
-    _, step = tree_step_path
-    device = torch.device("cuda")
+    step = read_step(Path(__file__).parents[2] / "data/samples/tiny-step.jsonl.gz")
+    device = torch.device("cuda", torch.cuda.current_device())
     with device:
         model = HybridModel(load_model_config("tiny"))
     model.init_weights(0)
@@ -400,14 +402,18 @@ def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory(tree_step_path):
     assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
     weights = torch.cuda.memory_allocated(device)
     answer = step_fits(model, step, microbatches, config, None, device)
-    need = answer["peak_memory_bytes"] - weights
-    assert answer["fits"] is True and need > 0 and torch.cuda.memory_allocated(device) == weights
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + need // 2) / total, device)
+    assert answer["fits"] is True and torch.cuda.memory_allocated(device) == weights
+    assert answer["peak_memory_bytes"] - weights > 8 << 20, "the step must need more than the 2 MB pieces left"
+    # Take every byte the allocator can get: one large piece, then 2 MB pieces until none is left.
+    taken = [torch.empty(torch.cuda.mem_get_info(device)[0] - (64 << 20), dtype=torch.uint8, device=device)]
     try:
-        answer = step_fits(model, step, microbatches, config, None, device)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        while True:
+            taken.append(torch.empty(2 << 20, dtype=torch.uint8, device=device))
+    except torch.OutOfMemoryError:
+        pass
+    answer = step_fits(model, step, microbatches, config, None, device)
+    del taken
+    torch.cuda.empty_cache()
     assert answer["fits"] is False and torch.cuda.memory_allocated(device) == weights
     assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
 
