@@ -129,7 +129,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "(repeatable; one record per step and variant, all in this process on the same weights "
                              "and compiled kernels), e.g. --variant recompute-blocks=14 "
                              "--variant recompute-blocks=14,keep-attention. Flags: "
-                             + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all or =auto)")
+                             + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all or =auto; "
+                             "compact-recompute-blocks=same follows recompute-blocks)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "
@@ -173,8 +174,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
                           "(Megatron's block method; default: every block); auto: the fewest with which a whole "
                           "step of each execution runs in the GPU's memory (searched by untimed steps; one process "
                           "on CUDA)")
-    add("--compact-recompute-blocks", type=auto_or_positive_int, default=None,
-        metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
+    add("--compact-recompute-blocks", type=same_auto_or_positive_int if variant else auto_or_positive_int,
+        default=None, metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
                           "each execution recomputes what its own memory needs (the compact one has fewer rows); "
                           "auto as there")
     add("--recompute-by-rows", boolean=True,
@@ -224,6 +225,11 @@ def auto_or_positive_int(text: str) -> int | str:
 
 def all_auto_or_positive_int(text: str) -> int | str | None:
     return None if text == "all" else auto_or_positive_int(text)
+
+
+def same_auto_or_positive_int(text: str) -> int | str | None:
+    """A variant's compact-recompute-blocks: `same` follows recompute-blocks again (the flag's default)."""
+    return None if text == "same" else auto_or_positive_int(text)
 
 
 class _VariantParser(argparse.ArgumentParser):

@@ -805,6 +805,26 @@ def test_a_variant_giving_the_compact_execution_the_baseline_blocks_is_the_same_
     assert code != 0 and "the same run settings as the run's own" in err and not out.exists(), err
 
 
+def test_a_variant_can_give_the_compact_execution_the_baseline_blocks_again(tree_step_path, tmp_path, capsys,
+                                                                           monkeypatch):
+    """`compact-recompute-blocks=same` undoes the run's own --compact-recompute-blocks: the stricter reading (the
+    same blocks in both executions) measured beside the run's in one process."""
+    from harts.objective import step as step_module
+
+    seen = []
+    run_step = step_module.run_step
+    monkeypatch.setattr(step_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
+        (config.execution, config.recompute_blocks)) or run_step(model, step, microbatches, config, **k))
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "3", "--compact-recompute-blocks", "1",
+                                 "--variant", "compact-recompute-blocks=same"], tmp_path, capsys)
+    assert code == 0
+    assert [(r["config"]["recompute_blocks"], r["config"]["compact_recompute_blocks"]) for r in records] == [
+        (3, 1), (3, 3)]
+    assert ("compact", 1) in seen and seen[-1] == ("compact", 3)
+
+
 @pytest.mark.parametrize(
     "variant, message",
     [("recompute-blocks=2,dtype=fp32", "'dtype' is not one of"), ("keep-attention=maybe", "expected yes or no"),
@@ -818,11 +838,12 @@ def test_a_variant_giving_the_compact_execution_the_baseline_blocks_is_the_same_
      ("repeats=3", "the same run settings as the run's own (only repeats differ)"),
      ("recompute", "the same run settings as the run's own"),
      ("recompute=no,compact-recompute-blocks=2", "--compact-recompute-blocks needs --recompute"),
-     ("recompute-by-rows", "--recompute-by-rows scales the kept blocks")],
+     ("recompute-by-rows", "--recompute-by-rows scales the kept blocks"),
+     ("compact-recompute-blocks=same", "the same run settings as the run's own")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
          "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend",
          "keep-kda-with-torch-kda", "keep-kda-without-recompute", "only-repeats", "no-change",
-         "compact-blocks-without-recompute", "by-rows-without-blocks"],
+         "compact-blocks-without-recompute", "by-rows-without-blocks", "compact-same-as-the-run"],
 )
 def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path
