@@ -13,7 +13,8 @@ and take medians. One record per step (config, environment, hardware) with:
   microbatch planner plus layout building, which includes the KDA call planning), peak memory;
 - fbg_speedup = baseline (F + B + G) / compact (F + B + G); core_speedup = the same with planning
   added to both sides; compression = S / C; efficiency = fbg_speedup / compression
-  (`speedup_metrics`);
+  (`speedup_metrics`); compression and efficiency counted in model FLOPs (`flops_metrics`: the compact's attention pairs
+  shrink less than its rows, so its FLOPs compression is usually below S / C);
 - breakdown of the compact time beyond the ideal (C / S) × baseline into terms (`breakdown_terms`), from op-level
   measurements on each microbatch's real layout with random inputs of the model's shapes:
   replay (one call over the calls' rows with vs without the replay rows), boundary-state handoff
@@ -585,7 +586,22 @@ def _execution(samples, plan_seconds: float, peak: int, infos: list[dict], micro
     }
 
 
-def _results(step, index, executions, compact_infos) -> dict[str, Any]:
+def flops_metrics(model_config, base: dict[str, Any], comp: dict[str, Any]) -> dict[str, float]:
+    """Compression and efficiency counted in model FLOPs instead of rows (`estimate_model_flops` with attention, each
+    execution's own rows and (query, key) pairs): `flops_compression` = baseline FLOPs / compact FLOPs, below S / C
+    when the compact's attention pairs shrink less than its rows (`attention_pair_ratio` above C / S), and
+    `flops_efficiency` = F/B/Grad speedup / flops_compression, the compact's speed per FLOP relative to the
+    baseline's. Replay rows and recomputation are overheads, not model FLOPs, on both sides."""
+    def total(rows: int, pairs: int) -> float:
+        flops = estimate_model_flops(model_config, rows, pairs)
+        return flops["matmul"] + flops["attention"]
+
+    flops_compression = total(base["rows"], base["attention_pairs"]) / total(comp["rows"], comp["attention_pairs"])
+    return {"flops_compression": flops_compression,
+            "flops_efficiency": base["fbg_s"] / comp["fbg_s"] / flops_compression}
+
+
+def _results(model_config, step, index, executions, compact_infos) -> dict[str, Any]:
     base, comp = executions["baseline"], executions["compact"]
     results = {
         "semantic_tokens": step.num_semantic_tokens,
@@ -597,6 +613,7 @@ def _results(step, index, executions, compact_infos) -> dict[str, Any]:
         # compaction removes most of (shared prefixes) are those with the fewest keys, while every compact query
         # still attends to all of its ancestors; attention work that no kernel removes.
         "attention_pair_ratio": comp["attention_pairs"] / base["attention_pairs"] if base["attention_pairs"] else None,
+        **flops_metrics(model_config, base, comp),
         "baseline": base,
         "compact": comp,
     }
@@ -659,7 +676,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         name: _execution(samples[name], plans[name].plan_seconds, peaks[name], infos[name], microbatches[name])
         for name in EXECUTIONS
     }
-    results = _results(step, index, executions, infos["compact"])
+    results = _results(model.config, step, index, executions, infos["compact"])
     if search:
         results["recompute_search"] = search
     if device.type == "cuda":
@@ -806,7 +823,8 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
                          measured["layout_info"][name], microbatches[name])
         for name in EXECUTIONS
     }
-    results = _results(step, PrefixIndex.from_step(step), executions, measured["layout_info"]["compact"])
+    index = PrefixIndex.from_step(step)
+    results = _results(model_config, step, index, executions, measured["layout_info"]["compact"])
     results["world_size"] = parallel.world_size
     if args.device == "cuda":
         results.update(_mfu(model_config, step, executions["baseline"], parallel.world_size))

@@ -5,8 +5,9 @@ device, dtype, recomputation, LM-head gradient precision, MLA attention backends
 - CSV, one row per record plus the paper's row, columns `SPEEDUP_COLUMNS`: `source` (`ours` or
   `paper`), the configuration, step, S, C, the trie lower bound, compression S/C, baseline and
   compact F+B+Grad and planning seconds, F/B/Grad speedup, Core speedup, efficiency
-  (F/B/Grad speedup / compression), peak memory of both executions, `timing_flags` (why the
-  record's timings should not be trusted, `; `-separated, empty when nothing was flagged: see
+  (F/B/Grad speedup / compression), compression and efficiency counted in model FLOPs (`flops_compression`,
+  `flops_efficiency`: `harts.bench.speedup.flops_metrics`), peak memory of both executions,
+  `timing_flags` (why the record's timings should not be trusted, `; `-separated, empty when nothing was flagged: see
   `harts.bench.speedup.timing_flags`; the PDF's table marks the efficiency "(flagged)") and `error`
   (the record's error message). A cell the record does not hold says `not measured`; a failed case
   says `error` in every figure; a figure the paper does not give says `not reported`.
@@ -37,7 +38,8 @@ SPEEDUP_COLUMNS = [
     "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
-    "baseline_peak_memory_bytes", "compact_peak_memory_bytes", "timing_flags", "error",
+    "flops_compression", "flops_efficiency", "baseline_peak_memory_bytes", "compact_peak_memory_bytes",
+    "timing_flags", "error",
 ]
 _RESULT_KEYS = {
     "semantic_tokens": ("semantic_tokens",), "compact_tokens": ("compact_tokens",),
@@ -45,6 +47,7 @@ _RESULT_KEYS = {
     "baseline_fbg_s": ("baseline", "fbg_s"), "compact_fbg_s": ("compact", "fbg_s"),
     "baseline_planning_s": ("baseline", "planning_s"), "compact_planning_s": ("compact", "planning_s"),
     "fbg_speedup": ("fbg_speedup",), "core_speedup": ("core_speedup",), "efficiency": ("efficiency",),
+    "flops_compression": ("flops_compression",), "flops_efficiency": ("flops_efficiency",),
     "baseline_peak_memory_bytes": ("baseline", "peak_memory_bytes"),
     "compact_peak_memory_bytes": ("compact", "peak_memory_bytes"),
 }

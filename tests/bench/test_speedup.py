@@ -24,12 +24,15 @@ from harts.bench.speedup import (
     execution_times,
     fewest_recomputed_blocks,
     first_slot,
+    flops_metrics,
     headline,
     speedup_metrics,
     step_fits,
     timing_flags,
 )
 from harts.cli.main import main
+from harts.config import from_dict
+from harts.model.config import ModelConfig
 from harts.model.moe import MoE
 from harts.parallel.launch import RankFailed
 from harts.trees.trie import PrefixIndex
@@ -55,6 +58,28 @@ def test_speedup_metrics_from_known_timings(base, comp, semantic, compact, expec
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-12), key
+
+
+@pytest.mark.parametrize(("pair_scale", "below_rows"), [(1.0, False), (2.0, True)],
+                         ids=["pairs-shrink-like-rows", "pairs-shrink-less"])
+def test_flops_metrics_count_each_execution_own_rows_and_pairs(pair_scale, below_rows):
+    """On the tiny config: when the compact's (query, key) pairs shrink by exactly its rows' factor, every
+    FLOP term (per row and per pair) shrinks by it, so the FLOPs compression is S / C; with twice the pairs it
+    falls below S / C (the attention share of the work stays), and the efficiency over FLOPs rises above the one
+    over rows by the same factor."""
+    from harts.model.config import load_model_config
+
+    config = load_model_config("tiny")
+    semantic, compact, base_pairs = 6000, 1500, 800_000
+    base = {"rows": semantic, "attention_pairs": base_pairs, "fbg_s": 8.0}
+    comp = {"rows": compact, "attention_pairs": int(pair_scale * base_pairs * compact / semantic), "fbg_s": 2.5}
+    metrics = flops_metrics(config, base, comp)
+    compression = semantic / compact
+    if below_rows:
+        assert metrics["flops_compression"] < 0.99 * compression
+    else:
+        assert metrics["flops_compression"] == pytest.approx(compression, rel=1e-12)
+    assert metrics["flops_efficiency"] == pytest.approx(8.0 / 2.5 / metrics["flops_compression"], rel=1e-12)
 
 
 def _rank(forward, backward, grad_reduce, alone, layout=0.01):
@@ -552,6 +577,8 @@ def _check_record(record, step, parallel: str, world_size: int):
         assert execution["peak_memory_bytes"] > 0
     assert results["fbg_speedup"] == pytest.approx(base["fbg_s"] / comp["fbg_s"])
     assert results["efficiency"] == pytest.approx(results["fbg_speedup"] / results["compression"])
+    model_config = from_dict(ModelConfig, config["model_config"], "record")
+    assert {k: results[k] for k in ("flops_compression", "flops_efficiency")} == flops_metrics(model_config, base, comp)
 
 
 def test_single_process_record(tree_step_path, tmp_path, capsys):

@@ -27,6 +27,7 @@ def speedup_record(*, model="tiny", parallel="single", step=0, semantic=4000, co
     results = {"semantic_tokens": semantic, "compact_tokens": compact, "lower_bound_compact_tokens": compact - 10,
                "compression": semantic / compact, "fbg_speedup": fbg,
                "core_speedup": (base_fbg + base_plan) / (comp_fbg + comp_plan), "efficiency": fbg / (semantic / compact),
+               "flops_compression": 0.9 * semantic / compact, "flops_efficiency": fbg / (0.9 * semantic / compact),
                "baseline": execution(base_fbg, base_plan), "compact": execution(comp_fbg, comp_plan),
                "timing_flags": list(timing_flags)}
     if breakdown:

@@ -20,6 +20,8 @@ def test_rows_carry_the_records_figures_and_the_papers():
     assert ours["compression"] == 4.0 and ours["fbg_speedup"] == pytest.approx(3.2)
     assert ours["efficiency"] == pytest.approx(0.8) and ours["baseline_fbg_s"] == 8.0
     assert ours["core_speedup"] == pytest.approx(8.1 / 2.7)
+    assert ours["flops_compression"] == pytest.approx(3.6) and ours["flops_efficiency"] == pytest.approx(3.2 / 3.6)
+    assert paper["flops_compression"] == paper["flops_efficiency"] == NOT_REPORTED
     assert (paper["compression"], paper["fbg_speedup"]) == (5.62, 4.81)
     assert paper["efficiency"] == pytest.approx(4.81 / 5.62) and paper["core_speedup"] == NOT_REPORTED
     assert set(ours) == set(SPEEDUP_COLUMNS) == set(paper)
