@@ -16,7 +16,8 @@ and take medians. One record per step (config, environment, hardware) with:
   (`speedup_metrics`); compression and efficiency counted in model FLOPs (`flops_metrics`: the compact's attention pairs
   shrink less than its rows, so its FLOPs compression is usually below S / C);
 - breakdown of the compact time beyond the ideal (C / S) × baseline into terms (`breakdown_terms`), from op-level
-  measurements on each microbatch's real layout with random inputs of the model's shapes:
+  measurements on real microbatch layouts with random inputs of the model's shapes (up to BREAKDOWN_MICROBATCHES
+  evenly spaced microbatches of each execution, each op scaled to the step by its own work, `OP_WORK`):
   replay (one call over the calls' rows with vs without the replay rows), boundary-state handoff
   and call launches (the planned calls vs one call over the same rows), other KDA (shorter
   sequences, chunk padding), ancestor KV / masked blocks (MLA), LM head, the remaining per-row
@@ -858,6 +859,18 @@ def _phase_done(progress: dict[str, Any], execution: str, repeat: int, seconds: 
                                                        "fbg_s": seconds["forward"] + seconds["backward"]}})
 
 
+OP_WORK = {"kda": "kda_rows", "kda_one_call": "kda_rows", "kda_one_call_no_replay": "rows",
+           "mla": "attention_pairs", "lm_head": "logprob_rows"}
+"""The work each of `op_times`' ops scales with (`op_work`), to scale a sample of microbatches to the step."""
+
+
+def op_work(layout) -> dict[str, int]:
+    """A layout's work measures of `OP_WORK`: its rows, the rows of its KDA calls (replay included), its attention's
+    (query, key) pairs and the LM head's rows (one per semantic row)."""
+    return {"rows": layout.num_rows, "kda_rows": layout.num_kda_rows, "attention_pairs": layout.groups.num_pairs,
+            "logprob_rows": len(layout.semantic_rows)}
+
+
 def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression) -> dict[str, Any]:
     """Where the compact time goes beyond (C/S) × baseline, from op-level times on the real layouts."""
     from harts.objective.step import build_layout
@@ -870,17 +883,24 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
     for name in EXECUTIONS:
         sums: dict[str, float] = {}
         nonempty = [m for m in microbatches[name] if len(m)]
-        # Op times are measured on evenly spaced microbatches and scaled by rows to the whole step.
-        picks = nonempty[:: max(1, -(-len(nonempty) // BREAKDOWN_MICROBATCHES))]
-        rows_all = sum(int(step.lengths[m].sum()) for m in nonempty)
-        rows_picked = 0
-        for members in picks:
-            layout = build_layout(step, members, model, configs[name], index).to(device)
-            rows_picked += int(step.lengths[members].sum())
-            for key, value in op_times(model, layout, device, dtype, configs[name].logprob_grad_precision).items():
-                sums[key] = sums.get(key, 0.0) + value
+        # Op times are measured on evenly spaced microbatches and scaled to the whole step by each op's own
+        # work (`op_work`): attention by (query, key) pairs, which grow as the square of a trajectory's length,
+        # so a sample's rows say little about them.
+        picks = set(range(0, len(nonempty), max(1, -(-len(nonempty) // BREAKDOWN_MICROBATCHES))))
+        work_all: dict[str, int] = {}
+        work_picked: dict[str, int] = {}
+        for k, members in enumerate(nonempty):
+            layout = build_layout(step, members, model, configs[name], index)
+            for key, value in op_work(layout).items():
+                work_all[key] = work_all.get(key, 0) + value
+                if k in picks:
+                    work_picked[key] = work_picked.get(key, 0) + value
+            if k in picks:
+                times = op_times(model, layout.to(device), device, dtype, configs[name].logprob_grad_precision)
+                for key, value in times.items():
+                    sums[key] = sums.get(key, 0.0) + value
         sampled[name] = len(picks) / len(nonempty)
-        totals[name] = {key: value * rows_all / rows_picked for key, value in sums.items()}
+        totals[name] = {key: value * work_all[OP_WORK[key]] / work_picked[OP_WORK[key]] for key, value in sums.items()}
     return {
         **breakdown_terms(totals["baseline"], totals["compact"], num_kda, num_mla, base, comp, compression),
         "sampled_microbatch_fraction": sampled,
@@ -916,8 +936,9 @@ def breakdown_terms(b: dict[str, float], c: dict[str, float], num_kda: int, num_
         "ancestor_kv_attention_pairs_s": pair_part,
         "layout_materialisation_s": comp["layout_s"] - base["layout_s"],
         "op_seconds": {"baseline": b, "compact": c},
-        "method": "op-level fwd+bwd on real microbatch layouts (evenly spaced sample, scaled by semantic rows) with "
-                  "random inputs; per_row_other = measured F+B minus the measured ops; terms sum to excess_s",
+        "method": "op-level fwd+bwd on real microbatch layouts (evenly spaced sample, each op scaled by its work: "
+                  "attention pairs, KDA rows, LM-head rows) with random inputs; per_row_other = measured F+B minus "
+                  "the measured ops; terms sum to excess_s",
     }
 
 

@@ -695,6 +695,45 @@ def test_op_times_one_call_rows(monkeypatch):
     torch.testing.assert_close(without[0], with_replay[0][torch.from_numpy(np.flatnonzero(~replay))], rtol=0, atol=0)
 
 
+def test_breakdown_scales_each_sampled_op_by_its_work(monkeypatch):
+    """With op times proportional to each op's work (`OP_WORK`), the breakdown's estimate from a sample of the
+    microbatches is the whole step's: attention scaled by pairs, KDA by its call rows, the LM head by its rows
+    (scaling every op by the sample's semantic rows misses attention by the spread of trajectory lengths)."""
+    import torch
+
+    from harts.bench.speedup import OP_WORK, breakdown, op_work
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig, build_layout
+    from tests.objective.helpers import random_tree_step
+
+    model = HybridModel(load_model_config("tiny"))
+    step = random_tree_step(np.random.default_rng(3), num=12, max_len=90, vocab=3).step
+    index = PrefixIndex.from_step(step)
+    order = np.argsort(-step.lengths, kind="stable")  # like first-fit decreasing: long trajectories first
+    microbatches = {"baseline": [order[k:k + 1] for k in range(12)],
+                    "compact": [order[k:k + 3] for k in range(0, 12, 3)]}
+    configs = {name: StepConfig(execution=name) for name in speedup_module.EXECUTIONS}
+    per_unit = {"kda": 1e-3, "kda_one_call": 9e-4, "kda_one_call_no_replay": 8e-4, "mla": 1e-5, "lm_head": 2e-3}
+
+    def proportional(model, layout, device, dtype, grad_precision="fp32"):
+        work = op_work(layout)
+        return {key: per_unit[key] * work[OP_WORK[key]] for key in per_unit}
+
+    monkeypatch.setattr(speedup_module, "op_times", proportional)
+    monkeypatch.setattr(speedup_module, "BREAKDOWN_MICROBATCHES", 2)
+    execution = {"fbg_s": 1.0, "layout_s": 0.0, "attention_pairs": 1}
+    result = breakdown(model, step, microbatches, configs, index, torch.device("cpu"), None, execution, execution, 2.0)
+    assert result["sampled_microbatch_fraction"] == {"baseline": 2 / 12, "compact": 2 / 4}
+    for name in speedup_module.EXECUTIONS:
+        layouts = [build_layout(step, m, model, configs[name], index) for m in microbatches[name]]
+        whole = {key: sum(proportional(model, layout, None, None)[key] for layout in layouts) for key in per_unit}
+        measured = result["op_seconds"][name]
+        assert measured.keys() == whole.keys()
+        for key in per_unit:
+            assert measured[key] == pytest.approx(whole[key], rel=1e-9), (name, key)
+
+
 def test_model_flops_both_ways_on_the_tiny_config():
     """Each term written out for configs/models/tiny.yaml (hidden 64, vocabulary 256, layers KDA, KDA,
     KDA, MLA, the first dense): per token, 2 × in × out of every weight product, 3 × for forward +
