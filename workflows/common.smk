@@ -57,10 +57,10 @@ def _check_config():
     for key in ("recompute_blocks", "compact_recompute_blocks"):
         if config["speedup"][key] is not None and not config["speedup"]["recompute"]:
             raise ValueError(f"pipeline config: speedup.{key} needs speedup.recompute: true")
-        if config["speedup"][key] == "auto" and (config["speedup"]["device"] != "cuda"
-                                                 or config["speedup"]["parallel"] != ["single"]):
-            raise ValueError(f"pipeline config: speedup.{key}: auto searches one GPU's memory: it needs "
-                             "speedup.device cuda and speedup.parallel [single]")
+        if config["speedup"][key] in ("auto", "within-baseline") and (config["speedup"]["device"] != "cuda"
+                                                                      or config["speedup"]["parallel"] != ["single"]):
+            raise ValueError(f"pipeline config: speedup.{key}: {config['speedup'][key]} searches one GPU's memory: "
+                             "it needs speedup.device cuda and speedup.parallel [single]")
     if config["speedup"]["recompute_by_rows"] and config["speedup"]["recompute_blocks"] is None:
         raise ValueError("pipeline config: speedup.recompute_by_rows needs speedup.recompute_blocks")
     try:

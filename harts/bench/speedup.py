@@ -45,7 +45,12 @@ probe a whole untimed step that either finishes or runs out of memory (`step_fit
 the smaller microbatches keep more, as always. The record's config holds the blocks found (the report labels
 them like given ones), `recompute_blocks_auto` names the executions searched, and `results.recompute_search` every
 probe (blocks, fits, peak memory, seconds). The compact execution follows `--recompute-blocks` unless given its
-own, so `auto` there searches both executions, each for itself.
+own, so `auto` there searches both executions, each for itself. `--compact-recompute-blocks within-baseline`
+searches the compact execution with a stricter answer: a probe counts only if it also peaks no higher than a
+step of the baseline at its own blocks (given, or found by `auto`: its probe at the blocks found; otherwise one
+more untimed baseline step), so that the speedup is measured at equal or lower memory
+(`results.recompute_search.compact.within_peak_memory_bytes`; the timed steps' peaks may differ from the probes'
+by the allocator's rounding).
 A case that fails (an error, out of memory, SIGTERM from `timeout`) is a record with an `error`
 field naming the phase it reached (and, single-process, the seconds of every step it finished),
 never a gap.
@@ -176,10 +181,11 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
                           "(Megatron's block method; default: every block); auto: the fewest with which a whole "
                           "step of each execution runs in the GPU's memory (searched by untimed steps; one process "
                           "on CUDA)")
-    add("--compact-recompute-blocks", type=same_auto_or_positive_int if variant else auto_or_positive_int,
-        default=None, metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the same), so that "
-                          "each execution recomputes what its own memory needs (the compact one has fewer rows); "
-                          "auto as there")
+    add("--compact-recompute-blocks", type=same_or_compact_blocks if variant else compact_blocks,
+        default=None, metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the "
+                                        "same), so that each execution recomputes what its own memory needs (the "
+                                        "compact one has fewer rows); auto as there; within-baseline: the fewest "
+                                        "with which a compact step also peaks no higher than a baseline step")
     add("--recompute-by-rows", boolean=True,
         help="with --recompute-blocks: a microbatch smaller than another of the step keeps more blocks, in "
              "proportion to its rows (KDA and ancestor-KV rows too), within that one's activation memory")
@@ -211,6 +217,8 @@ def yes_no(text: str) -> bool:
 
 
 AUTO = "auto"
+WITHIN_BASELINE = "within-baseline"
+SEARCHED = (AUTO, WITHIN_BASELINE)
 # `--recompute-blocks auto` probes for an out-of-memory error, which only a GPU's allocator raises (on the CPU the
 # system would kill the process); the tests add the CPU to run the search against a simulated memory.
 AUTO_DEVICES = ("cuda",)
@@ -229,9 +237,19 @@ def all_auto_or_positive_int(text: str) -> int | str | None:
     return None if text == "all" else auto_or_positive_int(text)
 
 
-def same_auto_or_positive_int(text: str) -> int | str | None:
+def compact_blocks(text: str) -> int | str:
+    """--compact-recompute-blocks: a positive int, auto or within-baseline."""
+    if text == WITHIN_BASELINE:
+        return WITHIN_BASELINE
+    try:
+        return auto_or_positive_int(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(" or auto,", ", auto or within-baseline,", 1)) from None
+
+
+def same_or_compact_blocks(text: str) -> int | str | None:
     """A variant's compact-recompute-blocks: `same` follows recompute-blocks again (the flag's default)."""
-    return None if text == "same" else auto_or_positive_int(text)
+    return None if text == "same" else compact_blocks(text)
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -469,12 +487,12 @@ def requested_blocks(args) -> dict[str, int | str | None]:
     return {"baseline": args.recompute_blocks, "compact": compact_recompute_blocks(args)}
 
 
-def fewest_recomputed_blocks(fits, num_blocks: int) -> int:
+def fewest_recomputed_blocks(fits, num_blocks: int, where: str = "in memory") -> int:
     """The fewest recomputed blocks n in 1..num_blocks with `fits(n)` true, fits being monotone (more recomputed
     blocks, less memory), by bisection. The first try is every block (on the GPU it also compiles and autotunes,
-    with the most memory to spare); if that does not fit, ValueError."""
+    with the most memory to spare); if that does not fit (`where`: the limit, for the message), ValueError."""
     if not fits(num_blocks):
-        raise ValueError(f"the step does not fit in memory even with every block ({num_blocks}) recomputed")
+        raise ValueError(f"the step does not fit {where} even with every block ({num_blocks}) recomputed")
     too_few, enough = 0, num_blocks
     while enough - too_few > 1:
         middle = (too_few + enough) // 2
@@ -505,28 +523,56 @@ def step_fits(model, step, microbatches, config, index, device) -> dict[str, Any
 
 
 def search_recompute_blocks(model, step, microbatches, configs, index, device, requested, progress) -> tuple:
-    """Each execution's recompute_blocks, those `requested` as AUTO found by `fewest_recomputed_blocks` (probes by
-    `step_fits`); and, per execution searched, {"recompute_blocks": found, "probes": [step_fits' answers]}."""
+    """Each execution's recompute_blocks, those `requested` as AUTO or WITHIN_BASELINE found by
+    `fewest_recomputed_blocks` (probes by `step_fits`); and, per execution searched, {"recompute_blocks": found,
+    "probes": [step_fits' answers]}, with WITHIN_BASELINE also "within_peak_memory_bytes" (the baseline's peak) and
+    "baseline_probe" (the untimed baseline step that measured it, or None: the baseline's own search did)."""
     from dataclasses import replace
 
     blocks, search = dict(requested), {}
-    for name, value in requested.items():
-        if value != AUTO:
+    for name, value in requested.items():  # the baseline first: within-baseline needs its blocks
+        if value not in SEARCHED:
             continue
+        limit, baseline_probe = None, None
+        if value == WITHIN_BASELINE:
+            limit, baseline_probe = _baseline_peak(model, step, microbatches, configs, index, device, blocks, search,
+                                                   progress)
         probes = []
 
         def fits(n: int) -> bool:
             progress["phase"] = f"{name} memory search ({n} blocks recomputed)"
             probes.append(step_fits(model, step, microbatches[name], replace(configs[name], recompute_blocks=n),
                                     index, device))
-            return probes[-1]["fits"]
+            return probes[-1]["fits"] and (limit is None or probes[-1]["peak_memory_bytes"] <= limit)
 
+        where = "in memory" if limit is None else f"within the baseline's peak ({limit / 1e9:.2f} GB)"
         try:
-            blocks[name] = fewest_recomputed_blocks(fits, model.config.num_layers)
+            blocks[name] = fewest_recomputed_blocks(fits, model.config.num_layers, where)
         except ValueError as error:
-            raise ValueError(f"--recompute-blocks auto: the {name} execution: {error}") from None
+            flag = "--compact-recompute-blocks" if value == WITHIN_BASELINE else "--recompute-blocks"
+            raise ValueError(f"{flag} {value}: the {name} execution: {error}") from None
         search[name] = {"recompute_blocks": blocks[name], "probes": probes}
+        if limit is not None:
+            search[name].update(within_peak_memory_bytes=limit, baseline_probe=baseline_probe)
     return blocks, search
+
+
+def _baseline_peak(model, step, microbatches, configs, index, device, blocks, search, progress) -> tuple:
+    """The peak memory of a baseline step at its blocks and the probe that measured it: its search's probe at the
+    blocks found (probe None), else one untimed step (`step_fits`)."""
+    from dataclasses import replace
+
+    if "baseline" in search:
+        found = search["baseline"]["recompute_blocks"]
+        return next(p["peak_memory_bytes"] for p in search["baseline"]["probes"]
+                    if p["recompute_blocks"] == found and p["fits"]), None
+    progress["phase"] = "baseline peak memory"
+    probe = step_fits(model, step, microbatches["baseline"],
+                      replace(configs["baseline"], recompute_blocks=blocks["baseline"]), index, device)
+    if not probe["fits"]:
+        raise ValueError("--compact-recompute-blocks within-baseline: the baseline execution does not fit in memory "
+                         "at its own blocks, so it has no peak to stay within")
+    return probe["peak_memory_bytes"], probe
 
 
 def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tokens: int,
@@ -650,7 +696,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     index = PrefixIndex.from_step(step)
     requested = requested_blocks(args)
     num_blocks = model.config.num_layers
-    configs = _step_configs(args, dtype_name, {k: num_blocks if v == AUTO else v for k, v in requested.items()})
+    configs = _step_configs(args, dtype_name, {k: num_blocks if v in SEARCHED else v for k, v in requested.items()})
     blocks, search = search_recompute_blocks(model, step, microbatches, configs, index, device, requested, progress)
     configs = _step_configs(args, dtype_name, blocks)
     for name in configs:
@@ -1087,8 +1133,8 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             value, name = getattr(run_args, flag), f"--{flag.replace('_', '-')}"
             if value is not None and not run_args.recompute:
                 raise ValueError(f"{where}{name} needs --recompute")
-            if value == AUTO and (run_args.device not in AUTO_DEVICES or run_args.parallel):
-                raise ValueError(f"{where}{name} auto searches one GPU's memory: it needs --device cuda and no "
+            if value in SEARCHED and (run_args.device not in AUTO_DEVICES or run_args.parallel):
+                raise ValueError(f"{where}{name} {value} searches one GPU's memory: it needs --device cuda and no "
                                  "--parallel")
         if run_args.recompute_by_rows and run_args.recompute_blocks is None:
             raise ValueError(f"{where}--recompute-by-rows scales the kept blocks: it needs --recompute-blocks")

@@ -502,14 +502,78 @@ def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_st
     assert "the baseline execution: the step does not fit in memory even with every block (4)" in record["error"]
 
 
+def _simulated_probes(monkeypatch, fewest, peaks):
+    """step_fits answers from tables: an execution fits from `fewest[execution]` blocks on, with the peak
+    `peaks[execution][blocks]`; the (execution, blocks) of every probe, in order."""
+    monkeypatch.setattr(speedup_module, "AUTO_DEVICES", ("cpu", "cuda"))
+    probed = []
+
+    def simulated(model, step, microbatches, config, index, device):
+        blocks = config.recompute_blocks
+        probed.append((config.execution, blocks))
+        return {"recompute_blocks": blocks, "fits": blocks >= fewest[config.execution],
+                "peak_memory_bytes": peaks[config.execution][blocks], "seconds": 0.0}
+
+    monkeypatch.setattr(speedup_module, "step_fits", simulated)
+    return probed
+
+
+@pytest.mark.parametrize(("baseline_flag", "fewest", "peaks", "found", "limit", "probed"), [
+    # Memory alone would take 1 compact block; only 3 and 4 peak at or below the given baseline's 100 (3: equal).
+    ("2", {"baseline": 1, "compact": 1}, {"baseline": {2: 100}, "compact": {4: 60, 3: 100, 2: 110, 1: 130}},
+     3, 100, [("baseline", 2), ("compact", 4), ("compact", 2), ("compact", 3)]),
+    # The baseline searched first (3 blocks): the limit is its probe at 3, not its first probe at 4.
+    ("auto", {"baseline": 3, "compact": 1}, {"baseline": {4: 80, 3: 95, 2: 120}, "compact": {4: 60, 3: 90, 2: 96}},
+     3, 95, [("baseline", 4), ("baseline", 2), ("baseline", 3), ("compact", 4), ("compact", 2), ("compact", 3)]),
+], ids=["given-baseline-blocks", "searched-baseline-blocks"])
+def test_compact_recompute_blocks_within_baseline(baseline_flag, fewest, peaks, found, limit, probed, tree_step_path,
+                                                  tmp_path, capsys, monkeypatch):
+    """within-baseline: the fewest compact blocks whose step fits and peaks no higher than a baseline step at the
+    baseline's own blocks (a probe of its own when the baseline's blocks are given)."""
+    probes = _simulated_probes(monkeypatch, fewest, peaks)
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", baseline_flag,
+                                 "--compact-recompute-blocks", "within-baseline"], tmp_path, capsys)
+    assert code == 0, records
+    config, search = records[0]["config"], records[0]["results"]["recompute_search"]
+    assert config["compact_recompute_blocks"] == found and probes == probed
+    assert search["compact"]["within_peak_memory_bytes"] == limit
+    assert [p["recompute_blocks"] for p in search["compact"]["probes"]] == [n for e, n in probed if e == "compact"]
+    baseline_probe = search["compact"]["baseline_probe"]
+    if baseline_flag == "auto":
+        assert baseline_probe is None and config["recompute_blocks_auto"] == ["baseline", "compact"]
+    else:
+        assert baseline_probe["recompute_blocks"] == 2 and config["recompute_blocks_auto"] == ["compact"]
+
+
+def test_compact_recompute_blocks_within_baseline_when_nothing_is(tree_step_path, tmp_path, capsys, monkeypatch):
+    _simulated_probes(monkeypatch, {"baseline": 1, "compact": 1}, {"baseline": {2: 50}, "compact": {4: 60}})
+    path, _ = tree_step_path
+    code, records, _ = _speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "2",
+                                 "--compact-recompute-blocks", "within-baseline"], tmp_path, capsys)
+    (record,) = records
+    assert code != 0 and record["config"]["compact_recompute_blocks"] == "within-baseline"
+    assert ("--compact-recompute-blocks within-baseline: the compact execution: the step does not fit within the "
+            "baseline's peak (0.00 GB) even with every block (4) recomputed") in record["error"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--recompute", "--recompute-blocks", "auto"], "--recompute-blocks auto searches one GPU's memory"),
+    (["--recompute", "--compact-recompute-blocks", "within-baseline"],
+     "--compact-recompute-blocks within-baseline searches one GPU's memory"),
+    (["--recompute", "--variant", "compact-recompute-blocks=within-baseline"],
+     "--variant compact-recompute-blocks=within-baseline: --compact-recompute-blocks within-baseline searches"),
+    (["--recompute", "--recompute-blocks", "within-baseline"], "below 2^62 or auto, got 'within-baseline'"),
+    (["--recompute", "--compact-recompute-blocks", "some"], "below 2^62, auto or within-baseline, got 'some'"),
     (["--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "auto"],
      "--compact-recompute-blocks auto searches one GPU's memory"),
     (["--recompute", "--variant", "recompute-blocks=auto"], "--variant recompute-blocks=auto: --recompute-blocks"),
     (["--recompute-blocks", "auto"], "--recompute-blocks needs --recompute"),
     (["--recompute", "--recompute-blocks", "some"], "below 2^62 or auto, got 'some'"),
-], ids=["on-cpu", "compact-on-cpu", "variant-on-cpu", "without-recompute", "not-a-number"])
+], ids=["on-cpu", "within-on-cpu", "within-variant-on-cpu", "within-for-the-baseline", "compact-not-a-number",
+        "compact-on-cpu", "variant-on-cpu", "without-recompute", "not-a-number"])
 def test_recompute_blocks_auto_errors(flags, message, tree_step_path, tmp_path, capsys):
     path, _ = tree_step_path
     out = tmp_path / "speedup.json"

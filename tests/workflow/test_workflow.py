@@ -247,6 +247,13 @@ BAD_CONFIGS = {
     "auto-compact-blocks-in-parallel": ({"speedup": {"recompute": True, "compact_recompute_blocks": "auto",
                                                      "device": "cuda", "parallel": ["single", "dp2"]}},
                                         "speedup.compact_recompute_blocks: auto searches one GPU's memory"),
+    "within-baseline-compact-blocks-on-cpu": (
+        {"speedup": {"recompute": True, "compact_recompute_blocks": "within-baseline"}},
+        "speedup.compact_recompute_blocks: within-baseline searches one GPU's memory: it needs speedup.device cuda"),
+    "within-baseline-for-the-baseline": ({"speedup": {"recompute": True, "recompute_blocks": "within-baseline"}},
+                                         "'within-baseline' does not match '^auto$'"),
+    "unknown-compact-blocks-word": ({"speedup": {"recompute": True, "compact_recompute_blocks": "most"}},
+                                    "'most' does not match '^(auto|within-baseline)$'"),
     "by-rows-without-blocks": ({"speedup": {"recompute": True, "recompute_by_rows": True}},
                                "speedup.recompute_by_rows needs speedup.recompute_blocks"),
     "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
@@ -300,9 +307,10 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
 def test_auto_recompute_blocks_reach_the_gpu_jobs(workdir):
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={device: cuda, dtype: bf16, parallel: [single], recompute: true, "
-                       "recompute_blocks: auto}")
+                       "recompute_blocks: auto, compact_recompute_blocks: within-baseline}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--recompute-blocks auto" in result.stdout and "--device cuda" in result.stdout
+    assert "--compact-recompute-blocks within-baseline" in result.stdout
 
 
 def _pdf_text(path: Path) -> tuple[int, str]:
