@@ -224,13 +224,19 @@ SEARCHED = (AUTO, WITHIN_BASELINE)
 AUTO_DEVICES = ("cuda",)
 
 
-def auto_or_positive_int(text: str) -> int | str:
-    if text == AUTO:
-        return AUTO
+def positive_int_or(text: str, words: tuple[str, ...]) -> int | str:
+    """A positive int or one of `words` (kept as the text), the error naming both."""
+    if text in words:
+        return text
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(str(error).replace(", got", " or auto, got", 1)) from None
+        listed = f" or {words[0]}" if len(words) == 1 else f", {', '.join(words[:-1])} or {words[-1]}"
+        raise argparse.ArgumentTypeError(str(error).replace(", got", f"{listed}, got", 1)) from None
+
+
+def auto_or_positive_int(text: str) -> int | str:
+    return positive_int_or(text, (AUTO,))
 
 
 def all_auto_or_positive_int(text: str) -> int | str | None:
@@ -239,12 +245,7 @@ def all_auto_or_positive_int(text: str) -> int | str | None:
 
 def compact_blocks(text: str) -> int | str:
     """--compact-recompute-blocks: a positive int, auto or within-baseline."""
-    if text == WITHIN_BASELINE:
-        return WITHIN_BASELINE
-    try:
-        return auto_or_positive_int(text)
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(str(error).replace(" or auto,", ", auto or within-baseline,", 1)) from None
+    return positive_int_or(text, SEARCHED)
 
 
 def same_or_compact_blocks(text: str) -> int | str | None:
