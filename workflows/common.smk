@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from harts.bench.speedup import SEARCHED
 from harts.objective.step import check_keep_attention
 from harts.parallel.config import load_parallel_config
 from harts.rl.config import load_rl_config
@@ -57,8 +58,8 @@ def _check_config():
     for key in ("recompute_blocks", "compact_recompute_blocks"):
         if config["speedup"][key] is not None and not config["speedup"]["recompute"]:
             raise ValueError(f"pipeline config: speedup.{key} needs speedup.recompute: true")
-        if config["speedup"][key] in ("auto", "within-baseline") and (config["speedup"]["device"] != "cuda"
-                                                                      or config["speedup"]["parallel"] != ["single"]):
+        if config["speedup"][key] in SEARCHED and (config["speedup"]["device"] != "cuda"
+                                                   or config["speedup"]["parallel"] != ["single"]):
             raise ValueError(f"pipeline config: speedup.{key}: {config['speedup'][key]} searches one GPU's memory: "
                              "it needs speedup.device cuda and speedup.parallel [single]")
     if config["speedup"]["recompute_by_rows"] and config["speedup"]["recompute_blocks"] is None:

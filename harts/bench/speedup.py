@@ -536,8 +536,7 @@ def search_recompute_blocks(model, step, microbatches, configs, index, device, r
             continue
         limit, baseline_probe = None, None
         if value == WITHIN_BASELINE:
-            limit, baseline_probe = _baseline_peak(model, step, microbatches, configs, index, device, blocks, search,
-                                                   progress)
+            limit, baseline_probe = _baseline_peak(model, step, microbatches, configs, index, device, search, progress)
         probes = []
 
         def fits(n: int) -> bool:
@@ -558,18 +557,16 @@ def search_recompute_blocks(model, step, microbatches, configs, index, device, r
     return blocks, search
 
 
-def _baseline_peak(model, step, microbatches, configs, index, device, blocks, search, progress) -> tuple:
+def _baseline_peak(model, step, microbatches, configs, index, device, search, progress) -> tuple:
     """The peak memory of a baseline step at its blocks and the probe that measured it: its search's probe at the
-    blocks found (probe None), else one untimed step (`step_fits`)."""
-    from dataclasses import replace
-
+    blocks found (probe None), else one untimed step (`step_fits`) of `configs["baseline"]`, whose blocks were
+    given."""
     if "baseline" in search:
         found = search["baseline"]["recompute_blocks"]
         return next(p["peak_memory_bytes"] for p in search["baseline"]["probes"]
                     if p["recompute_blocks"] == found and p["fits"]), None
     progress["phase"] = "baseline peak memory"
-    probe = step_fits(model, step, microbatches["baseline"],
-                      replace(configs["baseline"], recompute_blocks=blocks["baseline"]), index, device)
+    probe = step_fits(model, step, microbatches["baseline"], configs["baseline"], index, device)
     if not probe["fits"]:
         raise ValueError("--compact-recompute-blocks within-baseline: the baseline execution does not fit in memory "
                          "at its own blocks, so it has no peak to stay within")
