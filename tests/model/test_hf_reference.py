@@ -4,12 +4,13 @@ The checkpoint is written here, in Moonshot's layout (modeling_kimi.py's names a
 enumerated in this file, not by harts.model.hf), with random values, two shards and an index. The
 reference reads it with `from_pretrained` (transformers' own conversion mapping of that layout,
 checked strict: no missing, unexpected or mis-shaped key) and runs its own forward: PyTorch
-KDA (`chunk_kimi_delta_attention`'s reference path; with fla installed transformers would pick
-fla's Triton `chunk_kda`, which needs a GPU), its MLA, router, experts and norms. HARTS loads the same
+KDA (`chunk_kimi_delta_attention`'s reference path, which transformers takes for CPU inputs
+even with fla installed), its MLA, router, experts and norms. HARTS loads the same
 files with `load_hf_checkpoint` and runs `HybridModel` on a baseline layout. Logits must agree to
 fp32 rounding; `save_hf_checkpoint` of the loaded model must read back in transformers to the
-same logits. A slow variant runs transformers' default path instead, fla's Triton `chunk_kda` (the
-kernel Moonshot's modeling_kimi.py calls), under the Triton interpreter in a subprocess.
+same logits. A GPU variant runs transformers' path for CUDA inputs instead, fla's Triton `chunk_kda`
+(the kernel Moonshot's modeling_kimi.py calls), against HARTS on fla's kernels. Only public APIs of
+transformers are used (no private wrappers), so a new release cannot break the test unnoticed.
 
 Tolerance: both sides compute in fp32 with different algorithms (transformers' chunked KDA with
 chunk 64 and its conv1d, HARTS's chunked KDA and gather conv, different matmul shapes and
@@ -21,22 +22,18 @@ logits by O(1), as the planted swaps showed.
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from transformers.models.kimi_linear import modeling_kimi_linear
 
 from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
+from harts.ops.attention.groups import default_attention_backend
+from harts.ops.kda.compact import default_kda_backend
 from harts.runtime.layout import baseline_layout
 from tests.trees.helpers import make_step
 
-ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (70, 37)
 """Two sequences, one crossing the 64-row KDA chunk boundary of both implementations."""
 TOLERANCE = 1e-4
@@ -179,32 +176,34 @@ def write_kimi_checkpoint(root, config: dict, seed: int) -> None:
 
 
 @pytest.fixture
-def torch_kda(monkeypatch):
-    """transformers' own PyTorch KDA instead of fla's Triton kernel (CPU has no Triton driver)."""
+def offline(monkeypatch):
+    """No hub lookups (transformers' kernel hub). On CPU inputs transformers runs its own PyTorch KDA:
+    its wrapper dispatches to fla only for the devices fla's kernels run on (transformers >= 5.25)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    wrapped = modeling_kimi_linear.chunk_kimi_delta_attention
-    monkeypatch.setattr(modeling_kimi_linear, "chunk_kimi_delta_attention", wrapped.__wrapped__)
 
 
-def reference_logits(root, sequences) -> list[torch.Tensor]:
+def reference_logits(root, sequences, device="cpu") -> list[torch.Tensor]:
     model, info = transformers.KimiLinearForCausalLM.from_pretrained(
         root, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
     )
     problems = {key: value for key, value in info.items() if value}
     assert not problems, problems
-    model.eval()
+    model.to(device).eval()
     with torch.no_grad():
-        return [model(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+        return [model(input_ids=torch.tensor([s], device=device)).logits[0].cpu() for s in sequences]
 
 
 def harts_logits(model, sequences) -> list[torch.Tensor]:
     step = make_step(sequences)
     config = model.config
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
     layout = baseline_layout(step, np.arange(len(sequences)), conv_size=config.kda.conv_size,
-                             chunk_size=config.kda.chunk_size)
+                             chunk_size=config.kda.chunk_size, attention_backend=default_attention_backend(cuda),
+                             kda_backend=default_kda_backend(cuda))
     with torch.no_grad():
-        hidden, _ = model(layout.input_ids, layout)
-        logits = model.lm_head(hidden)
+        hidden, _ = model(layout.input_ids.to(device), layout.to(device))
+        logits = model.lm_head(hidden).cpu()
     return list(logits.split(list(step.lengths)))
 
 
@@ -222,7 +221,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(tmp_path, torch_kda, case):
+def test_logits_match_transformers(tmp_path, offline, case):
     config = kimi_config(**CASES[case])
     root = tmp_path / "kimi"
     write_kimi_checkpoint(root, config, seed=42)
@@ -239,39 +238,20 @@ def test_logits_match_transformers(tmp_path, torch_kda, case):
     assert max_error(reference_logits(saved, sequences), expected) <= TOLERANCE
 
 
-def kernel_of(function) -> object:
-    """The implementation transformers' hub-kernel wrapper `function` dispatches to."""
-    cells = dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__)))
-    return cells["implementation"]
-
-
-@pytest.mark.slow
-def test_logits_match_transformers_on_fla_kernels(tmp_path):
-    """transformers' default KDA path (fla's chunk_kda) under the Triton interpreter: about a minute
-    on CPU, hence slow. The variable must be set before any kernel is defined: a subprocess
-    (this module as a script, patched as tests/ops/kda/interpreter.py patches the interpreter)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "tests.model.test_hf_reference", str(tmp_path / "kimi")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["kernel"] == "fla.ops.kda.chunk", result
-    assert result["max_error"] <= TOLERANCE, result
-
-
-def _fla_kernel_result(root: Path) -> dict:
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_logits_match_transformers_on_fla_kernels(tmp_path, offline):
+    """On CUDA, transformers' default KDA path: fla's Triton `chunk_kda` (the kernel Moonshot's
+    modeling_kimi.py calls), seen in the profiler's kernel names; HARTS on its GPU default (fla) too."""
     config = kimi_config()
+    root = tmp_path / "kimi"
     write_kimi_checkpoint(root, config, seed=42)
     rng = np.random.default_rng(42)
     sequences = [rng.integers(0, config["vocab_size"], n).tolist() for n in LENGTHS]
-    expected = reference_logits(root, sequences)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        expected = reference_logits(root, sequences, device="cuda")
+    kernels = {event.name for event in profile.events()}
+    assert any("chunk_kda" in name for name in kernels), sorted(kernels)[:40]
     model, _ = load_hf_checkpoint(root)
-    return {"kernel": kernel_of(modeling_kimi_linear.chunk_kimi_delta_attention).__module__,
-            "max_error": max_error(harts_logits(model, sequences), expected)}
-
-
-if __name__ == "__main__":
-    from tests.ops.kda.interpreter import patch_interpreter
-
-    patch_interpreter()
-    print(json.dumps(_fla_kernel_result(Path(sys.argv[1]))))
+    actual = harts_logits(model.cuda(), sequences)
+    assert max_error(actual, expected) <= TOLERANCE
