@@ -81,6 +81,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from harts.extras import require
 from harts.planning.microbatch import Plan, build_plan
 from harts.planning.rank_work import RankWork
 from harts.trees.step import Step
@@ -286,7 +287,7 @@ def _solve_replica(rw: RankWork, sharing: _Sharing, parts: list[list[int]], capa
                    config: TreeTrainConfig, *, count: int | None,
                    hint: list[list[int]] | None = None) -> tuple[list[list[int]], dict[str, object]]:
     """CP-SAT partition of one replica's parts; `count` fixes the number of non-empty bins."""
-    from ortools.sat.python import cp_model
+    cp_model = require("ortools.sat.python.cp_model", "the TreeTrain planner (CP-SAT)")
 
     solve_started = time.perf_counter()
     if not parts:

@@ -13,6 +13,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from harts.extras import require
+
 PAGE_SIZE_IN = (11.69, 8.27)
 FONT_SIZE = 10
 TABLE_FONT_SIZE = 8.5
@@ -20,8 +22,7 @@ ROWS_PER_PAGE = 24
 
 
 def _pyplot():
-    import matplotlib
-
+    matplotlib = require("matplotlib", "rendering a report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
