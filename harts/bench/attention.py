@@ -17,14 +17,16 @@ first call measures a new step after another one (shapes seen before are not reb
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -123,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
                            "first_call_seconds": sum(first), "per_microbatch_first_call_seconds": first,
                            "rows": rows, "kv_rows": kv_rows, "tree_mask_density": float(np.mean(density))}
                 records.append(make_record("attention", config, results))
-                print(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms (first call {sum(first) * 1e3:.1f} ms)  "
-                      f"rows {rows:,}  kv rows {kv_rows:,}", file=sys.stderr)
+                logger.info(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms "
+                            f"(first call {sum(first) * 1e3:.1f} ms)  rows {rows:,}  kv rows {kv_rows:,}")
             except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
                 message = error_message(error)
                 records.append(make_record("attention", config, error=message))
-                print(f"{execution:8} {backend:7} failed: {message}", file=sys.stderr)
+                logger.info(f"{execution:8} {backend:7} failed: {message}")
             write_records(records, Path(args.out))
     log_records(records, options(args))
     return 0 if all("error" not in r for r in records) else 1

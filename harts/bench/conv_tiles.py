@@ -12,11 +12,13 @@ the defaults marked.
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 from functools import partial
 from pathlib import Path
 
 from harts.cli.args import positive_int
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TILES = "32x128x4,32x64x4,16x128x4,64x64x4,32x128x8,64x128x8,16x64x2,8x256x4,16x256x8"
 
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     base = {"model": args.model, "rows": args.rows, "channels": channels, "width": width, "parts": parts,
             "dtype": "bf16", "repeats": args.repeats}
     records = []
-    print(f"{'tile':>10} {'forward ms':>11} {'backward ms':>12}  check", file=sys.stderr)
+    logger.info(f"{'tile':>10} {'forward ms':>11} {'backward ms':>12}  check")
     for tile in tiles:
         config = {**base, "tile": {"rows": tile[0], "channels": tile[1], "warps": tile[2]},
                   "default_forward": tile == FORWARD_TILE, "default_backward": tile == BACKWARD_TILE}
@@ -89,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
             results = {"forward_ms": forward["median_ms"], "backward_ms": backward["median_ms"],
                        "forward": forward, "backward": backward, "dw_relative_error": dw_error}
             records.append(make_record("conv-tiles", config, results))
-            print(f"{'x'.join(map(str, tile)):>10} {results['forward_ms']:11.3f} {results['backward_ms']:12.3f}  ok",
-                  file=sys.stderr)
+            logger.info(f"{'x'.join(map(str, tile)):>10} {results['forward_ms']:11.3f} "
+                        f"{results['backward_ms']:12.3f}  ok")
         except Exception as error:  # noqa: BLE001 - a failing tile is an error record, the others still run
             records.append(make_record("conv-tiles", config, error=error_message(error)))
-            print(f"{'x'.join(map(str, tile)):>10} error: {error_message(error)}", file=sys.stderr)
+            logger.info(f"{'x'.join(map(str, tile)):>10} error: {error_message(error)}")
         write_records(records, Path(args.out))
-    print(f"wrote {len(records)} record(s) to {args.out}", file=sys.stderr)
+    logger.info(f"wrote {len(records)} record(s) to {args.out}")
     return 1 if any("error" in r for r in records) else 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Iterator
 
 from harts.cli.args import print_error
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
 
@@ -86,8 +89,7 @@ def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S
                 os.close(handle)
             held.clear()
             if not said:
-                print(f"harts: waiting for {count} free GPUs of {','.join(devices)} (locks in {directory})",
-                      file=sys.stderr)
+                logger.info(f"waiting for {count} free GPUs of {','.join(devices)} (locks in {directory})")
                 said = True
             time.sleep(poll_s)
         yield sorted(held, key=devices.index)
@@ -101,7 +103,7 @@ def run(count: int, pool_size: int, command: list[str]) -> int:
     if count == 0 or pool_size == 0:
         return subprocess.call(command)
     with take(count, pool(pool_size), lock_dir()) as devices:
-        print(f"harts: CUDA_VISIBLE_DEVICES={','.join(devices)}", file=sys.stderr)
+        logger.info(f"CUDA_VISIBLE_DEVICES={','.join(devices)}")
         children: list[subprocess.Popen] = []
         received: list[int] = []
 

@@ -63,6 +63,7 @@ single-process: a `--parallel` record (config.parallel = NAME) holds (b) only. S
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -73,6 +74,8 @@ from typing import Any
 
 from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int, print_error
+
+logger = logging.getLogger(__name__)
 
 PAPER = {
     "symkl_excess_depth_4_5": (0.324, 0.361),
@@ -345,7 +348,7 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
 
 def _phase(progress: dict[str, str], name: str) -> None:
     progress["phase"] = name
-    print(f"fidelity: {name} ...", file=sys.stderr)
+    logger.info(f"fidelity: {name} ...")
 
 
 def gradient_subset(step, max_tokens: int | None, multiple_of: int = 1):
@@ -385,7 +388,7 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     compact_mbs = _plan_members(step, args.capacity, "harts", index)
     reverse = np.arange(step.num_trajectories)[::-1].copy()
     rerun_step = step.subset(reverse)
-    print(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens", file=sys.stderr)
+    logger.info(f"fidelity: {step.num_trajectories} trajectories, {step.num_semantic_tokens:,} tokens")
     _phase(progress, "baseline forward")
     reference = BlockOutputs(model, step.num_semantic_tokens, device)
     hidden = {"baseline": path_hidden(model, step, base_mbs, configs["baseline"], index, device, store_dtype,
@@ -465,9 +468,9 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     candidates = [StepConfig(execution=execution, recompute=recompute, **common)
                   for execution in ("baseline", "compact") for recompute in (False, True)]
     if is_reporting_rank():
-        print(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
-              f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on {parallel.world_size} ranks",
-              file=sys.stderr)
+        logger.info(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
+                    f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on "
+                    f"{parallel.world_size} ranks")
     reports = launch(verify_on_rank, parallel, model_config, args.model_seed, step, microbatches, candidates,
                      device=args.device)
     if reports is None:  # a torchrun rank other than 0

@@ -21,6 +21,7 @@ schedule's call count, replay total and row coverage are checked; a failure is a
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING
 
 from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from harts.trees.trie import SegmentTree
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.records import make_record, write_records
     from harts.bench.wandb_log import log_records, options
 
-    print(f"generating a random tree of {args.segments:,} segments ...", file=sys.stderr)
+    logger.info(f"generating a random tree of {args.segments:,} segments ...")
     max_length = args.max_length or args.chunk
     tree = random_segment_tree(args.segments, max_length, args.seed)
     config = {
@@ -182,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             results = {**shape, **_time_mode(tree, args.chunk, replay, args.repeats)}
         except AssertionError as error:
             records.append(make_record("kda-calls", mode_config, error=f"correctness check failed: {error!r}"))
-            print(f"{'replay' if replay else 'no-replay'}: correctness check failed, no timing", file=sys.stderr)
+            logger.info(f"{'replay' if replay else 'no-replay'}: correctness check failed, no timing")
             continue
         records.append(make_record("kda-calls", mode_config, results))
         print(

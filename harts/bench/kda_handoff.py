@@ -24,11 +24,14 @@ adds an error row naming the case it stopped, or after how many records it came)
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 from pathlib import Path
 
 from harts.cli.args import non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 # ‖a − e‖/‖e‖ allowed for bf16 fla kernels against the fp32 reference, here and in tests/ops/kda (fla's
 # own tests allow 0.005-0.02 in fp16; bf16 keeps 3 fewer mantissa bits).
@@ -374,7 +377,7 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
         current.update(benchmark="kda-handoff", config=base, phase=f"after {len(records)} record(s)")
         write_records(records, out)
 
-    print("checking the fla path against the fp32 reference ...", file=sys.stderr)
+    logger.info("checking the fla path against the fp32 reference ...")
     check = _check(args)
     finished(make_record("kda-handoff-check", base, check))
     print(f"check {'passed' if check['ok'] else 'FAILED'}: packed call {check['packed_call']}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import statistics
 import sys
 import time
@@ -48,6 +49,9 @@ from typing import Any
 
 from harts.bench import wandb_log
 from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.extras import require
+
+logger = logging.getLogger(__name__)
 
 # DESIGN §2: the paper's ten steps, HARTS vs the OR-Tools planner.
 PAPER = {
@@ -127,12 +131,11 @@ def run(args: argparse.Namespace) -> int:
     # options have no effect, which is said rather than refused.
     treetrain_options = planner_options(args, ["treetrain-ortools"])
     if treetrain_options and "treetrain-ortools" not in args.planners:
-        print(f"note: treetrain-ortools options {treetrain_options} have no effect: --planners does not list it",
-              file=sys.stderr)
+        logger.info(f"note: treetrain-ortools options {treetrain_options} have no effect: --planners does not list it")
 
     if "treetrain-ortools" in args.planners:
         # Import CP-SAT before timing: its import would otherwise count in the first step's plan.
-        from ortools.sat.python import cp_model  # noqa: F401
+        require("ortools.sat.python.cp_model", "the treetrain-ortools planner")
 
     records = []
     # One W&B run per record (step and planner), logged as soon as its step is planned.
@@ -234,8 +237,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out} and its .md/.csv table")
     failed = [r for r in records if "error" in r]
     for record in failed:
-        print(f"error: step {record['config']['step']} {record['config']['planner']}: {record['error']}",
-              file=sys.stderr)
+        logger.error(f"step {record['config']['step']} {record['config']['planner']}: {record['error']}")
     return 1 if failed else 0
 
 

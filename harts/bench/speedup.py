@@ -86,10 +86,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 import traceback
@@ -101,6 +101,8 @@ from harts.cli.args import (
     EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
     print_error,
 )
+
+logger = logging.getLogger(__name__)
 
 BREAKDOWN_MICROBATCHES = 4
 # The default capacity T, and the LM head's default chunk (harts.objective.logprobs.DEFAULT_CHUNK_ROWS; not
@@ -1054,8 +1056,8 @@ def run(args: argparse.Namespace) -> int:
                     "logprob_chunk_rows": run_args.logprob_chunk_rows, "variant": run_args.variant,
                 }
                 variant = f" (--variant {run_args.variant})" if run_args.variant else ""
-                print(f"step {index}{variant}: {step.num_trajectories} trajectories, "
-                      f"{step.num_semantic_tokens:,} tokens ...", file=sys.stderr)
+                logger.info(f"step {index}{variant}: {step.num_trajectories} trajectories, "
+                            f"{step.num_semantic_tokens:,} tokens ...")
                 tracker.start("speedup", config)
                 progress: dict[str, Any] = {"phase": "planning", "finished": [], "log": tracker.log}
                 current = (config, progress)
@@ -1089,7 +1091,7 @@ def run(args: argparse.Namespace) -> int:
                 keep(_error_row(*current, error, device))
         write_records(records, out)
     print(format_table(records))
-    print(f"wrote {len(records)} record(s) to {out}", file=sys.stderr)
+    logger.info(f"wrote {len(records)} record(s) to {out}")
     if args.json:
         print(json.dumps([headline(r) for r in records]))
     tracker.close()
@@ -1217,7 +1219,7 @@ def _error_row(config: dict[str, Any], progress: dict[str, Any], error: BaseExce
     if device.type == "cuda":
         torch.cuda.empty_cache()
     message = f"{progress['phase']}: {error_message(error)}"
-    print(f"failed: {message}", file=sys.stderr)
+    logger.error(message)
     if os.environ.get("HARTS_DEBUG"):
         traceback.print_exc()
     return {**make_record("speedup", config, error=message), "finished_steps": progress["finished"]}

@@ -10,14 +10,16 @@ the token array's size. The step is generated from a trees config or read from a
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 from harts.bench import wandb_log
 from harts.cli.args import non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.trees:
         synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig)
-        print(f"generating step {args.step} of {args.trees} ...", file=sys.stderr)
+        logger.info(f"generating step {args.step} of {args.trees} ...")
         step = generate_step(synth, args.seed, args.step)
         config = {"trees": args.trees, "synth": config_to_dict(synth), "seed": args.seed, "step": args.step}
     else:

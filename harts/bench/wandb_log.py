@@ -35,14 +35,18 @@ runs read back from their `.wandb` files (history rows, summary, artifacts).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harts.extras import require
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("reports") / "wandb"
 DEFAULT_PROJECT = "harts"
@@ -210,15 +214,13 @@ class BenchLogger:
             except (Exception, SystemExit) as error:  # W&B must never fail a benchmark.
                 self._warn(error)
         if self.mode == "offline" and self.run_dirs:
-            print(f"wandb: {len(self.run_dirs)} offline run(s) in {self.directory / 'wandb'}; upload with "
-                  f"`wandb sync {self.directory / 'wandb'}/offline-run-*`", file=sys.stderr)
+            logger.info(f"wandb: {len(self.run_dirs)} offline run(s) in {self.directory / 'wandb'}; upload with "
+                        f"`wandb sync {self.directory / 'wandb'}/offline-run-*`")
         return self.run_dirs
 
     def _start(self, identity: dict[str, Any], config: dict[str, Any], environment: dict[str, Any] | None) -> None:
         if self._wandb is None:
-            import wandb
-
-            self._wandb = wandb
+            self._wandb = require("wandb", "W&B logging")
             self.directory.mkdir(parents=True, exist_ok=True)
         if self.run is not None:
             run, self.run = self.run, None
@@ -288,7 +290,7 @@ class BenchLogger:
 
     def _warn(self, error: BaseException) -> None:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"harts: warning: W&B logging skipped ({type(error).__name__}: {message})", file=sys.stderr)
+        logger.warning(f"W&B logging skipped ({type(error).__name__}: {message})")
         self.enabled = False
         self.run = None
 

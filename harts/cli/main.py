@@ -2,9 +2,9 @@
 
 Each subcommand lives in a module of `harts.cli` that registers its parser; heavy packages
 (torch, fla, megatron) are imported inside the command functions that need them, so
-`harts trees ...` and `harts plan ...` start fast. User errors (ValueError, OSError) print one
-line, `harts: error: ...`, and exit with status 2; set HARTS_DEBUG=1 to see the traceback. Usage
-errors (a bad option value, a missing argument) print one such line too, naming the command.
+`harts trees ...` and `harts plan ...` start fast. User errors (ValueError, OSError, a missing optional package:
+harts.extras.MissingExtra) print one line, `harts: error: ...`, and exit with status 2; set HARTS_DEBUG=1 to see the
+traceback. Usage errors (a bad option value, a missing argument) print one such line too, naming the command.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from harts.cli import train as train_cli
 from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
 from harts.cli.args import print_error
+from harts.extras import MissingExtra
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, MissingExtra) as error:
         if os.environ.get("HARTS_DEBUG"):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

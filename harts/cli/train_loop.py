@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 from pathlib import Path
 
 from harts.bench import wandb_log
 from harts.cli.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 # (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
 OVERRIDES = [
@@ -138,5 +140,5 @@ def run_train(args: argparse.Namespace) -> int:
               f"moe {last['moe_loss']:.6f}), grad norm {last['grad_norm']:.4g}, lr {last['lr']:.3g}; "
               f"log {summary['log']}")
     else:
-        print(f"nothing to do: the last checkpoint of {out} is the run's last step", file=sys.stderr)
+        logger.info(f"nothing to do: the last checkpoint of {out} is the run's last step")
     return 0

@@ -38,6 +38,7 @@ expert-bias update with the step's counts; non-finite steps; run-directory check
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -65,6 +66,8 @@ from harts.training.config import TrainConfig, resolve, train_config_from_dict
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
 from harts.training.tracking import WandbTracker
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from harts.model.model import HybridModel
@@ -196,13 +199,12 @@ class _Run:
         this restores); trim the log to it; return (steps done, the epoch's order)."""
         trainer = load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         if trainer["torch_threads"] != torch.get_num_threads():
-            print(f"harts: warning: {checkpoint} was written with {trainer['torch_threads']} torch threads, this run "
-                  f"has {torch.get_num_threads()}: the continuation is not bitwise that of an uninterrupted run",
-                  file=sys.stderr)
+            logger.warning(f"{checkpoint} was written with {trainer['torch_threads']} torch threads, this run has "
+                           f"{torch.get_num_threads()}: the continuation is not bitwise that of an uninterrupted run")
         dropped, damaged = _truncate_log(self.run_dir / LOG_NAME, trainer["step"])
-        print(f"harts: resuming {self.run_dir} from {checkpoint.name}"
-              + (f"; {dropped} logged step(s) after it are redone" if dropped else "")
-              + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""), file=sys.stderr)
+        logger.info(f"resuming {self.run_dir} from {checkpoint.name}"
+                    + (f"; {dropped} logged step(s) after it are redone" if dropped else "")
+                    + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""))
         return trainer["step"], trainer["epoch_order"]
 
     def save(self, step: int, order: list[int]) -> dict[str, Any]:
@@ -324,7 +326,7 @@ def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any]) -> Path:
     if checkpoint is None:
         raise ValueError(f"{run_dir}: no checkpoint to resume from")
     for stale in remove_stale(run_dir):
-        print(f"harts: removed {stale}, an incomplete checkpoint", file=sys.stderr)
+        logger.info(f"removed {stale}, an incomplete checkpoint")
     _, saved = read_metadata(checkpoint)
     difference = first_difference(_with_new_defaults(saved, checkpoint), resolved)
     if difference is not None:

@@ -18,13 +18,16 @@ stops; W&B's system metrics are on, its git, code and host-metadata capture off.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
                                    wandb_mode)
+from harts.extras import require
+
+logger = logging.getLogger(__name__)
 
 
 class WandbTracker:
@@ -56,8 +59,7 @@ class WandbTracker:
         return {**start_record["config"], "environment": environment, "resumed_from": start_record["resumed_from"]}
 
     def _init(self, start_record: dict[str, Any], run_dir: str | Path | None, mode: str) -> None:
-        import wandb
-
+        wandb = require("wandb", "W&B logging")
         directory = Path(os.environ.get("WANDB_DIR") or DEFAULT_DIR)
         directory.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(
@@ -84,8 +86,7 @@ class WandbTracker:
             self._guard(self._wandb.teardown)
             self._wandb = None
         if self._offline_dir is not None:
-            print(f"wandb: offline run in {self._offline_dir}; upload with `wandb sync {self._offline_dir}`",
-                  file=sys.stderr)
+            logger.info(f"wandb: offline run in {self._offline_dir}; upload with `wandb sync {self._offline_dir}`")
             self._offline_dir = None
 
     def _guard(self, function, *args, **kwargs) -> None:
@@ -93,5 +94,5 @@ class WandbTracker:
             function(*args, **kwargs)
         except (Exception, SystemExit) as error:  # W&B must never fail training.
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            print(f"harts: warning: W&B logging stopped ({type(error).__name__}: {message})", file=sys.stderr)
+            logger.warning(f"W&B logging stopped ({type(error).__name__}: {message})")
             self.run = None
