@@ -21,10 +21,11 @@ to token t *as a target*, predicted from the tokens before it, DESIGN §5):
   each [B, L], or [B, R] with R < L meaning the LAST R columns (verl's `responses`-shaped tensors,
   OpenRLHF's `action_mask`-shaped ones): `loss_mask` (or verl's name `response_mask`; 0/1, 1 only
   on real tokens, never on a row's first real token), `old_log_probs`, `ref_log_probs` (or verl's
-  `ref_log_prob`), and `advantages` ([B, L], [B, R] or [B]: one per sequence).
+  `ref_log_prob`), and `advantages` ([B, L], [B, R], or [B] or [B, 1]: one per sequence). Every field
+  given as [B, R] has the same R (one response width), and log-probs are <= 0 where the loss mask is 1.
 - packed (`packed_batch`): `input_ids` int [T] and `cu_seqlens` int [B + 1] (sequence b is
   `input_ids[cu_seqlens[b]:cu_seqlens[b + 1]]`, no padding), per-token fields [T] (`advantages`
-  [T] or [B]). Frameworks that align log-probs with the *predicting* position instead
+  [T], or [B] or [B, 1]). Frameworks that align log-probs with the *predicting* position instead
   (labels = roll(input_ids, -1), as AReaL's actor does) shift by one within each sequence: HARTS's
   value at t is theirs at t − 1.
 - a list of trajectories (`trajectory_batch`): mappings with `input_ids` int [n] and the same
@@ -41,13 +42,16 @@ read, so padding may hold anything; where the loss mask is 1 they must be finite
 
 The loss (`policy_loss`) is `harts.objective.losses` GRPO or PPO with the config's
 hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked tokens, normalised over
-this batch (token-mean: masked tokens; seq-mean-token-mean: sequences with a masked token) unless
-`normalizer` gives the step-level count of a batch split into micro-batches; `loss` adds the MoE
-losses (q-weighted, DESIGN §4), `policy_loss` and `moe_loss` are its parts. Without
+this batch (token-mean: masked tokens; seq-mean-token-mean: sequences with a masked token); `loss`
+adds the MoE losses (q-weighted, DESIGN §4), `policy_loss` and `moe_loss` are its parts. Without
 `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term needs `ref_log_probs`. A batch
 runs as one microbatch (its whole trie in one forward): split a large step as the trainer
 already does, keeping each GRPO group in one micro-batch so that its prompt is shared, and pass
-`normalizer`.
+`normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean over the step's
+micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and gradients then
+add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
+that it reduces the gradients), FSDP2's `fully_shard` (keep the LM head in the root's group: it is
+applied outside the model's forward) or torch.compile.
 
 Invariant (tests/test_api.py): for left, right and two-sided padding, GRPO groups sharing prompts
 and batches without sharing, the outputs equal those of each sequence run alone through the model
@@ -66,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts.model.model import HybridModel
+from harts.model.model import HybridModel, unwrap_model
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, policy_loss_of, step_normalizer
 from harts.objective.targets import semantic_targets_from_step
@@ -152,7 +156,7 @@ class BatchLoss(TokenOutputs):
     policy_loss: torch.Tensor
     """The GRPO/PPO loss (`harts.objective.losses`)."""
     moe_loss: torch.Tensor
-    """The model's MoE auxiliary losses (q-weighted over compact rows)."""
+    """The model's MoE auxiliary losses (q-weighted over compact rows), divided by `num_microbatches`."""
     clip_fraction: torch.Tensor
     """Fraction of loss-masked tokens whose clipped surrogate term is active."""
     kl: torch.Tensor | None
@@ -240,6 +244,11 @@ def _build(
         if len(bad):
             raise ValueError(f"{where}: field '{name}': {array[bad[0]]} at {locate(int(bad[0]))}, where the loss "
                              "mask is 1 (must be finite)")
+        if name != "advantages":
+            bad = np.flatnonzero(loss_mask & (array > 0))
+            if len(bad):
+                raise ValueError(f"{where}: field '{name}': {array[bad[0]]} at {locate(int(bad[0]))}, where the loss "
+                                 "mask is 1 (log-probabilities must be <= 0)")
         # Values the loss mask excludes are never read: padding may hold anything.
         values[name] = np.where(loss_mask, array, 0.0).astype(np.float32)
     if per_sequence_advantages is not None:
@@ -314,6 +323,9 @@ def padded_batch(batch: Mapping[str, Any], *, padding_side: str | None = None) -
             raise ValueError(f"{where}: padding_side 'right' but row {int(b)} starts with padding (first real token "
                              f"at column {int(first[b])})")
 
+    response: list[tuple[str, int]] = []
+    """(field, R) of the first field given response-shaped: every other one must have the same R."""
+
     def full_width(name: str, array: np.ndarray) -> np.ndarray:
         """[B, L] of a [B, L] or [B, R] (last R columns) field; columns before R are 0."""
         if array.ndim != 2 or array.shape[0] != num or not 0 < array.shape[1] <= length:
@@ -321,6 +333,11 @@ def padded_batch(batch: Mapping[str, Any], *, padding_side: str | None = None) -
                              f"{length}, got {array.shape}")
         if array.shape[1] == length:
             return array
+        if response and response[0][1] != array.shape[1]:
+            first, width = response[0]
+            raise ValueError(f"{where}: field '{name}': [{num}, {array.shape[1]}] but field '{first}' is [{num}, "
+                             f"{width}] (response-shaped fields are the last R columns: one R for all)")
+        response.append((name, array.shape[1]))
         full = np.zeros((num, length), dtype=array.dtype)
         full[:, length - array.shape[1]:] = array
         return full
@@ -342,11 +359,11 @@ def padded_batch(batch: Mapping[str, Any], *, padding_side: str | None = None) -
         array = _numpy(fields[name], where, name)
         if not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
             raise ValueError(f"{where}: field '{name}': expected numbers, got {array.dtype}")
-        if name == "advantages" and array.ndim == 1:
-            if array.shape != (num,):
-                raise ValueError(f"{where}: field 'advantages': expected [{num}] (one per sequence) or a per-token "
-                                 f"array, got {array.shape}")
-            per_sequence_advantages = array
+        if name == "advantages" and (array.ndim == 1 or array.shape == (num, 1)):
+            if array.shape not in ((num,), (num, 1)):
+                raise ValueError(f"{where}: field 'advantages': expected [{num}] or [{num}, 1] (one per sequence) or "
+                                 f"a per-token array, got {array.shape}")
+            per_sequence_advantages = array.reshape(num)
             continue
         per_token[name] = full_width(name, array).reshape(-1)[real]
     offsets = np.zeros(num + 1, dtype=np.int64)
@@ -436,8 +453,8 @@ def _flat(kind: str, shape: tuple[int, ...], input_ids: np.ndarray, offsets: np.
             array = _zero_one(array, where, name)
         elif not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
             raise ValueError(f"{where}: field '{name}': expected numbers, got {array.dtype}")
-        if name == "advantages" and array.shape == (num,) and num != total:
-            per_sequence_advantages = array
+        if name == "advantages" and (array.shape == (num, 1) or array.shape == (num,) and num != total):
+            per_sequence_advantages = array.reshape(num)
             continue
         if array.shape != (total,):
             raise ValueError(f"{where}: field '{name}': expected shape ({total},), got {array.shape}")
@@ -465,15 +482,23 @@ def as_batch(batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -
 # Model execution
 
 
-def default_config(model: HybridModel) -> StepConfig:
+def default_config(model: torch.nn.Module) -> StepConfig:
     """The compact execution with the backends `harts train-step` picks for the model's device (sdpa
     and the PyTorch KDA on CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
     cuda = next(model.parameters()).device.type == "cuda"
     return StepConfig(attention_backend=default_attention_backend(cuda), kda_backend=default_kda_backend(cuda))
 
 
-def _run(model: HybridModel, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool):
-    vocab = model.config.vocab_size
+def _model(model: torch.nn.Module) -> HybridModel:
+    inner = unwrap_model(model)
+    if not isinstance(inner, HybridModel):
+        raise ValueError(f"expected a HybridModel or a wrapper of one (DistributedDataParallel, fully_shard, "
+                         f"torch.compile), got {type(model).__name__}")
+    return inner
+
+
+def _run(model: torch.nn.Module, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool):
+    vocab = _model(model).config.vocab_size
     too_large = np.flatnonzero(batch.step.tokens >= vocab)
     if len(too_large):
         k = int(too_large[0])
@@ -502,7 +527,7 @@ def _outputs(batch: RLBatch, logprobs_S: torch.Tensor, entropy_S: torch.Tensor |
 
 
 def logprobs(
-    model: HybridModel,
+    model: torch.nn.Module,
     batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
     *,
     temperature: float = 1.0,
@@ -512,7 +537,8 @@ def logprobs(
     """Per-token log-probs (and entropy) of `batch` under `model`, in the batch's layout.
 
     Args:
-        model: the policy (or reference) model; its parameters' device is where it runs.
+        model: the policy (or reference) HybridModel, or a wrapper of it (module docstring); its parameters'
+            device is where it runs.
         batch: an RLBatch, or a padded/packed mapping or list of trajectories (`as_batch`).
         temperature: T > 0: log-probs and entropy of softmax(logits / T).
         entropy: also return the entropy of every predicting distribution.
@@ -530,13 +556,14 @@ def logprobs(
 
 
 def policy_loss(
-    model: HybridModel,
+    model: torch.nn.Module,
     batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
     *,
     config: StepConfig | None = None,
     temperature: float = 1.0,
     entropy: bool = False,
     normalizer: float | None = None,
+    num_microbatches: int | None = None,
 ) -> BatchLoss:
     """The GRPO/PPO loss of `batch` (needs a loss mask and advantages), its MoE losses and per-token
     outputs; `result.loss.backward()` accumulates the parameters' gradients.
@@ -548,7 +575,18 @@ def policy_loss(
         normalizer: the aggregation's denominator (masked tokens, or sequences for
             seq-mean-token-mean) of the whole step when `batch` is one micro-batch of it; default:
             this batch's own count.
+        num_microbatches: with `normalizer`, how many micro-batches the step has: the MoE losses are
+            divided by it (their mean over the step's micro-batches, as `run_step` takes it).
     """
+    if (normalizer is None) != (num_microbatches is None):
+        raise ValueError("policy_loss: give normalizer and num_microbatches together (a micro-batch of a step: the "
+                         "policy loss is normalised over the step, the MoE losses averaged over its micro-batches) "
+                         "or neither (the batch is the whole step)")
+    if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+                                         or num_microbatches < 1):
+        raise ValueError(f"policy_loss: num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
+        raise ValueError(f"policy_loss: normalizer must be a finite count > 0, got {normalizer!r}")
     batch = as_batch(batch)
     config = config or default_config(model)
     if not batch.has_loss_mask:
@@ -569,6 +607,7 @@ def policy_loss(
         trajectory_index_S=tensor(targets.trajectory_index),
         normalizer=step_normalizer(targets, config) if normalizer is None else float(normalizer),
     )
+    moe = moe / (num_microbatches or 1)
     return BatchLoss(
         **_outputs(batch, logprobs_S, entropy_S, layout.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,

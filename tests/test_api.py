@@ -24,7 +24,8 @@ from harts import api
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.losses import GRPOConfig, PPOConfig, grpo_loss, ppo_loss
-from harts.objective.step import StepConfig
+from harts.objective.step import StepConfig, run_step, step_normalizer
+from harts.objective.targets import semantic_targets_from_step
 from harts.runtime.layout import baseline_layout
 from harts.trees.step import TOKEN_DTYPE, Step
 from tests.fixtures import one_thread  # noqa: F401  (autouse fixture: one intra-op thread, predictable times)
@@ -346,8 +347,123 @@ def test_normalizer_is_the_step_count(model):
     own = int(batch["response_mask"].sum())
     with torch.no_grad():
         alone_loss = api.policy_loss(model, batch).policy_loss
-        of_step = api.policy_loss(model, batch, normalizer=4 * own).policy_loss
+        of_step = api.policy_loss(model, batch, normalizer=4 * own, num_microbatches=4).policy_loss
     assert abs(float(of_step) - float(alone_loss) / 4) <= 1e-7
+
+
+@pytest.mark.parametrize("layout", ["verl", "packed"])
+def test_per_sequence_advantages_as_B_or_B1_mean_the_same(model, layout):
+    """`adv.unsqueeze(-1)` ([B, 1]) is one advantage per sequence, as [B] is: not a response of width 1."""
+    _, pairs, fields, _, _, _ = case_data("grpo-4x8-verl")
+    batch, _ = make_batch(layout, pairs, fields)
+    assert batch["advantages"].shape == (len(pairs),)
+    column = dict(batch, advantages=batch["advantages"].unsqueeze(-1))
+    with torch.no_grad():
+        flat_loss = api.policy_loss(model, batch).policy_loss
+        column_loss = api.policy_loss(model, column).policy_loss
+    assert np.array_equal(api.as_batch(column).step.advantages(), api.as_batch(batch).step.advantages())
+    assert float(flat_loss) != 0 and torch.equal(column_loss, flat_loss)
+
+
+def _microbatches(batch, groups):
+    """The padded batch's rows split into micro-batches of whole GRPO groups (row ranges)."""
+    return [{name: value[lo:hi] for name, value in batch.items()} for lo, hi in groups]
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_microbatched_batch_adds_up_to_run_step(model, loss):
+    """Micro-batches of whole GRPO groups with the step's normalizer and micro-batch count: their losses and
+    gradients add up to `run_step` of the whole step on the same micro-batches, MoE losses included."""
+    _, pairs, fields, _, _, _ = case_data("grpo-4x8-verl")
+    fields = near_policy(model, pairs, fields, np.random.default_rng(3), 1.0)
+    batch, _ = make_batch("verl", pairs, fields)
+    config = LOSSES[loss]
+    groups = [(0, 8), (8, 24), (24, 32)]
+    whole = api.as_batch(batch)
+    targets = semantic_targets_from_step(whole.step)
+    normalizer = step_normalizer(targets, config)
+
+    model.zero_grad(set_to_none=True)
+    total = policy = moe = 0.0
+    for part in _microbatches(batch, groups):
+        result = api.policy_loss(model, part, config=config, normalizer=normalizer, num_microbatches=len(groups))
+        result.loss.backward()
+        total += float(result.loss.detach())
+        policy += float(result.policy_loss.detach())
+        moe += float(result.moe_loss)
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+    expected = run_step(model, whole.step, [np.arange(lo, hi) for lo, hi in groups], config)
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    assert expected.moe_loss > 0
+    assert abs(moe - expected.moe_loss) <= 1e-6 * expected.moe_loss
+    assert abs(policy - expected.policy_loss) <= 1e-6 * max(abs(expected.policy_loss), 1e-3)
+    assert abs(total - expected.loss) <= 1e-6 * max(abs(expected.loss), 1e-3)
+    assert got.keys() == want.keys()
+    assert max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0) <= 1e-4
+
+
+@pytest.mark.parametrize("given", [dict(normalizer=10.0), dict(num_microbatches=2),
+                                   dict(normalizer=10.0, num_microbatches=0), dict(normalizer=0.0, num_microbatches=2)],
+                         ids=["normalizer-alone", "count-alone", "zero-count", "zero-normalizer"])
+def test_microbatch_arguments_are_checked(model, given):
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    with pytest.raises(ValueError, match="policy_loss: "):
+        api.policy_loss(model, batch, **given)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group (DDP and fully_shard need one)."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _loss_and_gradients(model, batch, wrapped):
+    result = api.policy_loss(wrapped, batch, entropy=True)
+    result.loss.backward()
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for name, p in model.named_parameters()}
+    return result, grads
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fully_shard", "compile-wrapper"])
+def test_wrapped_models_give_the_plain_models_results(process_group, wrapper):
+    """A DistributedDataParallel, FSDP2 (`fully_shard`) or `torch.compile`-wrapped model: the same loss, outputs and
+    gradients as the plain model (world size 1)."""
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    plain = HybridModel(load_model_config("tiny"))
+    plain.init_weights(seed=5)
+    expected, want = _loss_and_gradients(plain, batch, plain)
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(seed=5)
+    if wrapper == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    elif wrapper == "fully_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    else:
+        # What torch.compile returns (an OptimizedModule keeping the model as _orig_mod), without compiling.
+        wrapped = torch._dynamo.eval_frame.OptimizedModule(model, torch._dynamo.eval_frame.innermost_fn(lambda f: f))
+    result, got = _loss_and_gradients(model, batch, wrapped)
+    assert torch.allclose(result.loss, expected.loss, rtol=1e-6, atol=0)
+    assert float((result.log_probs - expected.log_probs).abs().max()) <= 1e-6
+    assert max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0) <= 1e-5
+
+
+def test_a_model_that_is_not_harts_is_refused():
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    with pytest.raises(ValueError, match="expected a HybridModel or a wrapper of one .* got Linear"):
+        api.logprobs(torch.nn.Linear(4, 4), batch)
 
 
 def test_entropy_is_differentiable(model):
@@ -418,6 +534,17 @@ def _bad(case):
         "inf-old-log-prob-in-response": (
             dict(with_mask, old_log_probs=torch.tensor([[0.0] * 7 + [-float("inf")]] * 2)[:, 4:]),
             r"field 'old_log_probs': -inf at row 0, column 7, where the loss mask is 1"),
+        "positive-old-log-prob-where-masked": (
+            dict(with_mask, old_log_probs=torch.where(torch.arange(8) == 5, 0.25, -1.0).expand(2, 8)),
+            r"field 'old_log_probs': 0.25 at row 0, column 5, where the loss mask is 1 \(log-probabilities must be <= 0\)"),
+        "positive-ref-log-prob-packed": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4, 6]),
+                                          "loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]),
+                                          "ref_log_probs": torch.tensor([0, -1, -1, -1, 0, 1e-3])},
+                                         "packed batch: field 'ref_log_probs': 0.001.* at sequence 1, token 1"),
+        "response-widths-differ": (dict(base, response_mask=mask[:, 3:], old_log_probs=torch.zeros(2, 4)),
+                                   r"field 'old_log_probs': \[2, 4\] but field 'loss_mask' is \[2, 5\]"),
+        "advantages-B2": (dict(with_mask, advantages=torch.zeros(3, 1)),
+                          r"field 'advantages': expected shape \[2, L\] or \[2, R\]"),
         "wider-than-input": (dict(with_mask, advantages=torch.zeros(2, 9)),
                              r"field 'advantages': expected shape \[2, L\] or \[2, R\] with R <= L = 8"),
         "misspelled-field": (dict(with_mask, old_logprobs=torch.zeros(2, 8)),
@@ -444,6 +571,7 @@ def _bad(case):
 
 BAD = ["hole-in-attention", "empty-row", "attention-not-0-1", "float-input-ids", "loss-mask-on-padding",
        "loss-mask-on-first-token", "nan-advantage-where-masked", "inf-old-log-prob-in-response", "wider-than-input",
+       "positive-old-log-prob-where-masked", "positive-ref-log-prob-packed", "response-widths-differ", "advantages-B2",
        "misspelled-field", "two-names", "no-attention-mask", "bad-padding-side", "cu-seqlens-short",
        "cu-seqlens-empty-sequence", "packed-nan-old", "trajectory-length", "trajectory-missing-field"]
 

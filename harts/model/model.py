@@ -161,3 +161,17 @@ class HybridModel(nn.Module):
             if aux is not None:
                 auxes.append(aux)
         return x_RD, auxes
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside wrappers that keep it as `.module` (DistributedDataParallel) or `._orig_mod`
+    (torch.compile), else `model` itself (FSDP2's `fully_shard` keeps the class). Read the config and the LM head
+    from it, but call the wrapper for the forward (DDP prepares its gradient reduction there)."""
+    while not isinstance(model, HybridModel):
+        wrapped = getattr(model, "module", None)
+        if wrapped is None:
+            wrapped = getattr(model, "_orig_mod", None)
+        if not isinstance(wrapped, nn.Module):
+            return model
+        model = wrapped
+    return model

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from harts.model.model import HybridModel
+from harts.model.model import HybridModel, unwrap_model
 from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
 from harts.objective.losses import (
     GRPOConfig,
@@ -215,7 +215,7 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
                  index: PrefixIndex | None, *, attention_splits: list[np.ndarray] | None = None) -> Layout:
     """The layout of `config.execution` for these members; `attention_splits` (baseline only, one
     array per member) splits each member's MLA queries there (`baseline_layout`)."""
-    kda = model.config.kda
+    kda = unwrap_model(model).config.kda
     if config.execution == "compact":
         assert attention_splits is None, "attention splits belong to the baseline layout"
         layout = compact_layout(
@@ -255,7 +255,7 @@ def microbatch_logprobs(
             recompute_blocks=config.recompute_blocks if recompute_blocks is None else recompute_blocks,
             keep_attention=config.keep_attention,
         )
-    weight = model.lm_head.weight
+    weight = unwrap_model(model).lm_head.weight
     if DTYPES[config.dtype] is not None:
         # The LM head in the training dtype like every other matmul (log-probs stay fp32).
         hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
