@@ -26,7 +26,7 @@ import yaml
 T = TypeVar("T")
 
 
-SHIPPED_FOLDERS = {"models": "model", "parallel": "parallel config", "trees": "trees config"}
+SHIPPED_FOLDERS = {"models": "model", "parallel": "parallel config", "rl": "RL config", "trees": "trees config"}
 """Folders of `harts.configs` and what their configs are called in messages."""
 
 

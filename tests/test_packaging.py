@@ -6,7 +6,9 @@ into a temporary folder; commands run with that folder first on PYTHONPATH (torc
 dependencies come from the venv) and a working directory outside the repository, where the
 repository's configs/ cannot be reached by a relative path. The venv's editable install of this
 checkout can also answer `import harts.configs` (its finder maps the name to configs/), so every
-check also asserts that harts and its configs were imported from the installed wheel.
+check also asserts that harts and its configs were imported from the installed wheel. A slow test installs the
+wheel with its core dependencies alone into an empty venv (versions from .ci/requirements.lock) and runs the library
+and `harts rl --config tiny` from an empty directory.
 """
 
 import json
@@ -21,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEP = REPO / "data/samples/tiny-step.jsonl.gz"
-SHIPPED_FOLDERS = ("models", "parallel", "trees")
+SHIPPED_FOLDERS = ("models", "parallel", "rl", "trees")
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +94,55 @@ def test_installed_cli_resolves_a_model_name(installed):
     result = _run_installed(installed, "-m", "harts", "verify", "--model", "nope", "--trees", str(STEP))
     assert result.returncode == 2
     assert "unknown model 'nope' (known: cpu-small, h200, ling3-tiny, tiny;" in result.stderr
+
+
+def _locked_versions() -> str:
+    """.ci/requirements.lock as pip constraints (name==version; constraints take no hashes)."""
+    lines = (REPO / ".ci/requirements.lock").read_text().splitlines()
+    return "\n".join(line.split(" ")[0] for line in lines if line and not line.startswith("#")) + "\n"
+
+
+@pytest.mark.slow
+def test_wheel_in_an_empty_venv_has_the_lean_core_and_runs_rl_by_config_name(installed, tmp_path):
+    """`pip install harts` pulls the core alone (no pipeline, W&B, OR-Tools, plots or test references), and the
+    shipped RL config runs by name from a directory with nothing in it."""
+    import torch
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(_locked_versions())
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(constraints)]
+    # torch first, the build this suite runs on (the lock's CPU build on CI), so that no other build is pulled.
+    subprocess.run([*pip, f"torch=={torch.__version__}"], check=True, capture_output=True, text=True, timeout=900)
+    subprocess.run([*pip, str(installed["wheel"])], check=True, capture_output=True, text=True, timeout=900)
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+                            check=True, capture_output=True, text=True)
+    names = {package["name"].lower() for package in json.loads(listed.stdout)}
+    for heavy in ("snakemake", "wandb", "ortools", "matplotlib", "pandas", "pyarrow", "megatron-core",
+                  "transformers", "pytest"):
+        assert heavy not in names, heavy
+    assert {"harts", "torch", "numpy", "pyyaml", "tqdm", "safetensors", "tokenizers", "fla-core"} <= names
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    code = "import sys\nfrom harts import api\nprint(sorted(m for m in ('triton', 'wandb', 'matplotlib') if m in sys.modules))"
+    imported = subprocess.run([python, "-c", code], cwd=empty, env=env, capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr[-2000:]
+    harts = str(venv / "bin" / "harts")
+    ran = subprocess.run([harts, "rl", "--config", "tiny", "--seeds", "0", "--num-steps", "1", "--no-progress",
+                          "--out", "rl.json", "--json"], cwd=empty, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    records = json.loads((empty / "rl.json").read_text())
+    assert [(r["config"]["name"], r["config"]["execution"]) for r in records] == [("tiny", "compact"),
+                                                                                ("tiny", "baseline")]
+    assert sorted(path.name for path in empty.iterdir()) == ["rl.json"]
+    missing = subprocess.run([harts, "plan", "microbatches", str(STEP), "--capacity", "4096", "--dp", "1",
+                              "--planner", "treetrain-ortools"], cwd=empty, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert missing.returncode == 2 and missing.stderr == (
+        "harts: error: the TreeTrain planner (CP-SAT) needs ortools, which is not installed: "
+        "pip install 'harts[bench]'\n")

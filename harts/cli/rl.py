@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from harts.bench import wandb_log
 from harts.cli.args import index_list, positive_int
@@ -25,7 +26,7 @@ from harts.cli.args import index_list, positive_int
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("rl", help="online GRPO on self-sampled rollout trees, both executions side by side")
     parser.add_argument("--config", required=True,
-                        help="RL config YAML (harts.rl.config.RLConfig): configs/rl/cpu.yaml, tiny.yaml, h200.yaml")
+                        help="RL config (harts.rl.config.RLConfig): a shipped one by name (cpu, tiny, h200) or a YAML path")
     parser.add_argument("--out", required=True, help="records file (.json: a list; .jsonl: one record per line)")
     parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
                         help="run these seeds (default: the config's seeds)")
@@ -94,7 +95,7 @@ def run_rl(args: argparse.Namespace) -> int:
         started = environment()
         if wandb_log.requested(args):
             tracker = RLTracker.start({"config": run_config(config, seed), "environment": started},
-                                      wandb_log.options(args))
+                                      wandb_log.options(args), directory=Path(args.out).resolve().parent)
         try:
             warm, by_execution = run_seed(config, seed, progress=not args.no_progress, tracker=tracker)
         except ValueError as error:

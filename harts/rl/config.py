@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from harts.config import load_config
+from harts.config import load_config, shipped_config_path
 from harts.model.config import load_model_config
 from harts.objective.step import (
     DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
@@ -136,8 +136,9 @@ class RLConfig:
         return self.execution.planner_compact if execution == "compact" else self.execution.planner_baseline
 
 
-def load_rl_config(path: str | Path) -> RLConfig:
-    return load_config(path, RLConfig)
+def load_rl_config(name_or_path: str | Path) -> RLConfig:
+    """A shipped RL config by name (configs/rl/NAME.yaml: cpu, tiny, h200) or a YAML file."""
+    return load_config(shipped_config_path(str(name_or_path), "rl"), RLConfig)
 
 
 def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:

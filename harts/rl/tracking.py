@@ -1,9 +1,9 @@
 """W&B logging of `harts rl`: one W&B run per seed, every step logged live with both executions.
 
-`RLTracker.start(start_record, options)` opens the run as `harts train`'s tracker does
+`RLTracker.start(start_record, options, directory)` opens the run as `harts train`'s tracker does
 (harts.training.tracking.WandbTracker: the `--wandb-*` flags beside W&B's environment variables,
-which win; offline by default; system metrics on; W&B never fails a run) with the resolved RL
-config and the allow-listed environment; group = rl/NAME, job_type = rl, name = NAME/seedS, tags =
+which win; offline by default; system metrics on; W&B never fails a run), its files in `directory`
+(the records' folder), with the resolved RL config and the allow-listed environment; group = rl/NAME, job_type = rl, name = NAME/seedS, tags =
 model, executions, device, dtype. `log({"step": t, "compact": record, "baseline": record})` logs
 every finite number at W&B step t under `compact/...` and `baseline/...` (`compact/reward`,
 `baseline/seconds/train`), so one chart holds both curves. Tested with a stand-in `wandb` module
@@ -21,8 +21,10 @@ from harts.training.tracking import WandbTracker
 
 class RLTracker(WandbTracker):
     @classmethod
-    def start(cls, start_record: dict[str, Any], options: WandbOptions | None = None) -> RLTracker:
-        return super().start(start_record, None, options)
+    def start(cls, start_record: dict[str, Any], options: WandbOptions | None = None,
+              directory: str | Path | None = None) -> RLTracker:
+        """A new W&B run (an RL seed is not resumed) with its files under `directory` (`harts rl --out`'s folder)."""
+        return super().start(start_record, None, options, directory=directory)
 
     def identity(self, start_record: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
         config = start_record["config"]

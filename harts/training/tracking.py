@@ -5,7 +5,10 @@
 WANDB_API_KEY or a sweep agent say online; project, group, name, job type and tags from the
 `--wandb-*` flags over our defaults, and none whose environment variable (WANDB_PROJECT,
 WANDB_RUN_GROUP, WANDB_NAME, WANDB_JOB_TYPE, WANDB_TAGS) is set, so W&B reads the variable;
-offline runs under $WANDB_DIR or reports/wandb, for `wandb sync` later. The run's config is the
+W&B's files under $WANDB_DIR, else the run's own folder (`harts train --out`: RUN/wandb/), else
+reports/wandb, for `wandb sync` later. A run folder keeps its W&B run id (RUN/wandb-run-id, unless
+WANDB_RUN_ID is set): a resumed `harts train` continues the same W&B run (resume="allow"; offline, its
+pieces are synced into one run). The run's config is the
 resolved config, the start record's allow-listed environment and `resumed_from`; `log(record)`
 logs every finite number of a step record (nested keys flattened, `seconds/forward`) at W&B step =
 the training step, so a resumed run's curve continues where the checkpoint left off;
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+import uuid
 from typing import Any
 
 from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
@@ -28,6 +32,9 @@ from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, fl
 from harts.extras import require
 
 logger = logging.getLogger(__name__)
+
+RUN_ID_NAME = "wandb-run-id"
+"""The file of a run folder that holds its W&B run id."""
 
 
 class WandbTracker:
@@ -39,11 +46,13 @@ class WandbTracker:
 
     @classmethod
     def start(cls, start_record: dict[str, Any], run_dir: str | Path | None = None,
-              options: WandbOptions | None = None) -> WandbTracker:
+              options: WandbOptions | None = None, *, directory: str | Path | None = None) -> WandbTracker:
+        """Open the W&B run of `run_dir` (resumed with its id) or, without one, a new run whose files go to
+        `directory` (default: reports/wandb); $WANDB_DIR overrides either."""
         tracker = cls(options)
         mode = wandb_mode(flag=tracker.options.mode)
         if mode != "disabled":
-            tracker._guard(tracker._init, start_record, run_dir, mode)
+            tracker._guard(tracker._init, start_record, run_dir, directory, mode)
         return tracker
 
     def identity(self, start_record: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
@@ -58,10 +67,14 @@ class WandbTracker:
         environment = {k: v for k, v in start_record["environment"].items() if k != "utc"}
         return {**start_record["config"], "environment": environment, "resumed_from": start_record["resumed_from"]}
 
-    def _init(self, start_record: dict[str, Any], run_dir: str | Path | None, mode: str) -> None:
+    def _init(self, start_record: dict[str, Any], run_dir: str | Path | None, directory: str | Path | None,
+              mode: str) -> None:
         wandb = require("wandb", "W&B logging")
-        directory = Path(os.environ.get("WANDB_DIR") or DEFAULT_DIR)
+        directory = Path(os.environ.get("WANDB_DIR") or run_dir or directory or DEFAULT_DIR)
         directory.mkdir(parents=True, exist_ok=True)
+        resume = {}
+        if run_dir is not None and not os.environ.get("WANDB_RUN_ID"):
+            resume = {"id": run_id(Path(run_dir)), "resume": "allow"}
         settings = wandb.Settings(
             silent=True, console="off", init_timeout=INIT_TIMEOUT_S, x_disable_meta=True,
             x_disable_machine_info=True, disable_git=True, disable_code=True, save_code=False,
@@ -69,7 +82,7 @@ class WandbTracker:
         identity = self.identity(start_record, None if run_dir is None else Path(run_dir))
         self._wandb = wandb
         self.run = wandb.init(dir=str(directory), mode=mode, config=self.run_config(start_record), settings=settings,
-                              **init_arguments(identity, self.options))
+                              **resume, **init_arguments(identity, self.options))
         if mode == "offline":
             self._offline_dir = Path(self.run.dir).parent
 
@@ -96,3 +109,19 @@ class WandbTracker:
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
             logger.warning(f"W&B logging stopped ({type(error).__name__}: {message})")
             self.run = None
+
+
+def run_id(run_dir: Path) -> str:
+    """The W&B run id of `run_dir`: the one its first start wrote (RUN_ID_NAME), else a new one, written atomically."""
+    path = run_dir / RUN_ID_NAME
+    if path.exists():
+        found = path.read_text(encoding="utf-8").strip()
+        if not found or not all(c.isascii() and (c.isalnum() or c in "-_") for c in found) or len(found) > 64:
+            raise ValueError(f"{path}: not a W&B run id (letters, digits, '-' or '_', at most 64)")
+        return found
+    new = uuid.uuid4().hex[:16]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    temporary.write_text(new + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+    return new

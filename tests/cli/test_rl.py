@@ -64,7 +64,7 @@ def test_a_crash_keeps_the_finished_seeds_and_fails_the_wandb_run(capsys, tmp_pa
     from harts.rl.tracking import RLTracker
 
     finished = []
-    monkeypatch.setattr(RLTracker, "start", classmethod(lambda cls, record, options=None: cls(options)))
+    monkeypatch.setattr(RLTracker, "start", classmethod(lambda cls, record, options=None, **kwargs: cls(options)))
     monkeypatch.setattr(RLTracker, "finish", lambda self, failed: finished.append(failed))
     run_seed = harts.rl.loop.run_seed
 
@@ -81,6 +81,27 @@ def test_a_crash_keeps_the_finished_seeds_and_fails_the_wandb_run(capsys, tmp_pa
     assert finished == [False, True]
     records = json.loads(out.read_text())
     assert [(r["config"]["seed"], r["config"]["execution"]) for r in records] == [(0, "compact"), (0, "baseline")]
+
+
+def test_wandb_files_go_beside_the_records(tmp_path, monkeypatch):
+    """Not under the working directory's reports/wandb: the records' folder."""
+    import sys
+
+    from tests.training.test_tracking import WANDB_VARIABLES, fake_wandb
+
+    for name in WANDB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = tmp_path / "records" / "rl.json"
+    assert main(["rl", "--config", str(TINY), "--out", str(out), "--seeds", "0", "--num-steps", "1", "--no-progress",
+                 "--wandb"]) == 0
+    (run,) = [call[1] for call in calls if call[0] == "init"]
+    assert run.kwargs["dir"] == str(out.parent) and "id" not in run.kwargs
+    assert not any(elsewhere.iterdir())
 
 
 def test_repeated_seeds_are_refused(capsys, tmp_path):

@@ -100,3 +100,35 @@ def test_disabled_does_not_import_wandb(wandb_env, monkeypatch, tmp_path, capsys
     monkeypatch.setitem(sys.modules, "wandb", None)  # an import would raise (and warn)
     assert len(train(_config(), tmp_path, wandb=True)) == 3
     assert "W&B" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run_id_variable", [None, "fromenv1"], ids=["run-folder-id", "WANDB_RUN_ID"])
+def test_files_go_to_the_run_folder_and_a_resume_continues_its_run(monkeypatch, tmp_path, run_id_variable):
+    for name in (*WANDB_VARIABLES, "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if run_id_variable:
+        monkeypatch.setenv("WANDB_RUN_ID", run_id_variable)
+    monkeypatch.chdir(tmp_path)  # nothing may land in ./reports/wandb
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    run_dir = tmp_path / "run"
+    train(_config(), run_dir, max_steps=2, wandb=True)
+    train(_config(), run_dir, resume=True, wandb=True)
+    train(_config(), tmp_path / "other", max_steps=1, wandb=True)
+    first, second, other = [call[1].kwargs for call in calls if call[0] == "init"]
+    assert first["dir"] == second["dir"] == str(run_dir) and other["dir"] == str(tmp_path / "other")
+    assert not (tmp_path / "reports").exists()
+    if run_id_variable:  # W&B reads the variable itself
+        assert "id" not in first and not (run_dir / "wandb-run-id").exists()
+    else:
+        assert first["id"] == second["id"] == (run_dir / "wandb-run-id").read_text().strip() != other["id"]
+        assert first["resume"] == second["resume"] == "allow"
+
+
+def test_a_damaged_run_id_is_one_warning_and_training_goes_on(wandb_env, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb([]))
+    (tmp_path / "wandb-run-id").write_text("../../etc\n")
+    assert len(train(_config(), tmp_path, wandb=True)) == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if "W&B" in line]
+    assert err == [f"harts: warning: W&B logging stopped (ValueError: {tmp_path / 'wandb-run-id'}: not a W&B run id "
+                   "(letters, digits, '-' or '_', at most 64))"]
