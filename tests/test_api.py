@@ -536,7 +536,8 @@ def _bad(case):
             r"field 'old_log_probs': -inf at row 0, column 7, where the loss mask is 1"),
         "positive-old-log-prob-where-masked": (
             dict(with_mask, old_log_probs=torch.where(torch.arange(8) == 5, 0.25, -1.0).expand(2, 8)),
-            r"field 'old_log_probs': 0.25 at row 0, column 5, where the loss mask is 1 \(log-probabilities must be <= 0\)"),
+            r"field 'old_log_probs': 0.25 at row 0, column 5, where the loss mask is 1 "
+            r"\(log-probabilities must be <= 0\)"),
         "positive-ref-log-prob-packed": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4, 6]),
                                           "loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]),
                                           "ref_log_probs": torch.tensor([0, -1, -1, -1, 0, 1e-3])},

@@ -128,7 +128,8 @@ def test_wheel_in_an_empty_venv_has_the_lean_core_and_runs_rl_by_config_name(ins
     empty.mkdir()
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    code = "import sys\nfrom harts import api\nprint(sorted(m for m in ('triton', 'wandb', 'matplotlib') if m in sys.modules))"
+    code = ("import sys\nfrom harts import api\n"
+            "print(sorted(m for m in ('triton', 'wandb', 'matplotlib') if m in sys.modules))")
     imported = subprocess.run([python, "-c", code], cwd=empty, env=env, capture_output=True, text=True, timeout=300)
     assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr[-2000:]
     harts = str(venv / "bin" / "harts")

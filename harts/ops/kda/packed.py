@@ -26,6 +26,12 @@ def packed_kda(
     """o [R, H, V] for q, k, g [R, H, K], v [R, H, V], beta [R, H] and cu_seqlens [N + 1]
     (`cu_seqlens_cpu`: their host copy, which spares fla a device-to-host read)."""
     check_kda_backend(backend, chunk_size, packed=True)
+    # fla's kernels take rows past cu_seqlens[-1] and return NaN there (fla issue, 2026): refused instead. The host
+    # copy (a layout's) spares a device-to-host read.
+    last = int((cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)[-1])
+    if last != q.shape[0]:
+        raise ValueError(f"packed_kda: cu_seqlens ends at row {last} but there are {q.shape[0]} rows (every row must "
+                         "belong to a sequence)")
     if backend == "fla":
         from harts.ops.kda.fla_packed import packed_chunk_kda
 
