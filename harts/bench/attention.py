@@ -44,7 +44,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/attention/backends.json")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 
 
 def run(args: argparse.Namespace) -> int:

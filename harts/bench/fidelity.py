@@ -112,7 +112,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "spawned here, or started by torchrun: rank 0 writes the record")
     parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 
 
 def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):

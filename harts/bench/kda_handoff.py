@@ -56,7 +56,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cuda", help="a CUDA device (cuda, cuda:N)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", default="reports/raw/kda/handoff.json")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 
 
 def _dtype(args):

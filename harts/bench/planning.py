@@ -50,6 +50,7 @@ from typing import Any
 from harts.bench import wandb_log
 from harts.cli.args import index_list, non_negative_int, positive_int
 from harts.extras import require
+from harts.files import atomic_open, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: (
+        [a.out, *(Path(a.out).with_suffix(suffix) for suffix in (".md", ".csv"))], [a.trees, a.data]))
 
 
 def _planner_list(names: tuple[str, ...]):
@@ -227,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
     note += _timing_note(records)
     solves = solve_note(records)
     note += "\n" + solves if solves else ""
-    out.with_suffix(".md").write_text(markdown + "\n\n" + note + "\n", encoding="utf-8")
-    with open(out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as handle:
+    write_text(out.with_suffix(".md"), markdown + "\n\n" + note + "\n")
+    with atomic_open(out.with_suffix(".csv"), newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         writer.writerows(rows)

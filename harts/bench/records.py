@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from harts.files import atomic_open
+
 # Environment variables worth recording; everything else (keys, tokens, paths) stays out.
 ENV_ALLOW_LIST = (
     "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NCCL_NVLS_ENABLE",
@@ -124,16 +126,13 @@ def make_record(benchmark: str, config: dict[str, Any], results: dict[str, Any] 
 def write_records(records: list[dict[str, Any]], path: str | Path) -> None:
     """Write records as a JSON list (`.json`) or one per line (`.jsonl`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_open(path) as handle:
         if path.suffix == ".jsonl":
             for record in records:
                 handle.write(json.dumps(record) + "\n")
         else:
             json.dump(records, handle, indent=2)
             handle.write("\n")
-    tmp.replace(path)
 
 
 def error_message(error: BaseException) -> str:

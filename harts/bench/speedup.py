@@ -150,7 +150,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 
 
 # The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter

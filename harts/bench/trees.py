@@ -32,7 +32,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--out", default="reports/raw/trees/build.json")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees, a.data]))
 
 
 def build(step):

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.extras import require
+from harts.files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class BenchLogger:
             summary.update(failed=1, error=str(record["error"])[:1000])
         self.run.summary.update(summary)
         path = self._artifact_folder() / "record.json"
-        path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        write_text(path, json.dumps(record, indent=2) + "\n")
         name = run_identity(record["benchmark"], record["config"])["name"]
         self._close_run(name, "benchmark-record", [path], 1 if failed else 0)
 

@@ -22,6 +22,7 @@ from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
 from harts.cli.args import print_error
 from harts.extras import MissingExtra
+from harts.files import check_outputs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "files"):
+            # Before any work: a command never writes over one of its own inputs.
+            outputs, inputs = args.files(args)
+            words = [args.command, getattr(args, f"{args.command}_command", None)]
+            check_outputs(" ".join(["harts", *filter(None, words)]), outputs, inputs)
         return int(args.run(args) or 0)
     except (ValueError, OSError, MissingExtra) as error:
         if os.environ.get("HARTS_DEBUG"):

@@ -33,7 +33,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_treetrain_options(parser)
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.path]))
 
 
 def add_treetrain_options(parser: argparse.ArgumentParser) -> None:

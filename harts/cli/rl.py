@@ -42,7 +42,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     wandb_log.add_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
-    parser.set_defaults(run=run_rl)
+    parser.set_defaults(run=run_rl, files=lambda a: ([a.out], [a.config]))
 
 
 def summary(steps: list[dict]) -> dict:

@@ -90,7 +90,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         if "action" not in keywords and "choices" not in keywords:
             keywords = {"metavar": flag.removeprefix("--").replace("-", "_").upper(), **keywords}
         parser.add_argument(flag, dest=_destination(flag), default=None, **keywords)
-    parser.set_defaults(run=run_train)
+    parser.set_defaults(run=run_train,
+                        files=lambda a: ([Path(a.out) / "train.jsonl"], [a.config]))
 
 
 def build_config(args: argparse.Namespace):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.files import write_text
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -20,7 +21,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     synth.add_argument("--steps", type=index_list, default=None, help="comma-separated step indices (default: all)")
     synth.add_argument("--out", required=True, help="output directory (one file per step)")
     synth.add_argument("--format", choices=("npz", "jsonl", "jsonl.gz"), default="npz")
-    synth.set_defaults(run=run_synth)
+    synth.set_defaults(run=run_synth, files=lambda a: ([Path(a.out) / "synth.json"], [a.config]))
 
     stats = sub.add_parser("stats", help="print a step's statistics")
     stats.add_argument("path", help="a step: .jsonl, .jsonl.gz, .npz or a directory of them")
@@ -38,7 +39,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     ingest.add_argument("--tokenizer", required=True, help="'byte' or a tokenizer.json file")
     ingest.add_argument("input", help="a .traj/.json/.jsonl(.gz) file or a directory of them")
     ingest.add_argument("output", help="output step: .jsonl, .jsonl.gz or .npz")
-    ingest.set_defaults(run=run_ingest)
+    ingest.set_defaults(run=run_ingest, files=lambda a: ([a.output], [a.input]))
 
 
 def run_synth(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def run_synth(args: argparse.Namespace) -> int:
             "semantic_tokens": step.num_semantic_tokens,
         })
     manifest = {"config_file": str(args.config), "config": config_to_dict(config), "seed": args.seed, "steps": written}
-    (out / "synth.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_text(out / "synth.json", json.dumps(manifest, indent=2) + "\n")
     print(f"wrote {len(written)} step(s) to {out}")
     return 0
 

@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from harts.config import from_dict
+from harts.files import atomic_path, write_text
 from harts.model.config import ModelConfig
 from harts.model.model import HybridModel
 
@@ -598,7 +599,7 @@ def save_hf_checkpoint(
     files = ([root / SINGLE_FILE] if len(shards) == 1 else
              [root / f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_text(root / "config.json", json.dumps(hf_config, indent=2) + "\n")
     with torch.no_grad():
         for file, names in zip(files, shards):
             tensors = {}
@@ -606,11 +607,12 @@ def save_hf_checkpoint(
                 slot = slots[name]
                 region = slot.view(targets[slot.target])
                 tensors[name] = torch.empty(slot.shape, dtype=dtypes[name]).copy_(region)
-            save_file(tensors, str(file), metadata={"format": "pt"})
+            with atomic_path(file) as temporary:
+                save_file(tensors, str(temporary), metadata={"format": "pt"})
     written = [root / "config.json", *files]
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {name: file.name for file, names in zip(files, shards) for name in names}}
-        (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        write_text(root / INDEX_FILE, json.dumps(index, indent=2) + "\n")
         written.append(root / INDEX_FILE)
     return written

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harts.files import atomic_path, write_text
 from harts.parallel.config import ParallelConfig
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -77,7 +78,7 @@ def _error_line(error: BaseException) -> str:
 
 def _record_error(error: BaseException, path: str) -> None:
     """When and what: written before the process group is torn down (which makes the peers fail)."""
-    Path(path).write_text(f"{time.time()!r}\n{_error_line(error)}")
+    write_text(path, f"{time.time()!r}\n{_error_line(error)}")
 
 
 def _rank_device(backend: str, device_type: str, local_rank: int, ranks_here: int):
@@ -183,7 +184,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, config: ParallelConfig,
             _record_error(error, error_path)
         raise
     if rank == 0:
-        torch.save(result, Path(directory, "rank0.pt"))
+        with atomic_path(Path(directory, "rank0.pt")) as temporary:
+            torch.save(result, temporary)
 
 
 def _first_failure(directory: str) -> str | None:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from harts.files import write_text
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
@@ -164,8 +165,7 @@ class Plan:
         return cls.from_dict(data, where)
 
     def write(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self.to_json(indent=1) + "\n", encoding="utf-8")
+        write_text(path, self.to_json(indent=1) + "\n")
 
     @classmethod
     def read(cls, path: str | Path) -> Plan:

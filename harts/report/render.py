@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.extras import require
+from harts.files import atomic_open, atomic_path
 
 PAGE_SIZE_IN = (11.69, 8.27)
 FONT_SIZE = 10
@@ -105,27 +106,20 @@ def save_pdf(figures: list, path: str | Path) -> None:
     from matplotlib.backends.backend_pdf import PdfPages
 
     plt = _pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with PdfPages(tmp, metadata={"Creator": "harts report", "Producer": "matplotlib", "CreationDate": None}) as pdf:
+    with atomic_path(path) as tmp, PdfPages(tmp, metadata={"Creator": "harts report", "Producer": "matplotlib",
+                                                           "CreationDate": None}) as pdf:
         for fig in figures:
             pdf.savefig(fig)
             plt.close(fig)
-    tmp.replace(path)
 
 
 def write_csv(path: str | Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
     """rows: dicts keyed by `columns` (a missing key is an empty cell); floats in full precision."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+    with atomic_open(path, newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="raise")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: "" if row.get(key) is None else row[key] for key in columns})
-    tmp.replace(path)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

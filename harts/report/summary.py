@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from harts.files import write_text
 from harts.report.records import NOT_MEASURED, load_records, provenance
 from harts.report.render import markdown_table
 
@@ -118,7 +119,5 @@ def write_summary(path: str | Path, *, speedup: list[str | Path], planning: list
     sections.append(_section("Pipeline config", "```yaml\n" + yaml.safe_dump(pipeline_config, sort_keys=False)
                              + "```"))
     text = "\n".join(sections)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    write_text(path, text)
     return text

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -55,6 +54,7 @@ from tqdm import tqdm
 
 from harts.bench.wandb_log import WandbOptions
 from harts.config import config_to_dict
+from harts.files import write_text
 from harts.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -381,9 +381,7 @@ def _truncate_log(path: Path, step: int) -> tuple[int, int]:
                 dropped += record.get("event") == "step"
                 continue
             kept.append(line if line.endswith("\n") else line + "\n")
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(kept), encoding="utf-8")
-    os.replace(temporary, path)
+    write_text(path, "".join(kept))
     return dropped, damaged
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 import uuid
+from pathlib import Path
 from typing import Any
 
 from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
                                    wandb_mode)
 from harts.extras import require
+from harts.files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,5 @@ def run_id(run_dir: Path) -> str:
             raise ValueError(f"{path}: not a W&B run id (letters, digits, '-' or '_', at most 64)")
         return found
     new = uuid.uuid4().hex[:16]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    temporary.write_text(new + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    write_text(path, new + "\n")
     return new

@@ -25,6 +25,7 @@ UTF-8, a corrupt or truncated gzip stream and a damaged `.npz` archive are all r
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import zipfile
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harts.files import atomic_open
 from harts.trees.step import TOKEN_DTYPE, Step
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -652,7 +654,7 @@ def write_npz(step: Step, path: str | Path) -> None:
         value = step.offsets if name == "offsets" else getattr(step, name)
         if value is not None:
             arrays[name] = value
-    with open(path, "wb") as handle:
+    with atomic_open(path, "wb") as handle:
         np.savez(handle, **arrays)
 
 
@@ -681,10 +683,16 @@ def iter_jsonl_records(step: Step):
 def write_jsonl(step: Step, path: str | Path) -> None:
     """Write `step` as JSONL (gzip-compressed when the name ends in .gz)."""
     path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as handle:
+    with atomic_open(path, "wb") as raw:
+        # No name or time in the gzip header: the same step gives the same bytes.
+        binary = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) if path.name.endswith(".gz") else raw
+        text = io.TextIOWrapper(binary, encoding="utf-8")
         for record in iter_jsonl_records(step):
-            handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+            text.write(json.dumps(record, separators=(",", ":")) + "\n")
+        text.flush()
+        text.detach()
+        if binary is not raw:
+            binary.close()  # the gzip trailer; the file itself is closed by atomic_open
 
 
 def write_step(step: Step, path: str | Path) -> None:

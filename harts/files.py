@@ -1,0 +1,115 @@
+"""Writing files safely: every file a HARTS command writes appears complete under its name or not at all.
+
+`atomic_path(path)` yields a unique temporary path in the target's directory (`.NAME.tmp-PID-RANDOM`: two writers
+never share one); when the block ends the file is fsynced and renamed over the target, and the directory fsynced,
+so a kill or a full disk leaves the previous file intact and no partial file under the final name. On an error the
+temporary is removed and an OSError names the target (`PATH: could not write (No space left on device)`).
+`atomic_open` gives a handle on such a temporary; `write_text` / `write_bytes` write one string. `check_outputs`
+refuses, before any work, an output that is one of the command's inputs (the same file, also through links or a
+folder of inputs). Tested in tests/test_files.py with simulated full disks and kills.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some file systems cannot open a directory: the rename is still atomic
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _named(error: OSError, message: str) -> OSError:
+    """An OSError whose text is `message` (what the CLI prints), keeping the original's errno."""
+    named = OSError(message)
+    named.errno = error.errno
+    return named
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path to write `path`'s new content to (by any library that takes a file name); renamed over
+    `path` when the block succeeds, removed when it fails."""
+    target = Path(path)
+    directory = target.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _named(error, f"{target}: could not create its folder ({error.strerror or error})") from None
+    temporary = directory / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        yield temporary
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException as error:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(error, OSError):
+            raise _named(error, f"{target}: could not write ({error.strerror or error})") from None
+        raise
+    _fsync_directory(directory)
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "utf-8",
+                newline: str | None = None) -> Iterator[IO]:
+    """`open(temporary, mode)` for `atomic_path(path)`: mode "w" (text, `encoding`) or "wb"."""
+    assert mode in ("w", "wb"), mode
+    with atomic_path(path) as temporary:
+        if mode == "wb":
+            with open(temporary, "wb") as handle:
+                yield handle
+        else:
+            with open(temporary, "w", encoding=encoding, newline=newline) as handle:
+                yield handle
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path) as handle:
+        handle.write(text)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _files(path: Path) -> list[Path]:
+    """An input's files: the file itself, or a folder's files (one level: step folders, run folders)."""
+    if path.is_dir():
+        return [path, *(entry for entry in path.iterdir() if entry.is_file())]
+    return [path]
+
+
+def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:
+    """ValueError naming `command` if an output is one of the inputs (or a file of an input folder)."""
+    inputs = [Path(p) for p in inputs if p is not None]
+    for output in (Path(p) for p in outputs if p is not None):
+        for given in inputs:
+            for existing in _files(given):
+                if _same(output, existing):
+                    what = "is" if existing == given else f"is {existing}, a file of"
+                    raise ValueError(f"{command}: output {output} {what} its input {given} (it would be overwritten)")
