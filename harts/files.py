@@ -6,7 +6,8 @@ so a kill or a full disk leaves the previous file intact and no partial file und
 temporary is removed and an OSError names the target (`PATH: could not write (No space left on device)`).
 `atomic_open` gives a handle on such a temporary; `write_text` / `write_bytes` write one string. `check_outputs`
 refuses, before any work, an output that is one of the command's inputs (the same file, also through links or a
-folder of inputs). Tested in tests/test_files.py with simulated full disks and kills.
+folder of inputs); `output_locks` keeps a second process from writing the same output at the same time. Tested in
+tests/test_files.py with real full disks, kills and concurrent writers.
 """
 
 from __future__ import annotations
@@ -113,3 +114,51 @@ def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: It
                 if _same(output, existing):
                     what = "is" if existing == given else f"is {existing}, a file of"
                     raise ValueError(f"{command}: output {output} {what} its input {given} (it would be overwritten)")
+
+
+@contextmanager
+def output_locks(command: str, outputs: Iterable[str | Path | None]) -> Iterator[None]:
+    """Hold an exclusive lock on each output (a hidden `.NAME.lock` beside it, removed afterwards) while the command
+    runs: a second harts process writing the same file (a records file, a run's train.jsonl) is refused in one line
+    instead of losing the first one's work. The kernel drops a lock when its process ends, however it ends."""
+    held: list[tuple[Path, IO]] = []
+    try:
+        for output in (Path(p) for p in outputs if p is not None):
+            held.append(_lock(command, output))
+        yield
+    finally:
+        for lock, handle in reversed(held):
+            lock.unlink(missing_ok=True)
+            handle.close()
+
+
+def _lock(command: str, output: Path) -> tuple[Path, IO]:
+    import fcntl
+
+    lock = output.parent / f".{output.name}.lock"
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(lock, "a+", encoding="utf-8")
+        except OSError as error:
+            raise _named(error, f"{lock}: could not open the lock of {output} ({error.strerror or error})") from None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise ValueError(f"{command}: {output} is being written by another harts process (pid {holder}); wait "
+                             "for it or choose another output") from None
+        try:
+            current = os.stat(lock).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()  # the holder removed this lock file as we took it: take the new one
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return lock, handle

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from harts.bench.records import write_records
-from harts.files import atomic_open, atomic_path, check_outputs, write_text
+from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
 from harts.trees.io import read_step, write_step
 from tests.trees.helpers import make_step
 
@@ -218,3 +218,39 @@ def test_commands_refuse_to_write_over_their_input_before_any_work(tmp_path, arg
     err = capsys.readouterr().err
     assert err.startswith(f"harts: error: harts {argv[0]}") and "(it would be overwritten)" in err
     assert {name: digest(path) for name, path in files.items()} == before
+
+
+def test_a_second_writer_of_an_output_is_refused_and_the_lock_goes_away(tmp_path, capsys):
+    from harts.cli.main import main
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "microbatches", str(STEP), "--capacity", "4096", "--dp", "1", "--out", str(out)]
+    with output_locks("harts plan microbatches", [out]):
+        assert (tmp_path / ".plan.json.lock").read_text() == f"{os.getpid()}\n"
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"harts: error: harts plan microbatches: {out} is being written by another "
+                                           f"harts process (pid {os.getpid()}); wait for it or choose another output\n")
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert main(argv) == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_two_harts_train_on_one_run_folder(tmp_path):
+    """The second `harts train --out R` is refused while the first runs; the log has one start."""
+    run = tmp_path / "run"
+    config = REPO / "tests/training/micro-trees.yaml"
+    args = [sys.executable, "-m", "harts", "train", "--out", str(run), "--model", "tiny", "--trees", str(config),
+            "--num-steps", "40", "--capacity", "1024", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    first = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "train.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert second.returncode == 2, second.stderr
+    assert second.stderr.endswith(f"{run / 'train.jsonl'} is being written by another harts process (pid "
+                                  f"{first.pid}); wait for it or choose another output\n"), second.stderr
+    starts = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines() if '"start"' in line]
+    assert len(starts) == 1

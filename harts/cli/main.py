@@ -22,7 +22,7 @@ from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
 from harts.cli.args import print_error
 from harts.extras import MissingExtra
-from harts.files import check_outputs
+from harts.files import check_outputs, output_locks
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,12 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        command, outputs = "harts", []
         if hasattr(args, "files"):
-            # Before any work: a command never writes over one of its own inputs.
+            # Before any work: a command never writes over one of its own inputs, nor beside another writer.
             outputs, inputs = args.files(args)
             words = [args.command, getattr(args, f"{args.command}_command", None)]
-            check_outputs(" ".join(["harts", *filter(None, words)]), outputs, inputs)
-        return int(args.run(args) or 0)
+            command = " ".join(["harts", *filter(None, words)])
+            check_outputs(command, outputs, inputs)
+        # Under torchrun every rank runs this; rank 0 alone writes (and locks) the outputs.
+        with output_locks(command, outputs if os.environ.get("RANK", "0") == "0" else []):
+            return int(args.run(args) or 0)
     except (ValueError, OSError, MissingExtra) as error:
         if os.environ.get("HARTS_DEBUG"):
             raise
