@@ -12,13 +12,15 @@ from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from harts.bench.pipeline_config import coerce_strings, load_schema
+from harts.bench.pipeline_config import coerce_strings, load_schema, refuse_templates
 
 min_version("9.0")
 
 
 configfile: "configs/pipeline.yaml"
 
+
+refuse_templates(workflow.configfiles)
 
 # `--config` gives nested values as strings ('512'): read them as the schema's types first.
 coerce_strings(config, load_schema(Path(workflow.basedir) / "workflows/schemas/pipeline.schema.yaml"))

@@ -8,8 +8,13 @@ and the config holds a string that spells one (512, -3, 1e-3, 0.5, true, false),
 replaced, in place; where it allows null (`type: [integer, "null"]`, or null in an `enum`), "null"
 becomes None; any other string is left for the validation to reject with its own message.
 
+`refuse_templates(paths)` refuses a config file that asks Snakemake for YAML templating (`__use_yte__`): the
+pipeline's configs are data, checked against the schema. Snakemake evaluates such a file's Python expressions
+when it reads `--configfile`, before the Snakefile runs, so this refusal stops the run but cannot undo what the
+expressions did: config files and profiles are code to Snakemake (README "Pipeline").
+
 Tested in tests/bench/test_pipeline_config.py against hand-written configs and in
-tests/workflow/test_workflow.py by a dry run with nested `--config` values.
+tests/workflow/test_workflow.py by dry runs with nested `--config` values and with a templated config file.
 """
 
 from __future__ import annotations
@@ -79,3 +84,16 @@ def _scalar(text: str, kind: str | None) -> Any:
     if kind == "null" and text in _NULL:
         return None
     return _UNCHANGED
+
+
+def refuse_templates(paths: list[str | Path]) -> None:
+    """ValueError naming the first of `paths` whose top level holds `__use_yte__` (a templated config)."""
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError:
+            continue  # Snakemake reports a config file it cannot read
+        if re.search(r"^[\"']?__use_yte__[\"']?\s*:", text, flags=re.M) or '"__use_yte__"' in text:
+            raise ValueError(f"{path}: a templated config (__use_yte__): the pipeline's config files are data. "
+                             "Snakemake has already evaluated its expressions (config files are code to it: README "
+                             "'Pipeline'); give plain YAML")

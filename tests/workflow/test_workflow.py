@@ -276,6 +276,23 @@ def test_bad_config_fails_with_a_clear_message(workdir, case):
     assert message in result.stdout + result.stderr
 
 
+def test_a_templated_config_file_is_refused_after_snakemake_evaluated_it(workdir):
+    """The README's statement, shown: Snakemake evaluates a `__use_yte__` config file's expressions while it reads
+    `--configfile`, before the Snakefile runs (here they create a file, under `-n`); the Snakefile then refuses the
+    file, so the run stops and no job is planned."""
+    config = (REPO / "configs" / "pipeline-tiny.yaml").read_text(encoding="utf-8")
+    marker = workdir / "evaluated"
+    (workdir / "templated.yaml").write_text(
+        "__use_yte__: true\n" + config + f"\n?if open({str(marker)!r}, 'w').close() is None:\n  extra: 1\n",
+        encoding="utf-8")
+    result = snakemake(workdir, "-n", "--workflow-profile", "tiny", "--configfile", "templated.yaml")
+    assert marker.exists()  # code in a config file runs: config files are code to Snakemake
+    assert result.returncode != 0
+    assert "templated.yaml: a templated config (__use_yte__): the pipeline's config files are data" in (
+        result.stdout + result.stderr)
+    assert "Job stats:" not in result.stdout and not (workdir / "reports").exists()
+
+
 def test_nested_config_values_on_the_command_line(workdir):
     # Snakemake hands nested --config values over as strings ('512'); they must reach the jobs as numbers.
     target = "reports/raw/speedup/tiny/single.json"
