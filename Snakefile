@@ -12,7 +12,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from harts.bench.pipeline_config import coerce_strings, load_schema, refuse_templates
+from harts.bench.pipeline_config import coerce_strings, load_schema, check_config_files
 
 min_version("9.0")
 
@@ -20,7 +20,7 @@ min_version("9.0")
 configfile: "configs/pipeline.yaml"
 
 
-refuse_templates(workflow.configfiles)
+check_config_files(workflow.configfiles)
 
 # `--config` gives nested values as strings ('512'): read them as the schema's types first.
 coerce_strings(config, load_schema(Path(workflow.basedir) / "workflows/schemas/pipeline.schema.yaml"))

@@ -1,7 +1,9 @@
 """Strict YAML configuration: a YAML mapping becomes a (nested) `@dataclass(kw_only=True)`.
 
 `load_config(path, cls)` rejects unknown keys, missing required keys and values of the wrong
-type with one line naming the file and the dotted key. `config_to_dict` is the inverse, used
+type with one line naming the file, the dotted key, the value's type and a bounded excerpt of it.
+Every YAML HARTS reads goes through `load_yaml` (a safe loader): aliases (`*name`, the "billion laughs" bomb)
+and duplicate keys are refused with their line, and integers are bounded by INT_LIMIT as the flags are. `config_to_dict` is the inverse, used
 to write the full resolved configuration into result records.
 
 `shipped_config_path(name_or_path, folder)` is the one place a config NAME becomes a file: the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import reprlib
 import types
 import typing
 from importlib.resources.abc import Traversable
@@ -26,6 +29,62 @@ import yaml
 T = TypeVar("T")
 
 
+INT_LIMIT = 1 << 62
+"""Counts and sizes meet int64 arrays (token counts, capacities): integers of this size or more are refused."""
+
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother, _EXCERPT.maxlong = 2, 60, 60, 40
+_EXCERPT.maxdict = _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxset = 4
+
+
+def excerpt(value: Any) -> str:
+    """The value's type and a bounded repr of it, for error messages (a huge or deeply nested value stays short)."""
+    return f"{type(value).__name__} {_EXCERPT.repr(value)}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without aliases, duplicate keys or integers beyond INT_LIMIT (each a YAMLError with its line)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(None, None, f"YAML aliases (*{event.anchor}) are not accepted",
+                                       event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.MarkedYAMLError(None, None, f"duplicate key {_EXCERPT.repr(key)}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        value = super().construct_yaml_int(node)
+        if abs(value) >= INT_LIMIT:
+            raise yaml.MarkedYAMLError(None, None, f"integer {_EXCERPT.repr(value)} is too large (at most 2^62 - 1)",
+                                       node.start_mark)
+        return value
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
+def load_yaml(stream: Any, where: str | Path) -> Any:
+    """YAML text or a text stream through the strict loader; ValueError `WHERE: invalid YAML (line N: ...)`."""
+    try:
+        return yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        line = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ValueError(f"{where}: invalid YAML ({line}{error.problem})") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{where}: invalid YAML ({str(error).splitlines()[0]})") from None
+
+
 SHIPPED_FOLDERS = {"models": "model", "parallel": "parallel config", "rl": "RL config", "trees": "trees config"}
 """Folders of `harts.configs` and what their configs are called in messages."""
 
@@ -34,11 +93,9 @@ def load_yaml_mapping(path: str | Path | Traversable) -> dict[str, Any]:
     source = Path(path) if isinstance(path, str) else path
     try:
         with source.open(encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = load_yaml(handle, path)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such config file") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: invalid YAML ({str(error).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data
@@ -141,23 +198,23 @@ def _convert(hint: Any, value: Any, where: str, key: str) -> Any:
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: key '{key}': expected true or false, got {value!r}")
+            raise ValueError(f"{where}: key '{key}': expected true or false, got {excerpt(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: key '{key}': expected an integer, got {value!r}")
+            raise ValueError(f"{where}: key '{key}': expected an integer, got {excerpt(value)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: key '{key}': expected a number, got {value!r}")
+            raise ValueError(f"{where}: key '{key}': expected a number, got {excerpt(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f"{where}: key '{key}': expected a string, got {value!r}")
+            raise ValueError(f"{where}: key '{key}': expected a string, got {excerpt(value)}")
         return value
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
-            raise ValueError(f"{where}: key '{key}': expected one of {typing.get_args(hint)}, got {value!r}")
+            raise ValueError(f"{where}: key '{key}': expected one of {typing.get_args(hint)}, got {excerpt(value)}")
         return value
     raise TypeError(f"unsupported config type {hint!r} for {key}")
 

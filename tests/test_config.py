@@ -50,6 +50,39 @@ def test_strict(tmp_path, text, fragment):
     assert fragment in str(error.value) and "c.yaml" in str(error.value)
 
 
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+"""The "billion laughs": 9^9 strings from 415 bytes of YAML through shared aliases."""
+
+
+@pytest.mark.parametrize("text, message", [
+    (BOMB, "line 2: YAML aliases (*a) are not accepted"),
+    ("name: x\ninner: {size: 3}\nname: y\n", "line 3: duplicate key 'name'"),
+    ("name: x\ninner: {size: 4611686018427387904}\n", "line 2: integer 4611686018427387904 is too large"),
+    ("name: x\ninner: {size: -4611686018427387904}\n", "line 2: integer -4611686018427387904 is too large"),
+], ids=["alias-bomb", "duplicate-key", "integer-2^62", "integer-minus-2^62"])
+def test_yaml_beyond_plain_bounded_data_is_refused_at_once(tmp_path, text, message):
+    import time
+
+    path = _write(tmp_path, text)
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as error:
+        load_config(path, Outer)
+    assert time.perf_counter() - start < 1.0
+    assert str(error.value).startswith(f"{path}: invalid YAML ({message}")
+    # Anchors alone hold no alias, and an integer below the bound is fine.
+    assert load_config(_write(tmp_path, "name: &n x\ninner: {size: 4611686018427387903}\n"), Outer).inner.size > 0
+
+
+def test_a_wrong_value_is_shown_with_its_type_and_a_bounded_excerpt(tmp_path):
+    path = _write(tmp_path, "name: x\ninner: {size: [" + ", ".join(f'"{"y" * 5000}"' for _ in range(50)) + "]}\n")
+    with pytest.raises(ValueError) as error:
+        load_config(path, Outer)
+    message = str(error.value)
+    assert message.startswith(f"{path}: key 'inner.size': expected an integer, got list ['yyy")
+    assert len(message) < len(str(path)) + 400
+
+
 @pytest.mark.parametrize("name", ["paper", "cpu-small", "cpu-deep", "tiny"])
 def test_shipped_tree_configs_load(name):
     from harts.trees.synth import SynthConfig

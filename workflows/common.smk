@@ -6,9 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
-
 from harts.bench.speedup import SEARCHED
+from harts.config import load_yaml_mapping
 from harts.objective.step import check_keep_attention
 from harts.parallel.config import load_parallel_config
 from harts.rl.config import load_rl_config
@@ -42,7 +41,7 @@ def _check_config():
             path = Path(f"configs/models/{model}.yaml")
             if not path.is_file():
                 raise ValueError(f"pipeline config: {section}.models: no file {path}")
-            if yaml.safe_load(path.read_text(encoding="utf-8")).get("name") != model:
+            if load_yaml_mapping(path).get("name") != model:
                 raise ValueError(f"{path}: its `name` must be {model!r} (records are labelled by it)")
         for name in config[section]["parallel"]:
             path = Path(f"configs/parallel/{name}.yaml")

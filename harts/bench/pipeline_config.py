@@ -8,7 +8,8 @@ and the config holds a string that spells one (512, -3, 1e-3, 0.5, true, false),
 replaced, in place; where it allows null (`type: [integer, "null"]`, or null in an `enum`), "null"
 becomes None; any other string is left for the validation to reject with its own message.
 
-`refuse_templates(paths)` refuses a config file that asks Snakemake for YAML templating (`__use_yte__`): the
+`check_config_files(paths)` refuses a config file that is not plain data (an alias, a duplicate key: the strict
+loader of harts.config) or asks Snakemake for YAML templating (`__use_yte__`): the
 pipeline's configs are data, checked against the schema. Snakemake evaluates such a file's Python expressions
 when it reads `--configfile`, before the Snakefile runs, so this refusal stops the run but cannot undo what the
 expressions did: config files and profiles are code to Snakemake (README "Pipeline").
@@ -23,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
+from harts.config import load_yaml
 
 _INTEGER = re.compile(r"[+-]?\d+")
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -32,7 +33,7 @@ _NULL = ("null", "~")
 
 
 def load_schema(path: str | Path) -> dict:
-    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return load_yaml(Path(path).read_text(encoding="utf-8"), path)
 
 
 def coerce_strings(config: dict, schema: dict) -> dict:
@@ -86,14 +87,17 @@ def _scalar(text: str, kind: str | None) -> Any:
     return _UNCHANGED
 
 
-def refuse_templates(paths: list[str | Path]) -> None:
-    """ValueError naming the first of `paths` whose top level holds `__use_yte__` (a templated config)."""
+def check_config_files(paths: list[str | Path]) -> None:
+    """ValueError naming the first of `paths` that is templated (`__use_yte__` at its top) or not plain data to
+    HARTS's strict YAML loader (an alias, a duplicate key, an integer beyond 2^62: harts.config.load_yaml), before
+    anything walks the config Snakemake built from it (an alias bomb shares its nodes: walking them is exponential)."""
     for path in paths:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError:
             continue  # Snakemake reports a config file it cannot read
-        if re.search(r"^[\"']?__use_yte__[\"']?\s*:", text, flags=re.M) or '"__use_yte__"' in text:
+        if re.search(r"^[\"']?__use_yte__[\"']?\s*:", text, flags=re.M):
             raise ValueError(f"{path}: a templated config (__use_yte__): the pipeline's config files are data. "
                              "Snakemake has already evaluated its expressions (config files are code to it: README "
                              "'Pipeline'); give plain YAML")
+        load_yaml(text, path)

@@ -11,6 +11,8 @@ import argparse
 import math
 import sys
 
+from harts.config import INT_LIMIT
+
 
 def print_error(message: str) -> None:
     """`harts: error: MESSAGE` on stderr in one write: the ranks of a torchrun job share the stream, and a line
@@ -39,8 +41,6 @@ def index_list(text: str) -> list[int]:
     return values
 
 
-# Counts and sizes meet int64 arrays (token counts, capacities): larger integers are refused.
-INT_LIMIT = 1 << 62
 
 
 def _number(text: str, kind: type, minimum: float, inclusive: bool, expected: str):

@@ -66,7 +66,7 @@ BAD = {
     "yaml-unknown-key": ("clip_ratio: 0.2\n", [], "{path}: unknown key 'clip_ratio' (allowed: aggregation, "
                          "clip_ratio_high, clip_ratio_low, kl_coef)"),
     "yaml-ppo-key-under-grpo": ("dual_clip_ratio: 3\n", [], "{path}: unknown key 'dual_clip_ratio'"),
-    "yaml-wrong-type": ("kl_coef: a lot\n", [], "{path}: key 'kl_coef': expected a number, got 'a lot'"),
+    "yaml-wrong-type": ("kl_coef: a lot\n", [], "{path}: key 'kl_coef': expected a number, got str 'a lot'"),
     "yaml-out-of-range": ("clip_ratio_low: 1.5\n", [], "{path}: GRPOConfig: need 0 <= clip_ratio_low < 1"),
     "yaml-missing": (None, ["--loss-config", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such config file"),
     "flag-out-of-range": (None, ["--clip-ratio-low", "1"], "loss options: GRPOConfig: need 0 <= clip_ratio_low < 1"),

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,18 @@ def test_a_templated_config_file_is_refused_after_snakemake_evaluated_it(workdir
     assert "templated.yaml: a templated config (__use_yte__): the pipeline's config files are data" in (
         result.stdout + result.stderr)
     assert "Job stats:" not in result.stdout and not (workdir / "reports").exists()
+
+
+def test_an_alias_bomb_config_file_is_refused_in_a_moment(workdir):
+    from tests.test_config import BOMB
+
+    (workdir / "bomb.yaml").write_text((REPO / "configs" / "pipeline-tiny.yaml").read_text(encoding="utf-8")
+                                       + "extra:\n" + "".join(f"  {line}\n" for line in BOMB.splitlines()))
+    start = time.perf_counter()
+    result = snakemake(workdir, "-n", "--workflow-profile", "tiny", "--configfile", "bomb.yaml")
+    assert result.returncode != 0 and "bomb.yaml: invalid YAML (line " in result.stdout + result.stderr
+    assert "YAML aliases (*a) are not accepted" in result.stdout + result.stderr
+    assert time.perf_counter() - start < 30  # Snakemake's own start is most of it
 
 
 def test_nested_config_values_on_the_command_line(workdir):
