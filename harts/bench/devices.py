@@ -29,6 +29,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,12 +60,32 @@ def lock_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(env.get("HARTS_DEVICE_LOCKS") or Path(tempfile.gettempdir()) / f"harts-devices-{os.getuid()}")
 
 
+def _private_folder(directory: Path) -> None:
+    """Create `directory` (0700) or check that it is a folder of this user that no one else can write: in the shared
+    temp folder another local user could otherwise create it first and hold every GPU lock."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{directory}: the GPU lock folder is not a folder (a link or a file): remove it or set "
+                         "HARTS_DEVICE_LOCKS to a folder of yours")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{directory}: the GPU lock folder belongs to uid {info.st_uid}, not to you ({os.getuid()}): "
+                         "remove it or set HARTS_DEVICE_LOCKS to a folder of yours")
+    if info.st_mode & 0o022:
+        raise ValueError(f"{directory}: the GPU lock folder can be written by others (mode {info.st_mode & 0o777:o}): "
+                         "chmod go-w it or set HARTS_DEVICE_LOCKS to a folder of yours")
+
+
 @contextmanager
 def take(count: int, devices: list[str], directory: Path, poll_s: float = POLL_S) -> Iterator[list[str]]:
     """Hold `count` of `devices` (the lowest free ones) for the block; waits, holding none, while fewer are free."""
     if count > len(devices):
         raise ValueError(f"a job asks for {count} GPUs, the pool holds {len(devices)} ({','.join(devices) or 'none'})")
-    directory.mkdir(parents=True, exist_ok=True)
+    _private_folder(directory)
     held: dict[str, int] = {}
     said = False
     try:

@@ -152,3 +152,30 @@ def test_a_signal_to_the_wrapper_reaches_the_command(tmp_path):
     wrapper.terminate()
     out, _ = wrapper.communicate(timeout=20)
     assert wrapper.returncode == 3 and "command got SIGTERM" in out
+
+
+@pytest.mark.parametrize("case", ["open-to-others", "a-link", "other-owner"])
+def test_a_lock_folder_others_could_control_is_refused(tmp_path, case, monkeypatch):
+    folder = tmp_path / "locks"
+    if case == "open-to-others":
+        folder.mkdir()
+        folder.chmod(0o777)
+        message = r"can be written by others \(mode 777\)"
+    elif case == "a-link":
+        (tmp_path / "elsewhere").mkdir()
+        folder.symlink_to(tmp_path / "elsewhere")
+        message = "is not a folder"
+    else:
+        folder.mkdir(mode=0o700)
+        monkeypatch.setattr(devices.os, "getuid", lambda: os.stat(folder).st_uid + 1)
+        message = "belongs to uid"
+    with pytest.raises(ValueError, match=message):
+        with devices.take(1, ["0"], folder):
+            pass
+
+
+def test_a_new_lock_folder_is_private(tmp_path):
+    folder = tmp_path / "locks"
+    with devices.take(1, ["0", "1"], folder) as held:
+        assert held == ["0"]
+    assert folder.stat().st_mode & 0o777 == 0o700
