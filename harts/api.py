@@ -22,7 +22,7 @@ to token t *as a target*, predicted from the tokens before it, DESIGN §5):
   OpenRLHF's `action_mask`-shaped ones): `loss_mask` (or verl's name `response_mask`; 0/1, 1 only
   on real tokens, never on a row's first real token), `old_log_probs`, `ref_log_probs` (or verl's
   `ref_log_prob`), and `advantages` ([B, L], [B, R], or [B] or [B, 1]: one per sequence). Every field
-  given as [B, R] has the same R (one response width), and log-probs are <= 0 where the loss mask is 1.
+  given as [B, R] has the same R (one response width), and log-probs are in [-1e4, 0] where the loss mask is 1.
 - packed (`packed_batch`): `input_ids` int [T] and `cu_seqlens` int [B + 1] (sequence b is
   `input_ids[cu_seqlens[b]:cu_seqlens[b + 1]]`, no padding), per-token fields [T] (`advantages`
   [T], or [B] or [B, 1]). Frameworks that align log-probs with the *predicting* position instead
@@ -76,7 +76,7 @@ from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, 
 from harts.objective.targets import semantic_targets_from_step
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
-from harts.trees.step import TOKEN_DTYPE, Step
+from harts.trees.step import LOGPROB_FLOOR, TOKEN_DTYPE, Step
 from harts.trees.trie import PrefixIndex
 
 PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs")
@@ -245,10 +245,10 @@ def _build(
             raise ValueError(f"{where}: field '{name}': {array[bad[0]]} at {locate(int(bad[0]))}, where the loss "
                              "mask is 1 (must be finite)")
         if name != "advantages":
-            bad = np.flatnonzero(loss_mask & (array > 0))
+            bad = np.flatnonzero(loss_mask & ((array > 0) | (array < LOGPROB_FLOOR)))
             if len(bad):
                 raise ValueError(f"{where}: field '{name}': {array[bad[0]]} at {locate(int(bad[0]))}, where the loss "
-                                 "mask is 1 (log-probabilities must be <= 0)")
+                                 f"mask is 1 (log-probabilities must be in [{LOGPROB_FLOOR:g}, 0])")
         # Values the loss mask excludes are never read: padding may hold anything.
         values[name] = np.where(loss_mask, array, 0.0).astype(np.float32)
     if per_sequence_advantages is not None:

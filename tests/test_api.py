@@ -537,7 +537,10 @@ def _bad(case):
         "positive-old-log-prob-where-masked": (
             dict(with_mask, old_log_probs=torch.where(torch.arange(8) == 5, 0.25, -1.0).expand(2, 8)),
             r"field 'old_log_probs': 0.25 at row 0, column 5, where the loss mask is 1 "
-            r"\(log-probabilities must be <= 0\)"),
+            r"\(log-probabilities must be in \[-10000, 0\]\)"),
+        "huge-negative-old-log-prob": (dict(with_mask, old_log_probs=torch.full((2, 8), -3e38)),
+                                       r"field 'old_log_probs': -3.*e\+38 at row 0, column 5, where the loss mask is 1 "
+                                       r"\(log-probabilities must be in \[-10000, 0\]\)"),
         "positive-ref-log-prob-packed": ({"input_ids": torch.arange(6), "cu_seqlens": torch.tensor([0, 4, 6]),
                                           "loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]),
                                           "ref_log_probs": torch.tensor([0, -1, -1, -1, 0, 1e-3])},
@@ -572,7 +575,7 @@ def _bad(case):
 
 BAD = ["hole-in-attention", "empty-row", "attention-not-0-1", "float-input-ids", "loss-mask-on-padding",
        "loss-mask-on-first-token", "nan-advantage-where-masked", "inf-old-log-prob-in-response", "wider-than-input",
-       "positive-old-log-prob-where-masked", "positive-ref-log-prob-packed", "response-widths-differ", "advantages-B2",
+       "positive-old-log-prob-where-masked", "huge-negative-old-log-prob", "positive-ref-log-prob-packed", "response-widths-differ", "advantages-B2",
        "misspelled-field", "two-names", "no-attention-mask", "bad-padding-side", "cu-seqlens-short",
        "cu-seqlens-empty-sequence", "packed-nan-old", "trajectory-length", "trajectory-missing-field"]
 

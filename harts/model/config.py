@@ -13,10 +13,23 @@ checkpoints exactly (harts.model.hf): `KDAConfig.output_gate_bias`, `MLAConfig.u
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from harts.config import load_config, shipped_config_path
 from harts.model.moe import MoEConfig
+
+
+def _check_positive(owner: str, **values) -> None:
+    """ValueError naming the first of `values` that is not a positive integer."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _check_epsilon(owner: str, name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and 0 < value < 1):
+        raise ValueError(f"{owner}.{name} must be a finite number in (0, 1), got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -35,6 +48,10 @@ class KDAConfig:
     output_gate_bias: bool = True
     """A bias on the output gate's full-rank projection (fla's KDA layer has one; Kimi-Linear's
     g_b_proj has none)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("kda", num_heads=self.num_heads, head_dim=self.head_dim, conv_size=self.conv_size,
+                        gate_rank=self.gate_rank, chunk_size=self.chunk_size)
 
 
 @dataclass(kw_only=True)
@@ -57,6 +74,17 @@ class MLAConfig:
     latent_norm_eps: float | None = None
     """Epsilon of the RMSNorms of the compressed KV and of the low-rank query (None: the model's
     norm_eps). Kimi-Linear and DeepSeek use 1e-6 there whatever their rms_norm_eps."""
+
+    def __post_init__(self) -> None:
+        _check_positive("mla", num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                        qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
+                        q_lora_rank=self.q_lora_rank)
+        if isinstance(self.qk_rope_head_dim, bool) or not isinstance(self.qk_rope_head_dim, int) or (
+                self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2):
+            raise ValueError(f"mla.qk_rope_head_dim must be an even integer >= 0, got {self.qk_rope_head_dim!r}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"mla.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        _check_epsilon("mla", "latent_norm_eps", self.latent_norm_eps)
 
 
 @dataclass(kw_only=True)
@@ -83,6 +111,10 @@ class ModelConfig:
     (None: the pattern)."""
 
     def __post_init__(self) -> None:
+        _check_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size)
+        _check_epsilon("model", "norm_eps", self.norm_eps)
+        if not (math.isfinite(self.init_std) and self.init_std > 0):
+            raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")
         if self.num_layers < 1 or self.layers_per_group < 1:
             raise ValueError("num_layers and layers_per_group must be >= 1")
         if self.mla_layers is not None:

@@ -56,6 +56,7 @@ expanded rows (forward and gradients), grouped and lean vs loop (forward and gra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,10 @@ class MoEConfig:
             raise ValueError("MoEConfig: softmax after top-1 has zero gradient; set softmax_before_topk")
         if self.shared_expert_hidden_size < 0 or self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
             raise ValueError(f"MoEConfig: shared size and loss coefficients must be >= 0, got {self}")
+        for name in ("bias_update_rate", "aux_loss_coeff", "z_loss_coeff", "init_std", "topk_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"MoEConfig: {name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from harts.files import atomic_open
-from harts.trees.step import TOKEN_DTYPE, Step
+from harts.trees.step import LOGPROB_FLOOR, TOKEN_DTYPE, Step, check_name
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 NPZ_SUFFIX = ".npz"
@@ -263,6 +263,7 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
         raise TrajectoryFormatError(f"{where}: field 'id': missing")
     if not isinstance(trajectory_id, str) or not trajectory_id:
         raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
+    _check_name(trajectory_id, where, "id")
     if trajectory_id in acc.seen:
         raise TrajectoryFormatError(
             f"{where}: field 'id': duplicate id {trajectory_id!r} (first on line {acc.seen[trajectory_id]})"
@@ -270,6 +271,7 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
     tree = record.get("tree", trajectory_id)
     if not isinstance(tree, str) or not tree:
         raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
+    _check_name(tree, where, "tree")
 
     if "tokens" not in record:
         raise TrajectoryFormatError(f"{where}: field 'tokens': missing")
@@ -308,8 +310,9 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
         if name in record:
             values = _float_array(record[name], where, name, may_hold_bools)
             _check_length(values, length, where, name)
-            if (values > 0).any():
-                raise TrajectoryFormatError(f"{where}: field '{name}': log-probabilities must be <= 0")
+            if ((values > 0) | (values < LOGPROB_FLOOR)).any():
+                raise TrajectoryFormatError(f"{where}: field '{name}': log-probabilities must be in "
+                                            f"[{LOGPROB_FLOOR:g}, 0]")
             acc.optional_first_line.setdefault(name, line_number)
             if len(acc.optional.setdefault(name, [])) != len(acc.ids):
                 raise TrajectoryFormatError(
@@ -487,6 +490,13 @@ _NPZ_READ_ERRORS = (
 _PER_TOKEN = ("tokens", "loss_mask", "advantage_per_token", "old_logprobs", "ref_logprobs")
 
 
+def _check_name(value: str, where: str, field: str) -> None:
+    try:
+        check_name(value, where, field)
+    except ValueError as error:
+        raise TrajectoryFormatError(str(error)) from None
+
+
 def _open_npz(path: Path) -> np.lib.npyio.NpzFile:
     """The archive, after checking that the file is a zip archive at all.
 
@@ -524,6 +534,9 @@ def _npz_array(archive: np.lib.npyio.NpzFile, name: str, where: str) -> np.ndarr
 def _read_npz(path: Path) -> Step:
     where = str(path)
     with _open_npz(path) as archive:
+        repeated = sorted({name for name in archive.files if archive.files.count(name) > 1})
+        if repeated:
+            raise TrajectoryFormatError(f"{where}: field '{repeated[0]}': the archive holds it twice")
         names = set(archive.files)
         unknown = sorted(names - set(_NPZ_ARRAYS) - {"ids", "trees", "format_version"})
         if unknown:
@@ -595,6 +608,9 @@ def _read_npz(path: Path) -> Step:
             counts[trajectory_id] = k
     if "" in id_list:
         raise TrajectoryFormatError(f"{where}: trajectory {id_list.index('')}: field 'id': empty")
+    for k, (trajectory_id, tree) in enumerate(zip(id_list, trees)):
+        _check_name(trajectory_id, f"{where}: trajectory {k}", "id")
+        _check_name(str(tree), f"{where}: trajectory {k}", "tree")
     tokens = arrays["tokens"]
     loss_mask = arrays["loss_mask"]
     _check_npz_values(where, id_list, offsets, tokens < 0, "tokens", "negative token")
@@ -616,7 +632,8 @@ def _read_npz(path: Path) -> Step:
             _check_npz_values(where, id_list, offsets, ~np.isfinite(arrays[name]), name, "non-finite value")
     for name in OPTIONAL_TOKEN_FIELDS:
         if name in arrays:
-            _check_npz_values(where, id_list, offsets, arrays[name] > 0, name, "log-probabilities must be <= 0")
+            _check_npz_values(where, id_list, offsets, (arrays[name] > 0) | (arrays[name] < LOGPROB_FLOOR), name,
+                              f"log-probabilities must be in [{LOGPROB_FLOOR:g}, 0]")
     return Step(
         ids=tuple(id_list),
         trees=tuple(str(t) for t in trees),
@@ -645,6 +662,9 @@ def _check_npz_values(
 
 def write_npz(step: Step, path: str | Path) -> None:
     """Write `step` in the binary form (uncompressed: loading is a memory copy)."""
+    for k, (trajectory_id, tree) in enumerate(zip(step.ids, step.trees)):
+        _check_name(trajectory_id, f"{path}: trajectory {k}", "id")
+        _check_name(tree, f"{path}: trajectory {k}", "tree")
     arrays = {
         "format_version": np.asarray(NPZ_FORMAT_VERSION),
         "ids": np.asarray(step.ids, dtype=str),

@@ -18,6 +18,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TOKEN_DTYPE = np.int32
+LOGPROB_FLOOR = -1e4
+"""The lowest old or reference log-probability accepted: far below anything a model's log-softmax gives
+(a uniform 2^31-token vocabulary is −21.5); lower values are garbage or another unit, and overflow the
+loss's ratios and KL (exp(10^4) is inf)."""
+MAX_NAME_LENGTH = 1024
+"""The longest trajectory or tree id accepted (characters)."""
+
+
+def check_name(value: str, where: str, field: str) -> None:
+    """ValueError unless `value` is a usable id: at most MAX_NAME_LENGTH characters, no control characters (a NUL
+    would be stripped by numpy's string arrays, merging two ids)."""
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"{where}: field '{field}': {len(value):,} characters (at most {MAX_NAME_LENGTH})")
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(f"{where}: field '{field}': control character {bad!r} in {value[:60]!r}")
 
 
 @dataclass(frozen=True, eq=False)

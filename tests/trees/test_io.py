@@ -45,7 +45,12 @@ BAD_LINES = {
     "advantage-length": (_record(id="b", advantage=[0.1]), "field 'advantage': length 1"),
     "advantage-type": (_record(id="b", advantage="high"), "field 'advantage': expected a number"),
     "reward-nan": ('{"id": "b", "tokens": [1], "reward": NaN}', "field 'reward': non-finite"),
-    "logprob-positive": (_record(id="b", old_logprobs=[0.0, 0.5, -1.0]), "must be <= 0"),
+    "logprob-positive": (_record(id="b", old_logprobs=[0.0, 0.5, -1.0]), "must be in [-10000, 0]"),
+    "logprob-huge-negative": (_record(id="b", ref_logprobs=[0.0, -3e38, -1.0]),
+                              "field 'ref_logprobs': log-probabilities must be in [-10000, 0]"),
+    "id-with-nul": (_record(id="b\u0000"), "field 'id': control character '\\x00'"),
+    "id-too-long": (_record(id="b" * 1_000_000), "field 'id': 1,000,000 characters (at most 1024)"),
+    "tree-with-newline": (_record(id="b", tree="t\nu"), "field 'tree': control character '\\n'"),
     "unknown-field": (_record(id="b", extra=1), "field 'extra': unknown field"),
     "empty-line": ("", "empty line"),
     "tree-type": (_record(id="b", tree=3), "field 'tree'"),
@@ -258,7 +263,37 @@ NPZ_BREAKAGE = {
     "unknown-array": (lambda a: a.__setitem__("junk", np.zeros(1)), "field 'junk': unknown array"),
     "nan-logprob": (lambda a: a["old_logprobs"].__setitem__(1, np.nan), "field 'old_logprobs': non-finite"),
     "duplicate-id": (lambda a: a.__setitem__("ids", np.array(["t0", "t0", "t2"])), "duplicate id 't0'"),
+    "huge-negative-logprob": (lambda a: a["ref_logprobs"].__setitem__(1, -3e38),
+                              "field 'ref_logprobs': log-probabilities must be in [-10000, 0]"),
+    "control-character-id": (lambda a: a.__setitem__("ids", np.array(["t0", "t\x01", "t2"])),
+                             "trajectory 1: field 'id': control character"),
 }
+
+
+def test_an_npz_with_a_member_twice_is_refused(tmp_path):
+    import zipfile
+
+    path = tmp_path / "s.npz"
+    write_step(_full_step(), path)
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    other = tmp_path / "tokens.npz"
+    np.savez(other, tokens=np.zeros(3, dtype=np.int32))
+    with zipfile.ZipFile(other) as archive:
+        second_tokens = archive.read("tokens.npy")
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr("tokens.npy", second_tokens)  # a second member of that name: zipfile warns, then writes it
+    with pytest.raises(TrajectoryFormatError, match=rf"{path}: field 'tokens': the archive holds it twice"):
+        read_step(path)
+
+
+def test_ids_that_numpy_would_merge_are_not_written(tmp_path):
+    step = make_step([[1, 2], [1, 3]], ids=["a", "a\x00"])
+    with pytest.raises(ValueError, match="trajectory 1: field 'id': control character"):
+        write_step(step, tmp_path / "s.npz")
+    assert not (tmp_path / "s.npz").exists()
 
 
 @pytest.mark.parametrize("case", NPZ_BREAKAGE)

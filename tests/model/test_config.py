@@ -1,0 +1,38 @@
+"""harts.model.config: a model config with a size of zero, a NaN or a negative epsilon is refused by file and key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harts.model.config import load_model_config
+
+REPO = Path(__file__).resolve().parents[2]
+BAD = {
+    "zero-kda-heads": ("kda", "num_heads", 0, "kda.num_heads must be a positive integer, got 0"),
+    "zero-mla-heads": ("mla", "num_heads", 0, "mla.num_heads must be a positive integer, got 0"),
+    "odd-rope-dim": ("mla", "qk_rope_head_dim", 3, "mla.qk_rope_head_dim must be an even integer >= 0, got 3"),
+    "nan-norm-eps": (None, "norm_eps", float("nan"), "model.norm_eps must be a finite number in (0, 1), got nan"),
+    "negative-norm-eps": (None, "norm_eps", -1e-6, "model.norm_eps must be a finite number in (0, 1), got -1e-06"),
+    "zero-latent-eps": ("mla", "latent_norm_eps", 0.0, "mla.latent_norm_eps must be a finite number in (0, 1)"),
+    "zero-vocabulary": (None, "vocab_size", 0, "model.vocab_size must be a positive integer, got 0"),
+    "nan-aux-loss": ("moe", "aux_loss_coeff", float("nan"), "MoEConfig: aux_loss_coeff must be a finite number >= 0"),
+    "zero-chunk": ("kda", "chunk_size", 0, "kda.chunk_size must be a positive integer, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
+    section, key, value, message = BAD[case]
+    config = yaml.safe_load((REPO / "configs/models/tiny.yaml").read_text())
+    (config[section] if section else config)[key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError) as error:
+        load_model_config(str(path))
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny"])
+def test_the_shipped_models_pass(name):
+    assert load_model_config(name).name == name
