@@ -3,9 +3,11 @@
 The configuration is one YAML file (`--config`, read strictly into
 harts.training.config.TrainConfig) whose keys the flags below override; without `--config` the
 flags alone (at least `--model` and `--trees`) make it, and with `--resume` the checkpoint's
-config is the base. The run directory `--out` receives train.jsonl and checkpoints/
-(harts.training.checkpoint). `--resume` continues from the last checkpoint and refuses a config
-that differs from it; `--max-steps N` stops after step N with a checkpoint there. Tested in
+config is the base (or, before the first checkpoint, the config of the log's first start). The run
+directory `--out` receives train.jsonl and checkpoints/ (harts.training.checkpoint). `--resume`
+continues from the last checkpoint (or from step 0 when there is none) and refuses a config that
+differs from it or from the run's first start, and data steps whose content changed unless
+`--accept-changed-data`; `--max-steps N` stops after step N with a checkpoint there. Tested in
 tests/cli/test_train_loop.py.
 """
 
@@ -77,7 +79,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("train", help="train for N steps with checkpoints and exact resume")
     parser.add_argument("--config", default=None, help="training config YAML (harts.training.config.TrainConfig)")
     parser.add_argument("--out", required=True, help="run directory: train.jsonl and checkpoints/")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its last checkpoint (from step 0 if it has none)")
+    parser.add_argument("--accept-changed-data", action="store_true",
+                        help="with --resume: continue although the data steps' content changed since the checkpoint")
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this step (with a checkpoint), to continue later with --resume")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,11 +104,15 @@ def build_config(args: argparse.Namespace):
     from harts.config import load_yaml_mapping
     from harts.training.checkpoint import latest_checkpoint, read_metadata
     from harts.training.config import set_dotted, train_config_from_dict
+    from harts.training.loop import LOG_NAME, first_start_record
 
+    log = Path(args.out) / LOG_NAME
     if args.config is not None:
         data, where = load_yaml_mapping(args.config), args.config
     elif args.resume and (checkpoint := latest_checkpoint(args.out)) is not None:
         data, where = read_metadata(checkpoint)[1]["train"], str(checkpoint / "config.json")
+    elif args.resume and (first := first_start_record(log)) is not None:
+        data, where = first["config"]["train"], f"{log} (the first start record)"
     else:
         data, where = {}, "command line"
     for flag, key, _ in OVERRIDES:
@@ -128,8 +137,11 @@ def run_train(args: argparse.Namespace) -> int:
     from harts.training.loop import LOG_NAME, train
 
     config = build_config(args)
+    if args.accept_changed_data and not args.resume:
+        raise ValueError("harts train: --accept-changed-data applies to --resume")
     records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress,
-                    wandb=wandb_log.requested(args), wandb_options=wandb_log.options(args))
+                    wandb=wandb_log.requested(args), wandb_options=wandb_log.options(args),
+                    accept_changed_data=args.accept_changed_data)
     out = Path(args.out)
     summary = {"steps_run": len(records), "last_step": records[-1]["step"] if records else None,
                "last": records[-1] if records else None, "log": str(out / LOG_NAME)}

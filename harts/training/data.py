@@ -8,7 +8,9 @@
   one step per file, numbered 0..M-1 without gaps; any other step-format file in it is an error,
   not skipped;
 - any other step path (a file, or a directory of other step files): one step (`read_step`).
-Token ids are checked against the model's vocabulary.
+Token ids are checked against the model's vocabulary. `digests()` identifies each data step by
+content (sha256 of the file, or of the generator's config, seed and index), which a resume compares
+with the run's.
 
 `epoch_order(num_steps, shuffle)` is the order in which an epoch visits them: in order, or a
 permutation drawn from torch's global RNG (whose state checkpoints keep). Tested in
@@ -17,6 +19,8 @@ tests/training/test_data.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 
 from harts.bench.steps import is_config
-from harts.config import load_config, shipped_config_path
+from harts.config import config_to_dict, load_config, shipped_config_path
 from harts.trees.io import JSONL_SUFFIXES, NPZ_SUFFIX, read_step, step_files
 from harts.trees.step import Step
 from harts.trees.synth import SynthConfig, generate_step
@@ -57,6 +61,14 @@ class StepSource:
             return generate_step(self.synth, self.seed, index)
         return read_step(self.files[index], vocab_size=self.vocab_size)
 
+    def digests(self) -> list[str]:
+        """The sha256 of each data step's content: its file's bytes, or the generator's config, seed and index."""
+        if self.synth is not None:
+            base = {"trees": config_to_dict(self.synth), "seed": self.seed}
+            return [hashlib.sha256(json.dumps({**base, "step": i}, sort_keys=True).encode()).hexdigest()
+                    for i in range(self.num_steps)]
+        return [file_digest(path) for path in self.files]
+
     def describe(self, index: int) -> str:
         return f"{self.trees} step {index}" if self.synth is not None else str(self.files[index])
 
@@ -84,6 +96,14 @@ def step_sequence(path: Path) -> list[Path]:
     if missing:
         raise ValueError(f"{path}: step {missing[0]} is missing (the steps are numbered 0..{max(numbered)})")
     return [numbered[i] for i in range(len(numbered))]
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def epoch_order(num_steps: int, shuffle: bool) -> list[int]:

@@ -22,10 +22,14 @@ weights. So a run killed after any step and resumed from its last checkpoint rep
 uninterrupted run: bitwise on the CPU (fp32, or bf16 with fp32 masters) with the same torch
 thread count (a different one is warned about), and on CUDA under `torch.use_deterministic_algorithms(True)`;
 otherwise on CUDA up to the kernels' own nondeterminism, which a few steps amplify. A
-resumed run must have the same resolved config and model config as the checkpoint (the first
-differing key is named). With `wandb`, each step record also goes to W&B (harts.training.tracking).
+resumed run must have the same resolved config and model config as the checkpoint and as the
+run's first start record (the first differing key is named: a checkpoint copied from another
+run is refused), and the same data steps by content as the checkpoint (sha256 per data step;
+`accept_changed_data` overrides). Resuming a run directory without a checkpoint (killed before
+its first) starts again from step 0 and keeps the log. With `wandb`, each step record also goes to W&B (harts.training.tracking).
 
-RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "environment"};
+RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
+and combined sha256 of the data steps), "environment"};
 then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
 clip fraction, KL to the reference policy, S, C, rows, seconds) and {"event": "checkpoint", ...}
 per checkpoint. On resume the records of steps after the checkpoint (done before the stop, about
@@ -37,6 +41,7 @@ expert-bias update with the step's counts; non-finite steps; run-directory check
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -86,11 +91,13 @@ def train(
     wandb: bool = False,
     wandb_options: WandbOptions | None = None,
     on_step_end: Iterable[Callable[[dict[str, Any]], None]] = (),
+    accept_changed_data: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run `config`'s steps into `run_dir` (from its last checkpoint with `resume`), stopping after
-    step `max_steps` if given (with a checkpoint there); with `wandb`, also log each step to W&B
-    (`wandb_options`: the `--wandb-*` flags)
-    (harts.training.tracking); return the step records of this call."""
+    """Run `config`'s steps into `run_dir` (with `resume`: from its last checkpoint, or from step 0 when it
+    has none), stopping after step `max_steps` if given (with a checkpoint there); with `wandb`, also log
+    each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.training.tracking); return the step
+    records of this call. A resume whose data steps' content differs from the checkpoint's is refused
+    unless `accept_changed_data`."""
     from harts.model.config import load_model_config
 
     run_dir = Path(run_dir)
@@ -105,15 +112,24 @@ def train(
         raise ValueError("device cuda: no CUDA device is available")
     resolved = {"train": config_to_dict(config), "model": config_to_dict(model_config)}
     stop = config.num_steps if max_steps is None else min(config.num_steps, max_steps)
-    checkpoint = _checkpoint_to_resume(run_dir, resolved) if resume else _check_fresh(run_dir)
+    digests = source.digests()
+    if resume:
+        checkpoint = _checkpoint_to_resume(run_dir, resolved, source, digests, accept_changed_data)
+    else:
+        checkpoint = _check_fresh(run_dir)
     if checkpoint is not None and read_metadata(checkpoint)[0]["step"] >= stop:
         return []
 
-    run = _Run.build(config, model_config, resolved, source, run_dir)
-    start, order = run.restore(checkpoint) if checkpoint is not None else (0, None)
+    run = _Run.build(config, model_config, resolved, source, digests, run_dir)
+    if checkpoint is not None:
+        start, order = run.restore(checkpoint)
+    else:
+        start, order = 0, None
+        if resume:
+            _restart(run_dir)
     records = []
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_record = _start_record(resolved, checkpoint, start)
+    start_record = _start_record(resolved, checkpoint, start, digests)
     tracker = WandbTracker.start(start_record, run_dir, wandb_options) if wandb else None
     failed = True
     try:
@@ -169,6 +185,7 @@ class _Run:
     config: TrainConfig
     resolved: dict[str, Any]
     source: StepSource
+    digests: list[str]
     run_dir: Path
     model: HybridModel
     optimizer: MasterWeightAdamW
@@ -177,7 +194,7 @@ class _Run:
 
     @classmethod
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
-              run_dir: Path) -> _Run:
+              digests: list[str], run_dir: Path) -> _Run:
         from harts.model.model import HybridModel
 
         torch.manual_seed(config.seed)
@@ -190,7 +207,7 @@ class _Run:
             model.to(torch.bfloat16)
         optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
         step_config = step_config_of(config)
-        return cls(config=config, resolved=resolved, source=source, run_dir=run_dir, model=model,
+        return cls(config=config, resolved=resolved, source=source, digests=digests, run_dir=run_dir, model=model,
                    optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
                    step_config=step_config)
 
@@ -198,6 +215,9 @@ class _Run:
         """Load `checkpoint` (after `build`: module construction draws from the global RNG, which
         this restores); trim the log to it; return (steps done, the epoch's order)."""
         trainer = load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        if len(trainer["epoch_order"]) != self.source.num_steps:
+            raise ValueError(f"{checkpoint / 'trainer.json'}: 'epoch_order' orders {len(trainer['epoch_order'])} data "
+                             f"steps, {self.config.data.trees} has {self.source.num_steps}")
         if trainer["torch_threads"] != torch.get_num_threads():
             logger.warning(f"{checkpoint} was written with {trainer['torch_threads']} torch threads, this run has "
                            f"{torch.get_num_threads()}: the continuation is not bitwise that of an uninterrupted run")
@@ -214,7 +234,7 @@ class _Run:
             self.run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             config=self.resolved, cuda=self.config.device == "cuda",
             trainer={"epoch_order": order, "torch_threads": torch.get_num_threads(),
-                     "versions": {"torch": torch.__version__}},
+                     "versions": {"torch": torch.__version__}, "data_sha256": self.digests},
         )
         return {"event": "checkpoint", "step": step, "path": str(path.relative_to(self.run_dir)),
                 "seconds": time.perf_counter() - started}
@@ -315,35 +335,90 @@ def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
 def _check_fresh(run_dir: Path) -> None:
     """ValueError if `run_dir` holds an earlier run (a fresh run never mixes with one)."""
     if latest_checkpoint(run_dir) is not None or (run_dir / LOG_NAME).exists():
-        raise ValueError(f"{run_dir}: holds an earlier run (checkpoints or {LOG_NAME}); resume it or choose another "
-                         "directory")
+        raise ValueError(f"{run_dir}: holds an earlier run (checkpoints or {LOG_NAME}); continue it with --resume "
+                         "(from its last checkpoint, or from step 0 if it has none) or choose another directory")
     remove_stale(run_dir)
 
 
-def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any]) -> Path:
-    """The last checkpoint of `run_dir`, whose config must equal `resolved` (else a ValueError naming the key)."""
+def _checkpoint_to_resume(run_dir: Path, resolved: dict[str, Any], source: StepSource, digests: list[str],
+                          accept_changed_data: bool) -> Path | None:
+    """The last checkpoint of `run_dir` (None: there is none, the run restarts), after checking that `resolved`
+    equals the checkpoint's config and the run's first start's, and `digests` the checkpoint's data (each
+    mismatch a ValueError naming the key or the data step)."""
     checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise ValueError(f"{run_dir}: no checkpoint to resume from")
     for stale in remove_stale(run_dir):
         logger.info(f"removed {stale}, an incomplete checkpoint")
-    _, saved = read_metadata(checkpoint)
-    difference = first_difference(_with_new_defaults(saved, checkpoint), resolved)
-    if difference is not None:
-        key, then, now = difference
-        raise ValueError(f"{checkpoint / 'config.json'}: '{key}' is {then!r} in the checkpoint but {now!r} now; "
-                         "resume with the checkpoint's config")
+    if checkpoint is not None:
+        trainer, saved = read_metadata(checkpoint)
+        difference = first_difference(_with_new_defaults(saved, checkpoint / "config.json"), resolved)
+        if difference is not None:
+            key, then, now = difference
+            raise ValueError(f"{checkpoint / 'config.json'}: '{key}' is {then!r} in the checkpoint but {now!r} now; "
+                             "resume with the checkpoint's config")
+        _check_data(checkpoint, trainer.get("data_sha256"), source, digests, accept_changed_data)
+    log = run_dir / LOG_NAME
+    first = first_start_record(log)
+    if first is not None:
+        difference = first_difference(_with_new_defaults(first["config"], log), resolved)
+        if difference is not None:
+            key, then, now = difference
+            raise ValueError(f"{log}: '{key}' is {then!r} in the run's first start but {now!r} now"
+                             + (f" ({checkpoint.name} is not this run's?)" if checkpoint is not None else "")
+                             + "; resume with the run's config, or train into another directory")
     return checkpoint
 
 
-def _with_new_defaults(saved: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
-    """A checkpoint's resolved config with the training keys it lacks (added to HARTS after it was written)
+def _check_data(checkpoint: Path, then: list[str] | None, source: StepSource, now: list[str], accept: bool) -> None:
+    if then is None:
+        logger.warning(f"{checkpoint / 'trainer.json'} records no data digests (an older harts wrote it): "
+                       "the data steps' content is not compared")
+        return
+    if then == now:
+        return
+    if len(then) != len(now):
+        change = f"{source.trees} has {len(now)} data steps, the checkpoint's run had {len(then)}"
+    else:
+        index = next(i for i, (a, b) in enumerate(zip(then, now)) if a != b)
+        change = (f"{source.describe(index)}: data step {index} has changed since {checkpoint.name} "
+                  f"(sha256 {then[index][:12]}... then, {now[index][:12]}... now)")
+    if not accept:
+        raise ValueError(f"{change}; restore the run's data, or pass --accept-changed-data to continue on these")
+    logger.warning(f"{change}; continuing on the new data (--accept-changed-data)")
+
+
+def _restart(run_dir: Path) -> None:
+    """Resume without a checkpoint: the run starts again from step 0, its log kept (the steps it logged redone)."""
+    dropped, damaged = _truncate_log(run_dir / LOG_NAME, 0)
+    logger.info(f"{run_dir}: no checkpoint to resume from, starting from step 0"
+                + (f"; {dropped} logged step(s) are redone" if dropped else "")
+                + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""))
+
+
+def first_start_record(log: Path) -> dict[str, Any] | None:
+    """The first start record of a run's log (None when there is no log or it holds none; damaged lines skipped)."""
+    if not log.exists():
+        return None
+    with log.open(encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "start":
+                if not isinstance(record.get("config"), dict) or not isinstance(record["config"].get("train"), dict):
+                    raise ValueError(f"{log}: the first start record has no config.train object")
+                return record
+    return None
+
+
+def _with_new_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A checkpoint's (or start record's) resolved config with the training keys it lacks (added to HARTS after it was written)
     at their defaults: read back through the strict loader, which fills them; an unreadable one is compared
     as it is (and so reported)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
         return saved
     try:
-        train = config_to_dict(train_config_from_dict(saved["train"], str(checkpoint / "config.json")))
+        train = config_to_dict(train_config_from_dict(saved["train"], str(where)))
     except ValueError:
         return saved
     return {**saved, "train": train}
@@ -385,11 +460,12 @@ def _truncate_log(path: Path, step: int) -> tuple[int, int]:
     return dropped, damaged
 
 
-def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int) -> dict[str, Any]:
+def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, digests: list[str]) -> dict[str, Any]:
     from harts.bench.records import environment
 
+    data = {"num_steps": len(digests), "sha256": hashlib.sha256("\n".join(digests).encode()).hexdigest()}
     return {"event": "start", "resumed_from": checkpoint.name if checkpoint else None, "step": step,
-            "torch_threads": torch.get_num_threads(), "config": resolved, "environment": environment()}
+            "torch_threads": torch.get_num_threads(), "config": resolved, "data": data, "environment": environment()}
 
 
 def _write(log, record: dict[str, Any]) -> None:

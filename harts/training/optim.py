@@ -101,9 +101,9 @@ class MasterWeightAdamW:
             raise ValueError(f"{where}: master weights do not match the model "
                              f"({'unexpected ' + extra[0] if extra else 'missing ' + missing[0]})")
         for name, master in copies.items():
-            if tensors[name].shape != master.shape:
-                raise ValueError(f"{where}: master weight {name!r} has shape {tuple(tensors[name].shape)}, "
-                                 f"the model's {tuple(master.shape)}")
+            if tensors[name].shape != master.shape or tensors[name].dtype != master.dtype:
+                raise ValueError(f"{where}: master weight {name!r} is {tensors[name].dtype} {tuple(tensors[name].shape)}, "
+                                 f"the run's {master.dtype} {tuple(master.shape)}")
             master.copy_(tensors[name])
 
     def remove_hooks(self) -> None:

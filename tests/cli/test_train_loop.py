@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from harts.cli.main import main
 from tests.fixtures import one_thread  # noqa: F401
@@ -38,6 +39,26 @@ def test_train_stop_and_resume_end_to_end(capsys, tmp_path):
     assert record["epoch"] == 1 and record["data_step"] == 0 and record["rows"] < record["semantic_tokens"]
 
 
+def test_a_full_disk_at_the_first_checkpoint_then_a_bare_resume(capsys, tmp_path, monkeypatch):
+    """The first checkpoint cannot be written: one line naming it, no partial checkpoint; `--resume` alone then
+    restarts the run from step 0 with the config of its first start."""
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    _run(capsys, *TINY, "--out", str(whole))
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(torch, "save", full)
+    assert main(["train", *TINY, "--out", str(run)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"harts: error: {run}/checkpoints/step_000003: could not write the checkpoint ([enforce fail at "
+                    "inline_container.cc:664] . PytorchStreamWriter failed writing file)")
+    assert list((run / "checkpoints").iterdir()) == []
+    monkeypatch.undo()
+    resumed = _run(capsys, "--out", str(run), "--resume", "--no-progress", "--json")
+    assert resumed["steps_run"] == 3 and _steps(run) == _steps(whole)
+
+
 def test_config_file_with_flag_overrides(capsys, tmp_path):
     config = tmp_path / "train.yaml"
     config.write_text("model: tiny\nnum_steps: 1\ndata: {trees: tiny}\nexecution: {capacity: 1024}\n"
@@ -58,9 +79,11 @@ def test_config_file_with_flag_overrides(capsys, tmp_path):
         (["--model", "tiny", "--trees", "tiny", "--loss", "ppo", "--kl-coef", "0.1"],
          "harts: error: harts train: --kl-coef applies to the grpo loss, not 'ppo'"),
         (["--model", "tiny", "--trees", "tiny", "--lr", "nan"], "harts: error: command line: optimizer.lr must be a finite"),
-        (["--resume", "--model", "tiny", "--trees", "tiny"], "harts: error: {tmp}/run: no checkpoint to resume from"),
+        (["--resume"], "harts: error: harts train: give --config FILE, or --model and --trees"),
+        (["--model", "tiny", "--trees", "tiny", "--accept-changed-data"],
+         "harts: error: harts train: --accept-changed-data applies to --resume"),
     ],
-    ids=["no-model", "unknown-key", "kl-with-ppo", "nan-lr", "nothing-to-resume"],
+    ids=["no-model", "unknown-key", "kl-with-ppo", "nan-lr", "nothing-to-resume", "accept-without-resume"],
 )
 def test_bad_invocations_fail_in_one_line(capsys, tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("model: tiny\ndata: {trees: tiny}\noptimizer: {lrr: 1}\n")

@@ -3,6 +3,7 @@ import random
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -44,9 +45,12 @@ def _trained(seed: int, dtype: torch.dtype, steps: int = 2):
     return model, optimizer, scheduler
 
 
+CONFIG = {"train": {"a": 1}, "model": {"b": 2}}
+
+
 def _save(run_dir, step, model, optimizer, scheduler, order=(2, 0, 1)):
     return save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                           trainer={"epoch_order": list(order), "torch_threads": 1}, config={"train": {"a": 1}},
+                           trainer={"epoch_order": list(order), "torch_threads": 1}, config=CONFIG,
                            cuda=False)
 
 
@@ -59,7 +63,7 @@ def test_round_trip_restores_everything(tmp_path, dtype):
     restored, restored_optimizer, restored_scheduler = _trained(1, dtype, steps=0)
     trainer = load_checkpoint(path, model=restored, optimizer=restored_optimizer, scheduler=restored_scheduler)
     assert trainer == {"format_version": 1, "step": 2, "epoch_order": [2, 0, 1], "torch_threads": 1}
-    assert read_metadata(path)[1] == {"train": {"a": 1}}
+    assert read_metadata(path)[1] == CONFIG
     for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     for a, b in zip(optimizer.masters, restored_optimizer.masters):
@@ -92,22 +96,35 @@ def test_rng_states_are_restored(tmp_path):
     assert random.random() == expected[2]
 
 
-def test_a_failed_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["_write_json", "torch.save"])
+def test_a_failed_save_leaves_no_checkpoint(tmp_path, monkeypatch, where):
     model, optimizer, scheduler = _trained(0, torch.float32)
     _save(tmp_path, 2, model, optimizer, scheduler)
 
     def crash(*args, **kwargs):
-        raise OSError("disk full")
+        # torch.save reports a full disk as a RuntimeError without a path
+        raise (OSError if where == "_write_json" else RuntimeError)("disk full")
 
-    monkeypatch.setattr(checkpoint_module, "_write_json", crash)
-    with pytest.raises(OSError, match="disk full"):
+    if where == "torch.save":
+        monkeypatch.setattr(checkpoint_module.torch, "save", crash)
+    else:
+        monkeypatch.setattr(checkpoint_module, where, crash)
+    with pytest.raises(OSError, match=r"checkpoints/step_000004: could not write the checkpoint \(disk full\)"):
         _save(tmp_path, 4, model, optimizer, scheduler)
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000002"
-    (stale,) = remove_stale(tmp_path)
-    assert stale.name.startswith(".tmp-step_000004") and not stale.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
     with pytest.raises(ValueError, match="a checkpoint of step 2 already exists"):
         _save(tmp_path, 2, model, optimizer, scheduler)
+
+
+def test_a_killed_save_is_removed_as_stale(tmp_path):
+    model, optimizer, scheduler = _trained(0, torch.float32)
+    _save(tmp_path, 2, model, optimizer, scheduler)
+    (tmp_path / "checkpoints" / ".tmp-step_000004-123").mkdir()  # what a SIGKILL mid-save leaves
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    (stale,) = remove_stale(tmp_path)
+    assert stale.name == ".tmp-step_000004-123" and not stale.exists()
 
 
 def test_latest_is_the_most_steps(tmp_path):
@@ -123,6 +140,27 @@ class _Payload:
     """An arbitrary object: weights_only loading must refuse to construct it."""
 
 
+def _edit(path, **changes):
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def _edit_state(path, change):
+    state = torch.load(path / "state.pt", weights_only=True)
+    change(state)
+    torch.save(state, path / "state.pt")
+
+
+def _resave(path, dtype):
+    tensors = safetensors.torch.load_file(str(path))
+    safetensors.torch.save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, str(path))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -134,8 +172,28 @@ class _Payload:
         (lambda p: (p / "trainer.json").write_text(json.dumps({"format_version": 99, "step": 2})),
          "format_version 99"),
         (lambda p: (p / "config.json").unlink(), "config.json: missing"),
+        (lambda p: _edit(p / "trainer.json", step=None), "trainer.json: missing key 'step'"),
+        (lambda p: _edit(p / "trainer.json", step="2"), "trainer.json: 'step' must be a non-negative integer, got str"),
+        (lambda p: _edit(p / "trainer.json", step=True), "'step' must be a non-negative integer, got bool"),
+        (lambda p: _edit(p / "trainer.json", step=3), "trainer.json: 'step' is 3 but the directory is step_000002"),
+        (lambda p: _edit(p / "trainer.json", epoch_order=[0, 0, 1]), "'epoch_order' must be a permutation"),
+        (lambda p: _edit(p / "trainer.json", epoch_order="012"), "'epoch_order' must be a permutation"),
+        (lambda p: _edit(p / "trainer.json", torch_threads=0), "'torch_threads' must be a positive integer"),
+        (lambda p: _edit(p / "trainer.json", data_sha256="ab"), "'data_sha256' must be a list of strings"),
+        (lambda p: _edit(p / "config.json", train=[1]), "config.json: 'train' must be an object, got list"),
+        (lambda p: torch.save([1, 2], p / "state.pt"), "state.pt: expected a dict, got list"),
+        (lambda p: torch.save({"optimizer": {}, "scheduler": {}}, p / "state.pt"), "state.pt: 'rng' must be a dict"),
+        (lambda p: _edit_state(p, lambda s: s["rng"].update(python="x")), "state.pt: cannot load"),
+        (lambda p: _edit_state(p, lambda s: s["rng"].update(torch=torch.zeros(3))), "state.pt: cannot load"),
+        (lambda p: _edit_state(p, lambda s: s["optimizer"].update(state=[])), "state.pt: cannot load"),
+        (lambda p: _edit_state(p, lambda s: s["scheduler"].clear() or s["rng"].pop("numpy")), "state.pt: cannot load"),
+        (lambda p: _resave(p / "model.safetensors", torch.bfloat16),
+         "model.safetensors: tensor 'bias_E' is BF16 \\[3\\], the model's is F32 \\[3\\]"),
     ],
-    ids=["truncated-weights", "garbage-state", "pickled-object", "damaged-json", "format-version", "missing-config"],
+    ids=["truncated-weights", "garbage-state", "pickled-object", "damaged-json", "format-version", "missing-config",
+         "no-step", "string-step", "bool-step", "step-not-directory", "order-repeats", "order-string", "zero-threads",
+         "digests-string", "train-list", "state-list", "state-no-rng", "python-rng-string", "torch-rng-short",
+         "optimizer-state-list", "numpy-rng-missing", "weights-resaved-bf16"],
 )
 def test_damaged_checkpoints_are_named(tmp_path, damage, message):
     model, optimizer, scheduler = _trained(0, torch.float32)
@@ -154,5 +212,13 @@ def test_weights_of_another_model_are_refused(tmp_path):
         load_checkpoint(path, model=other, optimizer=other_optimizer,
                         scheduler=make_scheduler(other_optimizer, ScheduleConfig(), 5))
     bf16, bf16_optimizer, bf16_scheduler = _trained(0, torch.bfloat16, steps=0)
-    with pytest.raises(ValueError, match="master.safetensors: cannot load"):
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor '[\w.]+' is F32 \[\d+(, \d+)?\], the model's is BF16"):
         load_checkpoint(path, model=bf16, optimizer=bf16_optimizer, scheduler=bf16_scheduler)
+
+
+def test_masters_resaved_in_bf16_are_refused(tmp_path):
+    model, optimizer, scheduler = _trained(0, torch.bfloat16)
+    path = _save(tmp_path, 2, model, optimizer, scheduler)
+    _resave(path / "master.safetensors", torch.bfloat16)
+    with pytest.raises(ValueError, match="master weight 'embed.weight' is torch.bfloat16 \\(9, 6\\), the run's torch.float32"):
+        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)

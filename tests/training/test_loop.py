@@ -1,14 +1,18 @@
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
+from harts.config import load_config
 from harts.model.moe import updated_expert_bias
 from harts.objective import step as step_module
 from harts.training.config import load_train_config
 from harts.training.loop import LOG_NAME, train
+from harts.trees.io import write_step
+from harts.trees.synth import SynthConfig, generate_step
 
 MICRO = str(Path(__file__).with_name("micro-trees.yaml"))
 BAD_STEP = str(Path(__file__).parents[1] / "data" / "bad_inputs" / "verify-old-logprobs-minus-1000.jsonl")
@@ -126,10 +130,9 @@ def test_a_non_finite_loss_stops_before_any_update(tmp_path):
 
 def test_run_directory_checks(tmp_path):
     one_step = {"num_steps": 1, "schedule.warmup_steps": 0}
-    with pytest.raises(ValueError, match="no checkpoint to resume from"):
-        train(_config(**one_step), tmp_path, resume=True)
+    assert [r["step"] for r in train(_config(**one_step), tmp_path / "new", resume=True)] == [1]  # nothing to resume
     train(_config(**one_step), tmp_path)
-    with pytest.raises(ValueError, match="holds an earlier run"):
+    with pytest.raises(ValueError, match="holds an earlier run .*; continue it with --resume"):
         train(_config(**one_step), tmp_path)
     with pytest.raises(ValueError, match=r"config.json: 'train.optimizer.lr' is 0.003 in the checkpoint but 0.1 now"):
         train(_config(**one_step, **{"optimizer.lr": 0.1}), tmp_path, resume=True)
@@ -202,3 +205,57 @@ def test_resume_on_cuda_repeats_the_uninterrupted_run(tmp_path, deterministic_cu
     for run in ("second", "resumed"):
         weights, reference = _weights(tmp_path / run, 6), _weights(tmp_path / "first", 6)
         assert [name for name in reference if not torch.equal(weights[name], reference[name])] == [], run
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_from_step_0(tmp_path):
+    """No dead end: resuming a run directory that has a log but no checkpoint starts again, keeping the log."""
+    config = _config(num_steps=3, **{"checkpoint.every": 0})  # only the last step checkpoints
+    expected = train(config, tmp_path / "whole")
+    with pytest.raises(Kill):
+        train(config, tmp_path / "killed", on_step_end=[_kill_after(2)])
+    assert not list((tmp_path / "killed").glob("checkpoints/step_*"))
+    with pytest.raises(ValueError, match="holds an earlier run"):
+        train(config, tmp_path / "killed")
+    resumed = train(config, tmp_path / "killed", resume=True)
+    assert _curve(resumed) == _curve(expected)
+    assert _curve(_logged_steps(tmp_path / "killed")) == _curve(expected)  # the killed run's two steps were removed
+    lines = [json.loads(line) for line in (tmp_path / "killed" / LOG_NAME).read_text().splitlines()]
+    assert [(r["event"], r.get("resumed_from")) for r in lines if r["event"] == "start"] == [("start", None)] * 2
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    one_step = {"num_steps": 2, "schedule.warmup_steps": 0}
+    train(_config(**one_step), tmp_path / "run", max_steps=1)
+    train(_config(**one_step, seed=4), tmp_path / "other", max_steps=1)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    shutil.copytree(tmp_path / "other" / "checkpoints", tmp_path / "run" / "checkpoints")
+    # What a bare --resume does: the checkpoint's own config, which matches it.
+    with pytest.raises(ValueError, match=r"train.jsonl: 'train.seed' is 3 in the run's first start but 4 now "
+                                         r"\(step_000001 is not this run's\?\)"):
+        train(_config(**one_step, seed=4), tmp_path / "run", resume=True)
+
+
+def test_changed_data_steps_are_refused_by_name(tmp_path):
+    synth = load_config(MICRO, SynthConfig)
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for index in range(3):
+        write_step(generate_step(synth, 0, index), steps / f"step_{index:03d}.jsonl")
+    config = _config(**{"data.trees": str(steps), "data.shuffle": False, "num_steps": 3,
+                        "schedule.warmup_steps": 0})
+    train(config, tmp_path / "run", max_steps=2)
+    start = json.loads((tmp_path / "run" / LOG_NAME).read_text().splitlines()[0])
+    assert start["data"]["num_steps"] == 3 and len(start["data"]["sha256"]) == 64
+
+    write_step(generate_step(synth, 0, 1), steps / "step_001.jsonl")  # regenerated, the same content: resumes
+    assert train(config, tmp_path / "run", resume=True, max_steps=2) == []  # checked, then nothing left to do
+    (steps / "step_003.jsonl").write_bytes((steps / "step_000.jsonl").read_bytes())
+    with pytest.raises(ValueError, match=r"steps has 4 data steps, the checkpoint's run had 3; restore the run's data"):
+        train(config, tmp_path / "run", resume=True)
+    (steps / "step_003.jsonl").unlink()
+    write_step(generate_step(synth, 99, 1), steps / "step_001.jsonl")
+    with pytest.raises(ValueError, match=r"step_001.jsonl: data step 1 has changed since step_000002 \(sha256 \w{12}"
+                                         r"\.\.\. then, \w{12}\.\.\. now\); restore the run's data, or pass "
+                                         r"--accept-changed-data"):
+        train(config, tmp_path / "run", resume=True)
+    assert [r["step"] for r in train(config, tmp_path / "run", resume=True, accept_changed_data=True)] == [3]
