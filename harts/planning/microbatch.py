@@ -182,12 +182,17 @@ def _json_int(value: Any, where: str, name: str) -> int:
     return value
 
 
+MAX_REPLICAS = 1 << 20
+"""The most data-parallel replicas a plan takes: a plan holds at least D microbatches, so a D near 2^62 would
+be refused only by the memory it cannot allocate."""
+
+
 def check_capacity(step: Step, capacity: int, dp: int) -> None:
     """ValueError for bad T or D, or a trajectory longer than T (microbatches never split one)."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
+    if not 1 <= dp <= MAX_REPLICAS:
+        raise ValueError(f"dp must be between 1 and {MAX_REPLICAS:,}, got {dp:,}")
     if step.num_trajectories == 0:
         raise ValueError(f"{step.source}: the step has no trajectories")
     longest = int(np.argmax(step.lengths))

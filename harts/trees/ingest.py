@@ -37,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from harts.trees.io import TrajectoryFormatError, float_field, input_files, parse_json, read_lines, read_text
+from harts.trees.io import (
+    TrajectoryFormatError, float_field, input_files, name_field, parse_json, read_lines, read_text,
+)
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -90,16 +92,27 @@ class FileTokenizer:
                     f"{path}: {marker!r} is not a special token of this tokenizer "
                     "(ChatML rendering needs <|im_start|> and <|im_end|> as special tokens)"
                 )
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
+        too_large = max(vocabulary.items(), key=lambda item: item[1], default=("", 0))
+        if too_large[1] > np.iinfo(TOKEN_DTYPE).max:
+            raise ValueError(
+                f"{path}: token {too_large[0]!r} has id {too_large[1]:,}, more than a step's int32 tokens hold"
+            )
         self.IM_START, self.IM_END = special[MARKERS[0]], special[MARKERS[1]]
         self._tokenizer.encode_special_tokens = True
         self.name = str(path)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        try:
+            self._headers = {role: [self.IM_START, *self.encode(f"{role}\n")] for role in ROLES}
+            self._footer = [self.IM_END, *self.encode("\n")]
+        except Exception as error:  # the package raises plain Exceptions
+            raise ValueError(f"{path}: cannot encode the ChatML role lines ({error})") from None
 
     def header(self, role: str) -> list[int]:
-        return [self.IM_START, *self.encode(f"{role}\n")]
+        return self._headers[role]
 
     def footer(self) -> list[int]:
-        return [self.IM_END, *self.encode("\n")]
+        return self._footer
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -171,6 +184,21 @@ def _content_text(message: dict, where: str) -> str:
     return text
 
 
+def _encode(tokenizer, text: str, where: str) -> list[int]:
+    """The content's token ids; a text or tokenizer failure names the message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise TrajectoryFormatError(
+            f"{where}: field 'content': {error.object[error.start]!r} at character {error.start} "
+            "is a lone surrogate, not text"
+        ) from None
+    try:
+        return tokenizer.encode(text)
+    except Exception as error:  # the tokenizers package raises plain Exceptions
+        raise TrajectoryFormatError(f"{where}: field 'content': the tokenizer failed ({error})") from None
+
+
 def render(messages: list, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Tokens and loss mask of one conversation."""
     tokens: list[int] = []
@@ -183,7 +211,7 @@ def render(messages: list, tokenizer, where: str) -> tuple[np.ndarray, np.ndarra
         if role not in ROLES:
             raise TrajectoryFormatError(f"{at}: field 'role': {role!r} is not one of {', '.join(ROLES)}")
         header = tokenizer.header(role)
-        content = tokenizer.encode(_content_text(message, at))
+        content = _encode(tokenizer, _content_text(message, at), at)
         if tokenizer.IM_START in content or tokenizer.IM_END in content:
             raise TrajectoryFormatError(
                 f"{at}: field 'content': the tokenizer encodes this text to a ChatML marker token id"
@@ -215,10 +243,12 @@ def ingest_messages(path: str | Path, tokenizer) -> Step:
             tree = meta.get("tree", meta.get("instance_id", trajectory_id))
             if not isinstance(trajectory_id, str) or not trajectory_id:
                 raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
+            name_field(trajectory_id, where, "id")
             if trajectory_id in seen:
                 raise TrajectoryFormatError(f"{where}: field 'id': duplicate id {trajectory_id!r} (also {seen[trajectory_id]})")
             if not isinstance(tree, str) or not tree:
                 raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
+            name_field(tree, where, "tree")
             reward = float_field(meta.get("reward", 0.0), where, "reward")
             tokens, mask = render(messages, tokenizer, where)
             seen[trajectory_id] = where

@@ -263,7 +263,7 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
         raise TrajectoryFormatError(f"{where}: field 'id': missing")
     if not isinstance(trajectory_id, str) or not trajectory_id:
         raise TrajectoryFormatError(f"{where}: field 'id': expected a non-empty string")
-    _check_name(trajectory_id, where, "id")
+    name_field(trajectory_id, where, "id")
     if trajectory_id in acc.seen:
         raise TrajectoryFormatError(
             f"{where}: field 'id': duplicate id {trajectory_id!r} (first on line {acc.seen[trajectory_id]})"
@@ -271,7 +271,7 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
     tree = record.get("tree", trajectory_id)
     if not isinstance(tree, str) or not tree:
         raise TrajectoryFormatError(f"{where}: field 'tree': expected a non-empty string")
-    _check_name(tree, where, "tree")
+    name_field(tree, where, "tree")
 
     if "tokens" not in record:
         raise TrajectoryFormatError(f"{where}: field 'tokens': missing")
@@ -490,7 +490,8 @@ _NPZ_READ_ERRORS = (
 _PER_TOKEN = ("tokens", "loss_mask", "advantage_per_token", "old_logprobs", "ref_logprobs")
 
 
-def _check_name(value: str, where: str, field: str) -> None:
+def name_field(value: str, where: str, field: str) -> None:
+    """`check_name` raising TrajectoryFormatError."""
     try:
         check_name(value, where, field)
     except ValueError as error:
@@ -524,11 +525,50 @@ def _open_npz(path: Path) -> np.lib.npyio.NpzFile:
         raise TrajectoryFormatError(f"{path}: truncated or corrupt .npz archive ({error})") from None
 
 
+DEFLATE_MAX_RATIO = 1032
+"""Deflate expands a compressed byte into at most 1,032 bytes; a member claiming more is not deflate output."""
+
+
+def _npz_member_problem(archive: np.lib.npyio.NpzFile, name: str) -> str | None:
+    """Why the member cannot be read safely: its array header or zip entry declares more bytes than it holds.
+
+    numpy allocates the array its header declares before reading any data, so a 30 KB file whose header
+    says 4 TiB would be a MemoryError; here the header must describe exactly the member's uncompressed
+    bytes, and those must be reachable from its compressed bytes (numpy writes stored or deflated members).
+    """
+    info = archive.zip.getinfo(f"{name}.npy")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        return f"compression method {info.compress_type} (numpy writes stored or deflated members)"
+    limit = info.compress_size * (1 if info.compress_type == zipfile.ZIP_STORED else DEFLATE_MAX_RATIO)
+    if info.file_size > limit:
+        return (
+            f"the zip entry declares {info.file_size:,} bytes from {info.compress_size:,} compressed bytes "
+            f"(at most {limit:,})"
+        )
+    with archive.zip.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version not in ((1, 0), (2, 0)):
+            return f".npy format version {version[0]}.{version[1]} (numpy writes 1.0 or 2.0 for these arrays)"
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(member)
+        data_size = info.file_size - member.tell()
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != data_size:
+        return (
+            f"the array header declares {dtype.name} {list(shape)} ({declared:,} bytes), "
+            f"the member holds {data_size:,} bytes"
+        )
+    return None
+
+
 def _npz_array(archive: np.lib.npyio.NpzFile, name: str, where: str) -> np.ndarray:
     try:
-        return archive[name]
+        problem = _npz_member_problem(archive, name)
+        if problem is None:
+            return archive[name]
     except _NPZ_READ_ERRORS as error:
         raise TrajectoryFormatError(f"{where}: field '{name}': cannot read the array ({error})") from None
+    raise TrajectoryFormatError(f"{where}: field '{name}': {problem}")
 
 
 def _read_npz(path: Path) -> Step:
@@ -609,8 +649,8 @@ def _read_npz(path: Path) -> Step:
     if "" in id_list:
         raise TrajectoryFormatError(f"{where}: trajectory {id_list.index('')}: field 'id': empty")
     for k, (trajectory_id, tree) in enumerate(zip(id_list, trees)):
-        _check_name(trajectory_id, f"{where}: trajectory {k}", "id")
-        _check_name(str(tree), f"{where}: trajectory {k}", "tree")
+        name_field(trajectory_id, f"{where}: trajectory {k}", "id")
+        name_field(str(tree), f"{where}: trajectory {k}", "tree")
     tokens = arrays["tokens"]
     loss_mask = arrays["loss_mask"]
     _check_npz_values(where, id_list, offsets, tokens < 0, "tokens", "negative token")
@@ -663,8 +703,8 @@ def _check_npz_values(
 def write_npz(step: Step, path: str | Path) -> None:
     """Write `step` in the binary form (uncompressed: loading is a memory copy)."""
     for k, (trajectory_id, tree) in enumerate(zip(step.ids, step.trees)):
-        _check_name(trajectory_id, f"{path}: trajectory {k}", "id")
-        _check_name(tree, f"{path}: trajectory {k}", "tree")
+        name_field(trajectory_id, f"{path}: trajectory {k}", "id")
+        name_field(tree, f"{path}: trajectory {k}", "tree")
     arrays = {
         "format_version": np.asarray(NPZ_FORMAT_VERSION),
         "ids": np.asarray(step.ids, dtype=str),

@@ -144,9 +144,14 @@ def test_trajectory_longer_than_capacity_is_a_clear_error(planner):
         plan(long_step, 24, 1, planner)
 
 
-@pytest.mark.parametrize("capacity, dp", [(0, 1), (10, 0)], ids=["capacity", "dp"])
-def test_bad_capacity_or_dp(step, capacity, dp):
-    with pytest.raises(ValueError, match="must be >= 1"):
+@pytest.mark.parametrize("capacity, dp, message", [
+    (0, 1, "capacity must be >= 1, got 0"),
+    (10, 0, "dp must be between 1 and 1,048,576, got 0"),
+    (10, 2**62, "dp must be between 1 and 1,048,576, got 4,611,686,018,427,387,904"),
+], ids=["capacity", "dp-zero", "dp-huge"])
+def test_bad_capacity_or_dp(step, capacity, dp, message):
+    """A D near 2^62 is refused before the plan allocates its D microbatches (it ran out of memory)."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
         plan(step, capacity, dp)
 
 

@@ -226,3 +226,71 @@ def test_content_that_encodes_to_a_marker_is_refused(tmp_path, capsys):
     assert str(error.value) == expected
     argv = ["trees", "ingest", "--format", "messages", "--tokenizer", str(path), str(logs), str(tmp_path / "o.jsonl")]
     assert cli_error(argv, capsys) == f"harts: error: {expected}"
+
+
+def _word_tokenizer(tmp_path, vocab: dict, unk: str | None, name: str = "tokenizer.json"):
+    """A whitespace WordLevel tokenizer.json over `vocab` with the ChatML markers as special tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    path = tmp_path / name
+    tok.save(str(path))
+    return path
+
+
+ROLE_WORDS = {"system": 0, "user": 1, "assistant": 2, "tool": 3, "hi": 4, "yo": 5}
+
+
+def _ingest_error(tmp_path, capsys, tokenizer: str, record: dict) -> str:
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text(json.dumps(record) + "\n")
+    out = tmp_path / "out.npz"
+    line = cli_error(["trees", "ingest", "--format", "messages", "--tokenizer", tokenizer, str(logs), str(out)], capsys)
+    assert not out.exists()
+    return line
+
+
+def test_tokenizer_failure_names_file_record_and_message(tmp_path, capsys):
+    """A vocabulary without [UNK] fails on an unknown word: one line naming the log, the record and the message."""
+    path = _word_tokenizer(tmp_path, ROLE_WORDS, unk=None)
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo zz"}]}
+    line = _ingest_error(tmp_path, capsys, str(path), record)
+    assert line == (
+        f"harts: error: {tmp_path / 'logs.jsonl'}:1: message 1: field 'content': the tokenizer failed "
+        "(WordLevel error: Missing [UNK] token from the vocabulary)"
+    )
+
+
+def test_tokenizer_that_cannot_encode_its_role_lines_is_refused_at_load(tmp_path):
+    path = _word_tokenizer(tmp_path, {"hi": 0}, unk=None)
+    with pytest.raises(ValueError, match=rf"^{path}: cannot encode the ChatML role lines \(WordLevel error"):
+        FileTokenizer(path)
+
+
+def test_tokenizer_ids_beyond_int32_are_refused_at_load(tmp_path):
+    path = _word_tokenizer(tmp_path, {**ROLE_WORDS, "[UNK]": 6, "far": 2**31 + 5}, unk="[UNK]")
+    with pytest.raises(ValueError) as error:
+        FileTokenizer(path)
+    assert str(error.value) == f"{path}: token 'far' has id 2,147,483,653, more than a step's int32 tokens hold"
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "tokenizer.json"])
+def test_lone_surrogate_is_refused_by_message(tmp_path, capsys, tokenizer):
+    if tokenizer != "byte":
+        tokenizer = str(_word_tokenizer(tmp_path, {**ROLE_WORDS, "[UNK]": 6}, unk="[UNK]"))
+    record = {"messages": [{"role": "user", "content": "hi \ud800"}]}
+    line = _ingest_error(tmp_path, capsys, tokenizer, record)
+    assert line == (
+        f"harts: error: {tmp_path / 'logs.jsonl'}:1: message 0: field 'content': '\\ud800' at character 3 "
+        "is a lone surrogate, not text"
+    )
+
+
+@pytest.mark.parametrize("field", ["id", "tree"])
+def test_overlong_id_is_refused_where_it_is_read(tmp_path, capsys, field):
+    record = {field: "x" * 100_000, "messages": [{"role": "user", "content": "hi"}]}
+    line = _ingest_error(tmp_path, capsys, "byte", record)
+    assert line == f"harts: error: {tmp_path / 'logs.jsonl'}:1: field '{field}': 100,000 characters (at most 1024)"

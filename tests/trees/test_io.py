@@ -310,6 +310,63 @@ def test_bad_npz(tmp_path, case):
     assert fragment in str(error.value) and str(path) in str(error.value)
 
 
+def _rewrite_member(path, name, edit):
+    """Rewrite member `name` of the zip at `path` with `edit(bytes) -> bytes`, keeping the other members."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    members[name] = edit(members[name])
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, data in members.items():
+            archive.writestr(member, data)
+
+
+def _declare_shape(data: bytes, count: int) -> bytes:
+    """An .npy member whose 1.0 header declares `count` elements, padded to the header's old length."""
+    length = int.from_bytes(data[8:10], "little")
+    header = data[10:10 + length].decode("latin1")
+    start = header.index("'shape': (") + len("'shape': (")
+    header = header[:start] + f"{count}," + header[header.index(")", start):]
+    return data[:10] + (header.rstrip("\n").ljust(length - 1) + "\n").encode("latin1") + data[10 + length:]
+
+
+def test_npz_member_declaring_more_than_it_holds_is_refused_before_allocation(tmp_path):
+    """A 4 TiB array header in a small file: numpy would allocate it before reading (a MemoryError)."""
+    path = tmp_path / "s.npz"
+    write_step(_full_step(), path)
+    _rewrite_member(path, "tokens.npy", lambda data: _declare_shape(data, 2**40))
+    with pytest.raises(TrajectoryFormatError) as error:
+        read_step(path)
+    assert str(error.value) == (
+        f"{path}: field 'tokens': the array header declares int32 [1099511627776] (4,398,046,511,104 bytes), "
+        "the member holds 44 bytes"
+    )
+
+
+def test_npz_member_whose_zip_entry_outgrows_deflate_is_refused(tmp_path):
+    """A central-directory size no deflate stream can reach (zipfile would let numpy allocate it)."""
+    import zipfile
+
+    path = tmp_path / "s.npz"
+    write_step(_full_step(), path)
+    _rewrite_member(path, "tokens.npy", lambda data: data)
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")  # central directory entries: method at +10, sizes at +20/+24, name at +46
+    while raw[entry + 46:entry + 56] != b"tokens.npy":
+        entry = raw.index(b"PK\x01\x02", entry + 4)
+    raw[entry + 10:entry + 12] = zipfile.ZIP_DEFLATED.to_bytes(2, "little")
+    compressed = int.from_bytes(raw[entry + 20:entry + 24], "little")
+    raw[entry + 24:entry + 28] = (compressed * 2000).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TrajectoryFormatError) as error:
+        read_step(path)
+    assert str(error.value) == (
+        f"{path}: field 'tokens': the zip entry declares {compressed * 2000:,} bytes from {compressed:,} "
+        f"compressed bytes (at most {compressed * 1032:,})"
+    )
+
+
 def test_npz_never_unpickles(tmp_path):
     path = tmp_path / "s.npz"
     np.savez(path, format_version=np.asarray(1), ids=np.array([{"a": 1}], dtype=object))
