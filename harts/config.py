@@ -3,7 +3,7 @@
 `load_config(path, cls)` rejects unknown keys, missing required keys and values of the wrong
 type with one line naming the file, the dotted key, the value's type and a bounded excerpt of it.
 Every YAML HARTS reads goes through `load_yaml` (a safe loader): aliases (`*name`, the "billion laughs" bomb)
-and duplicate keys are refused with their line, and integers are bounded by INT_LIMIT as the flags are. `config_to_dict` is the inverse, used
+duplicate keys and nesting deeper than MAX_YAML_DEPTH are refused with their line, and integers are bounded by INT_LIMIT as the flags are. `config_to_dict` is the inverse, used
 to write the full resolved configuration into result records.
 
 `shipped_config_path(name_or_path, folder)` is the one place a config NAME becomes a file: the
@@ -32,6 +32,9 @@ T = TypeVar("T")
 INT_LIMIT = 1 << 62
 """Counts and sizes meet int64 arrays (token counts, capacities): integers of this size or more are refused."""
 
+MAX_YAML_DEPTH = 64
+"""The deepest nesting of collections a YAML file may have (HARTS's configs nest four levels)."""
+
 _EXCERPT = reprlib.Repr()
 _EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother, _EXCERPT.maxlong = 2, 60, 60, 40
 _EXCERPT.maxdict = _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxset = 4
@@ -50,7 +53,15 @@ class _StrictLoader(yaml.SafeLoader):
             event = self.peek_event()
             raise yaml.MarkedYAMLError(None, None, f"YAML aliases (*{event.anchor}) are not accepted",
                                        event.start_mark)
-        return super().compose_node(parent, index)
+        # The composer recurses once per level: a deep document would end in a RecursionError traceback.
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.MarkedYAMLError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                           self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()

@@ -12,6 +12,7 @@ tests/test_files.py with real full disks, kills and concurrent writers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -122,20 +123,28 @@ def output_locks(command: str, outputs: Iterable[str | Path | None]) -> Iterator
     runs: a second harts process writing the same file (a records file, a run's train.jsonl) is refused in one line
     instead of losing the first one's work. The kernel drops a lock when its process ends, however it ends."""
     held: list[tuple[Path, IO]] = []
+    created: list[Path] = []
     try:
         for output in (Path(p) for p in outputs if p is not None):
+            created += [p for p in reversed(output.parents) if not p.exists()]
             held.append(_lock(command, output))
         yield
     finally:
         for lock, handle in reversed(held):
             lock.unlink(missing_ok=True)
             handle.close()
+        for folder in reversed(created):  # made for a lock and left empty: the command failed before writing
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _lock(command: str, output: Path) -> tuple[Path, IO]:
     import fcntl
 
     lock = output.parent / f".{output.name}.lock"
+    blocking = next((p for p in reversed(output.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{output}: cannot be written: {blocking} is a file, not a folder")
     while True:
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)

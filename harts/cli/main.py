@@ -10,6 +10,7 @@ traceback. Usage errors (a bad option value, a missing argument) print one such 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -52,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    standard_output = sys.stdout
+    if standard_output is not None:
+        sys.stdout = _StandardOutput(standard_output)
+    try:
+        return _run(args)
+    finally:
+        if isinstance(sys.stdout, _StandardOutput):
+            sys.stdout = standard_output
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         command, outputs = "harts", []
         if hasattr(args, "files"):
@@ -62,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             check_outputs(command, outputs, inputs)
         # Under torchrun every rank runs this; rank 0 alone writes (and locks) the outputs.
         with output_locks(command, outputs if os.environ.get("RANK", "0") == "0" else []):
-            return int(args.run(args) or 0)
+            status = int(args.run(args) or 0)
+        _flush_standard_output()
+        return status
     except (ValueError, OSError, MissingExtra) as error:
         if os.environ.get("HARTS_DEBUG"):
             raise
@@ -72,3 +86,38 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("harts: interrupted", file=sys.stderr)
         return 130
+
+
+class _StandardOutput:
+    """sys.stdout whose write errors (a full disk, a closed pipe) name it; after one, nothing more is written."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._failed = False
+
+    def write(self, text: str) -> int:
+        return self._guard(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def _guard(self, operation, *args):
+        if self._failed:
+            return 0
+        try:
+            return operation(*args)
+        except OSError as error:
+            self._failed = True
+            # What is still buffered would fail again when Python flushes it at exit (an ignored-exception traceback).
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            raise OSError(f"could not write to standard output ({error.strerror})") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _flush_standard_output() -> None:
+    """Flush stdout inside the command's error handling rather than at exit."""
+    if sys.stdout is not None:
+        sys.stdout.flush()

@@ -24,6 +24,7 @@ UTF-8, a corrupt or truncated gzip stream and a damaged `.npz` archive are all r
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
@@ -45,6 +46,11 @@ FIELDS = ("id", "tree", "tokens", "loss_mask", "advantage", "reward", "old_logpr
 OPTIONAL_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+MAX_LINE_BYTES = 256 << 20
+"""The longest JSONL line read: about 3 million tokens with every per-token field; a longer line (a gzip bomb
+of one line expands 1,000-fold) is refused before it is held in memory."""
 
 
 class TrajectoryFormatError(ValueError):
@@ -82,6 +88,13 @@ def input_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 
 def _not_a_file(path: Path) -> str:
     if path.is_symlink() and not path.exists():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # pathlib's "Symlink loop"
+            return f"symbolic link loop (through {str(path.readlink())!r})"
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                return f"symbolic link loop (through {str(path.readlink())!r})"
         return f"dangling symbolic link (its target {str(path.readlink())!r} does not exist)"
     if not path.exists():
         return "no such file or directory"
@@ -124,7 +137,13 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     line_number = 0
     try:
         with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as handle:
-            for line_number, raw in enumerate(handle, start=1):
+            while raw := handle.readline(MAX_LINE_BYTES + 1):
+                line_number += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise TrajectoryFormatError(
+                        f"{path}:{line_number}: line longer than {MAX_LINE_BYTES >> 20} MiB (a trajectory's line "
+                        "holds a few bytes per token)"
+                    )
                 yield line_number, _decode(raw.rstrip(b"\r\n"), path, line_number)
     except EOFError:
         raise TrajectoryFormatError(

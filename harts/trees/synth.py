@@ -52,6 +52,11 @@ class Lengths:
         return int(min(max(round(value), self.min), self.max))
 
 
+MAX_STEP_TOKENS = 1 << 34
+"""The most tokens a synthetic step's config may allow (the `paper-4x` trees allow 2^31): a config asking for
+more would run for days before its memory runs out."""
+
+
 @dataclass(kw_only=True)
 class SynthConfig:
     """Shape of a synthetic step (configs/trees/*.yaml)."""
@@ -125,6 +130,12 @@ class SynthConfig:
                 raise ValueError(f"{name} must hold the system prompt and the longest issue")
         if self.max_branches_per_task < self.samples_per_task:
             raise ValueError("max_branches_per_task must be >= samples_per_task")
+        most = self.num_tasks * self.max_branches_per_task * self.max_tokens
+        if most > MAX_STEP_TOKENS:
+            raise ValueError(
+                f"num_tasks × max_branches_per_task × max_tokens = {most:,} tokens a step may hold, "
+                f"more than {MAX_STEP_TOKENS:,} (2^34)"
+            )
         prompt_max = self.system_prompt_tokens + self.issue_tokens.max
         if prompt_max + self.summary_tokens.max + self.assistant_tokens.max > self.max_tokens:
             raise ValueError(
