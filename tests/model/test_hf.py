@@ -13,6 +13,8 @@
 """
 
 import json
+import shutil
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -20,11 +22,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from harts.config import shipped_configs
 from harts.model.config import ModelConfig, load_model_config
 from harts.model.hf import (
-    FP32_SUFFIXES, hf_config_from_model, hf_tensor_shapes, load_hf_checkpoint, model_config_from_hf,
-    save_hf_checkpoint,
+    FP32_SUFFIXES, hf_config_from_model, hf_state_dict, hf_tensor_shapes, hf_tensors, load_hf_checkpoint,
+    model_config_from_hf, save_hf_checkpoint,
 )
 from harts.model.model import HybridModel
 from harts.runtime.layout import baseline_layout
@@ -121,6 +126,134 @@ def test_bf16_save_keeps_the_fp32_tensors(tmp_path):
         assert torch.equal(tensor, want), name
 
 
+def test_tied_embeddings_are_written_and_checked(tmp_path):
+    """transformers' KimiLinearForCausalLM never ties the head: it reads lm_head.weight, so a tied model writes it
+    (a copy of the embedding); a head that differs from the embedding it is tied to is refused by name, and a tied
+    checkpoint without a head (Moonshot's readers tie it) still loads."""
+    model = random_model(kimi_variant(load_model_config("tiny"), tie_embeddings=True))
+    save_hf_checkpoint(model, tmp_path / "tied")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as handle:
+        assert torch.equal(handle.get_tensor("lm_head.weight"), handle.get_tensor("model.embed_tokens.weight"))
+    headless = tmp_path / "headless"
+    shutil.copytree(tmp_path / "tied", headless)
+    _rewrite_shard(headless, "model.safetensors", lambda t: t.pop("lm_head.weight"))
+    loaded, _ = load_hf_checkpoint(headless)
+    assert loaded.lm_head.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)
+
+    _rewrite_shard(tmp_path / "tied", "model.safetensors", lambda t: t["lm_head.weight"].mul_(1.5))
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(tmp_path / "tied")
+    text = str(error.value)
+    assert "model.safetensors: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'" in text, text
+    assert "tie_word_embeddings" in text and "\n" not in text
+
+
+class LiveFloat32(TorchDispatchMode):
+    """The bytes of float32 CPU tensors that torch ops create and that are alive at once, at most (a view counts
+    with its storage once): a model materialised in fp32 shows as its whole size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holders: dict[int, int] = {}
+        self.bytes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.device.type == "cpu":
+                key = tensor.untyped_storage().data_ptr()
+                if key not in self.holders:
+                    self.holders[key], self.bytes[key] = 0, tensor.untyped_storage().nbytes()
+                    self.live += self.bytes[key]
+                    self.peak = max(self.peak, self.live)
+                self.holders[key] += 1
+                weakref.finalize(tensor, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.live -= self.bytes.pop(key)
+
+
+def test_load_in_bf16_never_holds_an_fp32_model(tmp_path):
+    """dtype=bf16 from an fp32 checkpoint: the parameters are allocated once, in bf16 on the device asked for,
+    and filled tensor by tensor, so float32 memory stays within two stored tensors (a load in fp32 followed by a
+    cast would hold the whole fp32 model, nine times one tensor here); the result equals that load and cast, bitwise."""
+    config = kimi_variant(load_model_config("cpu-small"))
+    save_hf_checkpoint(random_model(config), tmp_path / "ckpt", max_shard_bytes=1_000_000)
+    largest = max(int(np.prod(shape)) for shape in hf_tensor_shapes(config).values()) * 4
+    total = sum(int(np.prod(shape)) for shape in hf_tensor_shapes(config).values()) * 4
+    with LiveFloat32() as tracker:
+        model, _ = load_hf_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16, device="cpu")
+    assert tracker.peak <= 2 * largest < total / 4, (tracker.peak, largest, total)
+    tensors = model.state_dict()
+    # The MoE expert bias stays fp32 under module casts (harts.model.moe), as in megatron's router.
+    assert {(t.dtype, t.device.type) for name, t in tensors.items()
+            if not name.endswith("expert_bias")} == {(torch.bfloat16, "cpu")}
+    reference, _ = load_hf_checkpoint(tmp_path / "ckpt")
+    reference.to(torch.bfloat16)
+    for name, tensor in reference.state_dict().items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    assert torch.equal(logits(model).float(), logits(reference).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_onto_cuda_in_bf16(tmp_path):
+    config = kimi_variant(load_model_config("tiny"))
+    model = random_model(config)
+    save_hf_checkpoint(model, tmp_path / "ckpt")
+    torch.cuda.reset_peak_memory_stats()
+    loaded, _ = load_hf_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16, device="cuda")
+    assert {(t.dtype, t.device.type) for name, t in loaded.state_dict().items()
+            if not name.endswith("expert_bias")} == {(torch.bfloat16, "cuda")}
+    bf16_bytes = sum(t.numel() * 2 for t in loaded.state_dict().values())
+    assert torch.cuda.max_memory_allocated() <= 1.5 * bf16_bytes
+    for name, tensor in model.to(torch.bfloat16).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].cpu(), tensor), name
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"dtype": torch.int32}, "load_hf_checkpoint: dtype must be one of"),
+    ({"device": "meta"}, "load_hf_checkpoint: device 'meta' cannot hold the weights"),
+])
+def test_load_refuses_a_bad_dtype_or_device(tmp_path, option, message):
+    save_hf_checkpoint(HybridModel(kimi_variant(load_model_config("tiny"))), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=message):
+        load_hf_checkpoint(tmp_path / "ckpt", **option)
+
+
+STATE_DICTS = {
+    "own-dtype-sharded": dict(dtype=None, max_shard_bytes=30_000),
+    "bf16-one-file": dict(dtype=torch.bfloat16),
+    "tied-bf16-sharded": dict(dtype=torch.bfloat16, tie=True, max_shard_bytes=30_000),
+}
+
+
+@pytest.mark.parametrize("case", STATE_DICTS)
+def test_hf_state_dict_equals_the_saved_files(tmp_path, case):
+    """The weight-sync stream and dict hold what the saver writes: the same names in file order, dtypes and bits."""
+    settings = STATE_DICTS[case]
+    model = random_model(kimi_variant(load_model_config("tiny"), tie_embeddings=settings.get("tie", False)))
+    files = save_hf_checkpoint(model, tmp_path / "ckpt", dtype=settings["dtype"],
+                               max_shard_bytes=settings.get("max_shard_bytes", 10**9))
+    written = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(file, "pt") as handle:
+                written.update({name: handle.get_tensor(name) for name in handle.keys()})
+    streamed = list(hf_tensors(model, settings["dtype"]))
+    assert [name for name, _ in streamed] == list(hf_tensor_shapes(model.config))
+    state = hf_state_dict(model, settings["dtype"])
+    assert list(state) == [name for name, _ in streamed] and set(state) == set(written)
+    for name, tensor in state.items():
+        assert tensor.dtype == written[name].dtype and torch.equal(tensor, written[name]), name
+        assert tensor.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
 KIMI_LINEAR_48B = {
     # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (the fields after qk_rope_head_dim are
     # transformers' KimiLinearConfig defaults, which it documents for this checkpoint).
@@ -163,6 +296,51 @@ def test_kimi_linear_48b_config():
             assert written[key] == value, key
 
 
+def transformers_schema(data: dict, *, mixed: bool) -> dict:
+    """config.json `data` (Moonshot's keys, as HARTS writes them) with the keys transformers' `save_pretrained`
+    writes for KimiLinear (5.25: layer_types, mlp_layer_types, linear_*; no mla_use_nope) beside Moonshot's
+    (`mixed`: a Hub checkpoint that transformers loaded and saved again) or instead of them."""
+    linear, layers = data["linear_attn_config"], data["num_hidden_layers"]
+    written = dict(data)
+    written["layer_types"] = ["full_attention" if i + 1 in linear["full_attn_layers"] else "linear_attention"
+                              for i in range(layers)]
+    written["mlp_layer_types"] = ["dense" if i < data["first_k_dense_replace"] else "sparse" for i in range(layers)]
+    written.update(linear_num_heads=linear["num_heads"], linear_head_dim=linear["head_dim"],
+                   linear_conv_kernel_dim=linear["short_conv_kernel_size"], head_dim=data["qk_rope_head_dim"],
+                   qk_head_dim=data["qk_nope_head_dim"] + data["qk_rope_head_dim"])
+    if not mixed:
+        for key in ("linear_attn_config", "first_k_dense_replace", "mla_use_nope", "moe_layer_freq",
+                    "moe_router_activation_func", "num_nextn_predict_layers"):
+            del written[key]
+    return written
+
+
+def rename_dense_mlp(root) -> None:
+    """The dense layers' MLP tensors under block_sparse_moe., as transformers' `save_pretrained` writes them."""
+    index = _index(root)
+    renamed = {name: name.replace(".mlp.", ".block_sparse_moe.") for name in index["weight_map"] if ".mlp." in name}
+    assert renamed
+    for file in set(index["weight_map"][name] for name in renamed):
+        _rewrite_shard(root, file, lambda t: t.update({renamed[n]: t.pop(n) for n in list(t) if n in renamed}))
+    index["weight_map"] = {renamed.get(name, name): file for name, file in index["weight_map"].items()}
+    _write_index(root, index)
+
+
+@pytest.mark.parametrize("schema", ["transformers", "mixed"])
+def test_transformers_save_pretrained_layout_loads(saved, fresh, schema):
+    """What transformers' own `save_pretrained` writes (its config keys, the dense MLP under block_sparse_moe.)
+    loads into the model the Hub layout gives (the files transformers writes are read in test_hf_reference)."""
+    config_path = fresh / "config.json"
+    written = transformers_schema(json.loads(config_path.read_text()), mixed=schema == "mixed")
+    config_path.write_text(json.dumps(written))
+    rename_dense_mlp(fresh)
+    expected, expected_config = load_hf_checkpoint(saved)
+    model, config = load_hf_checkpoint(fresh)
+    assert config == expected_config
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
 def test_mla_layers_are_validated():
     base = kimi_variant(load_model_config("tiny"))
     for bad in ([3, 1], [4], [2, 2]):
@@ -198,6 +376,33 @@ def test_shipped_configs_are_refused_by_name(tmp_path):
     for name in ("tiny", "cpu-small"):
         with pytest.raises(ValueError, match=f"'{name}': kda.output_gate_bias"):
             save_hf_checkpoint(HybridModel(load_model_config(name)), tmp_path / name)
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs("models")))
+def test_every_shipped_config_exports_or_names_its_fix(tmp_path, name):
+    """Each shipped model config either exports (kimi-tiny: round trip bitwise) or is refused in one line naming
+    every field the layout cannot express and the settings that would (the weights cannot be converted)."""
+    config = load_model_config(name)
+    blockers = {"kda.output_gate_bias: true": "kda.output_gate_bias: false",
+                "mla.use_rope: true": "mla.use_rope: false"}
+    present = {field for field, flag in (("kda.output_gate_bias: true", config.kda.output_gate_bias),
+                                         ("mla.use_rope: true", config.mla.use_rope and config.mla.qk_rope_head_dim))
+               if flag}
+    if not present:
+        model = random_model(config)
+        save_hf_checkpoint(model, tmp_path / name)
+        loaded, loaded_config = load_hf_checkpoint(tmp_path / name)
+        assert loaded_config == model.config and torch.equal(logits(loaded), logits(model))
+        return
+    with torch.device("meta"):
+        model = HybridModel(config)
+    with pytest.raises(ValueError) as error:
+        save_hf_checkpoint(model, tmp_path / name)
+    text = str(error.value)
+    assert text.startswith(f"model config '{name}': ") and "\n" not in text and "no Kimi-Linear equivalent" in text
+    for field in present:
+        assert field in text and blockers[field] in text, text
+    assert "configs/models/kimi-tiny.yaml" in text and not (tmp_path / name).exists()
 
 
 def test_save_refuses_an_existing_checkpoint(tmp_path):
@@ -320,6 +525,17 @@ def _damaged_shard(root):
     return file, "not a readable safetensors file"
 
 
+def _dense_mlp_twice(root):
+    name = "model.layers.0.mlp.gate_proj.weight"
+    index = _index(root)
+    file = index["weight_map"][name]
+    alias = name.replace(".mlp.", ".block_sparse_moe.")
+    _rewrite_shard(root, file, lambda t: t.update({alias: t[name].clone()}))
+    index["weight_map"][alias] = file
+    _write_index(root, index)
+    return file, "two names of one tensor"
+
+
 DAMAGE = {
     "missing-tensor": _drop_tensor,
     "extra-tensor": _extra_tensor,
@@ -332,6 +548,7 @@ DAMAGE = {
     "index-without-weight-map": _index_without_map,
     "no-weight-files": _no_weights,
     "damaged-shard": _damaged_shard,
+    "dense-mlp-under-both-names": _dense_mlp_twice,
 }
 
 
@@ -364,6 +581,31 @@ CONFIG_ERRORS = {
                                                  "kda_layers": [1, 2], "full_attn_layers": [4]}},
                          "field 'linear_attn_config' kda_layers and full_attn_layers must list each"),
     "unknown-harts-field": ({"harts": {"moe.num_experts": 8}}, "field 'harts.moe.num_experts' is not a HARTS"),
+    # Moonshot's keys beside transformers' (a Hub checkpoint re-saved by transformers): they must agree.
+    "layer-types-disagree": ({"layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                              "full_attention"]},
+                             "field 'layer_types' has full attention at layers [2, 4], 'linear_attn_config' at [4]"),
+    "layer-types-unknown-kind": ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]},
+                                 "field 'layer_types' must list 4 entries, each 'linear_attention' or"),
+    "layer-types-too-short": ({"layer_types": ["linear_attention"] * 3}, "field 'layer_types' must list 4 entries"),
+    "mlp-layer-types-disagree": ({"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]},
+                                 "field 'first_k_dense_replace' = 1 disagrees with 'mlp_layer_types' = 2"),
+    "dense-after-sparse": ({"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]},
+                           "field 'mlp_layer_types' = [\"dense\", \"sparse\", \"dense\", \"sparse\"] is not supported"),
+    "linear-heads-disagree": ({"linear_num_heads": 4},
+                              "field 'linear_num_heads' = 4 disagrees with 'linear_attn_config.num_heads' = 2"),
+    "no-layer-kinds": ({"linear_attn_config": None},
+                       "missing field 'linear_attn_config' (Moonshot's config) or 'layer_types' (transformers')"),
+    "no-dense-count": ({"first_k_dense_replace": None},
+                       "missing field 'first_k_dense_replace' (Moonshot's config) or 'mlp_layer_types'"),
+    # transformers' keys alone: its KimiLinear never rotates, so mla_use_nope may be absent but not false.
+    "transformers-rope": ({**{key: None for key in ("linear_attn_config", "first_k_dense_replace")},
+                           "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                           "mlp_layer_types": ["dense"] + ["sparse"] * 3, "linear_num_heads": 2, "linear_head_dim": 16,
+                           "linear_conv_kernel_dim": 4, "mla_use_nope": False}, "field 'mla_use_nope' = false"),
+    "transformers-no-kda-heads": ({"linear_attn_config": None,
+                                   "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+                                  "missing field 'linear_num_heads'"),
 }
 
 

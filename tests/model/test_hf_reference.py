@@ -18,6 +18,14 @@ summation orders), so they differ by accumulated rounding: ~1e-6 relative per op
 layers. The logits are O(1)-O(10) here (unit-variance weights), measured max differences are ~1e-6;
 we allow 1e-4 · max|logit|. A mapping error (a swapped projection, expert or norm) changes the
 logits by O(1), as the planted swaps showed.
+
+Checkpoints transformers writes itself: tiny `KimiLinearConfig`s built by transformers, models built from them
+with random weights, saved with `save_pretrained` (one file or shards: its config keys, and its tensor names
+with the dense MLP under block_sparse_moe.). HARTS loads them to transformers' logits within 1e-5 of the largest
+(`TRANSFORMERS_TOLERANCE`: decays kept within fp32's normal range), for each sequence alone and for batches
+padded on the left and on the right (transformers' KDA zeroes the padded rows, its MLA masks them); HARTS saves
+them back and transformers reads its own logits bitwise. The other way, a HARTS model of the shipped kimi-tiny
+config saved by HARTS gives transformers HARTS's logits within the same tolerance.
 """
 
 import json
@@ -28,7 +36,9 @@ import pytest
 import torch
 import transformers
 
+from harts.model.config import load_model_config
 from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
+from harts.model.model import HybridModel
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
 from harts.runtime.layout import baseline_layout
@@ -236,6 +246,154 @@ def test_logits_match_transformers(tmp_path, offline, case):
     saved = tmp_path / "saved"
     save_hf_checkpoint(model, saved, max_shard_bytes=40_000)
     assert max_error(reference_logits(saved, sequences), expected) <= TOLERANCE
+
+
+def transformers_config(**changes) -> transformers.KimiLinearConfig:
+    """A tiny config built by transformers' own `KimiLinearConfig` (its keys: layer_types, mlp_layer_types,
+    linear_*), 5 layers: KDA, KDA, KDA, MLA, MLA, the first with a dense MLP."""
+    settings = dict(
+        vocab_size=97, hidden_size=48, intermediate_size=80, moe_intermediate_size=20, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, num_local_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=2.446, linear_num_heads=3, linear_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] * 2, mlp_layer_types=["dense"] + ["sparse"] * 4,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+    settings.update(changes)
+    return transformers.KimiLinearConfig(**settings)
+
+
+def random_weights(tensors: dict[str, torch.Tensor], seed: int, fan_in) -> None:
+    """Fill a model's tensors in place (by name; `fan_in(name, tensor)` of a matrix): unit-variance outputs, norms
+    near 1, expert biases spread, convs in [-0.5, 0.5), decays exp(A_log) in [0.5, 4]; dt_bias keeps its
+    initialisation (FLA's, in both models). With transformers' own decay range [1, 16] its fp32 chunked KDA loses
+    more (decays below fp32's normal range): 5e-5 to 8e-5 from HARTS's float64 logits, against 2e-5 for HARTS's fp32."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name.endswith("A_log"):
+                tensor.copy_(torch.empty(tensor.shape).uniform_(0.5, 4, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                continue
+            elif name.endswith(("e_score_correction_bias", "expert_bias")):
+                tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith(("conv1d.weight", "_conv")):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) - 0.5)
+            elif tensor.dim() == 1:
+                tensor.copy_(1 + 0.3 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) / math.sqrt(fan_in(name, tensor)))
+
+
+def transformers_model(config: transformers.KimiLinearConfig, seed: int) -> transformers.KimiLinearForCausalLM:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    random_weights(model.state_dict(), seed, lambda name, tensor: tensor.shape[-1])
+    return model.eval()
+
+
+def harts_model(config, seed: int) -> HybridModel:
+    """A HybridModel of `config` with `random_weights` (the MoE stacks are [.., in, out], the Linears [out, in])."""
+    model = HybridModel(config)
+    model.init_weights(seed)
+    random_weights(model.state_dict(), seed,
+                   lambda name, tensor: tensor.shape[-2] if name.endswith("_proj") else tensor.shape[-1])
+    return model
+
+
+def padded_logits(model, sequences, side: str | None) -> list[torch.Tensor]:
+    """transformers' logits of `sequences` as one batch padded on `side` ("left" or "right"; the attention mask
+    marks the padding, which its KDA layers zero and its MLA masks), or of each sequence alone (None)."""
+    if side is None:
+        return [padded_logits(model, [sequence], "right")[0] for sequence in sequences]
+    width = max(map(len, sequences))
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    spans = [slice(width - len(s), width) if side == "left" else slice(0, len(s)) for s in sequences]
+    for row, (sequence, span) in enumerate(zip(sequences, spans)):
+        input_ids[row, span] = torch.tensor(sequence)
+        mask[row, span] = 1
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+    return [logits[row, span] for row, span in enumerate(spans)]
+
+
+def load_strict(root) -> transformers.KimiLinearForCausalLM:
+    """`from_pretrained`, refusing any missing, unexpected or mis-shaped key."""
+    model, info = transformers.KimiLinearForCausalLM.from_pretrained(
+        root, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+    )
+    problems = {key: value for key, value in info.items() if value}
+    assert not problems, problems
+    return model.eval()
+
+
+PADDINGS = (None, "left", "right")
+TRANSFORMERS_TOLERANCE = 1e-5
+"""max |Δlogit| / max |logit| between HARTS and transformers' KimiLinearForCausalLM, both fp32. Measured 2.7e-6
+to 4.4e-6 on these checkpoints (logits up to 4.5); each side is about as far from HARTS's float64 logits (1.1e-5 to
+1.7e-5 absolute), so that is fp32 rounding on both sides, not a difference in the function."""
+TRANSFORMERS_CASES = {
+    "one-file": {},
+    "sharded-q-low-rank": {"config": {"q_lora_rank": 16}, "shard": "40KB"},
+    "sharded-irregular-mla-two-dense": {
+        "config": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                                   "full_attention"],
+                   "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "sparse"]},
+        "shard": "40KB"},
+    "tied-one-file": {"config": {"tie_word_embeddings": True}},
+}
+
+
+@pytest.mark.parametrize("case", TRANSFORMERS_CASES)
+def test_transformers_save_pretrained_both_ways(tmp_path, offline, case):
+    """A checkpoint written by transformers' own `save_pretrained` (its config keys and tensor names) loads into
+    HARTS with transformers' logits, for sequences alone and in batches padded on either side; HARTS saves it back
+    (sharded or not) in the Hub layout, which transformers reads strictly to the same weights: logits bitwise."""
+    settings = TRANSFORMERS_CASES[case]
+    config = transformers_config(**settings.get("config", {}))
+    model = transformers_model(config, seed=42)
+    if config.tie_word_embeddings:
+        # transformers' KimiLinear never ties the head: a tied checkpoint is one whose head is the embedding.
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    root = tmp_path / "transformers"
+    model.save_pretrained(root, max_shard_size=settings.get("shard", "1GB"))
+    assert (root / "model.safetensors.index.json").is_file() == ("shard" in settings)
+    rng = np.random.default_rng(42)
+    sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in (*LENGTHS, 5)]
+    expected = {side: padded_logits(model, sequences, side) for side in PADDINGS}
+    assert min(float(e.std()) for e in expected[None]) > 0.5, "logits too flat to compare"
+
+    loaded, loaded_config = load_hf_checkpoint(root)
+    assert loaded_config.tie_embeddings == config.tie_word_embeddings
+    actual = harts_logits(loaded, sequences)
+    for side in PADDINGS:
+        assert max_error(actual, expected[side]) <= TRANSFORMERS_TOLERANCE, side
+
+    saved = tmp_path / "harts"
+    files = save_hf_checkpoint(loaded, saved, max_shard_bytes=40_000 if "shard" in settings else 10**9)
+    assert (len([f for f in files if f.suffix == ".safetensors"]) > 1) == ("shard" in settings)
+    reloaded = load_strict(saved)
+    for side in PADDINGS:
+        assert all(torch.equal(a, e) for a, e in zip(padded_logits(reloaded, sequences, side), expected[side])), side
+
+
+@pytest.mark.parametrize("max_shard_bytes", [10**9, 30_000], ids=["one-file", "sharded"])
+def test_harts_model_runs_in_transformers(tmp_path, offline, max_shard_bytes):
+    """A model of the shipped kimi-tiny config (HARTS's own chunk size, layer pattern and training fields) saved by
+    HARTS loads strictly in transformers, whose logits are HARTS's, alone and in batches padded on either side."""
+    model = harts_model(load_model_config("kimi-tiny"), seed=42)
+    root = tmp_path / "harts"
+    save_hf_checkpoint(model, root, max_shard_bytes=max_shard_bytes)
+    reference = load_strict(root)
+    rng = np.random.default_rng(42)
+    sequences = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (*LENGTHS, 5)]
+    actual = harts_logits(model, sequences)
+    for side in PADDINGS:
+        expected = padded_logits(reference, sequences, side)
+        assert min(float(e.std()) for e in expected) > 0.5, "logits too flat to compare"
+        assert max_error(actual, expected) <= TRANSFORMERS_TOLERANCE, side
 
 
 @pytest.mark.gpu
