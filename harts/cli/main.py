@@ -16,6 +16,7 @@ import sys
 
 from harts import __version__
 from harts.cli import bench as bench_cli
+from harts.cli import export as export_cli
 from harts.cli import plan as plan_cli
 from harts.cli import rl as rl_cli
 from harts.cli import train as train_cli
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(commands)
     train_cli.register(commands)
     train_loop_cli.register(commands)
+    export_cli.register(commands)
     rl_cli.register(commands)
     return parser
 

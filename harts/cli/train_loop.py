@@ -4,7 +4,9 @@ The configuration is one YAML file (`--config`, read strictly into
 harts.training.config.TrainConfig) whose keys the flags below override; without `--config` the
 flags alone (at least `--model` and `--trees`) make it, and with `--resume` the checkpoint's
 config is the base (or, before the first checkpoint, the config of the log's first start). The run
-directory `--out` receives train.jsonl and checkpoints/ (harts.training.checkpoint). `--resume`
+directory `--out` receives train.jsonl and checkpoints/ (harts.training.checkpoint). `--init-from DIR`
+starts from a Hugging Face checkpoint (Kimi-Linear, harts.model.hf) whose config.json is the model config,
+instead of `--model` and a random initialisation (`harts export` is the way back). `--resume`
 continues from the last checkpoint (or from step 0 when there is none) and refuses a config that
 differs from it or from the run's first start, and data steps whose content changed unless
 `--accept-changed-data`; `--max-steps N` stops after step N with a checkpoint there. Tested in
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 # (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
 OVERRIDES = [
     ("--model", "model", {"help": "configs/models NAME or a YAML path"}),
+    ("--init-from", "init_from", {"help": "start from this Hugging Face checkpoint (Kimi-Linear) instead of a random "
+                                          "initialisation; its config.json is the model config (no --model)"}),
     ("--trees", "data.trees", {"help": "a trees config (NAME or YAML), a directory of step_NNN files, or one step"}),
     ("--data-seed", "data.seed", {"type": non_negative_int, "help": "seed of generated steps"}),
     ("--on-policy", "data.on_policy", {"action": argparse.BooleanOptionalAction,
@@ -128,8 +132,8 @@ def build_config(args: argparse.Namespace):
         if flag == "--kl-coef" and loss != "grpo":
             raise ValueError(f"harts train: --kl-coef applies to the grpo loss, not {loss!r}")
         set_dotted(data, f"loss.{loss}.{key}", value, where)
-    if where == "command line" and not ("model" in data and "trees" in data.get("data", {})):
-        raise ValueError("harts train: give --config FILE, or --model and --trees")
+    if where == "command line" and not (("model" in data or "init_from" in data) and "trees" in data.get("data", {})):
+        raise ValueError("harts train: give --config FILE, or --model and --trees (or --init-from DIR and --trees)")
     return train_config_from_dict(data, where)
 
 
@@ -137,6 +141,9 @@ def run_train(args: argparse.Namespace) -> int:
     from harts.training.loop import LOG_NAME, train
 
     config = build_config(args)
+    if config.init_from is not None and Path(args.out).resolve() == Path(config.init_from).resolve():
+        raise ValueError(f"harts train: --out {args.out} is the checkpoint it starts from (--init-from); "
+                         "train into another directory")
     if args.accept_changed_data and not args.resume:
         raise ValueError("harts train: --accept-changed-data applies to --resume")
     records = train(config, args.out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress,

@@ -1,7 +1,9 @@
 """Configuration of `harts train`: one `@dataclass(kw_only=True)` per component, one YAML file.
 
 `TrainConfig` composes `DataConfig`, `ExecutionConfig`, `LossConfig` (GRPOConfig/PPOConfig of
-harts.objective.losses), `OptimizerConfig`, `ScheduleConfig` and `CheckpointConfig`.
+harts.objective.losses), `OptimizerConfig`, `ScheduleConfig` and `CheckpointConfig`; its model is
+`model` (a model config, randomly initialised) or `init_from` (a Hugging Face checkpoint, whose
+config.json is the model config), exactly one.
 `load_train_config(path, overrides)` reads one YAML file strictly (harts.config: an unknown key,
 a missing required key or a wrong type is an error naming the file and the dotted key) and
 applies dotted-key overrides (the CLI flags: `{"optimizer.lr": 1e-5}`) before validation.
@@ -176,8 +178,11 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything the loss curve of `harts train` depends on."""
 
-    model: str
-    """A shipped model config NAME (configs/models) or a YAML path."""
+    model: str | None = None
+    """A shipped model config NAME (configs/models) or a YAML path; or None with `init_from`."""
+    init_from: str | None = None
+    """A Hugging Face checkpoint directory (Kimi-Linear, harts.model.hf) to start from instead of a random
+    initialisation; its config.json gives the model config, so `model` stays None."""
     data: DataConfig
     num_steps: int | None = None
     """Optimizer steps; None = one pass over the data steps."""
@@ -193,6 +198,11 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        if (self.model is None) == (self.init_from is None):
+            raise ValueError("missing required key 'model' (or 'init_from': a Hugging Face checkpoint whose "
+                             "config.json is the model config)" if self.model is None else
+                             f"model ({self.model!r}) and init_from ({self.init_from!r}) exclude each other: "
+                             "init_from's config.json is the model config")
         if self.num_steps is not None and self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.seed < 0:

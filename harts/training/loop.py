@@ -1,5 +1,8 @@
 """`train`: the optimizer steps of the hybrid model over a sequence of RL steps, with exact resume.
 
+The model starts from `init_weights(seed)`, or from the Hugging Face checkpoint `init_from` (loaded straight
+into the run's dtype and device by harts.model.hf; its config.json is the model config).
+
 Step t (0-based; records and checkpoints count the steps done, t + 1):
 1. data step order[t mod M] of the `StepSource` (M data steps; epoch t // M, whose order
    `epoch_order` gives at its first step), without old log-probs if `data.on_policy`; its
@@ -98,10 +101,8 @@ def train(
     each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.training.tracking); return the step
     records of this call. A resume whose data steps' content differs from the checkpoint's is refused
     unless `accept_changed_data`."""
-    from harts.model.config import load_model_config
-
     run_dir = Path(run_dir)
-    model_config = load_model_config(config.model)
+    model_config = model_config_of(config)
     source = StepSource(config.data.trees, config.data.seed, model_config.vocab_size)
     config = resolve(config, source.num_steps)
     if config.schedule.warmup_steps > config.num_steps:
@@ -164,6 +165,14 @@ def train(
     return records
 
 
+def model_config_of(config: TrainConfig):
+    """The model config of a run: `model`'s, or the config.json of the Hugging Face checkpoint `init_from`."""
+    from harts.model.config import load_model_config
+    from harts.model.hf import load_hf_config
+
+    return load_hf_config(config.init_from) if config.init_from is not None else load_model_config(config.model)
+
+
 def step_config_of(config: TrainConfig) -> StepConfig:
     """The step execution of a (resolved) training config."""
     from harts.objective.step import StepConfig
@@ -195,16 +204,21 @@ class _Run:
     @classmethod
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
               digests: list[str], run_dir: Path) -> _Run:
+        from harts.model.hf import load_hf_checkpoint
         from harts.model.model import HybridModel
 
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         random.seed(config.seed)
-        with torch.device(config.device):
-            model = HybridModel(model_config)
-        model.init_weights(config.seed)
-        if config.dtype == "bf16":
-            model.to(torch.bfloat16)
+        if config.init_from is not None:
+            dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+            model, _ = load_hf_checkpoint(config.init_from, dtype=dtype, device=config.device)
+        else:
+            with torch.device(config.device):
+                model = HybridModel(model_config)
+            model.init_weights(config.seed)
+            if config.dtype == "bf16":
+                model.to(torch.bfloat16)
         optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
         step_config = step_config_of(config)
         return cls(config=config, resolved=resolved, source=source, digests=digests, run_dir=run_dir, model=model,
