@@ -99,8 +99,8 @@ KIMI_TINY = "kimi-tiny"
 LATENT_NORM_EPS = 1e-6
 """Kimi-Linear's kv_a_layernorm (and q_a_layernorm) keep KimiRMSNorm's default eps."""
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".gate.weight", ".gate.e_score_correction_bias")
-"""Tensors that `save_hf_checkpoint(dtype=...)` keeps in fp32, as Kimi-Linear keeps its decay
-parameters and router in fp32."""
+"""Tensors that `save_hf_checkpoint(dtype=...)` and `hf_tensors(dtype=...)` keep in their own dtype (fp32 in
+fp32 models and exports), as Kimi-Linear keeps its decay parameters and router in fp32."""
 
 _SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
@@ -627,8 +627,9 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
 def load_hf_checkpoint(
     path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
 ) -> tuple[HybridModel, ModelConfig]:
-    """The `HybridModel` (parameters and buffers in `dtype`, default float32, on `device`, default the CPU) and
-    its `ModelConfig` of a Kimi-Linear checkpoint directory, Moonshot's layout or transformers' own.
+    """The `HybridModel` (on `device`, default the CPU, in `dtype`, default float32, as `HybridModel.to(dtype)`
+    leaves it: the MoE expert biases stay fp32) and its `ModelConfig` of a Kimi-Linear checkpoint directory,
+    Moonshot's layout or transformers' own.
 
     The model is built on the meta device and then allocated once in `dtype` on `device`; the tensors are read
     one at a time and copied (cast) into their place, so the only other memory is one stored tensor. Every tensor
@@ -669,6 +670,8 @@ def load_hf_checkpoint(
                and not (config.tie_embeddings and name == "lm_head.weight")]
     if missing:
         raise ValueError(f"{source}: missing tensor '{missing[0]}' ({len(missing)} missing in all)")
+    if config.tie_embeddings and "lm_head.weight" in names:
+        _check_tied_head(stored, names, config_path)
 
     model = empty_model(config, dtype=dtype or torch.float32, device=device)
     _check_coverage(model, slots)
@@ -683,8 +686,6 @@ def load_hf_checkpoint(
                 for layout_name in layout_names:
                     slot = slots[layout_name]
                     slot.view(targets[slot.target]).copy_(handle.get_tensor(names[layout_name]))
-    if config.tie_embeddings and "lm_head.weight" in names:
-        _check_tied_head(stored, names, config_path)
     return model, config
 
 

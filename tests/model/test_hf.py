@@ -405,6 +405,27 @@ def test_every_shipped_config_exports_or_names_its_fix(tmp_path, name):
     assert "configs/models/kimi-tiny.yaml" in text and not (tmp_path / name).exists()
 
 
+def test_a_failed_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+    """A write that fails mid-way (a full disk at the second shard) removes the shards already written and the
+    directories the save made; a save that is killed leaves no config.json, which every reader needs."""
+    import safetensors.torch
+
+    written = []
+    real = safetensors.torch.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    root = tmp_path / "new" / "ckpt"
+    with pytest.raises(OSError, match=r"model-00002-of-\d{5}.safetensors: could not write \(No space left on device\)"):
+        save_hf_checkpoint(random_model(kimi_variant(load_model_config("tiny"))), root, max_shard_bytes=60_000)
+    assert written and not (tmp_path / "new").exists()
+
+
 def test_save_refuses_an_existing_checkpoint(tmp_path):
     model = HybridModel(kimi_variant(load_model_config("tiny")))
     save_hf_checkpoint(model, tmp_path / "ckpt")
