@@ -254,3 +254,18 @@ def test_two_harts_train_on_one_run_folder(tmp_path):
                                   f"{first.pid}); wait for it or choose another output\n"), second.stderr
     starts = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines() if '"start"' in line]
     assert len(starts) == 1
+
+
+def test_harts_train_on_a_full_disk_names_its_log_and_resumes(tmp_path):
+    """The append-only train.jsonl on a full disk: one line naming it; a resume drops the torn line and goes on."""
+    run = tmp_path / "run"
+    args = ["train", "--out", str(run), "--model", "tiny", "--trees", str(REPO / "tests/training/micro-trees.yaml"),
+            "--num-steps", "60", "--capacity", "1024", "--no-progress", "--checkpoint-every", "1000"]
+    failed = _harts_on_a_full_disk(30_000, *args, cwd=tmp_path)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert failed.stderr.splitlines()[-1] == f"harts: error: {run / 'train.jsonl'}: could not write (File too large)"
+    resumed = _harts_on_a_full_disk(1 << 40, "train", "--out", str(run), "--resume", "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "1 unreadable line(s) of train.jsonl removed" in resumed.stderr
+    records = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, 61))

@@ -133,7 +133,8 @@ def train(
     tracker = WandbTracker.start(start_record, run_dir, wandb_options) if wandb else None
     failed = True
     try:
-        with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:
+        # Unbuffered: a write that fails (a full disk) leaves nothing behind for the close to fail on again.
+        with (run_dir / LOG_NAME).open("ab", buffering=0) as log:
             _write(log, start_record)
             bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step", disable=not progress,
                        file=sys.stderr, dynamic_ncols=True)
@@ -469,5 +470,10 @@ def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, 
 
 
 def _write(log, record: dict[str, Any]) -> None:
-    log.write(json.dumps(record, allow_nan=False) + "\n")
-    log.flush()
+    """Append one record. A full disk can leave the line torn: a resume removes an unreadable last line."""
+    try:
+        line = memoryview((json.dumps(record, allow_nan=False) + "\n").encode())
+        while line:  # an unbuffered write may take part of the line (then the next one reports the full disk)
+            line = line[log.write(line):]
+    except OSError as error:
+        raise OSError(f"{log.name}: could not write ({error.strerror or error})") from None
