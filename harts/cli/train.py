@@ -74,7 +74,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                       help="GRPO only: beta of the k3 KL penalty (default 0; > 0 needs ref_logprobs)")
     loss.add_argument("--dual-clip-ratio", type=positive_float, help="PPO only: dual clip c > 1 (default: none)")
     loss.add_argument("--aggregation", choices=AGGREGATIONS, help="token-mean (default) or seq-mean-token-mean")
-    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see README)")
+    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see docs/results.md)")
     parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
     parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")

@@ -1,6 +1,6 @@
 """Reading and writing steps: JSONL (plain or gzip, one file or a directory) and `.npz`.
 
-JSONL record, one trajectory per line (README, "Trajectory input"):
+JSONL record, one trajectory per line (docs/inputs.md "Trajectory input"):
 
     {"id": str, "tree": str, "tokens": [int >= 0], "loss_mask": [0|1], "advantage": float | [float],
      "reward": float, "old_logprobs": [float], "ref_logprobs": [float]}

@@ -59,8 +59,8 @@ def test_lint_only_the_documented_exception(workdir):
     result = snakemake(workdir, "--lint")
     output = result.stdout + result.stderr
     messages = set(re.findall(r"^\s+\* (.+?):?$", output, re.MULTILINE))
-    # Deliberate exception (README): the jobs run in the environment harts is installed in, not in a
-    # per-rule conda environment or container.
+    # Deliberate exception (docs/pipeline.md "Reruns and failures"): the jobs run in the environment harts is
+    # installed in, not in a per-rule conda environment or container.
     assert messages == {"Specify a conda environment or container for each rule."}, output
     assert "Lints for snakefile" not in output
 
@@ -278,7 +278,8 @@ def test_bad_config_fails_with_a_clear_message(workdir, case):
 
 
 def test_a_templated_config_file_is_refused_after_snakemake_evaluated_it(workdir):
-    """The README's statement, shown: Snakemake evaluates a `__use_yte__` config file's expressions while it reads
+    """docs/pipeline.md's statement ("Config files and profiles are code to Snakemake"), shown: Snakemake
+    evaluates a `__use_yte__` config file's expressions while it reads
     `--configfile`, before the Snakefile runs (here they create a file, under `-n`); the Snakefile then refuses the
     file, so the run stops and no job is planned."""
     config = (REPO / "configs" / "pipeline-tiny.yaml").read_text(encoding="utf-8")
@@ -449,7 +450,8 @@ def test_tiny_profile_end_to_end(workdir):
     assert _speedup_steps(snakemake(workdir, "-n", "--workflow-profile", "tiny").stdout) == [failing], (
         "a success after a failure is done; the failing case is retried again")
 
-    # The rerun recipe of one record (README): --forcerun names it; it and what reads it are redone, no other record.
+    # The rerun recipe of one record (docs/pipeline.md "Reruns and failures"): --forcerun names it; it and what
+    # reads it are redone, no other record.
     pipeline.write_text(shipped, encoding="utf-8")  # pp8 leaves the config
     one = "reports/raw/speedup/tiny/dp2/harts/step_000.json"
     dry = snakemake(workdir, "-n", "--workflow-profile", "tiny", "--forcerun", one).stdout
