@@ -12,7 +12,8 @@ loss and its gradients w.r.t. the log-probs (and the entropies) equal
 
 The batch is far off-policy (log-ratios ~ N(0, 1) and two of ±25, reference log-ratios ~ N(0, 4): every clip, the
 dual clip and verl's clamps are active), fp64, B = 6 sequences of up to R = 9 response tokens, one of them with no
-masked token (where verl's and TRL's sequence counts differ). `python -m tests.objective.test_losses_readings` prints the table of differences.
+masked token (where verl's and TRL's sequence counts differ). `python -m tests.objective.test_losses_readings`
+prints the table of differences.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ READINGS = {
 
 
 def harts_loss(reading: Reading, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(loss, ∂loss/∂λ [B, R], ∂loss/∂H [B, R] or None) of HARTS's reading on the batch, flattened row by row."""
+    """(loss, ∂loss/∂λ [B, R], ∂loss/∂H [B, R] or None) of HARTS's reading on the batch, flattened by rows."""
     logprobs = batch.logprobs.clone().requires_grad_()
     entropy = batch.entropy.clone().requires_grad_() if reading.uses_entropy else None
     common = dict(
@@ -259,7 +260,7 @@ def verl_transcription(settings: dict, logprobs, entropy, batch: Batch):
         weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
         policy = verl_agg(-weight * advantages * logprobs, mask, mode, **agg)
     else:  # sapo: aggregated seq-mean-token-mean whatever loss_agg_mode says
-        tau = torch.where(advantages > 0, torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.05, dtype=torch.float64))
+        tau = torch.where(advantages > 0, advantages.new_tensor(1.0), advantages.new_tensor(1.05))
         gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
         policy = verl_agg(-gate * advantages, mask, "seq-mean-token-mean", **agg)
     if entropy is not None:
