@@ -46,12 +46,11 @@ this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequenc
 token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
 and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
 and `moe_loss` are its parts. Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
-needs `ref_log_probs`. A batch
-runs as one microbatch (its whole trie in one forward): split a large step as the trainer
-already does, keeping each GRPO group in one micro-batch so that its prompt is shared, and pass
-`normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean over the step's
-micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and gradients then
-add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
+needs `ref_log_probs`. A batch runs as one microbatch (its whole trie in one forward): split a large
+step as the trainer already does, keeping each GRPO group in one micro-batch so that its prompt is
+shared, and pass `normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean
+over the step's micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and
+gradients then add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
 that it reduces the gradients), FSDP2's `fully_shard` (keep the LM head in the root's group: it is
 applied outside the model's forward) or torch.compile.
 

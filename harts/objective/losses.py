@@ -63,7 +63,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-toke
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = tuple(f"{name}{suffix}" for suffix in ("", "+") for name in ("k1", "abs", "k2", "k3", "low_var_kl"))
-SEQUENCE_AGGREGATIONS = AGGREGATIONS[1:2] + AGGREGATIONS[3:]
+SEQUENCE_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregations that need trajectory ids."""
 
 

@@ -5,8 +5,8 @@ trajectory its own packed sequence; compact: the microbatch's trie), runs the mo
 the log-probs λ of every semantic position through the compact LM head
 (`compact_logprobs`, never S × V; with an entropy bonus, the entropies from the same pass), applies
 the GRPO/PPO loss with the step-level normalisers (so microbatch losses add up to the step's loss
-whatever the microbatching) plus the MoE losses
-averaged over microbatches (megatron-core's convention), and accumulates gradients.
+whatever the microbatching) plus the MoE losses averaged over microbatches (megatron-core's
+convention), and accumulates gradients.
 
 Both executions on the same microbatches compute the same function of the same weights: that
 is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of
