@@ -265,6 +265,9 @@ LOSSES = {
     "ppo-dual-clip-seq-mean": StepConfig(
         loss="ppo", ppo=PPOConfig(dual_clip_ratio=3.0, aggregation="seq-mean-token-mean")
     ),
+    "grpo-verl-kl-entropy": StepConfig(loss="grpo", grpo=GRPOConfig(
+        dual_clip_ratio=3.0, log_ratio_clamp=20.0, kl_coef=0.1, kl_estimator="low_var_kl", entropy_coef=0.002,
+        aggregation="seq-mean-token-sum")),
 }
 
 

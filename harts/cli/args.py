@@ -77,6 +77,57 @@ def non_negative_float(text: str) -> float:
     return _number(text, float, 0.0, True, "a finite number >= 0")
 
 
+# harts.objective.losses' choices, spelled out so that the CLI builds without importing torch
+# (tests/cli/test_train.py checks them against the losses).
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_SURROGATES = ("clip", "cispo", "sapo", "vespo")
+LOSS_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+LOSS_KL_ESTIMATORS = tuple(f"{name}{suffix}" for suffix in ("", "+")
+                           for name in ("k1", "abs", "k2", "k3", "low_var_kl"))
+_BOTH, _GRPO = ("grpo", "ppo"), ("grpo",)
+LOSS_OPTIONS = (
+    # (GRPOConfig/PPOConfig field, the losses that have it, argparse keywords): the flag is --FIELD-WITH-DASHES.
+    # Every field of both configs is here (tested); docs/losses.md maps verl's and TRL's keys to them.
+    ("clip_ratio_low", _BOTH, {"type": non_negative_float, "help": "epsilon_low < 1: the ratio is clipped below at "
+                                                                  "1 - epsilon_low (default 0.2; cispo: <= 1)"}),
+    ("clip_ratio_high", _BOTH, {"type": non_negative_float, "help": "epsilon_high: the ratio is clipped above at "
+                                                                   "1 + epsilon_high (default 0.2; DAPO 0.28)"}),
+    ("aggregation", _BOTH, {"choices": LOSS_AGGREGATIONS, "help": "how per-token losses become one (default "
+                                                                  "token-mean)"}),
+    ("dual_clip_ratio", _BOTH, {"type": positive_float, "help": "dual clip c > 1 (default: none; verl's clip_ratio_c "
+                                                                "is 3)"}),
+    ("log_ratio_clamp", _BOTH, {"type": positive_float,
+                                "help": "clamp log(ratio) to [-c, c] (default: none; verl 20)"}),
+    ("loss_scale_factor", _BOTH, {"type": positive_float,
+                                  "help": "the divisor of seq-mean-token-sum-norm (verl: the response length; TRL "
+                                          "dr_grpo: max_completion_length)"}),
+    ("entropy_coef", _BOTH, {"type": non_negative_float, "help": "coefficient of the entropy bonus (default 0)"}),
+    ("entropy_aggregation", _BOTH, {"choices": LOSS_AGGREGATIONS, "help": "the entropy bonus's aggregation (default: "
+                                                                          "--aggregation; TRL: token-mean)"}),
+    ("kl_coef", _GRPO, {"type": non_negative_float, "help": "beta of the KL penalty (default 0; > 0 needs ref "
+                                                            "log-probs)"}),
+    ("kl_estimator", _GRPO, {"choices": LOSS_KL_ESTIMATORS, "help": "the KL penalty's estimator (default k3; verl "
+                                                                    "low_var_kl)"}),
+    ("kl_importance_weighted", _GRPO, {"action": argparse.BooleanOptionalAction,
+                                       "help": "multiply the KL estimate by the ratio (TRL's use_bias_correction_kl)"}),
+    ("surrogate", _GRPO, {"choices": LOSS_SURROGATES, "help": "the policy term (default clip)"}),
+    ("ratio_cap", _GRPO, {"type": positive_float, "help": "cap of the unclipped ratio (TRL's delta; default none)"}),
+    ("importance_sampling_level", _GRPO, {"choices": LOSS_IMPORTANCE_SAMPLING_LEVELS,
+                                          "help": "token (default) or sequence (GSPO)"}),
+    ("sapo_tau_pos", _GRPO, {"type": positive_float, "help": "SAPO's temperature where A > 0 (default 1.0)"}),
+    ("sapo_tau_neg", _GRPO, {"type": positive_float, "help": "SAPO's temperature where A <= 0 (default 1.05)"}),
+    ("vespo_k_pos", _GRPO, {"type": non_negative_float, "help": "VESPO's k where A >= 0 (default 2)"}),
+    ("vespo_lambda_pos", _GRPO, {"type": positive_float, "help": "VESPO's lambda where A >= 0 (default 3)"}),
+    ("vespo_k_neg", _GRPO, {"type": non_negative_float, "help": "VESPO's k where A < 0 (default 3)"}),
+    ("vespo_lambda_neg", _GRPO, {"type": positive_float, "help": "VESPO's lambda where A < 0 (default 2)"}),
+)
+
+
+def loss_flag(field: str) -> str:
+    """The flag of a LOSS_OPTIONS field."""
+    return "--" + field.replace("_", "-")
+
+
 def non_finite_fields(value, prefix: str = "") -> list[str]:
     """`field = value` for every number in nested dicts/lists of `value` that is NaN or infinite."""
     if isinstance(value, dict):
