@@ -82,7 +82,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from harts.extras import require
-from harts.planning.microbatch import Plan, build_plan
+from harts.planning.plans import Plan, build_plan
 from harts.planning.rank_work import RankWork
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
