@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import logging
 from functools import partial
 from pathlib import Path
 
-from harts.cli.args import positive_int
+from harts.args import positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from harts.cli.args import print_error
+from harts.args import print_error
 
 logger = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int, print_error
+from harts.args import non_negative_int, positive_int, print_error
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.args import index_list, non_negative_int, positive_int
 from harts.extras import require
 from harts.files import atomic_open, write_text
 
@@ -67,7 +67,7 @@ _LABELS = {"harts": "HARTS", "treetrain-ortools": "OR-Tools", "greedy-trie": "gr
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from harts.cli.plan_microbatches import add_treetrain_options
+    from harts.planning.treetrain import add_treetrain_options
     from harts.planning.microbatch import PLANNER_NAMES
 
     parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from harts.bench.records import make_record, write_records
-    from harts.cli.plan_microbatches import treetrain_options as planner_options
+    from harts.planning.treetrain import treetrain_options as planner_options
     from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.planning.microbatch import plan, plan_metrics, validate
     from harts.trees.synth import SynthConfig

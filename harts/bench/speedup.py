@@ -97,7 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.bench import wandb_log
-from harts.cli.args import (
+from harts.args import (
     EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
     print_error,
 )

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harts.bench import wandb_log
-from harts.cli.args import index_list, positive_int
+from harts.args import index_list, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:

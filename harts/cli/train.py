@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import replace
 
-from harts.cli.args import (
+from harts.args import (
     EXPERT_BACKENDS,
     EXPERTS_BACKEND_HELP,
     KEEP_ATTENTION_HELP,
@@ -228,7 +228,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def _check_finite(summary: dict, step, command: str) -> None:
     """ValueError naming the non-finite results: a NaN or infinite loss is a failed step (and JSON has no
     NaN), most often from old log-probs so low that the policy ratio exp(λ − λ_old) overflows."""
-    from harts.cli.args import non_finite_fields
+    from harts.args import non_finite_fields
 
     fields = non_finite_fields(summary)
     if not fields:

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 from harts.bench import wandb_log
-from harts.cli.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
+from harts.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
