@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harts.bench.records import write_records
 from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
+from harts.tracking.records import write_records
 from harts.trees.io import read_step, write_step
 from tests.trees.helpers import make_step
 

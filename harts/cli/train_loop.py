@@ -18,8 +18,8 @@ import json
 import logging
 from pathlib import Path
 
-from harts.bench import wandb_log
 from harts.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ resumed run must have the same resolved config and model config as the checkpoin
 run's first start record (the first differing key is named: a checkpoint copied from another
 run is refused), and the same data steps by content as the checkpoint (sha256 per data step;
 `accept_changed_data` overrides). Resuming a run directory without a checkpoint (killed before
-its first) starts again from step 0 and keeps the log. With `wandb`, each step record also goes to W&B (harts.training.tracking).
+its first) starts again from step 0 and keeps the log. With `wandb`, each step record also goes to W&B
+(harts.tracking.wandb_run).
 
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
 and combined sha256 of the data steps), "environment"};
@@ -57,9 +58,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from harts.bench.wandb_log import WandbOptions
 from harts.config import config_to_dict
 from harts.files import write_text
+from harts.tracking.wandb_log import WandbOptions
+from harts.tracking.wandb_run import WandbTracker
 from harts.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -70,7 +72,6 @@ from harts.training.checkpoint import (
 from harts.training.config import TrainConfig, resolve, train_config_from_dict
 from harts.training.data import StepSource, epoch_order
 from harts.training.optim import MasterWeightAdamW, make_scheduler
-from harts.training.tracking import WandbTracker
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def train(
 ) -> list[dict[str, Any]]:
     """Run `config`'s steps into `run_dir` (with `resume`: from its last checkpoint, or from step 0 when it
     has none), stopping after step `max_steps` if given (with a checkpoint there); with `wandb`, also log
-    each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.training.tracking); return the step
+    each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.tracking.wandb_run); return the step
     records of this call. A resume whose data steps' content differs from the checkpoint's is refused
     unless `accept_changed_data`."""
     from harts.model.config import load_model_config
@@ -462,7 +463,7 @@ def _truncate_log(path: Path, step: int) -> tuple[int, int]:
 
 
 def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, digests: list[str]) -> dict[str, Any]:
-    from harts.bench.records import environment
+    from harts.tracking.records import environment
 
     data = {"num_steps": len(digests), "sha256": hashlib.sha256("\n".join(digests).encode()).hexdigest()}
     return {"event": "start", "resumed_from": checkpoint.name if checkpoint else None, "step": step,
