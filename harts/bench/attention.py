@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
     from harts.ops.attention.groups import group_attention
     from harts.tracking.records import error_message, make_record, write_records
     from harts.tracking.wandb_log import log_records, options
+    from harts.trees.sources import iter_steps
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -514,7 +514,6 @@ def parallel_fidelity_rows(reports: list[dict[str, Any]]) -> dict[str, dict[str,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.steps import first_trees, iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
@@ -525,6 +524,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
     from harts.tracking.wandb_log import log_records, options
     from harts.trees.io import check_vocabulary
+    from harts.trees.sources import first_trees, iter_steps
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -1153,7 +1153,7 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 def _cases(args: argparse.Namespace, variants: list[argparse.Namespace]):
     """(index, step, step meta, settings) of every step of the trees, each with every variant in turn."""
-    from harts.bench.steps import iter_steps
+    from harts.trees.sources import iter_steps
 
     for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
         for run_args in variants:

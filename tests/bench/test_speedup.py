@@ -266,7 +266,7 @@ def test_sigterm_between_steps_keeps_the_finished_records(tree_step_path, tmp_pa
     import os
     import signal
 
-    import harts.bench.steps as steps_module
+    import harts.trees.sources as steps_module
 
     path, _ = tree_step_path
     iter_steps = steps_module.iter_steps
