@@ -994,10 +994,10 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.optim.adamw import Fp32Gradients
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
     from harts.tracking.records import Terminated, make_record, sigterm_raises, write_records
-    from harts.training.optim import Fp32Gradients
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")

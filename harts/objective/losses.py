@@ -31,17 +31,24 @@ and the k3 penalty (DeepSeekMath; DAPO: ε_high = 0.28, β = 0, token-mean). PPO
 surrogate with per-token advantages given (GAE with a value model is computed upstream and out
 of scope here) and the optional dual clip.
 
+`LossConfig` picks one of the two (the `loss` section of harts train's and harts rl's configs);
+`step_kl(step, logprobs_S)` is the mean k3 KL over a step's loss positions (their step records' `kl`).
+
 Reference: hand-computed values in the tests, and equality of the loss and its gradients with
 compact vs naive log-probs on random trees.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
+from harts.objective.targets import semantic_targets_from_step
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+LOSSES = ("grpo", "ppo")
 
 
 def _check_aggregation(aggregation: str) -> None:
@@ -89,6 +96,20 @@ class PPOConfig:
             raise ValueError(f"PPOConfig: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {self}")
         if self.dual_clip_ratio is not None and self.dual_clip_ratio <= 1:
             raise ValueError(f"PPOConfig: dual_clip_ratio must be > 1, got {self.dual_clip_ratio}")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The policy loss: `name` picks which of the two sections is used."""
+
+    name: str = "grpo"
+    """"grpo" or "ppo"."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +191,20 @@ def k3_kl(logprobs_S: torch.Tensor, ref_logprobs_S: torch.Tensor) -> torch.Tenso
     """Per-token k3 estimate of KL(π‖π_ref): exp(λ_ref − λ) − (λ_ref − λ) − 1 (≥ 0)."""
     delta = ref_logprobs_S.to(logprobs_S.dtype) - logprobs_S
     return torch.exp(delta) - delta - 1.0
+
+
+def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
+    """Mean k3 KL(π‖π_ref) over the step's loss positions (None without reference log-probs or
+    when it is not finite: a diagnostic of harts train and harts rl, the loss check covers a KL term
+    that enters the loss)."""
+    if step.ref_logprobs is None:
+        return None
+    targets = semantic_targets_from_step(step)
+    mask = torch.from_numpy(targets.loss_mask)
+    if not bool(mask.any()):
+        return 0.0
+    kl = float(k3_kl(logprobs_S[mask], torch.from_numpy(targets.ref_logprobs)[mask]).mean())
+    return kl if math.isfinite(kl) else None
 
 
 def grpo_loss(

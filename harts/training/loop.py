@@ -60,6 +60,8 @@ from tqdm import tqdm
 
 from harts.config import config_to_dict
 from harts.files import write_text
+from harts.optim.adamw import MasterWeightAdamW, make_scheduler
+from harts.optim.update import apply_update
 from harts.tracking.wandb_log import WandbOptions
 from harts.tracking.wandb_run import WandbTracker
 from harts.training.checkpoint import (
@@ -71,7 +73,6 @@ from harts.training.checkpoint import (
 )
 from harts.training.config import TrainConfig, resolve, train_config_from_dict
 from harts.training.data import StepSource, epoch_order
-from harts.training.optim import MasterWeightAdamW, make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class _Run:
 
     def step(self, number: int, data_index: int) -> dict[str, Any]:
         """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
+        from harts.objective.losses import step_kl
         from harts.objective.step import run_step
         from harts.planning.microbatch import plan
         from harts.trees.trie import PrefixIndex
@@ -292,46 +294,6 @@ class _Run:
             "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
         }
-
-
-@torch.no_grad()
-def apply_update(model: HybridModel, optimizer, scheduler, max_grad_norm: float,
-                 tokens_per_expert: list[torch.Tensor], where: str) -> float:
-    """One optimizer update after a step's backward (`harts train` and `harts rl`): clip to the global norm
-    (a ValueError naming `where` if it is not finite), AdamW step, schedule step, expert-bias update; the
-    norm before clipping."""
-    grad_norm = optimizer.clip_grad_norm(max_grad_norm)
-    if not math.isfinite(grad_norm):
-        raise ValueError(f"{where}: the gradient norm is {grad_norm}")
-    optimizer.step()
-    scheduler.step()
-    update_expert_biases(model, tokens_per_expert)
-    return grad_norm
-
-
-def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
-    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
-    layers = [block.mlp for block in model.blocks if block.is_moe]
-    assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
-    for layer, counts in zip(layers, tokens_per_expert):
-        if layer.expert_bias is not None:
-            layer.update_expert_bias(counts)
-
-
-def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
-    """Mean k3 KL(π‖π_ref) over the step's loss positions (None without reference log-probs or
-    when it is not finite: a diagnostic, the loss check covers a KL term that enters the loss)."""
-    from harts.objective.losses import k3_kl
-    from harts.objective.targets import semantic_targets_from_step
-
-    if step.ref_logprobs is None:
-        return None
-    targets = semantic_targets_from_step(step)
-    mask = torch.from_numpy(targets.loss_mask)
-    if not bool(mask.any()):
-        return 0.0
-    kl = float(k3_kl(logprobs_S[mask], torch.from_numpy(targets.ref_logprobs)[mask]).mean())
-    return kl if math.isfinite(kl) else None
 
 
 def _check_fresh(run_dir: Path) -> None:
