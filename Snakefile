@@ -12,7 +12,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from harts.bench.pipeline_config import coerce_strings, load_schema, check_config_files
+from harts.workflow.config import coerce_strings, load_schema, check_config_files
 
 min_version("9.0")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harts.bench.records import write_records
 from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
+from harts.tracking.records import write_records
 from harts.trees.io import read_step, write_step
 from tests.trees.helpers import make_step
 
@@ -116,7 +116,7 @@ COMMANDS = {
                                     str(_chat_logs(d / "logs.jsonl")), str(out)],
     "trees-synth": lambda out, d: ["trees", "synth", "--config", "tiny", "--steps", "0", "--format", "npz",
                                    "--out", str(out.parent)],
-    # Every bench command's records go through write_records (harts.bench.records): one of them stands for all.
+    # Every bench command's records go through write_records (harts.tracking.records): one of them stands for all.
     "bench-trees": lambda out, d: ["bench", "trees", "--trees", "tiny", "--repeats", "1", "--out", str(out),
                                    "--wandb-mode", "disabled"],
 }

@@ -4,7 +4,7 @@ Microbatches come from a planner (`--planner`, default: `harts` for the compact 
 for `verify`, `per-trajectory` for the baseline) at capacity `--capacity`; `verify` runs both
 executions on the same microbatches, so every quantity must agree (issue 5's equivalence).
 The loss's hyper-parameters come from `--loss-config` (a YAML of `GRPOConfig` or `PPOConfig`
-fields, per `--loss`, loaded strictly) and one flag per field (`harts.cli.args.LOSS_OPTIONS`:
+fields, per `--loss`, loaded strictly) and one flag per field (`harts.args.LOSS_OPTIONS`:
 `--clip-ratio-low`, `--dual-clip-ratio`, `--aggregation`, `--entropy-coef`, GRPO's `--kl-coef`,
 `--kl-estimator`, `--surrogate`, ...), which override the file; the resolved config is printed with
 the results (`loss_config`). Tested in tests/cli/test_train.py.
@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import replace
 
-from harts.cli.args import (
+from harts.args import (
     EXPERT_BACKENDS,
     EXPERTS_BACKEND_HELP,
     KEEP_ATTENTION_HELP,
@@ -221,7 +221,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def _check_finite(summary: dict, step, command: str) -> None:
     """ValueError naming the non-finite results: a NaN or infinite loss is a failed step (and JSON has no
     NaN), most often from old log-probs so low that the policy ratio exp(λ − λ_old) overflows."""
-    from harts.cli.args import non_finite_fields
+    from harts.args import non_finite_fields
 
     fields = non_finite_fields(summary)
     if not fields:

@@ -18,8 +18,8 @@ import json
 import logging
 from pathlib import Path
 
-from harts.bench import wandb_log
-from harts.cli.args import KEEP_ATTENTION_HELP, LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.args import KEEP_ATTENTION_HELP, LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ OVERRIDES = [
 LOSS_OVERRIDES = [(loss_flag(field), field, {**keywords, "help": keywords["help"] if len(losses) == 2
                                               else f"GRPO only: {keywords['help']}"})
                   for field, losses, keywords in LOSS_OPTIONS]
-"""The loss fields' flags (harts.cli.args.LOSS_OPTIONS), set under the config's loss.name."""
+"""The loss fields' flags (harts.args.LOSS_OPTIONS), set under the config's loss.name."""
 
 
 def _destination(flag: str) -> str:

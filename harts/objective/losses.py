@@ -46,6 +46,9 @@ GRPO = any of these with group-normalised advantages (`harts.trees.step.grpo_adv
 the clip surrogate with per-token advantages given (GAE with a value model is computed upstream and
 out of scope here), the dual clip, the aggregations and the entropy bonus, without KL term.
 
+`LossConfig` picks one of the two (the `loss` section of harts train's and harts rl's configs);
+`step_kl(step, logprobs_S)` is the mean k3 KL over a step's loss positions (their step records' `kl`).
+
 Reference: hand-computed values in the tests, equality of the loss and its gradients with compact
 vs naive log-probs on random trees, and, for each verl 0.9.1 and TRL 1.16.0 reading, equality
 with the library's own loss function and with a transcription of its formula
@@ -55,9 +58,11 @@ with the library's own loss function and with a transcription of its formula
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from harts.objective.targets import semantic_targets_from_step
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
@@ -65,6 +70,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = tuple(f"{name}{suffix}" for suffix in ("", "+") for name in ("k1", "abs", "k2", "k3", "low_var_kl"))
 SEQUENCE_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregations that need trajectory ids."""
+LOSSES = ("grpo", "ppo")
 
 
 def _check_aggregation(aggregation: str) -> None:
@@ -197,6 +203,20 @@ class PPOConfig(_PolicyLossConfig):
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
             raise ValueError(f"PPOConfig: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {self}")
         self._check_shared()
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The policy loss: `name` picks which of the two sections is used."""
+
+    name: str = "grpo"
+    """"grpo" or "ppo"."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -395,6 +415,20 @@ def _result(
         loss=loss, per_token_loss=per_token, clip_fraction=_masked_mean(is_clipped, loss_mask_S), kl=kl,
         entropy=None if entropy_S is None else _masked_mean(entropy_S, loss_mask_S),
     )
+
+
+def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
+    """Mean k3 KL(π‖π_ref) over the step's loss positions (None without reference log-probs or
+    when it is not finite: a diagnostic of harts train and harts rl, the loss check covers a KL term
+    that enters the loss)."""
+    if step.ref_logprobs is None:
+        return None
+    targets = semantic_targets_from_step(step)
+    mask = torch.from_numpy(targets.loss_mask)
+    if not bool(mask.any()):
+        return 0.0
+    kl = float(k3_kl(logprobs_S[mask], torch.from_numpy(targets.ref_logprobs)[mask]).mean())
+    return kl if math.isfinite(kl) else None
 
 
 def grpo_loss(

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from harts.model.model import HybridModel, unwrap_model
 from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
 from harts.objective.losses import (
+    LOSSES,
     GRPOConfig,
     PolicyLoss,
     PPOConfig,
@@ -39,8 +40,8 @@ from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_la
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
-LOSSES = ("grpo", "ppo")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harts.cli import args as cli_args
+from harts import args as cli_args
 from harts.cli import train
 from harts.cli.main import build_parser, main
 from harts.objective import losses

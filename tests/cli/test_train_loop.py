@@ -95,7 +95,7 @@ def test_bad_invocations_fail_in_one_line(capsys, tmp_path, argv, message):
 
 
 def test_loss_flags_reach_the_train_config(tmp_path):
-    """Every loss field has its flag under `harts train` (harts.cli.args.LOSS_OPTIONS), set in loss.<name>."""
+    """Every loss field has its flag under `harts train` (harts.args.LOSS_OPTIONS), set in loss.<name>."""
     from harts.cli.main import build_parser
     from harts.cli.train_loop import build_config
 

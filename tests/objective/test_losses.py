@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harts.objective.logprobs import compact_logprobs, naive_compact_logprobs
-from harts.objective.losses import GRPOConfig, PPOConfig, aggregate, grpo_loss, k3_kl, ppo_loss
+from harts.objective.losses import GRPOConfig, PPOConfig, aggregate, grpo_loss, k3_kl, ppo_loss, step_kl
 from harts.objective.targets import semantic_targets_from_step
 
 from .helpers import random_tree_step
@@ -354,3 +354,23 @@ def test_sequence_options_need_trajectory_ids():
             grpo_loss(logprobs, config=config, entropy_S=torch.ones(2), **args)
     with pytest.raises(ValueError, match="entropy_coef > 0 needs entropy_S"):
         ppo_loss(logprobs, config=PPOConfig(entropy_coef=0.1), **args)
+
+
+def test_step_kl_is_the_mean_k3_over_the_positions_that_predict_a_masked_in_token():
+    """step_kl against a loop over the step's own (unshifted) arrays: position i - 1 of a trajectory predicts token
+    i, which carries the loss mask and the reference log-prob."""
+    from dataclasses import replace
+
+    step = random_tree_step(np.random.default_rng(42), num=6, max_len=20, vocab=5).step
+    logprobs = torch.from_numpy(-np.random.default_rng(7).random(step.num_semantic_tokens).astype(np.float32) * 3)
+    terms = []
+    for x in range(step.num_trajectories):
+        start, end = int(step.offsets[x]), int(step.offsets[x + 1])
+        for i in range(start + 1, end):
+            if step.loss_mask[i]:
+                delta = float(step.ref_logprobs[i]) - float(logprobs[i - 1])
+                terms.append(math.exp(delta) - delta - 1)
+    assert terms
+    assert step_kl(step, logprobs) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert step_kl(replace(step, ref_logprobs=None), logprobs) is None
+    assert step_kl(replace(step, loss_mask=np.zeros_like(step.loss_mask)), logprobs) == 0.0

@@ -135,7 +135,7 @@ print({{"sinfo": "cpu*\\ngpu", "scontrol": "MaxArraySize = 1001"}}.get(name, "")
 def test_slurm_job_scripts_for_the_speedup_target(workdir):
     """The SLURM profile through the real executor plugin: each job's sbatch call (partition, GPUs, CPUs, time,
     memory) and its job script (`--wrap`: Snakemake running that one job); the local rules run here."""
-    from harts.bench.records import make_record
+    from harts.tracking.records import make_record
 
     bin_dir = workdir / "fake-slurm"
     bin_dir.mkdir()
@@ -376,11 +376,11 @@ def _speedup_steps(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_tiny_profile_end_to_end(workdir):
-    from harts.bench.records import git_state
     from harts.report.fidelity import FIDELITY_COLUMNS
     from harts.report.planning import PLANNING_COLUMNS
     from harts.report.speedup import SPEEDUP_COLUMNS
-    from tests.bench.test_wandb_log import read_offline_run
+    from harts.tracking.records import git_state
+    from tests.tracking.test_wandb_log import read_offline_run
 
     # One job that fails (a model config with an unknown key) beside the pipeline: the others finish.
     model = yaml.safe_load((workdir / "configs" / "models" / "tiny.yaml").read_text(encoding="utf-8"))

@@ -15,7 +15,7 @@ when it reads `--configfile`, before the Snakefile runs, so this refusal stops t
 expressions did: config files and profiles are code to Snakemake
 (docs/pipeline.md "Config files and profiles are code to Snakemake").
 
-Tested in tests/bench/test_pipeline_config.py against hand-written configs and in
+Tested in tests/workflow/test_config.py against hand-written configs and in
 tests/workflow/test_workflow.py by dry runs with nested `--config` values and with a templated config file.
 """
 

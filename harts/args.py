@@ -1,8 +1,10 @@
-"""Argument types shared by the `harts` subcommands (no heavy imports: `harts trees` and `harts plan` start fast).
+"""Argument types and the one-line error shared by every command line of harts: the `harts` subcommands (harts.cli),
+the benchmarks' parsers (harts.bench) and `python -m harts.workflow.devices`. No heavy imports (`harts trees` and
+`harts plan` start fast) and nothing of harts above harts.config, so that any layer's parser may use it.
 
 Numeric options are checked when parsed (argparse's `int`/`float` take "nan", "inf" and negatives),
 so a bad value stops the command with `harts: error: ...` before any work. Tested in
-tests/cli/test_args.py.
+tests/test_args.py.
 """
 
 from __future__ import annotations
