@@ -6,13 +6,13 @@
 #   snakemake --workflow-profile profiles/slurm --configfile configs/pipeline-paper.yaml    a SLURM cluster
 #   snakemake --report reports/report.html                          the reports and CSVs in one HTML file
 # Sizes and per-rule threads, runtime and memory: configs/pipeline*.yaml (schema:
-# workflows/schemas/pipeline.schema.yaml); where and how jobs run: profiles/*/ (README "Pipeline").
+# workflows/schemas/pipeline.schema.yaml); where and how jobs run: profiles/*/ (docs/pipeline.md "Pipeline").
 
 from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from harts.bench.pipeline_config import coerce_strings, load_schema, check_config_files
+from harts.workflow.config import coerce_strings, load_schema, check_config_files
 
 min_version("9.0")
 

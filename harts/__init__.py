@@ -1,7 +1,8 @@
 """HARTS: prefix-shared training of hybrid-attention MoE models on agentic-RL rollout trees.
 
-Pipeline stages, dependencies pointing one way:
-trees -> planning -> runtime + ops -> model -> objective -> parallel -> bench -> report.
+Pipeline stages, imports pointing one way (the layer table: tests/test_imports.py):
+config -> trees -> planning -> ops -> runtime -> model -> objective -> parallel -> rollout
+-> optim, tracking, workflow -> api -> training, rl, bench -> report -> cli.
 """
 
 from harts import log as _log  # noqa: F401  (the `harts` logger and its stderr handler)

@@ -42,14 +42,15 @@ read, so padding may hold anything; where the loss mask is 1 they must be finite
 
 The loss (`policy_loss`) is `harts.objective.losses` GRPO or PPO with the config's
 hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked tokens, normalised over
-this batch (token-mean: masked tokens; seq-mean-token-mean: sequences with a masked token); `loss`
-adds the MoE losses (q-weighted, DESIGN §4), `policy_loss` and `moe_loss` are its parts. Without
-`old_log_probs` the step is on-policy (ratio 1); GRPO's KL term needs `ref_log_probs`. A batch
-runs as one microbatch (its whole trie in one forward): split a large step as the trainer
-already does, keeping each GRPO group in one micro-batch so that its prompt is shared, and pass
-`normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean over the step's
-micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and gradients then
-add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
+this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequences with a masked
+token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
+and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
+and `moe_loss` are its parts. Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
+needs `ref_log_probs`. A batch runs as one microbatch (its whole trie in one forward): split a large
+step as the trainer already does, keeping each GRPO group in one micro-batch so that its prompt is
+shared, and pass `normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean
+over the step's micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and
+gradients then add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
 that it reduces the gradients), FSDP2's `fully_shard` (keep the LM head in the root's group: it is
 applied outside the model's forward) or torch.compile.
 
@@ -72,7 +73,10 @@ import torch
 
 from harts.model.model import HybridModel, unwrap_model
 from harts.objective.losses import PolicyLoss
-from harts.objective.step import StepConfig, build_layout, microbatch_logprobs, policy_loss_of, step_normalizer
+from harts.objective.step import (
+    StepConfig, aggregation_normalizer, build_layout, loss_config_of, microbatch_logprobs, policy_loss_of,
+    step_normalizer,
+)
 from harts.objective.targets import semantic_targets_from_step
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
@@ -160,7 +164,8 @@ class BatchLoss(TokenOutputs):
     clip_fraction: torch.Tensor
     """Fraction of loss-masked tokens whose clipped surrogate term is active."""
     kl: torch.Tensor | None
-    """Mean k3 KL estimate over loss-masked tokens (GRPO with reference log-probs)."""
+    """Mean KL estimate (the config's `kl_estimator`, k3 by default) over loss-masked tokens (GRPO with reference
+    log-probs)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,6 +569,7 @@ def policy_loss(
     entropy: bool = False,
     normalizer: float | None = None,
     num_microbatches: int | None = None,
+    entropy_normalizer: float | None = None,
 ) -> BatchLoss:
     """The GRPO/PPO loss of `batch` (needs a loss mask and advantages), its MoE losses and per-token
     outputs; `result.loss.backward()` accumulates the parameters' gradients.
@@ -577,6 +583,8 @@ def policy_loss(
             this batch's own count.
         num_microbatches: with `normalizer`, how many micro-batches the step has: the MoE losses are
             divided by it (their mean over the step's micro-batches, as `run_step` takes it).
+        entropy_normalizer: with an entropy bonus whose `entropy_aggregation` is not the loss's, the step's
+            denominator of that aggregation (default: this batch's own count); otherwise `normalizer` serves.
     """
     if (normalizer is None) != (num_microbatches is None):
         raise ValueError("policy_loss: give normalizer and num_microbatches together (a micro-batch of a step: the "
@@ -585,8 +593,9 @@ def policy_loss(
     if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
                                          or num_microbatches < 1):
         raise ValueError(f"policy_loss: num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-    if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
-        raise ValueError(f"policy_loss: normalizer must be a finite count > 0, got {normalizer!r}")
+    for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"policy_loss: {name} must be a finite count > 0, got {value!r}")
     batch = as_batch(batch)
     config = config or default_config(model)
     if not batch.has_loss_mask:
@@ -595,7 +604,10 @@ def policy_loss(
         raise ValueError(f"{batch.step.source}: policy_loss needs field 'advantages'")
     if config.loss == "grpo" and config.grpo.kl_coef > 0 and batch.step.ref_logprobs is None:
         raise ValueError(f"{batch.step.source}: GRPO with kl_coef > 0 needs field 'ref_log_probs'")
-    layout, targets, logprobs_S, entropy_S, moe = _run(model, batch, config, temperature, entropy)
+    loss_config = loss_config_of(config)
+    layout, targets, logprobs_S, entropy_S, moe = _run(
+        model, batch, config, temperature, entropy or loss_config.entropy_coef > 0
+    )
     device = logprobs_S.device
 
     def tensor(array):
@@ -606,10 +618,16 @@ def policy_loss(
         old_logprobs_S=tensor(targets.old_logprobs), ref_logprobs_S=tensor(targets.ref_logprobs),
         trajectory_index_S=tensor(targets.trajectory_index),
         normalizer=step_normalizer(targets, config) if normalizer is None else float(normalizer),
+        entropy_S=entropy_S if loss_config.entropy_coef > 0 else None,
+        entropy_normalizer=(
+            float(entropy_normalizer) if entropy_normalizer is not None
+            else None if normalizer is not None and loss_config.entropy_aggregation in (None, loss_config.aggregation)
+            else aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
+        ),
     )
     moe = moe / (num_microbatches or 1)
     return BatchLoss(
-        **_outputs(batch, logprobs_S, entropy_S, layout.num_rows),
+        **_outputs(batch, logprobs_S, entropy_S if entropy else None, layout.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
         kl=policy.kl,
     )

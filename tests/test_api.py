@@ -265,6 +265,9 @@ LOSSES = {
     "ppo-dual-clip-seq-mean": StepConfig(
         loss="ppo", ppo=PPOConfig(dual_clip_ratio=3.0, aggregation="seq-mean-token-mean")
     ),
+    "grpo-verl-kl-entropy": StepConfig(loss="grpo", grpo=GRPOConfig(
+        dual_clip_ratio=3.0, log_ratio_clamp=20.0, kl_coef=0.1, kl_estimator="low_var_kl", entropy_coef=0.002,
+        aggregation="seq-mean-token-sum")),
 }
 
 
@@ -615,18 +618,18 @@ def test_bad_requests_are_refused(model, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's example runs
+# The library page's example runs (docs/library.md, "RL batch API")
 
 
-def readme_example() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Library: RL batch API", 1)[1].split("\n## ", 1)[0]
+def library_example() -> str:
+    text = (Path(__file__).resolve().parents[1] / "docs/library.md").read_text(encoding="utf-8")
+    section = text.split("\n## RL batch API\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, "the section has one Python example"
     return blocks[0]
 
 
-def test_readme_example_runs(capsys):
-    exec(compile(readme_example(), "README.md (Library: RL batch API)", "exec"), {})
+def test_library_example_runs(capsys):
+    exec(compile(library_example(), "docs/library.md (RL batch API)", "exec"), {})
     rows, tokens = map(int, re.search(r"(\d+) rows computed for (\d+) tokens", capsys.readouterr().out).groups())
     assert rows < tokens  # the groups' prompts are shared

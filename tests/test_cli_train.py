@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from harts.cli.args import non_finite_fields
+from harts.args import non_finite_fields
 from harts.cli.main import main
 
 STEP = "data/samples/tiny-step.jsonl.gz"

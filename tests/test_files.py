@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harts.bench.records import write_records
 from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
+from harts.tracking.records import write_records
 from harts.trees.io import read_step, write_step
 from tests.trees.helpers import make_step
 
@@ -116,8 +116,12 @@ COMMANDS = {
                                     str(_chat_logs(d / "logs.jsonl")), str(out)],
     "trees-synth": lambda out, d: ["trees", "synth", "--config", "tiny", "--steps", "0", "--format", "npz",
                                    "--out", str(out.parent)],
+    # Every bench command's records go through write_records (harts.tracking.records): one of them stands for all.
+    "bench-trees": lambda out, d: ["bench", "trees", "--trees", "tiny", "--repeats", "1", "--out", str(out),
+                                   "--wandb-mode", "disabled"],
 }
-OUTPUT_NAMES = {"plan-microbatches": "plan.json", "trees-ingest": "step.npz", "trees-synth": "step_000.npz"}
+OUTPUT_NAMES = {"plan-microbatches": "plan.json", "trees-ingest": "step.npz", "trees-synth": "step_000.npz",
+                "bench-trees": "trees.json"}
 
 
 def _chat_logs(path: Path) -> Path:
@@ -254,3 +258,18 @@ def test_two_harts_train_on_one_run_folder(tmp_path):
                                   f"{first.pid}); wait for it or choose another output\n"), second.stderr
     starts = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines() if '"start"' in line]
     assert len(starts) == 1
+
+
+def test_harts_train_on_a_full_disk_names_its_log_and_resumes(tmp_path):
+    """The append-only train.jsonl on a full disk: one line naming it; a resume drops the torn line and goes on."""
+    run = tmp_path / "run"
+    args = ["train", "--out", str(run), "--model", "tiny", "--trees", str(REPO / "tests/training/micro-trees.yaml"),
+            "--num-steps", "60", "--capacity", "1024", "--no-progress", "--checkpoint-every", "1000"]
+    failed = _harts_on_a_full_disk(30_000, *args, cwd=tmp_path)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert failed.stderr.splitlines()[-1] == f"harts: error: {run / 'train.jsonl'}: could not write (File too large)"
+    resumed = _harts_on_a_full_disk(1 << 40, "train", "--out", str(run), "--resume", "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "1 unreadable line(s) of train.jsonl removed" in resumed.stderr
+    records = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, 61))

@@ -180,7 +180,8 @@ CASES: dict[str, Case] = {
     # Issue #39: numeric and format sanity.
     "ref-logprob-minus-3e38": Case(
         _lines("step.jsonl", {"id": "a", "tokens": [1, 2, 3], "ref_logprobs": [0.0, -3e38, -1.0]}), PLAN,
-        "{d}/step.jsonl:1: field 'ref_logprobs': log-probabilities must be in [-10000, 0]"),
+        "{d}/step.jsonl:1: field 'ref_logprobs': log-probabilities must be in [-10000, 0], got -3e+38 "
+        "at index 1"),
     "npz-member-twice": Case(
         _npz_with(_second_tokens), "trees validate {d}/step.npz",
         "{d}/step.npz: field 'tokens': the archive holds it twice"),

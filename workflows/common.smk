@@ -87,7 +87,7 @@ def job(rule):
 
 
 # The host's GPUs that a local GPU profile gives the pipeline (`--resources gpu=M`): GPU jobs run their command
-# through `python -m harts.bench.devices --take {resources.gpu} --pool {resources.gpu_pool}`, which gives each its
+# through `python -m harts.workflow.devices --take {resources.gpu} --pool {resources.gpu_pool}`, which gives each its
 # own devices of this pool (CUDA_VISIBLE_DEVICES). 0 without that resource (the CPU and SLURM profiles: a SLURM
 # job's allocation holds its own devices), and the wrapper then runs the command unchanged. A resource, not a
 # param, so that changing it reruns nothing. (Snakemake >= 9.27: an unset resource reads as value None.)

@@ -35,7 +35,7 @@ rule fidelity:
     benchmark:
         "reports/benchmarks/fidelity/{model}/{parallel}.tsv"
     shell:
-        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.bench.devices --take {resources.gpu}"
+        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.workflow.devices --take {resources.gpu}"
         " --pool {resources.gpu_pool} -- harts bench fidelity --model {input.model} --trees {input.step}"
         " {params.parallel} {params.max_trees} {params.grad_max_tokens} --capacity {params.capacity}"
         " --device {params.device} --dtype {params.dtype} --out {output}"

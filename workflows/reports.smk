@@ -1,7 +1,7 @@
 # Reports from the records: PDF + CSV per experiment, and reports/summary.md with every table. These rules and
 # speedup_config are local rules (Snakefile: localrules): they read a few JSON files, and on a cluster they run
 # on the host that runs Snakemake instead of waiting in a queue. Their outputs go into `snakemake --report`
-# (report: captions in workflows/report/); each report's PDF and CSV is also a W&B artifact (harts.bench.wandb_log).
+# (report: captions in workflows/report/); each report's PDF and CSV is also a W&B artifact (harts.tracking.wandb_log).
 
 
 rule report_speedup:

@@ -7,7 +7,7 @@
 #   snakemake --cores all reports/rl-NAME.pdf     any configs/rl/NAME.yaml (rl-tiny: the tests' few steps)
 # reports/rl.pdf is not part of `all` (the default CPU run takes 10-11 minutes on an idle 2-core machine). A job
 # takes the threads, runtime and memory of the config's resources.rl_seed (default: one thread, so `--cores N`
-# runs N CPU seeds at a time); a CUDA job takes one `gpu` of the pool (harts.bench.devices). The two executions
+# runs N CPU seeds at a time); a CUDA job takes one `gpu` of the pool (harts.workflow.devices). The two executions
 # of a seed share their process and device, which is what the per-step time comparison needs.
 
 
@@ -32,7 +32,7 @@ rule rl_seed:
     benchmark:
         "reports/benchmarks/rl/{rl}/seed_{seed}.tsv"
     shell:
-        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.bench.devices --take {resources.gpu}"
+        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.workflow.devices --take {resources.gpu}"
         " --pool {resources.gpu_pool} -- harts rl --config {input.rl} --seeds {wildcards.seed} --out {output}"
         " --wandb --no-progress 2>&1 | tee {log} || [ $? -eq 1 ]"
 

@@ -1,7 +1,7 @@
 # Speedup of the compact execution over the per-trajectory baseline: one job per (model, parallel
 # configuration, planner, step); reports/raw/speedup/{model}/{parallel}.json collects one parallel
 # configuration's records. A job takes the threads, runtime and memory of the config's resources.speedup_step,
-# its parallel configuration's world size as `gpu` (its own devices: harts.bench.devices), and one
+# its parallel configuration's world size as `gpu` (its own devices: harts.workflow.devices), and one
 # `measurement` (the local profiles run one at a time); its torch threads (OMP_NUM_THREADS) are the resource
 # `torch_threads`, its threads unless a profile sets it.
 
@@ -38,7 +38,7 @@ rule speedup_step:
     benchmark:
         "reports/benchmarks/speedup/{model}/{parallel}/{planner}/step_{step}.tsv"
     shell:
-        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.bench.devices --take {resources.gpu}"
+        "OMP_NUM_THREADS={resources.torch_threads} python -m harts.workflow.devices --take {resources.gpu}"
         " --pool {resources.gpu_pool} -- harts bench speedup --model {input.model} --trees {input.step}"
         " {params.parallel} --planner {wildcards.planner} --capacity {params.capacity} --device {params.device}"
         " --dtype {params.dtype} {params.recompute} {params.execution} --repeats {params.repeats} {params.breakdown}"

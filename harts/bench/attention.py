@@ -23,8 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from harts.bench.records import error_message, make_record, write_records
-    from harts.bench.steps import iter_steps
-    from harts.bench.wandb_log import log_records, options
     from harts.model.config import load_model_config
     from harts.ops.attention.groups import group_attention
+    from harts.tracking.records import error_message, make_record, write_records
+    from harts.tracking.wandb_log import log_records, options
+    from harts.trees.sources import iter_steps
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -16,7 +16,7 @@ import logging
 from functools import partial
 from pathlib import Path
 
-from harts.cli.args import positive_int
+from harts.args import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.kda_handoff import cuda_timed
-    from harts.bench.records import error_message, make_record, write_records
     from harts.model.config import load_model_config
     from harts.ops.conv.fused import (
         BACKWARD_TILE,
@@ -60,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         shifted_conv_silu_backward,
         shifted_conv_silu_forward,
     )
+    from harts.tracking.records import error_message, make_record, write_records
 
     if not torch.cuda.is_available():
         raise ValueError("harts bench conv-tiles: needs a CUDA device (the kernels are Triton's)")

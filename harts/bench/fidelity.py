@@ -72,8 +72,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int, print_error
+from harts.args import non_negative_int, positive_int, print_error
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -514,9 +514,6 @@ def parallel_fidelity_rows(reports: list[dict[str, Any]]) -> dict[str, dict[str,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
-    from harts.bench.wandb_log import log_records, options
-    from harts.bench.steps import first_trees, iter_steps
     from harts.config import config_to_dict
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
@@ -524,7 +521,10 @@ def run(args: argparse.Namespace) -> int:
     from harts.ops.kda.compact import default_kda_backend
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, is_reporting_rank
+    from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
+    from harts.tracking.wandb_log import log_records, options
     from harts.trees.io import check_vocabulary
+    from harts.trees.sources import first_trees, iter_steps
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ def _time_mode(tree: SegmentTree, chunk: int, replay: bool, repeats: int) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts.bench.records import make_record, write_records
-    from harts.bench.wandb_log import log_records, options
+    from harts.tracking.records import make_record, write_records
+    from harts.tracking.wandb_log import log_records, options
 
     logger.info(f"generating a random tree of {args.segments:,} segments ...")
     max_length = args.max_length or args.chunk

@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from harts.bench.records import Terminated, error_message, make_record, sigterm_raises, write_records
+    from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
 
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         raise ValueError("harts bench kda-handoff times fla's Triton kernels: it needs a CUDA GPU (--device cuda); "
@@ -366,8 +366,8 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
     `current` names what runs (the error row of a SIGTERM)."""
     from tqdm import tqdm
 
-    from harts.bench.records import Terminated, make_record, write_records
     from harts.config import config_to_dict, load_config, shipped_config_path
+    from harts.tracking.records import Terminated, make_record, write_records
     from harts.trees.synth import SynthConfig
 
     out = Path(args.out)

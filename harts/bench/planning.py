@@ -12,7 +12,7 @@ workers count), which shows how much of a wall time was lost to other load on th
 `index_seconds`, the time to build the step's prefix index alone (part of every planner's time),
 and `identical_plans` (whether every repeat, with and without the index, returned the same plan).
 CP-SAT is imported before any timing. One record per (step, planner), written with
-`harts.bench.records`; a planner that fails or whose plan does not validate gives a record
+`harts.tracking.records`; a planner that fails or whose plan does not validate gives a record
 with an `error` field.
 
 The table compares the first planner with the second in the paper's form: per step and over
@@ -27,7 +27,7 @@ the machine, the index build time, on how many steps HARTS's W equals the lower 
 `harts.planning.bounds` (proven optimal), and the OR-Tools planner's reading and CP-SAT solves
 (`solve_note`: how many proven optimal, how many stopped at the time limit).
 
-W&B (harts.bench.wandb_log, `--wandb-*`): one run per record, logged as soon as its step is
+W&B (harts.tracking.wandb_log, `--wandb-*`): one run per record, logged as soon as its step is
 planned (every repeat a history row: plan seconds with and without the index, CPU seconds).
 
 The OR-Tools planner's options (`--time-limit`, `--replica-assignment`, `--slot-order`, see
@@ -47,10 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.bench import wandb_log
-from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.args import index_list, non_negative_int, positive_int
 from harts.extras import require
 from harts.files import atomic_open, write_text
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ _LABELS = {"harts": "HARTS", "treetrain-ortools": "OR-Tools", "greedy-trie": "gr
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from harts.cli.plan_microbatches import add_treetrain_options
     from harts.planning.microbatch import PLANNER_NAMES
+    from harts.planning.treetrain import add_treetrain_options
 
     parser = commands.add_parser("planning", help="planning quality and time: HARTS vs the OR-Tools planner")
     parser.add_argument("--trees", required=True, help="trees config NAME or YAML path (the steps' shape and count)")
@@ -117,10 +117,10 @@ def _load_step(args: argparse.Namespace, synth: Any, index: int):
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from harts.bench.records import make_record, write_records
-    from harts.cli.plan_microbatches import treetrain_options as planner_options
     from harts.config import config_to_dict, load_config, shipped_config_path
     from harts.planning.microbatch import plan, plan_metrics, validate
+    from harts.planning.treetrain import treetrain_options as planner_options
+    from harts.tracking.records import make_record, write_records
     from harts.trees.synth import SynthConfig
     from harts.trees.trie import PrefixIndex
 

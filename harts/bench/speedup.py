@@ -76,7 +76,7 @@ peak. Started by torchrun (one node or several), every rank runs the command: ra
 prints and writes the records, the others run their part of each step quietly; the first failed
 step ends the run (its error record on rank 0), since the ranks are out of step after it.
 
-W&B (harts.bench.wandb_log, `--wandb-*`): each record is one run, opened before its step is
+W&B (harts.tracking.wandb_log, `--wandb-*`): each record is one run, opened before its step is
 measured; in one process every warm-up and timed repeat of each execution is a history row as soon
 as it finishes (`repeat`, `baseline/forward_s`, ..., `compact/fbg_s`); under --parallel the ranks'
 repeats come back together at the end of the step and are logged then.
@@ -96,11 +96,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harts.bench import wandb_log
-from harts.cli.args import (
+from harts.args import (
     EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
     print_error,
 )
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -991,13 +991,13 @@ def breakdown_terms(b: dict[str, float], c: dict[str, float], num_kda: int, num_
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from harts.bench.records import Terminated, make_record, sigterm_raises, write_records
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.optim.adamw import Fp32Gradients
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
-    from harts.training.optim import Fp32Gradients
+    from harts.tracking.records import Terminated, make_record, sigterm_raises, write_records
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
@@ -1153,7 +1153,7 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 def _cases(args: argparse.Namespace, variants: list[argparse.Namespace]):
     """(index, step, step meta, settings) of every step of the trees, each with every variant in turn."""
-    from harts.bench.steps import iter_steps
+    from harts.trees.sources import iter_steps
 
     for index, step, step_meta in iter_steps(args.trees, args.seed, args.steps, args.max_trees):
         for run_args in variants:
@@ -1214,7 +1214,7 @@ HEADLINE_KEYS = ("semantic_tokens", "compact_tokens", "compression", "fbg_speedu
 def _error_row(config: dict[str, Any], progress: dict[str, Any], error: BaseException, device) -> dict[str, Any]:
     import torch
 
-    from harts.bench.records import error_message, make_record
+    from harts.tracking.records import error_message, make_record
 
     if device.type == "cuda":
         torch.cuda.empty_cache()

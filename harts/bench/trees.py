@@ -16,8 +16,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from harts.bench import wandb_log
-from harts.cli.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ def build(step):
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts.bench.records import make_record, write_records
-    from harts.bench.wandb_log import log_records, options
     from harts.config import config_to_dict, load_config, shipped_config_path
+    from harts.tracking.records import make_record, write_records
+    from harts.tracking.wandb_log import log_records, options
     from harts.trees.io import read_step
     from harts.trees.synth import SynthConfig, generate_step
 

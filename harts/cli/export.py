@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from harts.cli.args import positive_int
+from harts.args import positive_int
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 """harts.model.hf.DEFAULT_MAX_SHARD_BYTES, repeated so that building the parser imports no torch."""

@@ -15,6 +15,7 @@ import os
 import sys
 
 from harts import __version__
+from harts.args import print_error
 from harts.cli import bench as bench_cli
 from harts.cli import export as export_cli
 from harts.cli import plan as plan_cli
@@ -22,7 +23,6 @@ from harts.cli import rl as rl_cli
 from harts.cli import train as train_cli
 from harts.cli import train_loop as train_loop_cli
 from harts.cli import trees as trees_cli
-from harts.cli.args import print_error
 from harts.extras import MissingExtra
 from harts.files import check_outputs, output_locks
 

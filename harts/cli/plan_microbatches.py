@@ -5,9 +5,9 @@ K mod D, works recomputed from the trie) and prints DESIGN §2's metrics: with `
 object with the keys of `PlanMetrics.summary` (imbalances as fractions, 0.0214 = 2.14%), else a
 table. `--out` writes the plan as JSON. No torch import.
 
-`add_treetrain_options` / `treetrain_options` are the options of the treetrain-ortools planner
-(`TreeTrainConfig`: CP-SAT time limit, replica assignment, slot order), shared with `harts bench
-planning`; given with another `--planner` they are an error here, not ignored.
+The options of the treetrain-ortools planner (`add_treetrain_options` / `treetrain_options` of
+harts.planning.treetrain: CP-SAT time limit, replica assignment, slot order), shared with `harts bench
+planning`, given with another `--planner` are an error here, not ignored.
 """
 
 from __future__ import annotations
@@ -15,13 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from harts.cli.args import positive_float, positive_int
+from harts.args import positive_int
 from harts.planning.microbatch import PLANNER_NAMES
-from harts.planning.treetrain import REPLICA_ASSIGNMENTS, SLOT_ORDERS
-
-# flag -> TreeTrainConfig field
-_TREETRAIN_FLAGS = {"--time-limit": "time_limit_s", "--replica-assignment": "replica_assignment",
-                    "--slot-order": "slot_order"}
+from harts.planning.treetrain import add_treetrain_options, treetrain_options
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -34,31 +30,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.path]))
-
-
-def add_treetrain_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--time-limit", type=positive_float, default=None,
-                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
-    parser.add_argument("--replica-assignment", choices=REPLICA_ASSIGNMENTS, default=None,
-                        help="treetrain-ortools: parts to replicas by first-fit-decreasing with replica capacity "
-                             "ceil(total/D) (ffd, default: the paper's description) or to the least-loaded replica "
-                             "(lpt)")
-    parser.add_argument("--slot-order", choices=SLOT_ORDERS, default=None,
-                        help="treetrain-ortools: each replica's microbatches in CP-SAT's bin order (solver, default: "
-                             "the paper's description) or by decreasing work (sorted)")
-
-
-def treetrain_options(args: argparse.Namespace, planners: list[str]) -> dict[str, object]:
-    """The TreeTrainConfig fields given on the command line; an error if `planners` lacks treetrain-ortools."""
-    options = {}
-    for flag, name in _TREETRAIN_FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is None:
-            continue
-        if "treetrain-ortools" not in planners:
-            raise ValueError(f"{flag} applies to the treetrain-ortools planner only")
-        options[name] = value
-    return options
 
 
 def run(args: argparse.Namespace) -> int:

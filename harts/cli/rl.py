@@ -2,7 +2,7 @@
 
 `harts rl --config configs/rl/cpu.yaml --out reports/raw/rl/cpu/seed_000.json --seeds 0`
 runs, for each seed, the config's executions in lockstep from the same initial weights and
-sampling seeds (harts.rl.loop) and writes one record per (seed, execution) (harts.bench.records:
+sampling seeds (harts.rl.loop) and writes one record per (seed, execution) (harts.tracking.records:
 config, environment as the seed's run started, git sha, hardware; results: the step records and a
 summary). A run that
 fails (a non-finite loss or gradient) becomes a record with an `error` and the command exits 1
@@ -19,8 +19,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from harts.bench import wandb_log
-from harts.cli.args import index_list, positive_int
+from harts.args import index_list, positive_int
+from harts.tracking import wandb_log
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -62,10 +62,10 @@ def summary(steps: list[dict]) -> dict:
 
 
 def run_rl(args: argparse.Namespace) -> int:
-    from harts.bench.records import environment, error_message, make_record, write_records
     from harts.rl.config import load_rl_config, resolve
     from harts.rl.loop import run_config, run_seed
     from harts.rl.tracking import RLTracker
+    from harts.tracking.records import environment, error_message, make_record, write_records
 
     config = load_rl_config(args.config)
     if args.num_steps is not None:

@@ -4,9 +4,10 @@ Microbatches come from a planner (`--planner`, default: `harts` for the compact 
 for `verify`, `per-trajectory` for the baseline) at capacity `--capacity`; `verify` runs both
 executions on the same microbatches, so every quantity must agree (issue 5's equivalence).
 The loss's hyper-parameters come from `--loss-config` (a YAML of `GRPOConfig` or `PPOConfig`
-fields, per `--loss`, loaded strictly) and the flags `--clip-ratio-low`, `--clip-ratio-high`,
-`--kl-coef` (GRPO), `--dual-clip-ratio` (PPO) and `--aggregation`, which override the file; the
-resolved config is printed with the results (`loss_config`). Tested in tests/cli/test_train.py.
+fields, per `--loss`, loaded strictly) and one flag per field (`harts.args.LOSS_OPTIONS`:
+`--clip-ratio-low`, `--dual-clip-ratio`, `--aggregation`, `--entropy-coef`, GRPO's `--kl-coef`,
+`--kl-estimator`, `--surrogate`, ...), which override the file; the resolved config is printed with
+the results (`loss_config`). Tested in tests/cli/test_train.py.
 """
 
 from __future__ import annotations
@@ -16,22 +17,21 @@ import json
 import sys
 from dataclasses import replace
 
-from harts.cli.args import (
+from harts.args import (
     EXPERT_BACKENDS,
     EXPERTS_BACKEND_HELP,
     KEEP_ATTENTION_HELP,
-    non_negative_float,
+    LOSS_AGGREGATIONS,
+    LOSS_OPTIONS,
+    loss_flag,
     non_negative_int,
-    positive_float,
     positive_int,
     print_error,
 )
 
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+AGGREGATIONS = LOSS_AGGREGATIONS
 """harts.objective.losses.AGGREGATIONS, repeated so that building the parser imports no torch."""
-LOSS_FLAGS = {"grpo": ("clip_ratio_low", "clip_ratio_high", "kl_coef", "aggregation"),
-              "ppo": ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "aggregation")}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -66,15 +66,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     loss = parser.add_argument_group("loss hyper-parameters (flags override --loss-config)")
     loss.add_argument("--loss-config", metavar="PATH",
                       help="YAML mapping of GRPOConfig or PPOConfig fields (per --loss); unknown keys are errors")
-    loss.add_argument("--clip-ratio-low", type=non_negative_float,
-                      help="epsilon_low < 1: the ratio is clipped below at 1 - epsilon_low (default 0.2)")
-    loss.add_argument("--clip-ratio-high", type=non_negative_float,
-                      help="epsilon_high: the ratio is clipped above at 1 + epsilon_high (default 0.2; DAPO 0.28)")
-    loss.add_argument("--kl-coef", type=non_negative_float,
-                      help="GRPO only: beta of the k3 KL penalty (default 0; > 0 needs ref_logprobs)")
-    loss.add_argument("--dual-clip-ratio", type=positive_float, help="PPO only: dual clip c > 1 (default: none)")
-    loss.add_argument("--aggregation", choices=AGGREGATIONS, help="token-mean (default) or seq-mean-token-mean")
-    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see README)")
+    for field, losses, keywords in LOSS_OPTIONS:
+        help_text = keywords["help"] if len(losses) == 2 else f"GRPO only: {keywords['help']}"
+        loss.add_argument(loss_flag(field), dest=field, **{**keywords, "help": help_text})
+    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see docs/results.md)")
     parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
     parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
@@ -112,13 +107,11 @@ def _loss_config(args: argparse.Namespace):
     from harts.config import load_config
     from harts.objective.losses import GRPOConfig, PPOConfig
 
-    flags = {name: getattr(args, name) for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef",
-                                                      "dual_clip_ratio", "aggregation")
-             if getattr(args, name) is not None}
-    for name in flags:
-        if name not in LOSS_FLAGS[args.loss]:
-            other = "ppo" if args.loss == "grpo" else "grpo"
-            raise ValueError(f"--{name.replace('_', '-')} applies to --loss {other} only (this is --loss {args.loss})")
+    flags = {field: getattr(args, field) for field, _, _ in LOSS_OPTIONS if getattr(args, field) is not None}
+    for field, losses, _ in LOSS_OPTIONS:
+        if field in flags and args.loss not in losses:
+            raise ValueError(f"{loss_flag(field)} applies to --loss {' and '.join(losses)} only (this is --loss "
+                             f"{args.loss})")
     cls = GRPOConfig if args.loss == "grpo" else PPOConfig
     if args.loss_config is not None:
         return load_config(args.loss_config, cls, **flags)
@@ -228,7 +221,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def _check_finite(summary: dict, step, command: str) -> None:
     """ValueError naming the non-finite results: a NaN or infinite loss is a failed step (and JSON has no
     NaN), most often from old log-probs so low that the policy ratio exp(λ − λ_old) overflows."""
-    from harts.cli.args import non_finite_fields
+    from harts.args import non_finite_fields
 
     fields = non_finite_fields(summary)
     if not fields:

@@ -20,8 +20,8 @@ import json
 import logging
 from pathlib import Path
 
-from harts.bench import wandb_log
-from harts.cli.args import KEEP_ATTENTION_HELP, non_negative_int, positive_int
+from harts.args import KEEP_ATTENTION_HELP, LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,10 @@ OVERRIDES = [
     ("--checkpoint-every", "checkpoint.every", {"type": non_negative_int,
                                                 "help": "save every K steps (0: only the last)"}),
 ]
-LOSS_OVERRIDES = [
-    ("--clip-ratio-low", "clip_ratio_low", {"type": float}),
-    ("--clip-ratio-high", "clip_ratio_high", {"type": float}),
-    ("--kl-coef", "kl_coef", {"type": float, "help": "GRPO only"}),
-    ("--aggregation", "aggregation", {"choices": ("token-mean", "seq-mean-token-mean")}),
-]
+LOSS_OVERRIDES = [(loss_flag(field), field, {**keywords, "help": keywords["help"] if len(losses) == 2
+                                              else f"GRPO only: {keywords['help']}"})
+                  for field, losses, keywords in LOSS_OPTIONS]
+"""The loss fields' flags (harts.args.LOSS_OPTIONS), set under the config's loss.name."""
 
 
 def _destination(flag: str) -> str:
@@ -129,8 +127,9 @@ def build_config(args: argparse.Namespace):
         value = getattr(args, _destination(flag))
         if value is None:
             continue
-        if flag == "--kl-coef" and loss != "grpo":
-            raise ValueError(f"harts train: --kl-coef applies to the grpo loss, not {loss!r}")
+        losses = next(losses for field, losses, _ in LOSS_OPTIONS if field == key)
+        if loss not in losses:
+            raise ValueError(f"harts train: {flag} applies to the {' and '.join(losses)} loss, not {loss!r}")
         set_dotted(data, f"loss.{loss}.{key}", value, where)
     if where == "command line" and not (("model" in data or "init_from" in data) and "trees" in data.get("data", {})):
         raise ValueError("harts train: give --config FILE, or --model and --trees (or --init-from DIR and --trees)")

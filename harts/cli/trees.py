@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from harts.cli.args import index_list, non_negative_int, positive_int
+from harts.args import index_list, non_negative_int, positive_int
 from harts.files import write_text
 
 

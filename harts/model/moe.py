@@ -63,7 +63,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from harts.ops.attention.groups import inverse_permutation, permute_rows
+from harts.ops.attention.query_groups import inverse_permutation, permute_rows
 from harts.ops.combine import combine as weighted_sum
 from harts.ops.combine import gather_combine
 from harts.ops.swiglu import swiglu, weighted_swiglu_backward

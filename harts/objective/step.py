@@ -3,9 +3,10 @@
 `run_step(model, step, microbatches, config)` builds each microbatch's layout (baseline: each
 trajectory its own packed sequence; compact: the microbatch's trie), runs the model, computes
 the log-probs λ of every semantic position through the compact LM head
-(`compact_logprobs`, never S × V), applies the GRPO/PPO loss with the step-level normaliser (so
-microbatch losses add up to the step's loss whatever the microbatching) plus the MoE losses
-averaged over microbatches (megatron-core's convention), and accumulates gradients.
+(`compact_logprobs`, never S × V; with an entropy bonus, the entropies from the same pass), applies
+the GRPO/PPO loss with the step-level normalisers (so microbatch losses add up to the step's loss
+whatever the microbatching) plus the MoE losses averaged over microbatches (megatron-core's
+convention), and accumulates gradients.
 
 Both executions on the same microbatches compute the same function of the same weights: that
 is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from harts.model.model import HybridModel, unwrap_model
 from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
 from harts.objective.losses import (
+    LOSSES,
     GRPOConfig,
     PolicyLoss,
     PPOConfig,
@@ -38,8 +40,8 @@ from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_la
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
-LOSSES = ("grpo", "ppo")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(kw_only=True)
@@ -271,13 +273,15 @@ def microbatch_logprobs(
 def policy_loss_of(
     logprobs_S: torch.Tensor, config: StepConfig, *, advantages_S: torch.Tensor, loss_mask_S: torch.Tensor,
     old_logprobs_S: torch.Tensor | None, ref_logprobs_S: torch.Tensor | None, trajectory_index_S: torch.Tensor,
-    normalizer: float,
+    normalizer: float, entropy_S: torch.Tensor | None = None, entropy_normalizer: float | None = None,
 ) -> PolicyLoss:
     """`config.loss` (GRPO with `config.grpo`, or PPO with `config.ppo`, which has no KL term and
-    ignores `ref_logprobs_S`) of the log-probs λ; all tensors [S], one order."""
+    ignores `ref_logprobs_S`) of the log-probs λ (and entropies, for an entropy bonus); all tensors [S],
+    one order."""
     common = dict(
         advantages_S=advantages_S, loss_mask_S=loss_mask_S, old_logprobs_S=old_logprobs_S,
-        trajectory_index_S=trajectory_index_S, normalizer=normalizer,
+        trajectory_index_S=trajectory_index_S, normalizer=normalizer, entropy_S=entropy_S,
+        entropy_normalizer=entropy_normalizer,
     )
     if config.loss == "grpo":
         return grpo_loss(logprobs_S, config=config.grpo, ref_logprobs_S=ref_logprobs_S, **common)
@@ -291,9 +295,10 @@ def microbatch_loss(
     """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch (`recompute_blocks`:
     `microbatch_logprobs`)."""
     sem = torch.from_numpy(sem_index).to(device)
-    logprobs, _, moe, auxes = microbatch_logprobs(
+    loss_config = loss_config_of(config)
+    logprobs, entropy, moe, auxes = microbatch_logprobs(
         model, layout, torch.from_numpy(targets.targets).to(device)[sem], config, device,
-        recompute_blocks=recompute_blocks,
+        recompute_blocks=recompute_blocks, return_entropy=loss_config.entropy_coef > 0,
     )
 
     def pick(array):
@@ -302,16 +307,30 @@ def microbatch_loss(
     policy = policy_loss_of(
         logprobs, config, advantages_S=pick(targets.advantages), loss_mask_S=pick(targets.loss_mask),
         old_logprobs_S=pick(targets.old_logprobs), ref_logprobs_S=pick(targets.ref_logprobs),
-        trajectory_index_S=pick(targets.trajectory_index), normalizer=normalizer,
+        trajectory_index_S=pick(targets.trajectory_index), normalizer=normalizer, entropy_S=entropy,
+        entropy_normalizer=aggregation_normalizer(loss_config.aggregation_of_entropy, targets),
     )
     return policy, moe, logprobs, auxes
 
 
-def step_normalizer(targets: SemanticTargets, config: StepConfig) -> float:
-    aggregation = (config.grpo if config.loss == "grpo" else config.ppo).aggregation
+def loss_config_of(config: StepConfig) -> GRPOConfig | PPOConfig:
+    """The loss hyper-parameters of `config.loss`."""
+    return config.grpo if config.loss == "grpo" else config.ppo
+
+
+def aggregation_normalizer(aggregation: str, targets: SemanticTargets) -> float:
+    """The step-level N of `aggregation` (harts.objective.losses): masked tokens for token-mean, 1 for
+    token-sum, trajectories with a masked token for the sequence modes."""
     if aggregation == "token-mean":
         return float(targets.loss_mask.sum())
+    if aggregation == "token-sum":
+        return 1.0
     return float(len(np.unique(targets.trajectory_index[targets.loss_mask])))
+
+
+def step_normalizer(targets: SemanticTargets, config: StepConfig) -> float:
+    """The step-level N of the policy loss's aggregation (`aggregation_normalizer`)."""
+    return aggregation_normalizer(loss_config_of(config).aggregation, targets)
 
 
 def check_partition(step: Step, microbatches: list[np.ndarray], caller: str) -> None:

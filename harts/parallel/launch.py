@@ -25,7 +25,7 @@ others) and `launch` raises `RankFailed` with one line, "rank i: Type: message",
 rank that failed first (each failing rank records the time of its error: the peers of a crashed
 rank fail later, on the lost connection); a collective waiting on a dead or diverged rank
 fails after the configured timeout instead of hanging. If the caller is interrupted while the
-ranks run (Ctrl-C, or SIGTERM raised by `harts.bench.records.sigterm_raises`), the ranks are
+ranks run (Ctrl-C, or SIGTERM raised by `harts.tracking.records.sigterm_raises`), the ranks are
 terminated before the exception propagates.
 On CPU each rank uses cpu_count // (ranks on its host) intra-op threads, so ranks do not
 oversubscribe. Tested in tests/parallel/test_launch.py (spawned) and tests/parallel/test_torchrun.py

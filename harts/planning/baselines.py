@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from harts.planning.microbatch import Plan, build_plan
+from harts.planning.plans import Plan, build_plan
 from harts.planning.rank_work import RankWork, no_plan_error, pad_to_dp, split_to_multiple
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex

@@ -17,7 +17,7 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
   loads, which balancing finishes better when a bin holds only a few items);
   `BestFit`, the ordered loads it (and `harts_planner`'s repacking) finds that bin with;
 - `critical_path(works, dp)`: Σ over slots of the largest work under the sorted grouping of
-  `harts.planning.microbatch.objective`;
+  `harts.planning.plans.objective`;
 - `CriticalPathChange(works, dp, ranks).price(...)`: the exact change of the critical path when
   one work falls by δ and another rises by δ, vectorised; `naive_critical_path_change` (sort and
   sum) is its reference; `rank_table(works, limit)` is the optional lookup that replaces its

@@ -1,7 +1,7 @@
 """The HARTS microbatch planner: cut-point DP over the sorted order, refinement, greedy replicas.
 
 `plan_harts(step, capacity, dp, ...) -> Plan` minimises the lexicographic objective of
-`harts.planning.microbatch.objective`: total compact work W, then the slot critical path, then
+`harts.planning.plans.objective`: total compact work W, then the slot critical path, then
 the largest replica cumulative work. Deterministic: no clocks, no randomness in the search.
 
 Formulation. Sort the N trajectories lexicographically (ranks r); L[r] is a length and
@@ -84,7 +84,7 @@ import numpy as np
 from harts.planning import cluster_packing
 from harts.planning.bounds import plan_bounds
 from harts.planning.fragment_packing import FragmentPacker
-from harts.planning.microbatch import Plan, build_plan, objective
+from harts.planning.plans import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork, no_plan_error, pad_to_dp, split_to_multiple
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex

@@ -5,7 +5,8 @@ data replicas by FFD, then partitions within each replica independently, and can
 optimise the slot's synchronisation critical path" (DESIGN §2). This module implements that
 description; where it leaves a choice open, `TreeTrainConfig` offers the readings, and the
 DEFAULT is the literal one (replica_assignment="ffd", slot_order="solver"), which is what the
-planning table (`harts bench planning`, reports/planning.*) uses unless told otherwise:
+planning table (`harts bench planning`, reports/planning.*) uses unless told otherwise (the command-line flags
+of those readings: `add_treetrain_options`, `treetrain_options`):
 
 1. Parts. Each rollout tree (`step.trees`) whose own trie fits in T is one part. A larger tree
    is split into its root-level subtrees: the children of its root segment (the groups of its
@@ -75,14 +76,16 @@ optimum against enumeration of every partition of a few parts, and the validator
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from harts.args import positive_float
 from harts.extras import require
-from harts.planning.microbatch import Plan, build_plan
+from harts.planning.plans import Plan, build_plan
 from harts.planning.rank_work import RankWork
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
@@ -114,6 +117,37 @@ class TreeTrainConfig:
         if self.slot_order not in SLOT_ORDERS:
             raise ValueError(f"treetrain-ortools: slot_order must be one of {', '.join(SLOT_ORDERS)}, "
                              f"got {self.slot_order!r}")
+
+
+# The command-line flags of TreeTrainConfig (harts plan microbatches, harts bench planning): flag -> field
+_TREETRAIN_FLAGS = {"--time-limit": "time_limit_s", "--replica-assignment": "replica_assignment",
+                    "--slot-order": "slot_order"}
+
+
+def add_treetrain_options(parser: argparse.ArgumentParser) -> None:
+    """--time-limit, --replica-assignment and --slot-order, each None unless given."""
+    parser.add_argument("--time-limit", type=positive_float, default=None,
+                        help="treetrain-ortools: CP-SAT seconds per solve (default 10)")
+    parser.add_argument("--replica-assignment", choices=REPLICA_ASSIGNMENTS, default=None,
+                        help="treetrain-ortools: parts to replicas by first-fit-decreasing with replica capacity "
+                             "ceil(total/D) (ffd, default: the paper's description) or to the least-loaded replica "
+                             "(lpt)")
+    parser.add_argument("--slot-order", choices=SLOT_ORDERS, default=None,
+                        help="treetrain-ortools: each replica's microbatches in CP-SAT's bin order (solver, default: "
+                             "the paper's description) or by decreasing work (sorted)")
+
+
+def treetrain_options(args: argparse.Namespace, planners: list[str]) -> dict[str, object]:
+    """The TreeTrainConfig fields given on the command line; an error if `planners` lacks treetrain-ortools."""
+    options = {}
+    for flag, name in _TREETRAIN_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if "treetrain-ortools" not in planners:
+            raise ValueError(f"{flag} applies to the treetrain-ortools planner only")
+        options[name] = value
+    return options
 
 
 def plan_treetrain_ortools(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None = None,

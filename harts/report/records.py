@@ -1,7 +1,7 @@
 """Loading benchmark records for reports, and the provenance every report prints.
 
 `load_records(paths, benchmark)` reads the JSON records that `harts bench ...` writes
-(`harts.bench.records`: a JSON list, or one record per line for `.jsonl`) and checks the fields a
+(`harts.tracking.records`: a JSON list, or one record per line for `.jsonl`) and checks the fields a
 report relies on; a malformed file or record is a ValueError naming the file, the record index and
 the field. `provenance(records)` collects the hardware, package versions, git sha(s), dirty flag
 and time range of the records, so that a report names how and where its figures were measured;

@@ -1,7 +1,7 @@
 """`reports/summary.md`: every table of the run, with hardware, versions, config and git sha.
 
 `write_summary(path, speedup=..., planning=..., fidelity=..., trees=..., reports=..., pipeline_config=...,
-benchmarks_dir=...)` reads the record files (harts.bench.records) and writes markdown sections:
+benchmarks_dir=...)` reads the record files (harts.tracking.records) and writes markdown sections:
 provenance (hardware, package versions, the git sha(s) the records were measured at and whether
 the tree had uncommitted changes, the time range), the datasets (trees-build records: S, C, S/C,
 segments, build time), the speedup, planning and fidelity tables (the same rows as the PDFs, the
@@ -77,10 +77,10 @@ def write_summary(path: str | Path, *, speedup: list[str | Path], planning: list
                   pipeline_config: dict[str, Any], benchmarks_dir: str | Path | None = None, ours: str = "harts",
                   baseline: str = "treetrain-ortools") -> str:
     """Write the summary markdown to `path` and return it."""
-    from harts.bench.records import environment, git_state
     from harts.report.fidelity import fidelity_markdown
     from harts.report.planning import planning_markdown
     from harts.report.speedup import speedup_markdown
+    from harts.tracking.records import environment, git_state
 
     all_records = []
     for paths, benchmark in ((speedup, "speedup"), (planning, "planning"), (fidelity, "fidelity"),

@@ -3,9 +3,9 @@
 `RLConfig` composes the environment (`harts.rollout.env.LookupEnvConfig`), the supervised warm
 start that makes the initial policy (`WarmStartConfig`), the sampling of trees
 (`harts.rollout.generate.RolloutConfig`), how a step is executed (`RLExecutionConfig`; the
-execution itself is each run's, from `executions`) and the training pieces of `harts train`
-(`LossConfig`, `OptimizerConfig`, `ScheduleConfig` of harts.training.config). `load_rl_config(path)`
-reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
+execution itself is each run's, from `executions`) and the training pieces it shares with `harts train`
+(`LossConfig` of harts.objective.losses, `OptimizerConfig` and `ScheduleConfig` of harts.optim.config).
+`load_rl_config(path)` reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
 error naming the file and the dotted key); `resolve` makes the defaults that depend on the device
 explicit, so that a record's config says everything its curves depend on, and refuses backends
 the model cannot run (fla's KDA needs chunks of 64: the `tiny` model has 16). Tested in
@@ -20,17 +20,18 @@ from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 from harts.model.config import load_model_config
+from harts.objective.losses import LossConfig
 from harts.objective.step import (
-    DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
+    DEVICES, DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
     check_recompute_by_rows,
 )
 from harts.ops.attention.groups import default_attention_backend
 from harts.ops.kda.compact import default_kda_backend
+from harts.optim.config import OptimizerConfig, ScheduleConfig
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
 from harts.runtime.layout import EXECUTIONS
-from harts.training.config import DEVICES, LossConfig, OptimizerConfig, ScheduleConfig
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,7 @@ optimal action at each decision with probability `accuracy`, as an SFT checkpoin
 frozen copy of it is the reference policy (the KL is measured against the initial policy), and one
 learner per execution
 (`compact`, `baseline`), each a copy of the same initial weights with its own AdamW and schedule
-(harts.training.optim). Step t = 0..N (N = num_steps), the executions in lockstep (their order
+(harts.optim.adamw). Step t = 0..N (N = num_steps), the executions in lockstep (their order
 alternating from step to step, so that neither always runs first on a loaded machine):
 1. the step's tasks, from numpy's generator seeded by (seed, t): the same in every execution;
 2. sampling: `generate_trees` with the learner's current weights and a torch generator seeded by
@@ -48,17 +48,18 @@ from tqdm import tqdm
 from harts.config import config_to_dict
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
+from harts.objective.losses import step_kl
 from harts.objective.step import StepConfig, run_step
 from harts.objective.targets import semantic_targets_from_step
+from harts.optim.adamw import MasterWeightAdamW, make_scheduler
+from harts.optim.config import OptimizerConfig
+from harts.optim.update import apply_update
 from harts.planning.microbatch import plan
 from harts.rl.config import RLConfig
 from harts.rollout.env import CALL, LookupEnv
 from harts.rollout.generate import Trajectory, generate_trees
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
 from harts.trees.trie import PrefixIndex
-from harts.training.loop import apply_update, step_kl
-from harts.training.config import OptimizerConfig
-from harts.training.optim import MasterWeightAdamW, make_scheduler
 
 TIMING = ("seconds.train = plan + layout + forward + backward + optimizer of the training step; sampling "
           "(seconds.sample) and the reference policy's forward (seconds.reference) run outside it")

@@ -1,7 +1,7 @@
 """W&B logging of `harts rl`: one W&B run per seed, every step logged live with both executions.
 
 `RLTracker.start(start_record, options, directory)` opens the run as `harts train`'s tracker does
-(harts.training.tracking.WandbTracker: the `--wandb-*` flags beside W&B's environment variables,
+(harts.tracking.wandb_run.WandbTracker: the `--wandb-*` flags beside W&B's environment variables,
 which win; offline by default; system metrics on; W&B never fails a run), its files in `directory`
 (the records' folder), with the resolved RL config and the allow-listed environment; group = rl/NAME, job_type = rl, name = NAME/seedS, tags =
 model, executions, device, dtype. `log({"step": t, "compact": record, "baseline": record})` logs
@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harts.bench.wandb_log import WandbOptions
-from harts.training.tracking import WandbTracker
+from harts.tracking.wandb_log import WandbOptions
+from harts.tracking.wandb_run import WandbTracker
 
 
 class RLTracker(WandbTracker):

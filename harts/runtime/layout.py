@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from harts.ops import uses_fp32_kernels
-from harts.ops.attention.groups import AttentionGroups, group_attention
+from harts.ops.attention.groups import group_attention
+from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.kda.compact import (
     PreparedSchedule, check_kda_backend, computed_rows, gather_call_rows, normalise_qk, prepare_schedule, run_calls,
 )

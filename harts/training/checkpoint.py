@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from harts.config import excerpt
-from harts.training.optim import MasterWeightAdamW
+from harts.optim.adamw import MasterWeightAdamW
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"

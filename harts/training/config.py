@@ -1,9 +1,9 @@
 """Configuration of `harts train`: one `@dataclass(kw_only=True)` per component, one YAML file.
 
-`TrainConfig` composes `DataConfig`, `ExecutionConfig`, `LossConfig` (GRPOConfig/PPOConfig of
-harts.objective.losses), `OptimizerConfig`, `ScheduleConfig` and `CheckpointConfig`; its model is
-`model` (a model config, randomly initialised) or `init_from` (a Hugging Face checkpoint, whose
-config.json is the model config), exactly one.
+`TrainConfig` composes `DataConfig`, `ExecutionConfig`, `LossConfig` (harts.objective.losses),
+`OptimizerConfig`, `ScheduleConfig` (harts.optim.config; harts rl's config shares these three) and
+`CheckpointConfig`; its model is `model` (a model config, randomly initialised) or `init_from` (a Hugging Face
+checkpoint, whose config.json is the model config), exactly one.
 `load_train_config(path, overrides)` reads one YAML file strictly (harts.config: an unknown key,
 a missing required key or a wrong type is an error naming the file and the dotted key) and
 applies dotted-key overrides (the CLI flags: `{"optimizer.lr": 1e-5}`) before validation.
@@ -11,30 +11,27 @@ applies dotted-key overrides (the CLI flags: `{"optimizer.lr": 1e-5}`) before va
 of steps, the planner, the backends, the dtype), so that the configuration written into
 checkpoints and logs says everything the loss curve depends on. The run directory, the stop step
 (`--max-steps`) and logging choices are not part of it: they do not change the curve.
-
-Defaults of the optimizer follow verl's actor (AdamW, lr 1e-6, betas 0.9/0.999, weight decay
-0.01, gradient clipping at norm 1.0, constant schedule). Tested in tests/training/test_config.py.
+ Tested in
+tests/training/test_config.py.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
-from harts.objective.losses import GRPOConfig, PPOConfig
+from harts.objective.losses import LossConfig
 from harts.objective.step import (
-    DTYPES, LOSSES, check_backends, check_logprob_grad_precision, check_keep_attention, check_recompute_blocks,
+    DEVICES, DTYPES, check_backends, check_logprob_grad_precision, check_keep_attention, check_recompute_blocks,
     check_recompute_by_rows,
 )
+from harts.optim.config import OptimizerConfig, ScheduleConfig
 from harts.planning.microbatch import PLANNER_NAMES
 from harts.runtime.layout import EXECUTIONS
 
-DEVICES = ("cpu", "cuda")
-DECAYS = ("constant", "cosine")
 
 
 @dataclass(kw_only=True)
@@ -98,68 +95,6 @@ class ExecutionConfig:
         check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
         check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
         check_backends(self.attention_backend, self.kda_backend, "execution.")
-
-
-@dataclass(kw_only=True)
-class LossConfig:
-    """The policy loss: `name` picks which of the two sections is used."""
-
-    name: str = "grpo"
-    """"grpo" or "ppo"."""
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
-
-
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    """AdamW (torch.optim.AdamW) and gradient clipping."""
-
-    lr: float = 1e-6
-    """Peak learning rate (the schedule multiplies it)."""
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    """Decoupled weight decay of the matrices (parameters with two or more dimensions)."""
-    weight_decay_vectors: bool = False
-    """Also decay the vectors (norm scales, biases, KDA's A_log and dt_bias); off as in most LLM recipes."""
-    max_grad_norm: float = 1.0
-    """Clip the global 2-norm of all gradients to this; 0 = no clipping (the norm is still reported)."""
-
-    def __post_init__(self) -> None:
-        numbers = {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay,
-                   "max_grad_norm": self.max_grad_norm}
-        for name, value in numbers.items():
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"optimizer.{name} must be a finite number >= 0, got {value}")
-        if self.eps == 0:
-            raise ValueError("optimizer.eps must be > 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"optimizer.beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    """Learning-rate factor per step t (0-based): linear warm-up, then constant or cosine decay."""
-
-    warmup_steps: int = 0
-    """Steps t < warmup_steps use (t + 1) / warmup_steps."""
-    decay: str = "constant"
-    """"constant" (1 after warm-up) or "cosine" (from 1 at t = warmup_steps to min_lr_ratio at t = num_steps)."""
-    min_lr_ratio: float = 0.0
-    """Cosine's floor as a fraction of the peak."""
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay not in DECAYS:
-            raise ValueError(f"schedule.decay must be one of {DECAYS}, got {self.decay!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass(kw_only=True)

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harts.bench.steps import is_config
 from harts.config import config_to_dict, load_config, shipped_config_path
 from harts.trees.io import JSONL_SUFFIXES, NPZ_SUFFIX, read_step, step_files
+from harts.trees.sources import is_config
 from harts.trees.step import Step
 from harts.trees.synth import SynthConfig, generate_step
 

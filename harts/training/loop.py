@@ -29,7 +29,8 @@ resumed run must have the same resolved config and model config as the checkpoin
 run's first start record (the first differing key is named: a checkpoint copied from another
 run is refused), and the same data steps by content as the checkpoint (sha256 per data step;
 `accept_changed_data` overrides). Resuming a run directory without a checkpoint (killed before
-its first) starts again from step 0 and keeps the log. With `wandb`, each step record also goes to W&B (harts.training.tracking).
+its first) starts again from step 0 and keeps the log. With `wandb`, each step record also goes to W&B
+(harts.tracking.wandb_run).
 
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
 and combined sha256 of the data steps), "environment"};
@@ -60,9 +61,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from harts.bench.wandb_log import WandbOptions
 from harts.config import config_to_dict
 from harts.files import write_text
+from harts.optim.adamw import MasterWeightAdamW, make_scheduler
+from harts.optim.update import apply_update
+from harts.tracking.wandb_log import WandbOptions
+from harts.tracking.wandb_run import WandbTracker
 from harts.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -72,8 +76,6 @@ from harts.training.checkpoint import (
 )
 from harts.training.config import TrainConfig, resolve, train_config_from_dict
 from harts.training.data import StepSource, epoch_order
-from harts.training.optim import MasterWeightAdamW, make_scheduler
-from harts.training.tracking import WandbTracker
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def train(
 ) -> list[dict[str, Any]]:
     """Run `config`'s steps into `run_dir` (with `resume`: from its last checkpoint, or from step 0 when it
     has none), stopping after step `max_steps` if given (with a checkpoint there); with `wandb`, also log
-    each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.training.tracking); return the step
+    each step to W&B (`wandb_options`: the `--wandb-*` flags) (harts.tracking.wandb_run); return the step
     records of this call. A resume whose data steps' content differs from the checkpoint's is refused
     unless `accept_changed_data`."""
     run_dir = Path(run_dir)
@@ -134,7 +136,8 @@ def train(
     tracker = WandbTracker.start(start_record, run_dir, wandb_options) if wandb else None
     failed = True
     try:
-        with (run_dir / LOG_NAME).open("a", encoding="utf-8") as log:
+        # Unbuffered: a write that fails (a full disk) leaves nothing behind for the close to fail on again.
+        with (run_dir / LOG_NAME).open("ab", buffering=0) as log:
             _write(log, start_record)
             bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step", disable=not progress,
                        file=sys.stderr, dynamic_ncols=True)
@@ -255,6 +258,7 @@ class _Run:
 
     def step(self, number: int, data_index: int) -> dict[str, Any]:
         """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
+        from harts.objective.losses import step_kl
         from harts.objective.step import run_step
         from harts.planning.microbatch import plan
         from harts.trees.trie import PrefixIndex
@@ -304,46 +308,6 @@ class _Run:
             "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
         }
-
-
-@torch.no_grad()
-def apply_update(model: HybridModel, optimizer, scheduler, max_grad_norm: float,
-                 tokens_per_expert: list[torch.Tensor], where: str) -> float:
-    """One optimizer update after a step's backward (`harts train` and `harts rl`): clip to the global norm
-    (a ValueError naming `where` if it is not finite), AdamW step, schedule step, expert-bias update; the
-    norm before clipping."""
-    grad_norm = optimizer.clip_grad_norm(max_grad_norm)
-    if not math.isfinite(grad_norm):
-        raise ValueError(f"{where}: the gradient norm is {grad_norm}")
-    optimizer.step()
-    scheduler.step()
-    update_expert_biases(model, tokens_per_expert)
-    return grad_norm
-
-
-def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
-    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
-    layers = [block.mlp for block in model.blocks if block.is_moe]
-    assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
-    for layer, counts in zip(layers, tokens_per_expert):
-        if layer.expert_bias is not None:
-            layer.update_expert_bias(counts)
-
-
-def step_kl(step, logprobs_S: torch.Tensor | None) -> float | None:
-    """Mean k3 KL(π‖π_ref) over the step's loss positions (None without reference log-probs or
-    when it is not finite: a diagnostic, the loss check covers a KL term that enters the loss)."""
-    from harts.objective.losses import k3_kl
-    from harts.objective.targets import semantic_targets_from_step
-
-    if step.ref_logprobs is None:
-        return None
-    targets = semantic_targets_from_step(step)
-    mask = torch.from_numpy(targets.loss_mask)
-    if not bool(mask.any()):
-        return 0.0
-    kl = float(k3_kl(logprobs_S[mask], torch.from_numpy(targets.ref_logprobs)[mask]).mean())
-    return kl if math.isfinite(kl) else None
 
 
 def _check_fresh(run_dir: Path) -> None:
@@ -475,7 +439,7 @@ def _truncate_log(path: Path, step: int) -> tuple[int, int]:
 
 
 def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, digests: list[str]) -> dict[str, Any]:
-    from harts.bench.records import environment
+    from harts.tracking.records import environment
 
     data = {"num_steps": len(digests), "sha256": hashlib.sha256("\n".join(digests).encode()).hexdigest()}
     return {"event": "start", "resumed_from": checkpoint.name if checkpoint else None, "step": step,
@@ -483,5 +447,10 @@ def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, 
 
 
 def _write(log, record: dict[str, Any]) -> None:
-    log.write(json.dumps(record, allow_nan=False) + "\n")
-    log.flush()
+    """Append one record. A full disk can leave the line torn: a resume removes an unreadable last line."""
+    try:
+        line = memoryview((json.dumps(record, allow_nan=False) + "\n").encode())
+        while line:  # an unbuffered write may take part of the line (then the next one reports the full disk)
+            line = line[log.write(line):]
+    except OSError as error:
+        raise OSError(f"{log.name}: could not write ({error.strerror or error})") from None

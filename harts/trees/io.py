@@ -1,6 +1,6 @@
 """Reading and writing steps: JSONL (plain or gzip, one file or a directory) and `.npz`.
 
-JSONL record, one trajectory per line (README, "Trajectory input"):
+JSONL record, one trajectory per line (docs/inputs.md "Trajectory input"):
 
     {"id": str, "tree": str, "tokens": [int >= 0], "loss_mask": [0|1], "advantage": float | [float],
      "reward": float, "old_logprobs": [float], "ref_logprobs": [float]}
@@ -329,9 +329,10 @@ def _parse_record(acc: _Collector, line: str, line_number: int) -> None:
         if name in record:
             values = _float_array(record[name], where, name, may_hold_bools)
             _check_length(values, length, where, name)
-            if ((values > 0) | (values < LOGPROB_FLOOR)).any():
+            outside = np.flatnonzero((values > 0) | (values < LOGPROB_FLOOR))
+            if len(outside):
                 raise TrajectoryFormatError(f"{where}: field '{name}': log-probabilities must be in "
-                                            f"[{LOGPROB_FLOOR:g}, 0]")
+                                            f"[{LOGPROB_FLOOR:g}, 0], got {values[outside[0]]:g} at index {outside[0]}")
             acc.optional_first_line.setdefault(name, line_number)
             if len(acc.optional.setdefault(name, [])) != len(acc.ids):
                 raise TrajectoryFormatError(

@@ -128,8 +128,8 @@ def test_cpu_deep_step_0_reaches_deep_handoffs():
     """configs/trees/cpu-deep.yaml, step 0 (seed 0) at T = 1,024, as `harts bench fidelity` plans it, counted
     from the no-replay KDA schedules (no model run): the binomial nesting (`fork_order: rounds`) holds
     hundreds of positions at every depth up to 5 (286 at depth 5) and reaches 6, as the config's comment says."""
-    from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
+    from harts.trees.sources import iter_steps
     from harts.trees.trie import PrefixIndex
 
     (_, step, _), = iter_steps("configs/trees/cpu-deep.yaml", 0, [0])
@@ -144,8 +144,8 @@ def test_cpu_deep_step_0_reaches_deep_handoffs():
 def test_gpu_deep_step_0_reaches_deep_handoffs():
     """configs/trees/gpu-deep.yaml, step 0 (seed 0) at T = 65,536 with the h200 model's KDA chunk: the
     cpu-deep shape scaled to the GPU holds thousands of positions at every depth 0 to 6, as its comment says."""
-    from harts.bench.steps import iter_steps
     from harts.model.config import load_model_config
+    from harts.trees.sources import iter_steps
     from harts.trees.trie import PrefixIndex
 
     (_, step, _), = iter_steps("configs/trees/gpu-deep.yaml", 0, [0])

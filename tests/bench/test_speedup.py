@@ -266,7 +266,7 @@ def test_sigterm_between_steps_keeps_the_finished_records(tree_step_path, tmp_pa
     import os
     import signal
 
-    import harts.bench.steps as steps_module
+    import harts.trees.sources as steps_module
 
     path, _ = tree_step_path
     iter_steps = steps_module.iter_steps
@@ -860,7 +860,7 @@ def test_parameter_dtype(params, dtype, parallel, expected):
 def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, capsys, monkeypatch):
     """--experts-backend reaches the model both executions run and the record's model config; its choices are
     the model's backends."""
-    from harts.cli.args import EXPERT_BACKENDS as CLI_BACKENDS
+    from harts.args import EXPERT_BACKENDS as CLI_BACKENDS
     from harts.model.moe import EXPERT_BACKENDS, MoE
 
     assert CLI_BACKENDS == EXPERT_BACKENDS

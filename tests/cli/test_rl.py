@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-import harts.bench.records
 import harts.rl.loop
-from harts.bench.records import environment, git_state
+import harts.tracking.records
 from harts.cli.main import main
+from harts.tracking.records import environment, git_state
 from tests.fixtures import one_thread  # noqa: F401
 from tests.rl.test_loop import TINY
 
@@ -21,7 +21,7 @@ def test_records_of_both_executions(capsys, tmp_path, monkeypatch):
 
     def run_then_commit(*args, **kwargs):
         result = run_seed(*args, **kwargs)
-        monkeypatch.setattr(harts.bench.records, "git_state", lambda: {"sha": "committed later", "dirty": False})
+        monkeypatch.setattr(harts.tracking.records, "git_state", lambda: {"sha": "committed later", "dirty": False})
         return result
 
     # The records give the environment as the run started (the code that ran), not as they are written.

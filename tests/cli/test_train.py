@@ -2,12 +2,15 @@
 strict `--loss-config` YAML reach the step's GRPOConfig/PPOConfig, flags override the file, a loss
 option of the other loss is refused, and the resolved config is printed with the results."""
 
+import dataclasses
 import json
 
 import pytest
 
+from harts import args as cli_args
 from harts.cli import train
 from harts.cli.main import build_parser, main
+from harts.objective import losses
 from harts.objective.losses import AGGREGATIONS, GRPOConfig, PPOConfig
 from tests.trees.helpers import cli_error
 
@@ -24,6 +27,16 @@ def test_parser_aggregations_are_the_losses():
     assert train.AGGREGATIONS == AGGREGATIONS
 
 
+def test_loss_options_are_the_configs_fields():
+    """One flag per field of each loss config, for exactly the losses that have it, with the losses' choices."""
+    for loss, cls in (("grpo", GRPOConfig), ("ppo", PPOConfig)):
+        options = {field for field, losses_of, _ in cli_args.LOSS_OPTIONS if loss in losses_of}
+        assert options == {f.name for f in dataclasses.fields(cls)}, loss
+    assert (cli_args.LOSS_AGGREGATIONS, cli_args.LOSS_SURROGATES, cli_args.LOSS_IMPORTANCE_SAMPLING_LEVELS,
+            cli_args.LOSS_KL_ESTIMATORS) == (losses.AGGREGATIONS, losses.SURROGATES, losses.IMPORTANCE_SAMPLING_LEVELS,
+                                             losses.KL_ESTIMATORS)
+
+
 # name: (extra argv, loss, the resolved config)
 FLAGS = {
     "defaults-grpo": ([], "grpo", GRPOConfig()),
@@ -37,6 +50,25 @@ FLAGS = {
         ["--loss", "ppo", "--clip-ratio-low", "0", "--clip-ratio-high", "0.3", "--dual-clip-ratio", "3",
          "--aggregation", "seq-mean-token-mean"],
         "ppo", PPOConfig(clip_ratio_low=0.0, clip_ratio_high=0.3, dual_clip_ratio=3.0, aggregation="seq-mean-token-mean"),
+    ),
+    "grpo-verl-reading": (
+        ["--dual-clip-ratio", "3", "--log-ratio-clamp", "20", "--kl-coef", "0.001", "--kl-estimator", "low_var_kl",
+         "--entropy-coef", "0.01", "--aggregation", "seq-mean-token-sum-norm", "--loss-scale-factor", "4096"],
+        "grpo", GRPOConfig(dual_clip_ratio=3.0, log_ratio_clamp=20.0, kl_coef=0.001, kl_estimator="low_var_kl",
+                           entropy_coef=0.01, aggregation="seq-mean-token-sum-norm", loss_scale_factor=4096.0),
+    ),
+    "grpo-trl-readings": (
+        ["--surrogate", "sapo", "--sapo-tau-pos", "0.9", "--sapo-tau-neg", "1.2", "--importance-sampling-level",
+         "sequence", "--kl-coef", "0.04", "--kl-importance-weighted", "--entropy-aggregation", "token-mean",
+         "--vespo-k-pos", "1", "--vespo-lambda-pos", "2", "--vespo-k-neg", "4", "--vespo-lambda-neg", "5"],
+        "grpo", GRPOConfig(surrogate="sapo", sapo_tau_pos=0.9, sapo_tau_neg=1.2, importance_sampling_level="sequence",
+                           kl_coef=0.04, kl_importance_weighted=True, entropy_aggregation="token-mean",
+                           vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=4.0, vespo_lambda_neg=5.0),
+    ),
+    "grpo-ratio-cap": (["--ratio-cap", "1.5"], "grpo", GRPOConfig(ratio_cap=1.5)),
+    "ppo-entropy": (
+        ["--loss", "ppo", "--entropy-coef", "0.01", "--entropy-aggregation", "token-sum", "--log-ratio-clamp", "20"],
+        "ppo", PPOConfig(entropy_coef=0.01, entropy_aggregation="token-sum", log_ratio_clamp=20.0),
     ),
 }
 
@@ -64,14 +96,32 @@ def test_flags_override_the_yaml(tmp_path):
 # name: (YAML text or None, extra argv, the message after "harts: error: ")
 BAD = {
     "yaml-unknown-key": ("clip_ratio: 0.2\n", [], "{path}: unknown key 'clip_ratio' (allowed: aggregation, "
-                         "clip_ratio_high, clip_ratio_low, kl_coef)"),
-    "yaml-ppo-key-under-grpo": ("dual_clip_ratio: 3\n", [], "{path}: unknown key 'dual_clip_ratio'"),
+                         "clip_ratio_high, clip_ratio_low, dual_clip_ratio, entropy_aggregation, entropy_coef, "
+                         "importance_sampling_level, kl_coef, kl_estimator, kl_importance_weighted, log_ratio_clamp, "
+                         "loss_scale_factor, ratio_cap, sapo_tau_neg, sapo_tau_pos, surrogate, vespo_k_neg, "
+                         "vespo_k_pos, vespo_lambda_neg, vespo_lambda_pos)"),
+    "yaml-grpo-key-under-ppo": ("kl_estimator: k3\n", ["--loss", "ppo"], "{path}: unknown key 'kl_estimator'"),
+    "yaml-bad-surrogate": ("surrogate: ppo\n", [], "{path}: GRPOConfig: surrogate must be one of ('clip', 'cispo', "
+                           "'sapo', 'vespo'), got 'ppo'"),
+    "yaml-bad-kl-estimator": ("kl_estimator: full\n", [], "{path}: GRPOConfig: kl_estimator must be one of"),
+    "yaml-norm-without-factor": ("aggregation: seq-mean-token-sum-norm\n", [], "{path}: GRPOConfig: aggregation "
+                                 "'seq-mean-token-sum-norm' needs loss_scale_factor > 0"),
+    "yaml-factor-without-norm": ("loss_scale_factor: 512\n", ["--loss", "ppo"], "{path}: PPOConfig: "
+                                 "loss_scale_factor applies to aggregation 'seq-mean-token-sum-norm' only"),
+    "yaml-vespo-lambda-zero": ("vespo_lambda_neg: 0\n", [], "{path}: GRPOConfig: vespo_k_* must be finite numbers >= 0 "
+                               "and vespo_lambda_* >= 1e-4"),
+    "yaml-importance-weighted-not-bool": ("kl_importance_weighted: 1\n", [], "{path}: key 'kl_importance_weighted': "
+                                          "expected true or false"),
     "yaml-wrong-type": ("kl_coef: a lot\n", [], "{path}: key 'kl_coef': expected a number, got str 'a lot'"),
     "yaml-out-of-range": ("clip_ratio_low: 1.5\n", [], "{path}: GRPOConfig: need 0 <= clip_ratio_low < 1"),
     "yaml-missing": (None, ["--loss-config", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such config file"),
     "flag-out-of-range": (None, ["--clip-ratio-low", "1"], "loss options: GRPOConfig: need 0 <= clip_ratio_low < 1"),
-    "dual-clip-under-grpo": (None, ["--dual-clip-ratio", "3"],
-                             "--dual-clip-ratio applies to --loss ppo only (this is --loss grpo)"),
+    "surrogate-under-ppo": (None, ["--loss", "ppo", "--surrogate", "cispo"],
+                            "--surrogate applies to --loss grpo only (this is --loss ppo)"),
+    "dual-clip-with-sapo": (None, ["--surrogate", "sapo", "--dual-clip-ratio", "3"],
+                            "loss options: GRPOConfig: dual_clip_ratio applies to surrogate 'clip', not 'sapo'"),
+    "clip-ratio-low-1-with-clip": (None, ["--clip-ratio-low", "1", "--surrogate", "clip"],
+                                   "loss options: GRPOConfig: need 0 <= clip_ratio_low < 1"),
     "kl-under-ppo": (None, ["--loss", "ppo", "--kl-coef", "0.1"],
                      "--kl-coef applies to --loss grpo only (this is --loss ppo)"),
     "dual-clip-not-above-1": (None, ["--loss", "ppo", "--dual-clip-ratio", "0.5"],

@@ -92,3 +92,21 @@ def test_bad_invocations_fail_in_one_line(capsys, tmp_path, argv, message):
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
     assert line.startswith(message.format(tmp=tmp_path)) and captured.out == ""
+
+
+def test_loss_flags_reach_the_train_config(tmp_path):
+    """Every loss field has its flag under `harts train` (harts.args.LOSS_OPTIONS), set in loss.<name>."""
+    from harts.cli.main import build_parser
+    from harts.cli.train_loop import build_config
+
+    argv = ["train", "--model", "tiny", "--trees", "tiny", "--out", str(tmp_path / "run"), "--dual-clip-ratio", "3",
+            "--log-ratio-clamp", "20", "--kl-coef", "0.001", "--kl-estimator", "low_var_kl", "--entropy-coef", "0.01",
+            "--aggregation", "seq-mean-token-sum-norm", "--loss-scale-factor", "4096", "--no-kl-importance-weighted"]
+    grpo = build_config(build_parser().parse_args(argv)).loss.grpo
+    assert (grpo.dual_clip_ratio, grpo.log_ratio_clamp, grpo.kl_coef, grpo.kl_estimator, grpo.entropy_coef,
+            grpo.aggregation, grpo.loss_scale_factor, grpo.kl_importance_weighted) == (
+        3.0, 20.0, 0.001, "low_var_kl", 0.01, "seq-mean-token-sum-norm", 4096.0, False)
+    ppo = build_config(build_parser().parse_args([*argv[:7], "--loss", "ppo", "--entropy-coef", "0.02"])).loss.ppo
+    assert ppo.entropy_coef == 0.02
+    with pytest.raises(ValueError, match="harts train: --surrogate applies to the grpo loss, not 'ppo'"):
+        build_config(build_parser().parse_args([*argv[:7], "--loss", "ppo", "--surrogate", "cispo"]))

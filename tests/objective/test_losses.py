@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harts.objective.logprobs import compact_logprobs, naive_compact_logprobs
-from harts.objective.losses import GRPOConfig, PPOConfig, aggregate, grpo_loss, k3_kl, ppo_loss
+from harts.objective.losses import GRPOConfig, PPOConfig, aggregate, grpo_loss, k3_kl, ppo_loss, step_kl
 from harts.objective.targets import semantic_targets_from_step
 
 from .helpers import random_tree_step
@@ -281,3 +281,96 @@ def test_non_finite_logprobs_at_masked_out_positions_change_nothing(aggregation,
     assert torch.equal(out.clip_fraction, finite.clip_fraction)
     assert (out.kl is None) == (finite.kl is None) and (out.kl is None or torch.equal(out.kl, finite.kl))
     assert float(finite.clip_fraction) > 0 and (finite_grad != 0).any()
+
+
+@pytest.mark.parametrize("aggregation, entropy_aggregation", [
+    ("token-mean", None), ("seq-mean-token-sum", None), ("seq-mean-token-mean", "token-mean"),
+    ("token-sum", "seq-mean-token-sum-norm"),
+], ids=["token-mean", "seq-sum", "seq-mean-entropy-token-mean", "token-sum-entropy-norm"])
+def test_entropy_bonus_microbatches_with_step_normalizers_add_up(aggregation, entropy_aggregation):
+    """With the step's N of the loss (and of the entropy's aggregation when it differs), the bonus of two halves
+    adds up to the whole's, loss and gradients w.r.t. log-probs and entropies."""
+    generator = torch.Generator().manual_seed(42)
+    size = 60
+    trajectory = torch.sort(torch.randint(0, 8, (size,), generator=generator)).values
+    mask = torch.rand(size, generator=generator) < 0.6
+    logprobs = -torch.rand(size, generator=generator, dtype=torch.float64) * 3
+    old = logprobs + 0.3 * torch.randn(size, generator=generator, dtype=torch.float64)
+    entropy = torch.rand(size, generator=generator, dtype=torch.float64) * 2
+    advantages = torch.randn(size, generator=generator, dtype=torch.float64)
+    uses_norm = "seq-mean-token-sum-norm" in (aggregation, entropy_aggregation)
+    config = GRPOConfig(aggregation=aggregation, entropy_coef=0.3, entropy_aggregation=entropy_aggregation,
+                        loss_scale_factor=7.0 if uses_norm else None)
+
+    def count(kind):
+        sequences = float(torch.unique(trajectory[mask]).numel())
+        return {"token-mean": float(mask.sum()), "token-sum": 1.0}.get(kind, sequences)
+
+    def loss(select, normalizer=None, entropy_normalizer=None):
+        lp, ent = logprobs.clone().requires_grad_(), entropy.clone().requires_grad_()
+        out = grpo_loss(lp[select], advantages_S=advantages[select], loss_mask_S=mask[select],
+                        old_logprobs_S=old[select], trajectory_index_S=trajectory[select], config=config,
+                        normalizer=normalizer, entropy_S=ent[select], entropy_normalizer=entropy_normalizer)
+        out.loss.backward()
+        return out.loss.detach(), lp.grad, ent.grad
+
+    whole = loss(torch.ones(size, dtype=torch.bool))
+    first = trajectory < 4
+    entropy_normalizer = None if entropy_aggregation is None else count(entropy_aggregation)
+    halves = [loss(part, count(aggregation), entropy_normalizer) for part in (first, ~first)]
+    for got, expected in zip(map(sum, zip(*halves)), whole):
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-15)
+    assert float(whole[2].abs().max()) > 0
+
+
+def test_new_options_are_validated_in_one_line():
+    cases = {
+        "aggregation": dict(aggregation="seq-mean"), "entropy_aggregation": dict(entropy_aggregation="mean"),
+        "surrogate": dict(surrogate="gspo"), "importance_sampling_level": dict(importance_sampling_level="batch"),
+        "kl_estimator": dict(kl_estimator="full"), "kl_importance_weighted": dict(kl_importance_weighted=1),
+        "ratio_cap": dict(ratio_cap=0.0), "log_ratio_clamp": dict(log_ratio_clamp=math.nan),
+        "entropy_coef": dict(entropy_coef=-1.0), "sapo_tau": dict(sapo_tau_neg=0.0),
+        "vespo_lambda": dict(vespo_lambda_pos=0.0), "dual_clip_ratio": dict(dual_clip_ratio=1.0),
+        "needs loss_scale_factor": dict(aggregation="seq-mean-token-sum-norm"),
+        "loss_scale_factor applies": dict(loss_scale_factor=3.0),
+        "applies to surrogate": dict(surrogate="cispo", ratio_cap=2.0),
+        "clip_ratio_low": dict(clip_ratio_low=1.0),
+    }
+    for needle, kwargs in cases.items():
+        with pytest.raises(ValueError, match=needle) as error:
+            GRPOConfig(**kwargs)
+        assert "\n" not in str(error.value)
+    assert GRPOConfig(surrogate="cispo", clip_ratio_low=1.0).clip_ratio_low == 1.0
+    with pytest.raises(ValueError, match="PPOConfig: loss_scale_factor applies"):
+        PPOConfig(loss_scale_factor=2.0)
+
+
+def test_sequence_options_need_trajectory_ids():
+    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    args = dict(advantages_S=torch.ones(2), loss_mask_S=torch.ones(2, dtype=torch.bool))
+    for config in (GRPOConfig(importance_sampling_level="sequence"), GRPOConfig(surrogate="vespo"),
+                   GRPOConfig(entropy_coef=0.1, entropy_aggregation="seq-mean-token-sum")):
+        with pytest.raises(ValueError, match="needs trajectory_index_S"):
+            grpo_loss(logprobs, config=config, entropy_S=torch.ones(2), **args)
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs entropy_S"):
+        ppo_loss(logprobs, config=PPOConfig(entropy_coef=0.1), **args)
+
+
+def test_step_kl_is_the_mean_k3_over_the_positions_that_predict_a_masked_in_token():
+    """step_kl against a loop over the step's own (unshifted) arrays: position i - 1 of a trajectory predicts token
+    i, which carries the loss mask and the reference log-prob."""
+    from dataclasses import replace
+
+    step = random_tree_step(np.random.default_rng(42), num=6, max_len=20, vocab=5).step
+    logprobs = torch.from_numpy(-np.random.default_rng(7).random(step.num_semantic_tokens).astype(np.float32) * 3)
+    terms = []
+    for x in range(step.num_trajectories):
+        start, end = int(step.offsets[x]), int(step.offsets[x + 1])
+        for i in range(start + 1, end):
+            if step.loss_mask[i]:
+                delta = float(step.ref_logprobs[i]) - float(logprobs[i - 1])
+                terms.append(math.exp(delta) - delta - 1)
+    assert terms
+    assert step_kl(step, logprobs) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert step_kl(replace(step, ref_logprobs=None), logprobs) is None
+    assert step_kl(replace(step, loss_mask=np.zeros_like(step.loss_mask)), logprobs) == 0.0

@@ -197,3 +197,55 @@ def test_logprob_grad_precision_reaches_the_lm_head(model, monkeypatch, precisio
     run_step(model, step, [np.arange(step.num_trajectories)], StepConfig(logprob_grad_precision=precision))
     model.zero_grad(set_to_none=True)
     assert seen == [precision]
+
+
+def _trajectory_entropy(model, step, k):
+    """Entropies of the distributions predicting tokens 1..L-1 of trajectory k, the model run on it alone."""
+    layout = baseline_layout(step, np.array([k]), conv_size=model.config.kda.conv_size,
+                             chunk_size=model.config.kda.chunk_size)
+    hidden, _ = model(layout.input_ids, layout)
+    log_p = torch.log_softmax(hidden[:-1] @ model.lm_head.weight.T, dim=-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+ENTROPY_COEF = 0.3
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 3], ids=["1mb", "3mb"])
+@pytest.mark.parametrize("entropy_aggregation", [None, "seq-mean-token-mean"], ids=["same", "seq-mean"])
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def test_run_step_entropy_bonus_equals_written_out_objective(model, off_policy_step, execution, entropy_aggregation,
+                                                             num_microbatches):
+    """The entropy bonus (verl's entropy_coeff, TRL's entropy_coef) through run_step: the written-out token-mean
+    policy loss minus the coefficient times the entropies aggregated over the whole step, its own way."""
+    step = off_policy_step
+    microbatches = np.array_split(np.random.default_rng(8).permutation(step.num_trajectories), num_microbatches)
+    config = StepConfig(execution=execution, loss="grpo", grpo=GRPOConfig(
+        clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, kl_coef=KL_COEF, entropy_coef=ENTROPY_COEF,
+        entropy_aggregation=entropy_aggregation))
+
+    model.zero_grad(set_to_none=True)
+    expected, _, _, _, _ = _written_out_step(model, step, microbatches, "grpo", "token-mean")
+    entropies = []
+    for k in range(step.num_trajectories):
+        mask = torch.from_numpy(step.loss_mask[int(step.offsets[k]) + 1:int(step.offsets[k + 1])].astype(bool))
+        entropies.append(_trajectory_entropy(model, step, k)[mask])
+    if entropy_aggregation is None:
+        bonus = torch.cat(entropies).sum() / sum(len(e) for e in entropies)
+    else:
+        trained = [e for e in entropies if len(e)]
+        bonus = sum(e.mean() for e in trained) / len(trained)
+    assert float(bonus) > 0
+    expected = expected - ENTROPY_COEF * bonus
+    expected.backward()
+    expected_grads = _gradients(model)
+
+    model.zero_grad(set_to_none=True)
+    result = run_step(model, step, microbatches, config)
+    grads = _gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    assert result.loss == pytest.approx(float(expected.detach()), rel=1e-5)
+    for name, expected_grad in expected_grads.items():
+        difference = float((grads[name] - expected_grad).norm())
+        assert difference <= 1e-4 * float(expected_grad.norm()) + 1e-9, name

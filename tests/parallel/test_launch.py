@@ -62,7 +62,7 @@ def _write_pid_and_sleep(groups, directory):
 def test_interrupted_caller_stops_its_ranks(tmp_path):
     import threading
 
-    from harts.bench.records import Terminated, sigterm_raises
+    from harts.tracking.records import Terminated, sigterm_raises
 
     def terminate_when_both_ranks_run():
         deadline = time.monotonic() + 60

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from harts.planning.microbatch import objective
+from harts.planning.plans import objective
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 

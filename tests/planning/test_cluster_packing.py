@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harts.planning import cluster_packing as cp
-from harts.planning.microbatch import objective
+from harts.planning.plans import objective
 
 
 def _random_works(rng: np.random.Generator) -> tuple[np.ndarray, int]:

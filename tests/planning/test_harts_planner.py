@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from harts.planning import harts_planner as hp
-from harts.planning.microbatch import objective, plan, validate
+from harts.planning.microbatch import plan, validate
+from harts.planning.plans import objective
 from harts.planning.rank_work import RankWork
 from harts.trees.trie import PrefixIndex
 

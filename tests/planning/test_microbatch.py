@@ -7,17 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from harts.planning.microbatch import (
-    PLANNER_NAMES,
-    Microbatch,
-    Plan,
-    greedy_assignment,
-    nearest_rank,
-    objective,
-    plan,
-    plan_metrics,
-    validate,
-)
+from harts.planning.microbatch import PLANNER_NAMES, nearest_rank, plan, plan_metrics, validate
+from harts.planning.plans import Microbatch, Plan, greedy_assignment, objective
 from harts.trees.trie import PrefixIndex
 
 from ..trees.helpers import make_step

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from harts.cli.main import main
-from harts.planning.microbatch import Plan, validate
+from harts.planning.microbatch import validate
+from harts.planning.plans import Plan
 from harts.trees.io import read_step, write_step
 
 from .microbatch_helpers import rollout_step

@@ -1,4 +1,4 @@
-"""Record factories for the report tests: records as `harts bench ...` writes them (harts.bench.records),
+"""Record factories for the report tests: records as `harts bench ...` writes them (harts.tracking.records),
 with results of the documented shape and chosen numbers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harts.bench.records import make_record, write_records
+from harts.tracking.records import make_record, write_records
 
 
 def speedup_record(*, model="tiny", parallel="single", step=0, semantic=4000, compact=1000, base_fbg=8.0,

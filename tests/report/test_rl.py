@@ -8,8 +8,8 @@ import csv
 import numpy as np
 import pytest
 
-from harts.bench.records import make_record
 from harts.report.rl import RL_COLUMNS, checkpoints, reward_summary, rl_rows, smooth, write_rl_report
+from harts.tracking.records import make_record
 
 from .helpers import pdf_text, write
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from harts.bench.records import git_state, make_record, write_records
 from harts.report.summary import write_summary
+from harts.tracking.records import git_state, make_record, write_records
 
 from .helpers import fidelity_record, planning_record, speedup_record, write
 

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from harts.bench.wandb_log import WandbOptions, add_arguments, requested
 from harts.rl.config import load_rl_config, resolve
 from harts.rl.loop import run_config
 from harts.rl.tracking import RLTracker
+from harts.tracking.wandb_log import WandbOptions, add_arguments, requested
 from tests.rl.test_loop import TINY
 from tests.training.test_tracking import fake_wandb, wandb_env  # noqa: F401
 

@@ -7,12 +7,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from harts.optim.adamw import MasterWeightAdamW, make_scheduler
+from harts.optim.config import OptimizerConfig, ScheduleConfig
 from harts.training import checkpoint as checkpoint_module
 from harts.training.checkpoint import (
     latest_checkpoint, load_checkpoint, read_metadata, remove_stale, save_checkpoint,
 )
-from harts.training.config import OptimizerConfig, ScheduleConfig
-from harts.training.optim import MasterWeightAdamW, make_scheduler
 
 
 class _Tied(nn.Module):

@@ -59,8 +59,8 @@ def test_lint_only_the_documented_exception(workdir):
     result = snakemake(workdir, "--lint")
     output = result.stdout + result.stderr
     messages = set(re.findall(r"^\s+\* (.+?):?$", output, re.MULTILINE))
-    # Deliberate exception (README): the jobs run in the environment harts is installed in, not in a
-    # per-rule conda environment or container.
+    # Deliberate exception (docs/pipeline.md "Reruns and failures"): the jobs run in the environment harts is
+    # installed in, not in a per-rule conda environment or container.
     assert messages == {"Specify a conda environment or container for each rule."}, output
     assert "Lints for snakefile" not in output
 
@@ -135,7 +135,7 @@ print({{"sinfo": "cpu*\\ngpu", "scontrol": "MaxArraySize = 1001"}}.get(name, "")
 def test_slurm_job_scripts_for_the_speedup_target(workdir):
     """The SLURM profile through the real executor plugin: each job's sbatch call (partition, GPUs, CPUs, time,
     memory) and its job script (`--wrap`: Snakemake running that one job); the local rules run here."""
-    from harts.bench.records import make_record
+    from harts.tracking.records import make_record
 
     bin_dir = workdir / "fake-slurm"
     bin_dir.mkdir()
@@ -278,7 +278,8 @@ def test_bad_config_fails_with_a_clear_message(workdir, case):
 
 
 def test_a_templated_config_file_is_refused_after_snakemake_evaluated_it(workdir):
-    """The README's statement, shown: Snakemake evaluates a `__use_yte__` config file's expressions while it reads
+    """docs/pipeline.md's statement ("Config files and profiles are code to Snakemake"), shown: Snakemake
+    evaluates a `__use_yte__` config file's expressions while it reads
     `--configfile`, before the Snakefile runs (here they create a file, under `-n`); the Snakefile then refuses the
     file, so the run stops and no job is planned."""
     config = (REPO / "configs" / "pipeline-tiny.yaml").read_text(encoding="utf-8")
@@ -375,11 +376,11 @@ def _speedup_steps(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_tiny_profile_end_to_end(workdir):
-    from harts.bench.records import git_state
     from harts.report.fidelity import FIDELITY_COLUMNS
     from harts.report.planning import PLANNING_COLUMNS
     from harts.report.speedup import SPEEDUP_COLUMNS
-    from tests.bench.test_wandb_log import read_offline_run
+    from harts.tracking.records import git_state
+    from tests.tracking.test_wandb_log import read_offline_run
 
     # One job that fails (a model config with an unknown key) beside the pipeline: the others finish.
     model = yaml.safe_load((workdir / "configs" / "models" / "tiny.yaml").read_text(encoding="utf-8"))
@@ -449,7 +450,8 @@ def test_tiny_profile_end_to_end(workdir):
     assert _speedup_steps(snakemake(workdir, "-n", "--workflow-profile", "tiny").stdout) == [failing], (
         "a success after a failure is done; the failing case is retried again")
 
-    # The rerun recipe of one record (README): --forcerun names it; it and what reads it are redone, no other record.
+    # The rerun recipe of one record (docs/pipeline.md "Reruns and failures"): --forcerun names it; it and what
+    # reads it are redone, no other record.
     pipeline.write_text(shipped, encoding="utf-8")  # pp8 leaves the config
     one = "reports/raw/speedup/tiny/dp2/harts/step_000.json"
     dry = snakemake(workdir, "-n", "--workflow-profile", "tiny", "--forcerun", one).stdout

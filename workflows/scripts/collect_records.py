@@ -2,8 +2,8 @@
 
 from contextlib import redirect_stderr, redirect_stdout
 
-from harts.bench.records import write_records
 from harts.report.records import load_records
+from harts.tracking.records import write_records
 
 snakemake = globals()["snakemake"]
 with open(snakemake.log[0], "w", encoding="utf-8") as log, redirect_stdout(log), redirect_stderr(log):

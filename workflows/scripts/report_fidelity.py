@@ -2,8 +2,8 @@
 
 from contextlib import redirect_stderr, redirect_stdout
 
-from harts.bench.wandb_log import log_report
 from harts.report.fidelity import write_fidelity_report
+from harts.tracking.wandb_log import log_report
 
 snakemake = globals()["snakemake"]
 with open(snakemake.log[0], "w", encoding="utf-8") as log, redirect_stdout(log), redirect_stderr(log):

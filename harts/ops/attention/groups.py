@@ -1,13 +1,7 @@
 """Full attention over rows that form paths of a tree: query groups with ancestor KV views.
 
-Both executions describe causal attention the same way. The R rows (packed trajectories, or
-the compact rows of a microbatch) are split into G query groups; group g's queries are rows
-`q_index[q_ptr[g]:q_ptr[g+1]]` (l_g rows, consecutive positions of one path) and its keys are
-rows `kv_index[kv_ptr[g]:kv_ptr[g+1]]`: the h_g ancestor rows of the path, then the group's own l_g
-rows. Query i of the group sees keys j <= h_g + i (causal, aligned bottom-right). A trajectory
-of the baseline is one group with h = 0. For the DFS tree-mask backend, rows must be in DFS
-preorder and `row_subtree_end[r]` is one past the last descendant row of r: key c is visible to
-query r iff c <= r < row_subtree_end[c].
+The groups (`AttentionGroups`, harts.ops.attention.query_groups) say which rows each query row sees: causal
+within its path, aligned bottom-right over its ancestors.
 
 Backends (all compute the same function, tested against `naive_group_attention`):
 - `naive_group_attention`: one dense R x R boolean mask, SDPA (the oracle; O(R^2) memory).
@@ -29,86 +23,11 @@ Legend: R rows, H heads, E query/key head dim, F value head dim.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True, eq=False)
-class AttentionGroups:
-    q_index: torch.Tensor
-    """int64 [R] query rows, grouped (every row exactly once)."""
-    q_ptr: torch.Tensor
-    """int64 [G + 1]."""
-    kv_index: torch.Tensor
-    """int64 [Σ (h + l)] key rows per group: ancestors, then the group's own rows."""
-    kv_ptr: torch.Tensor
-    """int64 [G + 1]."""
-    row_subtree_end: torch.Tensor
-    """int64 [R] one past the last DFS-descendant row of each row."""
-    max_q: int
-    max_k: int
-    q_inverse: torch.Tensor | None = None
-    """int64 [R]: each row's position in q_index (its inverse permutation); None: compute it."""
-    q_in_order: bool = False
-    """q_index is 0..R−1 (the varlen backend then skips both query and output permutations)."""
-    kv_in_order: bool = False
-    """kv_index is 0..R−1 (no ancestors: the baseline's packed trajectories; no KV gather)."""
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.q_ptr) - 1
-
-    @property
-    def num_kv_rows(self) -> int:
-        return int(self.kv_ptr[-1])
-
-    @property
-    def num_pairs(self) -> int:
-        """(query, key) pairs attended: Σ_g l_g·h_g + l_g·(l_g + 1)/2 (every ancestor, causal within the
-        group), the attention's work; a trajectory of L rows has L·(L + 1)/2."""
-        own = self.q_ptr[1:] - self.q_ptr[:-1]
-        ancestors = self.kv_ptr[1:] - self.kv_ptr[:-1] - own
-        return int((own * ancestors + own * (own + 1) // 2).sum())
-
-    def to(self, device: torch.device | str) -> AttentionGroups:
-        return AttentionGroups(
-            q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
-            kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
-            row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
-            q_inverse=None if self.q_in_order else self.query_inverse().to(device),
-            q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
-        )
-
-    def query_inverse(self) -> torch.Tensor:
-        if self.q_inverse is not None:
-            return self.q_inverse
-        return inverse_permutation(self.q_index)
-
-
-class _PermuteRows(torch.autograd.Function):
-    """x[index] for a permutation `index` of the rows; the backward gathers by the inverse
-    permutation instead of accumulating (advanced indexing's backward sorts the indices first)."""
-
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.inverse = inverse
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.index_select(0, ctx.inverse), None, None
-
-
-def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
-    """int64 inverse of a permutation `index` of 0..n−1: inverse[index[i]] = i."""
-    return torch.empty_like(index).scatter_(0, index, torch.arange(len(index), device=index.device))
-
-
-def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Rows `x[index]` where `index` is a permutation with inverse permutation `inverse`."""
-    return _PermuteRows.apply(x, index, inverse)
+from harts.ops.attention.query_groups import AttentionGroups, permute_rows
 
 
 def visibility_mask(groups: AttentionGroups, num_rows: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from harts.ops.attention.groups import AttentionGroups
+from harts.ops.attention.query_groups import AttentionGroups
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from harts.ops.attention.groups import (
     BACKENDS,
     group_attention,
     naive_group_attention,
-    permute_rows,
     sdpa_group_attention,
     visibility_mask,
 )
+from harts.ops.attention.query_groups import permute_rows
 from harts.runtime.layout import baseline_layout, compact_layout
 from harts.trees.trie import PrefixIndex
 from tests.ops.attention.helpers import random_splits, random_step, standin_flash4, varlen_standin
@@ -119,7 +119,8 @@ def test_packed_attention_matches_naive(execution):
     """The packing shared by the varlen and flash4 backends (queries in group order, each group's keys gathered,
     the output back in row order), with a per-group dense kernel standing in for the GPU's varlen call; the
     shuffled rows take the query permutation and its inverse."""
-    from harts.ops.attention.groups import AttentionGroups, _bottom_right, _packed_attention
+    from harts.ops.attention.groups import _bottom_right, _packed_attention
+    from harts.ops.attention.query_groups import AttentionGroups
 
     step = random_step(4, num=12, max_len=120, vocab=3)
     layout = _layout(step, execution)

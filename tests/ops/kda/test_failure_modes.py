@@ -62,19 +62,20 @@ def test_packed_sequences_never_share_state(backend):
             assert relative_error(got[lo:hi].cpu(), want) <= tolerance, (b, hi - lo, name)
 
 
-def _noncontiguous(shape, device):
-    """Views with the values of a [*shape] tensor: permuted (strides reversed) and broadcast (stride 0)."""
+def _noncontiguous(shape, device, dtype):
+    """Views with the values of a [*shape] tensor: permuted (strides reversed) and broadcast (stride 0). Made in
+    the final dtype: a dtype conversion of a broadcast view is a contiguous copy."""
     gen = torch.Generator().manual_seed(5)
-    permuted = torch.randn(*reversed(shape), generator=gen, dtype=torch.float64).permute(2, 1, 0).to(device)
-    broadcast = torch.randn(1, shape[1], shape[2], generator=gen, dtype=torch.float64).to(device).expand(*shape)
-    return {"permuted": permuted, "broadcast": broadcast}
+    permuted = torch.randn(*reversed(shape), generator=gen, dtype=torch.float64).to(device, dtype).permute(2, 1, 0)
+    broadcast = torch.randn(1, shape[1], shape[2], generator=gen, dtype=torch.float64).to(device, dtype)
+    return {"permuted": permuted, "broadcast": broadcast.expand(*shape)}
 
 
 @pytest.mark.parametrize("view", ["permuted", "broadcast"])
 @pytest.mark.parametrize("operator", ["packed", "compact"])
 @pytest.mark.parametrize("backend", PARAMS)
 def test_a_noncontiguous_output_gradient_is_read_by_value(backend, operator, view):
-    device, chunk, dtype, heads, dim, _ = BACKENDS[backend]
+    device, chunk, dtype, heads, dim, tolerance = BACKENDS[backend]
     if operator == "packed":
         cu = np.concatenate([[0], np.cumsum(_lengths(chunk))])
         num_rows = int(cu[-1])
@@ -91,12 +92,14 @@ def test_a_noncontiguous_output_gradient_is_read_by_value(backend, operator, vie
             return compact_kda(*leaves, schedule, use_qk_l2norm=True, backend=backend)
     leaves = random_inputs(num_rows, heads, dim, dim, dtype, seed=6, device=device, gate_scale=0.2)
     out = run(leaves)
-    upstream = _noncontiguous(tuple(out.shape), device)[view].to(out.dtype)
+    upstream = _noncontiguous(tuple(out.shape), device, out.dtype)[view]
     assert not upstream.is_contiguous()
     got = torch.autograd.grad(out, leaves, upstream, retain_graph=True)
     want = torch.autograd.grad(out, leaves, upstream.contiguous())
+    # Reading the view's storage as if contiguous gives an O(1) error; the fla backward's atomic sums round
+    # differently from one run to the next (7.7e-4 for dk on an H100), within the backend's tolerance.
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
-        assert relative_error(a, b) <= 1e-12, name
+        assert relative_error(a, b) <= tolerance, name
 
 
 @pytest.mark.parametrize("backend", PARAMS)

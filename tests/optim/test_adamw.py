@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from harts.training.config import OptimizerConfig, ScheduleConfig
-from harts.training.optim import Fp32Gradients, MasterWeightAdamW, lr_factor, make_scheduler
+from harts.optim.adamw import Fp32Gradients, MasterWeightAdamW, lr_factor, make_scheduler
+from harts.optim.config import OptimizerConfig, ScheduleConfig
 
 
 def _plain_model(seed: int = 42, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -12,9 +12,10 @@ becomes None; any other string is left for the validation to reject with its own
 loader of harts.config) or asks Snakemake for YAML templating (`__use_yte__`): the
 pipeline's configs are data, checked against the schema. Snakemake evaluates such a file's Python expressions
 when it reads `--configfile`, before the Snakefile runs, so this refusal stops the run but cannot undo what the
-expressions did: config files and profiles are code to Snakemake (README "Pipeline").
+expressions did: config files and profiles are code to Snakemake
+(docs/pipeline.md "Config files and profiles are code to Snakemake").
 
-Tested in tests/bench/test_pipeline_config.py against hand-written configs and in
+Tested in tests/workflow/test_config.py against hand-written configs and in
 tests/workflow/test_workflow.py by dry runs with nested `--config` values and with a templated config file.
 """
 
@@ -98,6 +99,6 @@ def check_config_files(paths: list[str | Path]) -> None:
             continue  # Snakemake reports a config file it cannot read
         if re.search(r"^[\"']?__use_yte__[\"']?\s*:", text, flags=re.M):
             raise ValueError(f"{path}: a templated config (__use_yte__): the pipeline's config files are data. "
-                             "Snakemake has already evaluated its expressions (config files are code to it: README "
-                             "'Pipeline'); give plain YAML")
+                             "Snakemake has already evaluated its expressions (config files are code to it: "
+                             "docs/pipeline.md 'Config files and profiles are code to Snakemake'); give plain YAML")
         load_yaml(text, path)

@@ -1,7 +1,7 @@
 """Optional Weights & Biases logging of a training run: one W&B run per `harts train` invocation.
 
 `WandbTracker.start(start_record, run_dir, options)` opens a run the way the benchmarks do
-(harts.bench.wandb_log): the mode from WANDB_MODE, else `--wandb-mode`, else offline unless
+(harts.tracking.wandb_log): the mode from WANDB_MODE, else `--wandb-mode`, else offline unless
 WANDB_API_KEY or a sweep agent say online; project, group, name, job type and tags from the
 `--wandb-*` flags over our defaults, and none whose environment variable (WANDB_PROJECT,
 WANDB_RUN_GROUP, WANDB_NAME, WANDB_JOB_TYPE, WANDB_TAGS) is set, so W&B reads the variable;
@@ -27,10 +27,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from harts.bench.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
-                                   wandb_mode)
 from harts.extras import require
 from harts.files import write_text
+from harts.tracking.wandb_log import (DEFAULT_DIR, INIT_TIMEOUT_S, WandbOptions, flatten_metrics, init_arguments,
+                                   wandb_mode)
 
 logger = logging.getLogger(__name__)
 

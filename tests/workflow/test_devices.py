@@ -1,4 +1,4 @@
-"""harts.bench.devices: jobs of a local multi-GPU pipeline get disjoint devices, wait while none are free,
+"""harts.workflow.devices: jobs of a local multi-GPU pipeline get disjoint devices, wait while none are free,
 get them back from a holder that ended (also a killed one), and see them as CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from harts.bench import devices
-from harts.bench.devices import main, pool, take
+from harts.workflow import devices
+from harts.workflow.devices import main, pool, take
 
 POOLS = {
     "count": ({}, 3, ["0", "1", "2"]),
@@ -101,7 +101,7 @@ def test_a_waiting_job_holds_no_device(tmp_path):
 
 def test_a_killed_holder_leaves_no_stale_claim(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from harts.bench.devices import take\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from harts.workflow.devices import take\n"
                                f"with take(1, ['0'], Path({str(tmp_path)!r})):\n"
                                "    print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
@@ -146,7 +146,8 @@ def test_a_signal_to_the_wrapper_reaches_the_command(tmp_path):
              "print('ready', flush=True)\n"
              "time.sleep(30)\n")
     wrapper = subprocess.Popen(
-        [sys.executable, "-m", "harts.bench.devices", "--take", "1", "--pool", "1", "--", sys.executable, "-c", child],
+        [sys.executable, "-m", "harts.workflow.devices", "--take", "1", "--pool", "1", "--", sys.executable, "-c",
+         child],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HARTS_DEVICE_LOCKS": str(tmp_path)})
     assert wrapper.stdout.readline() == "ready\n"
     wrapper.terminate()

@@ -1,4 +1,4 @@
-"""harts.bench.records: SIGTERM as an exception, once, and the handler restored (`sigterm_raises`);
+"""harts.tracking.records: SIGTERM as an exception, once, and the handler restored (`sigterm_raises`);
 the git state of the checkout, or the source sha given for a copied working tree (`git_state`)."""
 
 import os
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from harts.bench.records import Terminated, git_state, sigterm_raises
+from harts.tracking.records import Terminated, git_state, sigterm_raises
 
 
 def test_first_sigterm_raises_later_ones_are_ignored_and_the_handler_is_restored():
@@ -49,7 +49,7 @@ def test_environment_names_the_optional_attention_kernels_in_use(monkeypatch):
     import sys
     import types
 
-    from harts.bench import records
+    from harts.tracking import records
 
     def version(name):
         if name != "flash-attn-4":

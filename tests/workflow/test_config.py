@@ -3,7 +3,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from harts.bench.pipeline_config import coerce_strings, load_schema
+from harts.workflow.config import coerce_strings, load_schema
 
 SCHEMA = load_schema(Path(__file__).resolve().parents[2] / "workflows/schemas/pipeline.schema.yaml")
 

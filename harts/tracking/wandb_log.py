@@ -28,7 +28,7 @@ are off (the record holds an allow-listed environment without keys or tokens). L
 fails a benchmark: the first error W&B raises is one warning line on stderr, and logging stops
 for the rest of the invocation.
 
-Tested in tests/bench/test_wandb_log.py with a stand-in `wandb` module and with real offline
+Tested in tests/tracking/test_wandb_log.py with a stand-in `wandb` module and with real offline
 runs read back from their `.wandb` files (history rows, summary, artifacts).
 """
 
@@ -227,7 +227,7 @@ class BenchLogger:
             run, self.run = self.run, None
             run.finish(exit_code=1)
         if environment is None:
-            from harts.bench.records import environment as capture
+            from harts.tracking.records import environment as capture
 
             environment = capture()
         settings = self._wandb.Settings(

@@ -1,9 +1,11 @@
-"""The steps a benchmark runs on: generated from a trees config, or read from a step path.
+"""Where steps come from: generated from a trees config, or read from a step path (the benchmarks; harts train's
+`StepSource` tells the two apart with `is_config`).
 
 `iter_steps(trees, seed, steps)` yields (step_index, Step, description) for `trees` being a
 trees config, a `configs/trees/*.yaml` path or a shipped config's NAME (each requested step
 generated deterministically from the seed), or a step on disk (a .jsonl/.jsonl.gz/.npz file or a
-directory: one step, index 0).
+directory: one step, index 0). `first_trees(step, max_trees)` keeps a step's first task trees.
+Tested in tests/trees/test_sources.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Give a pipeline job its own GPUs on a shared host: `python -m harts.bench.devices --take N --pool M -- COMMAND ...`.
+"""A pipeline job's own GPUs on a shared host: `python -m harts.workflow.devices --take N --pool M -- COMMAND ...`.
 
 Snakemake counts GPUs (`--resources gpu=M` bounds the sum of the running jobs' `gpu` resources) but
 does not tell a job which devices are its own (snakemake/snakemake#281). The pipeline's GPU rules
@@ -18,7 +18,7 @@ SIGTERM forwarded, its exit status returned) and lets them go when the command e
 - N = 0 or M = 0 (a CPU job; a SLURM job, whose allocation already holds its own devices) runs
   the command unchanged. N > M is a ValueError naming both.
 
-Tested in tests/bench/test_devices.py (two holders at once get disjoint devices, a waiting holder
+Tested in tests/workflow/test_devices.py (two holders at once get disjoint devices, a waiting holder
 gets a device when its holder ends, the child's view of CUDA_VISIBLE_DEVICES and its exit status).
 """
 
@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from harts.cli.args import print_error
+from harts.args import print_error
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def run(count: int, pool_size: int, command: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harts.bench.devices", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m harts.workflow.devices", description=__doc__.splitlines()[0])
     parser.add_argument("--take", type=int, required=True, metavar="N", help="GPUs this command needs")
     parser.add_argument("--pool", type=int, required=True, metavar="M",
                         help="GPUs of the host the pipeline may use (its --resources gpu=M); 0: no assignment")

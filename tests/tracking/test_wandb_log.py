@@ -1,4 +1,4 @@
-"""harts.bench.wandb_log: mode and run arguments (flags beside the environment variables, which win), one run
+"""harts.tracking.wandb_log: mode and run arguments (flags beside the environment variables, which win), one run
 per record with live history rows, summary and the record as an artifact (stand-in `wandb` module); real
 offline runs read back from their `.wandb` files: `harts bench speedup`'s live per-repeat history, its record
 artifact and a report's PDF/CSV artifact; W&B failures never fail a benchmark."""
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from harts.bench import wandb_log
-from harts.bench.records import make_record
-from harts.bench.wandb_log import (BenchLogger, WandbOptions, flatten_metrics, init_arguments, log_records, log_report,
-                                   run_identity, wandb_mode)
 from harts.cli.main import main
+from harts.tracking import wandb_log
+from harts.tracking.records import make_record
+from harts.tracking.wandb_log import (BenchLogger, WandbOptions, flatten_metrics, init_arguments, log_records,
+                                      log_report, run_identity, wandb_mode)
 
 WANDB_VARIABLES = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SWEEP_ID", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_GROUP",
                    "WANDB_TAGS", "WANDB_NAME", "WANDB_JOB_TYPE")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harts.bench.steps import first_trees, iter_steps
+from harts.trees.sources import first_trees, iter_steps
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """Numeric options of `harts plan`, `harts trees`, `harts bench`, `train-step` and `verify`
-(harts/cli/args.py) and the one-line usage errors of the `harts` parser (harts/cli/main.py)."""
+(harts/args.py) and the one-line usage errors of the `harts` parser (harts/cli/main.py)."""
 
 import pytest
 
@@ -129,7 +129,7 @@ def test_an_error_line_is_one_write(monkeypatch):
     import io
     import sys
 
-    from harts.cli.args import print_error
+    from harts.args import print_error
 
     writes = []
 

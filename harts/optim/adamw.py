@@ -22,7 +22,7 @@ warm-up (t + 1) / warmup_steps, then 1 ("constant") or a cosine from 1 at t = wa
 `min_lr_ratio` at t = num_steps; `make_scheduler` wraps it in torch's LambdaLR (whose state, the
 step count, goes into checkpoints). `clip_grad_norm` returns the global 2-norm before clipping.
 
-Tested in tests/training/test_optim.py: against torch.optim.AdamW on a plain fp32 model
+Tested in tests/optim/test_adamw.py: against torch.optim.AdamW on a plain fp32 model
 (bitwise), bf16 masters against an fp32 AdamW fed the same gradients (bitwise), fp32
 accumulation of bf16 microbatch gradients, the schedule at known steps, clipping by hand.
 """
@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from harts.training.config import OptimizerConfig, ScheduleConfig
+from harts.optim.config import OptimizerConfig, ScheduleConfig
 
 
 class MasterWeightAdamW:

@@ -1,0 +1,1 @@
+from tests.fixtures import one_thread  # noqa: F401

@@ -1,0 +1,261 @@
+"""The documentation holds: README.md's library example runs and prints what the README says it prints, its quick
+start is the two commands of .ci/, every relative link of README.md and docs/*.md reaches an existing file (and, for
+`.md#anchor`, a heading with that GitHub slug), every `docs/NAME.md "Heading"` that code, configs, workflow or scripts
+name exists, and docs/execution.md's knob table names exactly the flags and keys the commands, configs and pipeline
+schema take.
+"""
+
+import argparse
+import dataclasses
+import re
+import typing
+import unicodedata
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(```|~~~)")
+LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)\)")
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+\1")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of the Markdown text outside fenced code blocks."""
+    lines, fenced = [], False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line.lstrip()):
+            fenced = not fenced
+        elif not fenced:
+            lines.append((number, line))
+    return lines
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the `## heading` section, up to the next heading of level 1 or 2 outside code blocks."""
+    lines = text.splitlines()
+    prose = prose_lines(text)
+    start = next(number for number, line in prose if line == f"## {heading}")
+    end = next((number for number, line in prose if number > start and re.match(r"^#{1,2} ", line)), len(lines) + 1)
+    return "\n".join(lines[start:end - 1]) + "\n"
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text without Markdown, lower case, with every character but letters, digits,
+    `_`, `-` and spaces removed and spaces turned into `-`."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.replace("`", "").replace("*", "")
+    kept = "".join(c for c in text.lower() if c in "-_ " or unicodedata.category(c)[0] in "LNM")
+    return kept.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, repeated slugs numbered as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    result = set()
+    for _, line in prose_lines(path.read_text(encoding="utf-8")):
+        match = re.match(r"^#{1,6} +(.+?) *#* *$", line)
+        if match:
+            slug = github_slug(match.group(1))
+            result.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return result
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of a Markdown file that reach no file, or no heading of the .md file they name."""
+    problems = []
+    for number, line in prose_lines(path.read_text(encoding="utf-8")):
+        for target in LINK.findall(CODE_SPAN.sub("", line)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            linked = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(REPO)}:{number}: {target}"
+            if not linked.exists() or REPO not in (linked, *linked.parents):
+                problems.append(f"{where}: no such file in the repository")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                problems.append(f"{where}: no heading with anchor #{anchor} in {linked.relative_to(REPO)}")
+    return problems
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_relative_link_reaches_a_file_and_heading(path):
+    assert broken_links(path) == []
+
+
+def test_a_broken_link_or_anchor_is_found(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Two words: `x` & y\n", encoding="utf-8")
+    page = tmp_path / "README.md"
+    page.write_text("[ok](docs/a.md#two-words-x--y) [gone](docs/b.md) [anchor](docs/a.md#two-words)\n"
+                    "`[code](docs/c.md)`\n```\n[fenced](docs/d.md)\n```\n", encoding="utf-8")
+    assert [problem.split(": ", 2)[1] for problem in broken_links(page)] == ["docs/b.md", "docs/a.md#two-words"]
+
+
+@pytest.mark.parametrize("heading, slug", [
+    ("Weights & Biases", "weights--biases"),
+    ("Trees larger than T: the `paper` workload", "trees-larger-than-t-the-paper-workload"),
+    ("2. Microbatch planning (paper §3.2)", "2-microbatch-planning-paper-32"),
+    ("The paper's model shape on one H200", "the-papers-model-shape-on-one-h200"),
+], ids=["ampersand", "code", "section-sign", "apostrophe"])
+def test_github_slug(heading, slug):
+    assert github_slug(heading) == slug
+
+
+def test_every_docs_page_is_in_the_index():
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    listed = set(LINK.findall(index))
+    assert {p.name for p in PAGES if p.parent.name == "docs" and p.name != "README.md"} <= listed
+
+
+# Code, configs, the workflow and the scripts name docs pages as `docs/NAME.md "Heading"` (or with single quotes).
+REFERENCING = ["harts", "tests", "workflows", "configs", "profiles", ".ci", "Snakefile", "pyproject.toml"]
+DOCS_REFERENCE = re.compile(r"docs/([\w-]+\.md)(?: [\"']([^\"'\n]+)[\"'])?")
+
+
+def docs_references() -> list[tuple[str, str, str | None]]:
+    found = []
+    for name in REFERENCING:
+        root = REPO / name
+        for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+            if path.suffix in (".pyc", ".lock", ".gz", ".npz") or path == Path(__file__):
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            found += [(path.relative_to(REPO).as_posix(), page, heading)
+                      for page, heading in DOCS_REFERENCE.findall(text)]
+    return found
+
+
+def test_every_docs_page_and_heading_the_code_names_exists():
+    references = docs_references()
+    assert len({where for where, _, _ in references}) >= 10  # the search itself works
+    problems = []
+    for where, page, heading in references:
+        path = REPO / "docs" / page
+        if not path.exists():
+            problems.append(f"{where}: docs/{page} does not exist")
+        elif heading and github_slug(heading) not in anchors(path):
+            problems.append(f"{where}: docs/{page} has no heading {heading!r}")
+    assert problems == []
+
+
+def test_readme_quick_start_is_the_two_ci_commands():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```bash\n(.*?)```", section(text, "Quick start"), flags=re.S)
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    assert commands == ["bash .ci/main", "bash .ci/run"]
+    assert (REPO / ".ci" / "main").is_file() and (REPO / ".ci" / "run").is_file()
+
+
+def test_readme_library_example_runs_and_prints_what_the_readme_says(capsys):
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    body = section(text, "The library in ten lines")
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    exec(compile(code, "README.md (The library in ten lines)", "exec"), {})
+    printed = re.search(r"(\d+) rows computed for (\d+) tokens", capsys.readouterr().out).groups()
+    claimed = re.search(r"It prints `(\d+) rows computed for (\d+) tokens`", body).groups()
+    assert printed == claimed
+    rows, tokens = map(int, printed)
+    assert rows < tokens  # the shared prompt ran once
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/execution.md's knob table against the commands, the config classes and the pipeline schema
+
+NOT_KNOBS = {"-h", "--help", "--model", "--trees", "--steps", "--seed", "--max-trees", "--model-seed", "--repeats",
+             "--variant", "--no-breakdown", "--profile", "--out", "--json", "--wandb-project", "--wandb-group",
+             "--wandb-mode"}
+"""`harts bench speedup` options that choose what to measure or where to write it, not how a step executes."""
+PIPELINE_NOT_KNOBS = {"dataset", "steps", "models", "repeats", "breakdown"}
+
+
+def knob_table() -> list[dict[str, str]]:
+    text = (REPO / "docs" / "execution.md").read_text(encoding="utf-8")
+    rows = [line for line in section(text, "Every execution knob").splitlines() if line.startswith("|")]
+    split = [[cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+    header, body = split[0], split[2:]
+    return [dict(zip(header, cells, strict=True)) for cells in body]
+
+
+def command_options(*words: str) -> set[str]:
+    from harts.cli.main import build_parser
+
+    parser = build_parser()
+    for word in words:
+        (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = subparsers.choices[word]
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def has_key(cls: type, dotted: str) -> bool:
+    for name in dotted.split("."):
+        if not dataclasses.is_dataclass(cls) or name not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        cls = typing.get_type_hints(cls)[name]
+    return True
+
+
+def knob_problems(table: list[dict[str, str]]) -> list[str]:
+    from harts.rl.config import RLConfig
+    from harts.training.config import TrainConfig
+
+    schema = yaml.safe_load((REPO / "workflows/schemas/pipeline.schema.yaml").read_text(encoding="utf-8"))
+    pipeline_keys = set(schema["properties"]["speedup"]["properties"])
+    # column -> (the options of its commands, the config class its keys belong to, or the pipeline's keys)
+    columns = {
+        "`bench speedup`": (command_options("bench", "speedup"), None),
+        "`bench fidelity`": (command_options("bench", "fidelity"), None),
+        "`train-step`, `verify`": (command_options("train-step") | command_options("verify"), None),
+        "`harts train`": (command_options("train"), TrainConfig),
+        "`harts rl`": (command_options("rl"), RLConfig),
+        "pipeline `speedup`": (set(), pipeline_keys),
+    }
+    problems = []
+    for row in table:
+        for column, (options, keys) in columns.items():
+            for token in re.findall(r"`([^`]+)`", row[column]):
+                if token.startswith("--"):
+                    valid = token in options
+                elif isinstance(keys, set):
+                    valid = token in keys
+                else:
+                    valid = keys is not None and has_key(keys, token)
+                if not valid:
+                    problems.append(f"knob {row['knob']!r}, column {column}: {token!r} is not taken there")
+    listed = {column: set(re.findall(r"`([^`]+)`", " ".join(row[column] for row in table))) for column in columns}
+    from harts.rl.config import RLExecutionConfig
+    from harts.training.config import ExecutionConfig
+
+    unlisted = (command_options("bench", "speedup") - NOT_KNOBS - listed["`bench speedup`"]) | {
+        f"harts train execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)
+        if f"execution.{f.name}" not in listed["`harts train`"]} | {
+        f"harts rl execution.{f.name}" for f in dataclasses.fields(RLExecutionConfig)
+        if f"execution.{f.name}" not in listed["`harts rl`"]} | {
+        f"pipeline speedup.{key}" for key in pipeline_keys - PIPELINE_NOT_KNOBS - listed["pipeline `speedup`"]}
+    problems += [f"{name}: an execution setting missing from the table" for name in sorted(unlisted)]
+    return problems
+
+
+def test_knob_table_names_every_execution_setting_and_only_real_ones():
+    table = knob_table()
+    assert len(table) >= 15
+    assert knob_problems(table) == []
+
+
+@pytest.mark.parametrize("edit", ["renamed-flag", "flag-on-wrong-surface", "unknown-key", "dropped-row"])
+def test_knob_table_check_catches(edit):
+    table = knob_table()
+    row = next(r for r in table if r["knob"] == "KDA backend")
+    if edit == "renamed-flag":
+        row["`bench speedup`"] = "`--kda-backends`"
+    elif edit == "flag-on-wrong-surface":
+        row["pipeline `speedup`"] = "`kda_backend`"
+    elif edit == "unknown-key":
+        row["`harts rl`"] = "`--kda-backend`, `execution.kda_backends`"
+    else:
+        table.remove(row)
+    assert knob_problems(table)
