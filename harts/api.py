@@ -71,15 +71,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from harts.config.execution import DEVICES, ExecutionConfig
 from harts.model.model import HybridModel, unwrap_model
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
     StepConfig, aggregation_normalizer, build_layout, loss_config_of, microbatch_logprobs, policy_loss_of,
-    step_normalizer,
+    step_config, step_normalizer,
 )
 from harts.objective.targets import semantic_targets_from_step
-from harts.ops.attention.groups import default_attention_backend
-from harts.ops.kda.compact import default_kda_backend
 from harts.trees.step import LOGPROB_FLOOR, TOKEN_DTYPE, Step
 from harts.trees.trie import PrefixIndex
 
@@ -490,8 +489,9 @@ def as_batch(batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -
 def default_config(model: torch.nn.Module) -> StepConfig:
     """The compact execution with the backends `harts train-step` picks for the model's device (sdpa
     and the PyTorch KDA on CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
-    cuda = next(model.parameters()).device.type == "cuda"
-    return StepConfig(attention_backend=default_attention_backend(cuda), kda_backend=default_kda_backend(cuda))
+    device = next(model.parameters()).device.type
+    # No autocast: the model computes in its parameters' dtype.
+    return step_config(ExecutionConfig(dtype="fp32"), device if device in DEVICES else "cpu", execution="compact")
 
 
 def _model(model: torch.nn.Module) -> HybridModel:

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import non_negative_int, positive_int, print_error
+from harts.config import execution
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ NOISE_FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
 """Excess keys (`{metric}_excess_over_{key}`) and the path that gives each noise floor."""
 
 
+KNOBS = ("capacity", "dtype", "attention_backend", "kda_backend", "experts_backend", "logprob_chunk_rows",
+         "logprob_grad_precision")
+"""The execution knobs of the comparison (harts.config.execution); the paths fix the executions, planners and
+recomputation."""
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("fidelity", help="replay ablation and logit fidelity records")
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
@@ -97,11 +104,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
     parser.add_argument("--max-trees", type=positive_int, default=None, help="use the first N task trees of the step")
-    parser.add_argument("--capacity", type=positive_int, default=65536)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--kda-backend", default=None)
+    parser.add_argument("--device", choices=execution.DEVICES, default="cpu")
+    execution.add_arguments(parser, KNOBS, dtype=dict(default="bf16", help="fp32 or bf16 (bf16 autocast; default "
+                                                                          "bf16 on every device)"))
     parser.add_argument("--no-gradients", action="store_true", help="skip the loss/gradient comparison")
     parser.add_argument("--grad-max-tokens", type=positive_int, default=None,
                         help="compare loss and gradients on the trajectories of at most this many tokens (memory "
@@ -368,20 +373,20 @@ def gradient_subset(step, max_tokens: int | None, multiple_of: int = 1):
     return step if len(keep) == step.num_trajectories else step.subset(keep)
 
 
-def single_process_results(args, model, step, common: dict, device, store_dtype,
+def single_process_results(args, model, step, knobs, device, store_dtype,
                            progress: dict[str, str]) -> dict[str, Any]:
     """(a) the replay ablation and (b) logit fidelity, loss and gradients in one process."""
     import numpy as np
     import torch
 
-    from harts.objective.step import StepConfig
+    from harts.objective.step import step_config
     from harts.objective.targets import semantic_targets_from_step
     from harts.trees.trie import PrefixIndex
 
     configs = {
-        "baseline": StepConfig(execution="baseline", **common),
-        "replay": StepConfig(execution="compact", **common),
-        "no-replay": StepConfig(execution="compact", replay=False, **common),
+        "baseline": step_config(knobs, args.device, execution="baseline"),
+        "replay": step_config(knobs, args.device, execution="compact"),
+        "no-replay": step_config(knobs, args.device, execution="compact", replay=False),
     }
     index = PrefixIndex.from_step(step)
     base_mbs = _plan_members(step, args.capacity, "per-trajectory")
@@ -451,10 +456,10 @@ def single_process_results(args, model, step, common: dict, device, store_dtype,
     return results
 
 
-def parallel_results(args, parallel, model_config, step, common: dict) -> dict[str, Any] | None:
+def parallel_results(args, parallel, model_config, step, knobs) -> dict[str, Any] | None:
     """(b) under a parallel configuration: both executions +/- recomputation vs the single-process baseline
     (None on a torchrun rank other than 0)."""
-    from harts.objective.step import StepConfig
+    from harts.objective.step import step_config
     from harts.parallel.launch import is_reporting_rank, launch
     from harts.parallel.step import check_microbatches
     from harts.parallel.verify import verify_on_rank
@@ -465,8 +470,8 @@ def parallel_results(args, parallel, model_config, step, common: dict) -> dict[s
     # Packed by semantic tokens (as in the single-process comparison): the baseline holds at most T rows.
     microbatches = _plan_members(step, capacity, "per-trajectory", dp=parallel.dp)
     check_microbatches(step, microbatches, parallel.dp)
-    candidates = [StepConfig(execution=execution, recompute=recompute, **common)
-                  for execution in ("baseline", "compact") for recompute in (False, True)]
+    candidates = [step_config(knobs, args.device, execution=name, recompute=recompute)
+                  for name in ("baseline", "compact") for recompute in (False, True)]
     if is_reporting_rank():
         logger.info(f"fidelity --parallel {parallel.name}: {step.num_trajectories} trajectories, "
                     f"{step.num_semantic_tokens:,} tokens, {len(microbatches)} microbatches on "
@@ -515,10 +520,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.config import config_to_dict
-    from harts.model.config import load_model_config
+    from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
-    from harts.ops.attention.groups import default_attention_backend
-    from harts.ops.kda.compact import default_kda_backend
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, is_reporting_rank
     from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
@@ -526,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.trees.io import check_vocabulary
     from harts.trees.sources import first_trees, iter_steps
 
+    knobs = execution.ExecutionConfig(**execution.from_arguments(args, KNOBS)).resolved(args.device)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
@@ -533,22 +537,19 @@ def run(args: argparse.Namespace) -> int:
     check_torchrun(parallel)
     if parallel is not None and args.no_gradients:
         raise ValueError("--no-gradients: the --parallel comparison always includes the loss and gradients")
-    model_config = load_model_config(args.model)
+    model_config = load_model_config_with(args.model, knobs.experts_backend)
     if parallel is None:
         with device:
             model = HybridModel(model_config)
         model.init_weights(args.model_seed)
     store_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cuda = device.type == "cuda"
     (_, full_step, meta), = iter_steps(args.trees, args.seed, [args.step])
     step = first_trees(full_step, args.max_trees)
-    common = dict(dtype=args.dtype, attention_backend=args.attention_backend or default_attention_backend(cuda),
-                  kda_backend=args.kda_backend or default_kda_backend(cuda))
     if not is_reporting_rank():
         # A torchrun rank other than 0: its part of the run, nothing printed or written (rank 0 writes the record).
         check_vocabulary(step, model_config.vocab_size)
         try:
-            parallel_results(args, parallel, model_config, step, common)
+            parallel_results(args, parallel, model_config, step, knobs)
         except RankFailed as error:
             print_error(str(error))
             return 1
@@ -556,7 +557,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"model": model_config.name, "model_config": config_to_dict(model_config), **meta,
               "max_trees": args.max_trees, "capacity": args.capacity, "device": args.device, "dtype": args.dtype,
               "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
-              "parallel_config": config_to_dict(parallel) if parallel else None}
+              "parallel_config": config_to_dict(parallel) if parallel else None,
+              "execution": {name: getattr(knobs, name) for name in KNOBS}}
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
     progress = {"phase": "setup"}  # the single-process phase an error row names
@@ -564,9 +566,9 @@ def run(args: argparse.Namespace) -> int:
         with sigterm_raises():
             check_vocabulary(step, model_config.vocab_size)
             if parallel is None:
-                results = single_process_results(args, model, step, common, device, store_dtype, progress)
+                results = single_process_results(args, model, step, knobs, device, store_dtype, progress)
             else:
-                results = parallel_results(args, parallel, model_config, step, common)
+                results = parallel_results(args, parallel, model_config, step, knobs)
         records = [make_record("fidelity", config, results)]
     except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
         message = error_message(error)

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harts.args import index_list, positive_int
+from harts.config import execution
 from harts.tracking import wandb_log
 
 
@@ -31,11 +32,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
                         help="run these seeds (default: the config's seeds)")
     parser.add_argument("--num-steps", type=positive_int, default=None, metavar="N", help="override num_steps")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override device")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+    parser.add_argument("--device", choices=execution.DEVICES, default=None, help="override device")
+    parser.add_argument("--dtype", choices=execution.DTYPES, default=None,
                         help="override dtype (bf16: bf16 parameters with fp32 master weights)")
-    parser.add_argument("--attention-backend", default=None, help="override execution.attention_backend (sdpa|varlen|...)")
-    parser.add_argument("--kda-backend", default=None, help="override execution.kda_backend (torch|fla)")
+    knobs = parser.add_argument_group("execution (override the config's execution section)")
+    execution.add_arguments(knobs, exclude=("execution", "dtype"), overrides=True)
     parser.add_argument("--wandb", action="store_true",
                         help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise; "
                              "implied by any --wandb-* flag)")
@@ -73,10 +74,10 @@ def run_rl(args: argparse.Namespace) -> int:
     if args.device is not None and args.device != config.device:
         # The dtype and backends default by device: a config's CPU choices do not carry over to CUDA.
         config = replace(config, device=args.device, dtype=None,
-                         execution=replace(config.execution, attention_backend=None, kda_backend=None))
-    config = replace(config, dtype=args.dtype or config.dtype, execution=replace(
-        config.execution, attention_backend=args.attention_backend or config.execution.attention_backend,
-        kda_backend=args.kda_backend or config.execution.kda_backend))
+                         execution=replace(config.execution, dtype=None, attention_backend=None, kda_backend=None))
+    if args.dtype is not None:
+        config = replace(config, dtype=args.dtype, execution=replace(config.execution, dtype=None))
+    config = replace(config, execution=replace(config.execution, **execution.from_arguments(args, given=True)))
     config = resolve(config, where=args.config)
     seeds = args.seeds if args.seeds is not None else config.seeds
     if len(set(seeds)) != len(seeds):

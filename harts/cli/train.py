@@ -18,9 +18,6 @@ import sys
 from dataclasses import replace
 
 from harts.args import (
-    EXPERT_BACKENDS,
-    EXPERTS_BACKEND_HELP,
-    KEEP_ATTENTION_HELP,
     LOSS_AGGREGATIONS,
     LOSS_OPTIONS,
     loss_flag,
@@ -28,6 +25,7 @@ from harts.args import (
     positive_int,
     print_error,
 )
+from harts.config import execution
 
 
 AGGREGATIONS = LOSS_AGGREGATIONS
@@ -37,13 +35,13 @@ AGGREGATIONS = LOSS_AGGREGATIONS
 def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train-step", help="forward + backward of one step (loss, rows, seconds)")
     _common(train)
-    train.add_argument("--execution", choices=("baseline", "compact"), required=True)
-    train.add_argument("--planner", default=None, help="microbatch planner (default: harts / per-trajectory)")
+    execution.add_arguments(train, execution=dict(required=True, default=None))
     train.set_defaults(run=run_train_step)
 
     verify = commands.add_parser("verify", help="compare the compact execution with the baseline")
     _common(verify)
-    verify.add_argument("--planner", default="harts", help="microbatch planner shared by both executions")
+    execution.add_arguments(verify, exclude=("execution",), planner=dict(
+        default="harts", help="The microbatch planner, shared by both executions (default: harts)."))
     verify.add_argument("--no-replay", action="store_true", help="compact side runs the no-replay ablation")
     verify.set_defaults(run=run_verify)
 
@@ -51,17 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="configs/models NAME or a YAML path")
     parser.add_argument("--trees", required=True, help="a step: .jsonl(.gz), .npz or a directory")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--capacity", type=positive_int, default=65536, help="T: tokens per microbatch")
-    parser.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
-    parser.add_argument("--recompute-blocks", type=positive_int, default=None, metavar="N",
-                        help="with --recompute: recompute only blocks 0..N-1 (default: every block)")
-    parser.add_argument("--recompute-by-rows", action="store_true",
-                        help="with --recompute-blocks: smaller microbatches keep proportionally more blocks")
-    parser.add_argument("--keep-attention", action="store_true", help=KEEP_ATTENTION_HELP)
-    parser.add_argument("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
-                        help="the LM head's logit gradients: fp32 (TF32 matmuls for bf16) or input (bf16)")
+    parser.add_argument("--device", choices=execution.DEVICES, default="cpu")
     parser.add_argument("--loss", choices=("grpo", "ppo"), default="grpo")
     loss = parser.add_argument_group("loss hyper-parameters (flags override --loss-config)")
     loss.add_argument("--loss-config", metavar="PATH",
@@ -69,9 +57,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     for field, losses, keywords in LOSS_OPTIONS:
         help_text = keywords["help"] if len(losses) == 2 else f"GRPO only: {keywords['help']}"
         loss.add_argument(loss_flag(field), dest=field, **{**keywords, "help": help_text})
-    parser.add_argument("--attention-backend", default=None, help="naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA: measured faster than flex on the H200; cudnn is faster still once its plans are built, see docs/results.md)")
-    parser.add_argument("--kda-backend", default=None, help="torch|fla (default: torch on CPU, fla on CUDA)")
-    parser.add_argument("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
     parser.add_argument("--on-policy", action="store_true",
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
@@ -121,20 +106,13 @@ def _loss_config(args: argparse.Namespace):
         raise ValueError(f"loss options: {error}") from None
 
 
-def _step_config(args: argparse.Namespace, execution: str, **extra):
-    from harts.objective.step import StepConfig
-    from harts.ops.attention.groups import default_attention_backend
-    from harts.ops.kda.compact import default_kda_backend
+def _step_config(args: argparse.Namespace, execution_name: str, **extra):
+    """The StepConfig of the flags (checked before any model is built) for `execution_name`."""
+    from harts.objective.step import step_config
 
-    cuda = args.device == "cuda"
-    return StepConfig(
-        execution=execution, recompute=args.recompute, recompute_blocks=args.recompute_blocks,
-        recompute_by_rows=args.recompute_by_rows, keep_attention=args.keep_attention,
-        logprob_grad_precision=args.logprob_grad_precision, loss=args.loss, dtype=args.dtype,
-        attention_backend=args.attention_backend or default_attention_backend(cuda),
-        kda_backend=args.kda_backend or default_kda_backend(cuda),
-        **{args.loss: _loss_config(args)}, **extra,
-    )
+    knobs = execution.ExecutionConfig(**execution.from_arguments(args))
+    return step_config(knobs, args.device, execution=execution_name, loss=args.loss,
+                       **{args.loss: _loss_config(args)}, **extra)
 
 
 def _loss_summary(config) -> dict:
@@ -166,7 +144,7 @@ def run_train_step(args: argparse.Namespace) -> int:
     check_torchrun(None)
     config = _step_config(args, args.execution)
     model, step, index = _setup(args)
-    planner = args.planner or ("harts" if args.execution == "compact" else "per-trajectory")
+    planner = args.planner or execution.default_planner(args.execution)
     plan, microbatches = _microbatches(step, index, args, planner)
     result = run_step(model, step, microbatches, config, index=index)
     summary = {
@@ -257,7 +235,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     if args.on_policy:
         step = replace(step, old_logprobs=None)
     index = PrefixIndex.from_step(step)
-    planner = args.planner or ("harts" if verify or args.execution == "compact" else "per-trajectory")
+    planner = args.planner or execution.default_planner(args.execution)
     plan, microbatches = _microbatches(step, index, args, planner, dp=parallel.dp)
     common = (config, args.seed, step, microbatches)
     head = {"parallel": parallel.name, "world_size": parallel.world_size, "planner": planner,

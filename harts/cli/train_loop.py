@@ -20,7 +20,8 @@ import json
 import logging
 from pathlib import Path
 
-from harts.args import KEEP_ATTENTION_HELP, LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.args import LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.config import execution
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -38,25 +39,9 @@ OVERRIDES = [
                                    "help": "visit each epoch's data steps in a random order"}),
     ("--num-steps", "num_steps", {"type": positive_int, "help": "optimizer steps (default: one pass over the data)"}),
     ("--seed", "seed", {"type": non_negative_int, "help": "weight initialisation and RNG seed"}),
-    ("--device", "device", {"choices": ("cpu", "cuda")}),
-    ("--dtype", "dtype", {"choices": ("fp32", "bf16"),
+    ("--device", "device", {"choices": execution.DEVICES}),
+    ("--dtype", "dtype", {"choices": execution.DTYPES,
                           "help": "bf16: bf16 parameters, fp32 master weights, bf16 autocast (default on CUDA)"}),
-    ("--execution", "execution.execution", {"choices": ("baseline", "compact")}),
-    ("--planner", "execution.planner", {"help": "microbatch planner (default: harts / per-trajectory)"}),
-    ("--capacity", "execution.capacity", {"type": positive_int, "help": "T: tokens per microbatch"}),
-    ("--recompute", "execution.recompute", {"action": argparse.BooleanOptionalAction,
-                                            "help": "per-layer activation recomputation"}),
-    ("--recompute-blocks", "execution.recompute_blocks", {"type": positive_int,
-                                                          "help": "with --recompute: recompute only blocks 0..N-1"}),
-    ("--recompute-by-rows", "execution.recompute_by_rows", {
-        "action": argparse.BooleanOptionalAction,
-        "help": "with --recompute-blocks: smaller microbatches keep proportionally more blocks"}),
-    ("--keep-attention", "execution.keep_attention", {"action": argparse.BooleanOptionalAction,
-                                                      "help": KEEP_ATTENTION_HELP}),
-    ("--attention-backend", "execution.attention_backend", {"help": "naive|sdpa|varlen|flex|cudnn|flash4"}),
-    ("--logprob-grad-precision", "execution.logprob_grad_precision", {
-        "choices": ("fp32", "input"), "help": "the LM head's logit gradients: fp32 (TF32 matmuls) or input (bf16)"}),
-    ("--kda-backend", "execution.kda_backend", {"help": "torch|fla"}),
     ("--loss", "loss.name", {"choices": ("grpo", "ppo")}),
     ("--lr", "optimizer.lr", {"type": float, "help": "peak learning rate"}),
     ("--weight-decay", "optimizer.weight_decay", {"type": float}),
@@ -71,6 +56,10 @@ LOSS_OVERRIDES = [(loss_flag(field), field, {**keywords, "help": keywords["help"
                                               else f"GRPO only: {keywords['help']}"})
                   for field, losses, keywords in LOSS_OPTIONS]
 """The loss fields' flags (harts.args.LOSS_OPTIONS), set under the config's loss.name."""
+EXECUTION_OVERRIDES = [(option, f"execution.{name}", keywords) for name in execution.FIELDS if name != "dtype"
+                       for option, keywords in [execution.argument(name, default=False, negatable=True)]]
+"""Every execution knob's flag (harts.config.execution; --dtype is the run's)."""
+OVERRIDES += EXECUTION_OVERRIDES
 
 
 def _destination(flag: str) -> str:

@@ -145,8 +145,13 @@ def load_model_config(name_or_path: str) -> ModelConfig:
 
 
 def load_model_config_with(name_or_path: str, experts_backend: str | None = None) -> ModelConfig:
-    """`load_model_config`, with the MoE experts backend replaced when one is given (the CLIs' --experts-backend)."""
-    config = load_model_config(name_or_path)
+    """`load_model_config`, with the MoE experts backend replaced when one is given (`with_experts_backend`)."""
+    return with_experts_backend(load_model_config(name_or_path), experts_backend)
+
+
+def with_experts_backend(config: ModelConfig, experts_backend: str | None) -> ModelConfig:
+    """`config` with the MoE experts backend replaced when one is given (an execution config's experts_backend:
+    the backends hold the same parameters)."""
     if experts_backend is None:
         return config
     return replace(config, moe=replace(config.moe, experts_backend=experts_backend))

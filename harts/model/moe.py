@@ -63,13 +63,13 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from harts.config.execution import EXPERT_BACKENDS
 from harts.ops.attention.query_groups import inverse_permutation, permute_rows
 from harts.ops.combine import combine as weighted_sum
 from harts.ops.combine import gather_combine
 from harts.ops.swiglu import swiglu, weighted_swiglu_backward
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 
 
 def resolve_experts_backend(backend: str, cuda: bool) -> str:

@@ -64,10 +64,10 @@ from collections.abc import Iterator
 
 import torch
 
+from harts.config.execution import GRAD_PRECISIONS
 from harts.ops.logit_grad import logit_grad
 
 DEFAULT_CHUNK_ROWS = 4096
-GRAD_PRECISIONS = ("fp32", "input")
 HALF = (torch.bfloat16, torch.float16)
 
 

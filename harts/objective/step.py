@@ -24,134 +24,70 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from harts.config import execution as execution_config
+from harts.config.execution import ExecutionConfig
 from harts.model.model import HybridModel, unwrap_model
-from harts.objective.logprobs import GRAD_PRECISIONS, compact_logprobs
+from harts.objective.logprobs import compact_logprobs
 from harts.objective.losses import (
     LOSSES,
     GRPOConfig,
+    LossConfig,
     PolicyLoss,
     PPOConfig,
     grpo_loss,
     ppo_loss,
 )
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
-from harts.ops.attention.groups import KEEPABLE_BACKENDS
-from harts.runtime.layout import EXECUTIONS, Layout, baseline_layout, compact_layout
+from harts.runtime.layout import Layout, baseline_layout, compact_layout
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-DEVICES = ("cpu", "cuda")
+"""The autocast dtype of each of harts.config.execution.DTYPES."""
+assert tuple(DTYPES) == execution_config.DTYPES
 
 
 @dataclass(kw_only=True)
-class StepConfig:
-    """How a step is executed."""
+class StepConfig(ExecutionConfig):
+    """How a step is executed: the execution knobs (harts.config.execution), resolved for a device (`step_config`
+    makes one from an `ExecutionConfig`), and the loss. The planner and capacity are the plan's, not the step's."""
 
     execution: str = "compact"
     """"baseline" (each trajectory its own sequence) or "compact" (the microbatch's trie)."""
-    recompute: bool = False
-    """Per-layer activation recomputation."""
-    recompute_blocks: int | None = None
-    """With `recompute`: only the first N blocks (of each pipeline stage) are recomputed, the others keep their
-    activations (Megatron's block method: less recomputation for more memory). None: every block."""
-    keep_attention: bool = False
-    """With `recompute`: the recomputed MLA blocks keep their attention outputs from the forward instead of
-    running the attention again (`HybridModel.forward`; backends `KEEPABLE_BACKENDS`). Same values."""
-    recompute_by_rows: bool = False
-    """With `recompute_blocks`: a microbatch smaller than another of the step keeps more blocks, in proportion
-    (`scaled_recompute_blocks`): kept activations are per row (KDA row, ancestor-KV row), so it keeps no more
-    than that microbatch does with `recompute_blocks`. Same values; less recomputation."""
-    keep_kda_intermediates: bool = False
-    """With `recompute` and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors,
-    gated q/k, chunk states) from the recomputation for the backward instead of computing them a third time
-    (harts.ops.kda.keep). The same kernels (autotuned per call, so on CUDA not always the same bits); a transient
-    of one layer's intermediates, from the recomputation until its backward."""
-    replay: bool = True
-    """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
+    dtype: str = "fp32"
+    """"fp32" or "bf16" (autocast; the parameters keep their dtype)."""
     attention_backend: str = "sdpa"
     kda_backend: str = "torch"
+    replay: bool = True
+    """Compact only: False runs the no-replay ablation (state handed over at the fork)."""
     loss: str = "grpo"
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    logprob_chunk_rows: int = 4096
-    logprob_grad_precision: str = "fp32"
-    """The LM head's logit gradients: "fp32" (TF32 gradient matmuls for bf16 on CUDA) or "input" (rounded
-    once to bf16 and multiplied on its tensor cores, as a bf16 LM head does); `compact_logprobs`."""
-    dtype: str = "fp32"
-    """"fp32" or "bf16" (autocast; parameters stay fp32)."""
 
     def __post_init__(self) -> None:
-        if self.execution not in EXECUTIONS:
-            raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
+        self.check()
+
+    def check(self, prefix: str = "") -> None:
+        super().check(prefix)
+        for name in ("execution", "dtype", "attention_backend", "kda_backend"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{prefix}{name}: a StepConfig takes resolved knobs (ExecutionConfig.resolved), "
+                                 "got None")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        check_logprob_grad_precision(self.logprob_grad_precision)
-        check_recompute_blocks(self.recompute, self.recompute_blocks)
-        check_recompute_by_rows(self.recompute, self.recompute_blocks, self.recompute_by_rows)
-        check_keep_attention(self.recompute, self.keep_attention, self.attention_backend)
-        check_keep_kda_intermediates(self.recompute, self.keep_kda_intermediates, self.kda_backend)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
 
 
-def check_logprob_grad_precision(value: str, prefix: str = "") -> None:
-    """`value` is one of `GRAD_PRECISIONS` (ValueError naming `prefix` + field)."""
-    if value not in GRAD_PRECISIONS:
-        raise ValueError(f"{prefix}logprob_grad_precision must be one of {GRAD_PRECISIONS}, got {value!r}")
-
-
-def check_backends(attention_backend: str | None, kda_backend: str | None, prefix: str = "") -> None:
-    """Each backend is None (the device's default) or a known name (ValueError naming `prefix` + field)."""
-    from harts.ops.attention.groups import BACKENDS
-    from harts.ops.kda.compact import KDA_BACKENDS
-
-    if attention_backend is not None and attention_backend not in BACKENDS:
-        raise ValueError(f"{prefix}attention_backend must be one of {tuple(BACKENDS)}, got {attention_backend!r}")
-    if kda_backend is not None and kda_backend not in KDA_BACKENDS:
-        raise ValueError(f"{prefix}kda_backend must be one of {KDA_BACKENDS}, got {kda_backend!r}")
-
-
-def _recompute_option_on(name: str, value: bool, recompute: bool, prefix: str) -> bool:
-    """Whether a boolean option of the recomputation is on (ValueError unless a bool, and on only with
-    `recompute`)."""
-    if value is False:
-        return False
-    if value is not True:
-        raise ValueError(f"{prefix}{name} must be true or false, got {value!r}")
-    if not recompute:
-        raise ValueError(f"{prefix}{name} needs {prefix}recompute")
-    return True
-
-
-def check_keep_kda_intermediates(recompute: bool, keep: bool, kda_backend: str | None, prefix: str = "") -> None:
-    """`keep_kda_intermediates` needs `recompute` and the fla KDA (ValueError naming `prefix` + field)."""
-    if not _recompute_option_on("keep_kda_intermediates", keep, recompute, prefix):
-        return
-    if kda_backend != "fla":
-        raise ValueError(f"{prefix}keep_kda_intermediates keeps fla's KDA intermediates: it needs kda_backend 'fla', "
-                         f"got {kda_backend!r}")
-
-
-def check_recompute_blocks(recompute: bool, recompute_blocks: int | None, prefix: str = "") -> None:
-    """`recompute_blocks` is None or an int >= 1 given with `recompute` (ValueError naming `prefix` + field;
-    recomputing no block is `recompute` off)."""
-    if recompute_blocks is None:
-        return
-    if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 1:
-        raise ValueError(f"{prefix}recompute_blocks must be an int >= 1, got {recompute_blocks!r}")
-    if not recompute:
-        raise ValueError(f"{prefix}recompute_blocks needs {prefix}recompute")
-
-
-def check_recompute_by_rows(recompute: bool, recompute_blocks: int | None, by_rows: bool, prefix: str = "") -> None:
-    """`recompute_by_rows` scales the kept blocks of `recompute_blocks`: it needs them (ValueError naming
-    `prefix` + field)."""
-    if not _recompute_option_on("recompute_by_rows", by_rows, recompute, prefix):
-        return
-    if recompute_blocks is None:
-        raise ValueError(f"{prefix}recompute_by_rows scales the blocks {prefix}recompute_blocks keeps: it needs "
-                         f"{prefix}recompute_blocks")
+def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
+                **fields) -> StepConfig:
+    """The StepConfig of an execution config on `device` (its defaults resolved) with the loss of `loss_config`
+    (default: `fields`' or GRPO's defaults) and `fields` (e.g. `execution`, `replay`, `loss`) replacing the
+    config's."""
+    given = {**knobs.knobs(), **{k: v for k, v in fields.items() if k in execution_config.FIELDS}}
+    resolved = ExecutionConfig(**given).resolved(device)
+    extra = {k: v for k, v in fields.items() if k not in execution_config.FIELDS}
+    if loss_config is not None:
+        extra.update(loss=loss_config.name, grpo=loss_config.grpo, ppo=loss_config.ppo)
+    return StepConfig(**resolved.knobs(), **extra)
 
 
 def microbatch_extent(layout: Layout) -> tuple[int, int, int]:
@@ -179,15 +115,6 @@ def recompute_blocks_by_rows(recompute_blocks: int, num_blocks: int, layouts: li
     return [scaled_recompute_blocks(recompute_blocks, num_blocks, extent, extents) for extent in extents]
 
 
-def check_keep_attention(recompute: bool, keep_attention: bool, attention_backend: str | None,
-                         prefix: str = "") -> None:
-    """`keep_attention` needs `recompute` and a backend whose kernels a recomputation can keep (ValueError
-    naming `prefix` + field); `attention_backend` None is the device's default (varlen or sdpa: both can)."""
-    if not _recompute_option_on("keep_attention", keep_attention, recompute, prefix):
-        return
-    if attention_backend is not None and attention_backend not in KEEPABLE_BACKENDS:
-        raise ValueError(f"{prefix}keep_attention needs an attention backend among {', '.join(KEEPABLE_BACKENDS)} "
-                         f"(their kernels are dispatcher ops), got {attention_backend!r}")
 
 
 @dataclass

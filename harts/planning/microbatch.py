@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from harts.config.execution import PLANNERS
 from harts.planning.plans import WORK_MODELS, Plan
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
-PLANNER_NAMES = ("harts", "treetrain-ortools", "greedy-trie", "per-trajectory")
+PLANNER_NAMES = PLANNERS
 
 
 MAX_REPLICAS = 1 << 20

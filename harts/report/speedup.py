@@ -63,9 +63,9 @@ def paper_figures() -> dict[str, float]:
 def attention_backends(config: dict[str, Any]) -> tuple[str, str]:
     """(baseline, compact) MLA backends of a record, the bench's default resolved by the record's device (a
     record of the default and one naming the same backend are one configuration)."""
-    from harts.ops.attention.groups import default_attention_backend
+    from harts.config.execution import default_attention_backend
 
-    baseline = config.get("attention_backend") or default_attention_backend(config.get("device") == "cuda")
+    baseline = config.get("attention_backend") or default_attention_backend(config.get("device") or "cpu")
     return baseline, config.get("compact_attention_backend") or baseline
 
 
@@ -79,9 +79,9 @@ def experts_backend(config: dict[str, Any]) -> str:
 
 def kda_backend(config: dict[str, Any]) -> str:
     """The KDA backend a record ran (the bench's default resolved by the record's device)."""
-    from harts.ops.kda.compact import default_kda_backend
+    from harts.config.execution import default_kda_backend
 
-    return config.get("kda_backend") or default_kda_backend(config.get("device") == "cuda")
+    return config.get("kda_backend") or default_kda_backend(config.get("device") or "cpu")
 
 
 def configuration(record: dict[str, Any]) -> tuple:
@@ -151,9 +151,9 @@ def shown_experts(experts: str, device: str | None) -> str | None:
 
 def shown_kda(kda: str, device: str | None) -> str | None:
     """The KDA backend for a label: None where it is the device's default."""
-    from harts.ops.kda.compact import default_kda_backend
+    from harts.config.execution import default_kda_backend
 
-    return None if kda == default_kda_backend(device == "cuda") else kda
+    return None if kda == default_kda_backend(device or "cpu") else kda
 
 
 def shown_chunk_rows(chunk_rows: Any) -> int | None:

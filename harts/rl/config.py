@@ -2,8 +2,8 @@
 
 `RLConfig` composes the environment (`harts.rollout.env.LookupEnvConfig`), the supervised warm
 start that makes the initial policy (`WarmStartConfig`), the sampling of trees
-(`harts.rollout.generate.RolloutConfig`), how a step is executed (`RLExecutionConfig`; the
-execution itself is each run's, from `executions`) and the training pieces it shares with `harts train`
+(`harts.rollout.generate.RolloutConfig`), how a step is executed (harts.config.execution's
+`ExecutionConfig`; the execution itself is each run's, from `executions`) and the training pieces it shares with `harts train`
 (`LossConfig` of harts.objective.losses, `OptimizerConfig` and `ScheduleConfig` of harts.optim.config).
 `load_rl_config(path)` reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
 error naming the file and the dotted key); `resolve` makes the defaults that depend on the device
@@ -19,56 +19,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
-from harts.model.config import load_model_config
-from harts.objective.losses import LossConfig
-from harts.objective.step import (
-    DEVICES, DTYPES, check_backends, check_keep_attention, check_logprob_grad_precision, check_recompute_blocks,
-    check_recompute_by_rows,
+from harts.config.execution import (
+    DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_dtype, default_planner,
 )
-from harts.ops.attention.groups import default_attention_backend
-from harts.ops.kda.compact import default_kda_backend
+from harts.model.config import load_model_config, with_experts_backend
+from harts.objective.losses import LossConfig
 from harts.optim.config import OptimizerConfig, ScheduleConfig
-from harts.planning.microbatch import PLANNER_NAMES
 from harts.rollout.env import LookupEnv, LookupEnvConfig
 from harts.rollout.generate import RolloutConfig
-from harts.runtime.layout import EXECUTIONS
-
-
-@dataclass(kw_only=True)
-class RLExecutionConfig:
-    """How each training step is planned and run (harts.objective.step); the execution is the run's."""
-
-    capacity: int = 4096
-    """T: compact tokens per microbatch."""
-    planner_compact: str = "harts"
-    planner_baseline: str = "per-trajectory"
-    """Microbatch planners of the two executions (harts.planning.microbatch)."""
-    recompute: bool = False
-    recompute_blocks: int | None = None
-    """With `recompute`: recompute only blocks 0 … N − 1. None: every block."""
-    recompute_by_rows: bool = False
-    """With `recompute_blocks`: a microbatch smaller than another of the step keeps more blocks, in proportion
-    (same values, no more memory than that one; harts.objective.step.scaled_recompute_blocks)."""
-    keep_attention: bool = False
-    """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
-    attention_backend: str | None = None
-    """None = "sdpa" on CPU, "varlen" on CUDA."""
-    kda_backend: str | None = None
-    """None = "torch" on CPU, "fla" on CUDA."""
-    logprob_grad_precision: str = "fp32"
-    """The LM head's logit gradients: "fp32" (TF32 matmuls for bf16 on CUDA) or "input" (bf16, once rounded)."""
-
-    def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise ValueError(f"execution.capacity must be >= 1, got {self.capacity}")
-        check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
-        check_recompute_by_rows(self.recompute, self.recompute_blocks, self.recompute_by_rows, "execution.")
-        check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
-        check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
-        check_backends(self.attention_backend, self.kda_backend, "execution.")
-        for name in ("planner_compact", "planner_baseline"):
-            if getattr(self, name) not in PLANNER_NAMES:
-                raise ValueError(f"execution.{name} must be one of {PLANNER_NAMES}, got {getattr(self, name)!r}")
 
 
 @dataclass(kw_only=True)
@@ -113,7 +71,9 @@ class RLConfig:
     env: LookupEnvConfig = field(default_factory=LookupEnvConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    execution: RLExecutionConfig = field(default_factory=RLExecutionConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    """How each training step is planned and run (harts.config.execution); the execution is each run's (from
+    `executions`), the dtype the run's."""
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -130,11 +90,21 @@ class RLConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        self.execution.check("execution.")
+        if self.execution.execution is not None:
+            raise ValueError(f"execution.execution: harts rl runs the executions of `executions` (got "
+                             f"{self.execution.execution!r}); leave it out")
+        check_run_dtype(self.dtype, self.execution)
         if self.loss.name != "grpo":
             raise ValueError(f"loss.name must be 'grpo' (the RL loop computes GRPO advantages), got {self.loss.name!r}")
 
     def planner(self, execution: str) -> str:
-        return self.execution.planner_compact if execution == "compact" else self.execution.planner_baseline
+        return self.execution.planner or default_planner(execution)
+
+
+def model_config_of(config: RLConfig):
+    """The model config of a run: `model`'s, with the execution's experts backend when it names one."""
+    return with_experts_backend(load_model_config(config.model), config.execution.experts_backend)
 
 
 def load_rl_config(name_or_path: str | Path) -> RLConfig:
@@ -145,13 +115,9 @@ def load_rl_config(name_or_path: str | Path) -> RLConfig:
 def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     """`config` with the device-dependent defaults (dtype, backends) made explicit; a ValueError
     (starting with `where`) for a choice the model cannot run."""
-    cuda = config.device == "cuda"
-    execution = replace(
-        config.execution,
-        attention_backend=config.execution.attention_backend or default_attention_backend(cuda),
-        kda_backend=config.execution.kda_backend or default_kda_backend(cuda),
-    )
-    model = load_model_config(config.model)
+    dtype = config.dtype or config.execution.dtype or default_dtype(config.device)
+    execution = replace(config.execution, dtype=dtype).resolved(config.device)
+    model = model_config_of(config)
     env_vocab = LookupEnv(config.env).vocab_size
     if env_vocab > model.vocab_size:
         raise ValueError(f"{where}: env.text_vocab: the environment's {env_vocab} tokens exceed model "
@@ -165,4 +131,4 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     if execution.kda_backend == "fla" and chunk != 64:
         raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
                          f"{config.model} has {chunk}; set execution.kda_backend: torch")
-    return replace(config, dtype=config.dtype or ("bf16" if cuda else "fp32"), execution=execution)
+    return replace(config, dtype=dtype, execution=execution)

@@ -46,16 +46,17 @@ import torch
 from tqdm import tqdm
 
 from harts.config import config_to_dict
-from harts.model.config import load_model_config
+from harts.config.execution import ExecutionConfig
 from harts.model.model import HybridModel
 from harts.objective.losses import step_kl
 from harts.objective.step import StepConfig, run_step
+from harts.objective.step import step_config as step_config_of
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.config import OptimizerConfig
 from harts.optim.update import apply_update
 from harts.planning.microbatch import plan
-from harts.rl.config import RLConfig
+from harts.rl.config import RLConfig, model_config_of
 from harts.rollout.env import CALL, LookupEnv
 from harts.rollout.generate import Trajectory, generate_trees
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
@@ -124,18 +125,14 @@ class _Learner:
 
 def _learner(execution: str, model: HybridModel, config: RLConfig) -> _Learner:
     optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
-    e = config.execution
-    step_config = StepConfig(execution=execution, recompute=e.recompute, recompute_blocks=e.recompute_blocks,
-                             recompute_by_rows=e.recompute_by_rows, keep_attention=e.keep_attention,
-                             logprob_grad_precision=e.logprob_grad_precision, attention_backend=e.attention_backend,
-                             kda_backend=e.kda_backend, loss="grpo", grpo=config.loss.grpo, dtype=config.dtype)
+    step_config = step_config_of(config.execution, config.device, loss_config=config.loss, execution=execution)
     return _Learner(execution=execution, model=model, optimizer=optimizer,
                     scheduler=make_scheduler(optimizer, config.schedule, config.num_steps), step_config=step_config)
 
 
 def initial_model(config: RLConfig, seed: int) -> HybridModel:
     with torch.device(config.device):
-        model = HybridModel(load_model_config(config.model))
+        model = HybridModel(model_config_of(config))
     model.init_weights(seed)
     if config.dtype == "bf16":
         model.to(torch.bfloat16)
@@ -151,9 +148,11 @@ def warm_start(model: HybridModel, env: LookupEnv, config: RLConfig, seed: int) 
     rng = np.random.default_rng([seed, 0, 2])
     optimizer = MasterWeightAdamW(model.named_parameters(), OptimizerConfig(lr=warm.lr, weight_decay=0.0))
     # GRPO's surrogate with advantage 1, on-policy, has the gradient of the mean negative log-likelihood.
-    step_config = StepConfig(execution="compact", attention_backend=config.execution.attention_backend,
-                             kda_backend=config.execution.kda_backend, dtype=config.dtype,
-                             logprob_grad_precision=config.execution.logprob_grad_precision)
+    e = config.execution
+    step_config = step_config_of(ExecutionConfig(
+        attention_backend=e.attention_backend, kda_backend=e.kda_backend, dtype=e.dtype,
+        logprob_grad_precision=e.logprob_grad_precision, logprob_chunk_rows=e.logprob_chunk_rows,
+    ), config.device, execution="compact")
     nll, rewards = [], []
     try:
         for _ in range(warm.steps):
@@ -276,5 +275,5 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
 
 def run_config(config: RLConfig, seed: int) -> dict[str, Any]:
     """The config part of a run's record: the resolved RL config, the model config, seed, execution timing note."""
-    return {"rl": config_to_dict(config), "model": config_to_dict(load_model_config(config.model)), "name": config.name,
+    return {"rl": config_to_dict(config), "model": config_to_dict(model_config_of(config)), "name": config.name,
             "seed": seed, "timing": TIMING, "torch_threads": torch.get_num_threads()}

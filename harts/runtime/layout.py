@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from harts.config.execution import EXECUTIONS
 from harts.ops import uses_fp32_kernels
 from harts.ops.attention.groups import group_attention
 from harts.ops.attention.query_groups import AttentionGroups
@@ -46,7 +47,6 @@ from harts.planning.kda_schedule import KDASchedule
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex, SegmentTree
 
-EXECUTIONS = ("baseline", "compact")
 
 
 @dataclass(eq=False)

@@ -23,14 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
+from harts.config.execution import DEVICES, DTYPES, ExecutionConfig, check_run_dtype, default_dtype
 from harts.objective.losses import LossConfig
-from harts.objective.step import (
-    DEVICES, DTYPES, check_backends, check_logprob_grad_precision, check_keep_attention, check_recompute_blocks,
-    check_recompute_by_rows,
-)
 from harts.optim.config import OptimizerConfig, ScheduleConfig
-from harts.planning.microbatch import PLANNER_NAMES
-from harts.runtime.layout import EXECUTIONS
 
 
 
@@ -53,48 +48,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.seed < 0:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
-
-
-@dataclass(kw_only=True)
-class ExecutionConfig:
-    """How each step is planned and executed (harts.objective.step)."""
-
-    execution: str = "compact"
-    """"compact" (each microbatch's trie once) or "baseline" (each trajectory its own sequence)."""
-    planner: str | None = None
-    """Microbatch planner (harts.planning.microbatch); None = "harts" for compact, "per-trajectory" for baseline."""
-    capacity: int = 65536
-    """T: compact tokens per microbatch."""
-    recompute: bool = False
-    """Per-layer activation recomputation."""
-    recompute_blocks: int | None = None
-    """With `recompute`: recompute only blocks 0 … N − 1, the others keep their activations. None: every block."""
-    recompute_by_rows: bool = False
-    """With `recompute_blocks`: a microbatch smaller than another of the step keeps more blocks, in proportion
-    (same values, no more memory than that one; harts.objective.step.scaled_recompute_blocks)."""
-    keep_attention: bool = False
-    """With `recompute`: the recomputed MLA blocks keep their attention outputs (same values, more memory)."""
-    attention_backend: str | None = None
-    """None = "sdpa" on CPU, "varlen" on CUDA."""
-    kda_backend: str | None = None
-    """None = "torch" on CPU, "fla" on CUDA."""
-    logprob_chunk_rows: int = 4096
-    """Rows per chunk of the compact LM head."""
-    logprob_grad_precision: str = "fp32"
-    """The LM head's logit gradients: "fp32" (TF32 matmuls for bf16 on CUDA) or "input" (bf16, once rounded)."""
-
-    def __post_init__(self) -> None:
-        if self.execution not in EXECUTIONS:
-            raise ValueError(f"execution.execution must be one of {EXECUTIONS}, got {self.execution!r}")
-        if self.planner is not None and self.planner not in PLANNER_NAMES:
-            raise ValueError(f"execution.planner must be one of {PLANNER_NAMES}, got {self.planner!r}")
-        if self.capacity < 1 or self.logprob_chunk_rows < 1:
-            raise ValueError("execution.capacity and execution.logprob_chunk_rows must be >= 1")
-        check_recompute_blocks(self.recompute, self.recompute_blocks, "execution.")
-        check_recompute_by_rows(self.recompute, self.recompute_blocks, self.recompute_by_rows, "execution.")
-        check_keep_attention(self.recompute, self.keep_attention, self.attention_backend, "execution.")
-        check_logprob_grad_precision(self.logprob_grad_precision, "execution.")
-        check_backends(self.attention_backend, self.kda_backend, "execution.")
 
 
 @dataclass(kw_only=True)
@@ -127,6 +80,8 @@ class TrainConfig:
     dtype: str | None = None
     """"fp32" or "bf16" (bf16 parameters, fp32 master weights, bf16 autocast); None = bf16 on CUDA, fp32 on CPU."""
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    """How each step is planned and executed (harts.config.execution; execution default compact, dtype the
+    run's)."""
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -146,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        self.execution.check("execution.")
+        check_run_dtype(self.dtype, self.execution)
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
@@ -174,20 +131,8 @@ def load_train_config(path: str | Path | None, overrides: dict[str, Any] | None 
 
 
 def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
-    """`config` with every None default made explicit (see the fields)."""
-    from harts.ops.attention.groups import default_attention_backend
-    from harts.ops.kda.compact import default_kda_backend
-
-    cuda = config.device == "cuda"
-    execution = config.execution
-    execution = replace(
-        execution,
-        planner=execution.planner or ("harts" if execution.execution == "compact" else "per-trajectory"),
-        attention_backend=execution.attention_backend or default_attention_backend(cuda),
-        kda_backend=execution.kda_backend or default_kda_backend(cuda),
-    )
-    return replace(
-        config, execution=execution, num_steps=config.num_steps or num_data_steps,
-        dtype=config.dtype or ("bf16" if cuda else "fp32"),
-    )
-
+    """`config` with every None default made explicit (see the fields; the execution's by
+    `ExecutionConfig.resolved`, its dtype the run's)."""
+    dtype = config.dtype or config.execution.dtype or default_dtype(config.device)
+    execution = replace(config.execution, dtype=dtype).resolved(config.device, "compact")
+    return replace(config, execution=execution, num_steps=config.num_steps or num_data_steps, dtype=dtype)

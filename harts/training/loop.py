@@ -169,25 +169,20 @@ def train(
 
 
 def model_config_of(config: TrainConfig):
-    """The model config of a run: `model`'s, or the config.json of the Hugging Face checkpoint `init_from`."""
-    from harts.model.config import load_model_config
+    """The model config of a run: `model`'s, or the config.json of the Hugging Face checkpoint `init_from`, with the
+    execution's experts backend when it names one."""
+    from harts.model.config import load_model_config, with_experts_backend
     from harts.model.hf import load_hf_config
 
-    return load_hf_config(config.init_from) if config.init_from is not None else load_model_config(config.model)
+    model_config = load_hf_config(config.init_from) if config.init_from is not None else load_model_config(config.model)
+    return with_experts_backend(model_config, config.execution.experts_backend)
 
 
 def step_config_of(config: TrainConfig) -> StepConfig:
     """The step execution of a (resolved) training config."""
-    from harts.objective.step import StepConfig
+    from harts.objective.step import step_config
 
-    execution = config.execution
-    return StepConfig(
-        execution=execution.execution, recompute=execution.recompute, recompute_blocks=execution.recompute_blocks,
-        recompute_by_rows=execution.recompute_by_rows, keep_attention=execution.keep_attention,
-        logprob_grad_precision=execution.logprob_grad_precision, attention_backend=execution.attention_backend,
-        kda_backend=execution.kda_backend, loss=config.loss.name, grpo=config.loss.grpo, ppo=config.loss.ppo,
-        logprob_chunk_rows=execution.logprob_chunk_rows, dtype=config.dtype,
-    )
+    return step_config(config.execution, config.device, loss_config=config.loss)
 
 
 @dataclass

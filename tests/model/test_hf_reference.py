@@ -39,8 +39,7 @@ import transformers
 from harts.model.config import load_model_config
 from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
 from harts.model.model import HybridModel
-from harts.ops.attention.groups import default_attention_backend
-from harts.ops.kda.compact import default_kda_backend
+from harts.config.execution import default_attention_backend, default_kda_backend
 from harts.runtime.layout import baseline_layout
 from tests.trees.helpers import make_step
 
@@ -209,8 +208,8 @@ def harts_logits(model, sequences) -> list[torch.Tensor]:
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     layout = baseline_layout(step, np.arange(len(sequences)), conv_size=config.kda.conv_size,
-                             chunk_size=config.kda.chunk_size, attention_backend=default_attention_backend(cuda),
-                             kda_backend=default_kda_backend(cuda))
+                             chunk_size=config.kda.chunk_size, attention_backend=default_attention_backend("cuda" if cuda else "cpu"),
+                             kda_backend=default_kda_backend("cuda" if cuda else "cpu"))
     with torch.no_grad():
         hidden, _ = model(layout.input_ids.to(device), layout.to(device))
         logits = model.lm_head(hidden).cpu()

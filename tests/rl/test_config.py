@@ -46,7 +46,10 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nexecutions: [compact, replay]\n", "executions must be distinct names"),
     ("name: x\nmodel: tiny\nnum_steps: 0\n", "num_steps must be >= 1"),
     ("name: x\nmodel: tiny\nloss: {name: ppo}\n", "loss.name must be 'grpo'"),
-    ("name: x\nmodel: tiny\nexecution: {planner_compact: magic}\n", "execution.planner_compact must be one of"),
+    ("name: x\nmodel: tiny\nexecution: {planner: magic}\n", "execution.planner must be one of"),
+    ("name: x\nmodel: tiny\nexecution: {execution: compact}\n", "harts rl runs the executions of `executions`"),
+    ("name: x\nmodel: tiny\ndtype: fp32\nexecution: {dtype: bf16}\n", "execution.dtype 'bf16' differs from dtype"),
+    ("name: x\nmodel: tiny\nexecution: {capacity: 0}\n", "execution.capacity must be an int >= 1"),
     ("name: x\nmodel: tiny\nwarm_start: {accuracy: 1.5}\n", "warm_start.accuracy must be in"),
     ("name: x\nmodel: tiny\nenv: {num_values: 40}\n", "num_values must be in"),
     ("name: x\nmodel: tiny\nrollout: {top_p: 0}\n", "rollout.top_p must be in"),
@@ -60,7 +63,8 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nexecution: {attention_backend: flash}\n", "execution.attention_backend must be one of"),
     ("name: x\nmodel: tiny\nexecution: {recompute: true, keep_attention: true, attention_backend: flex}\n",
      "execution.keep_attention needs an attention backend among"),
-], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "accuracy",
+], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "execution-given",
+        "dtype-differs", "zero-capacity", "accuracy",
         "values", "top-p", "recompute-blocks-alone", "by-rows-without-blocks", "grad-precision", "kda-backend", "attention-backend",
         "keep-attention-flex"])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
@@ -90,10 +94,11 @@ def test_execution_fields_reach_the_learners(tmp_path):
 
     path = tmp_path / "rl.yaml"
     path.write_text("name: x\nmodel: tiny\nexecution: {recompute: true, recompute_blocks: 1, "
-                    "logprob_grad_precision: input, keep_attention: true, recompute_by_rows: true}\n")
+                    "logprob_grad_precision: input, keep_attention: true, recompute_by_rows: true, "
+                    "logprob_chunk_rows: 96}\n")
     config = resolve(load_rl_config(path))
     for execution in ("compact", "baseline"):
         step = _learner(execution, initial_model(config, seed=0), config).step_config
         assert (step.execution, step.recompute, step.recompute_blocks, step.logprob_grad_precision) == (
             execution, True, 1, "input")
-        assert step.keep_attention and step.recompute_by_rows
+        assert step.keep_attention and step.recompute_by_rows and step.logprob_chunk_rows == 96

@@ -27,6 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from harts.config.execution import ATTENTION_BACKENDS, KEEPABLE_ATTENTION_BACKENDS
 from harts.ops.attention.query_groups import AttentionGroups, permute_rows
 
 
@@ -103,12 +104,6 @@ def varlen_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: 
                                                 window_size=(-1, 0)),
     )
     return out[..., :value_dim]
-
-
-def default_attention_backend(cuda: bool) -> str:
-    """The MLA backend when none is chosen: varlen on CUDA (no optional package, no per-shape plans), sdpa
-    elsewhere."""
-    return "varlen" if cuda else "sdpa"
 
 
 _FLASH4_FAILURES: dict[tuple, str | None] = {}
@@ -235,7 +230,8 @@ BACKENDS = {
 }
 
 
-KEEPABLE_BACKENDS = ("naive", "sdpa", "varlen", "flash4")
+assert tuple(BACKENDS) == ATTENTION_BACKENDS
+KEEPABLE_BACKENDS = KEEPABLE_ATTENTION_BACKENDS
 """The backends whose kernels are dispatcher ops (`attention_kernel_ops`) with about the attention's output and
 log-sum-exp as outputs: an activation recomputation can keep those instead of running the kernels again
 (`HybridModel.run_blocks(keep_attention=True)`; varlen's output has v padded to the q/k head dim). Not cudnn: its

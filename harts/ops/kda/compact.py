@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from harts.config.execution import KDA_BACKENDS
 from harts.ops.kda.chunk import check_requests, chunk_kda_torch, index_tensor
 from harts.planning.kda_schedule import KDASchedule
 
@@ -50,12 +51,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (y * torch.rsqrt((y * y).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-KDA_BACKENDS = ("torch", "fla")
-
-
-def default_kda_backend(cuda: bool) -> str:
-    """The KDA backend when none is chosen: fla's Triton kernels on CUDA, the PyTorch reference elsewhere."""
-    return "fla" if cuda else "torch"
 
 
 def check_kda_backend(name: str, chunk_size: int, *, packed: bool = False) -> None:

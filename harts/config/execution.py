@@ -1,0 +1,249 @@
+"""How a step is planned and executed: the one execution config of every entry point.
+
+`ExecutionConfig` holds every execution knob (the microbatch planner and capacity, the dtype, the recomputation
+and what it keeps, the attention, KDA and experts backends, the LM head's chunk and gradient precision), their
+choices and their rules (`check`), and `resolved(device, execution)`, the one place that
+fills the defaults depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with
+the loss; `harts train` and `harts rl` read it from their YAML's `execution` section, the benchmarks and the
+pipeline from their flags and keys, which are the field names. `add_arguments` makes every surface's flags from the
+fields, their types, choices and docstrings (`field_help`), so that a new knob is one field here, its consumer and
+a test. Torch-free: the command lines build and refuse a bad value before torch is imported; the lower layers
+take their choice lists from here (tests/config/test_execution.py checks them against the registries they name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+EXECUTIONS = ("baseline", "compact")
+"""The two executions: each trajectory its own packed sequence, or the microbatch's trie (harts.runtime.layout)."""
+PLANNERS = ("harts", "treetrain-ortools", "greedy-trie", "per-trajectory")
+"""The microbatch planners (harts.planning.microbatch)."""
+DTYPES = ("fp32", "bf16")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4")
+"""The MLA backends (harts.ops.attention.groups.BACKENDS)."""
+KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4")
+"""The MLA backends whose outputs a recomputation can keep (harts.ops.attention.groups.KEEPABLE_BACKENDS)."""
+KDA_BACKENDS = ("torch", "fla")
+"""The KDA backends (harts.ops.kda.compact)."""
+EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
+"""The MoE experts' backends (harts.model.moe)."""
+GRAD_PRECISIONS = ("fp32", "input")
+"""The LM head's logit-gradient precisions (harts.objective.logprobs)."""
+
+DEFAULT_CAPACITY = 65536
+DEFAULT_LOGPROB_CHUNK_ROWS = 4096
+
+CHOICES = {
+    "execution": EXECUTIONS, "planner": PLANNERS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+    "kda_backend": KDA_BACKENDS, "experts_backend": EXPERT_BACKENDS, "logprob_grad_precision": GRAD_PRECISIONS,
+}
+"""The fields that take one of a few names, and those names."""
+
+
+def default_planner(execution: str) -> str:
+    """The planner of an execution when none is chosen: HARTS for the compact one, per-trajectory for the
+    baseline."""
+    return "harts" if execution == "compact" else "per-trajectory"
+
+
+def default_dtype(device: str) -> str:
+    return "bf16" if device == "cuda" else "fp32"
+
+
+def default_attention_backend(device: str) -> str:
+    """varlen on CUDA (no optional package, no per-shape plans), sdpa elsewhere."""
+    return "varlen" if device == "cuda" else "sdpa"
+
+
+def default_kda_backend(device: str) -> str:
+    """fla's Triton kernels on CUDA, the PyTorch reference elsewhere."""
+    return "fla" if device == "cuda" else "torch"
+
+
+@dataclass(kw_only=True)
+class ExecutionConfig:
+    """How a step is planned and executed. None fields take the device's or the execution's default
+    (`resolved`)."""
+
+    execution: str | None = None
+    """baseline (each trajectory its own sequence) or compact (each microbatch's trie once); None: the command's
+    (harts train: compact; verify, harts rl and bench speedup run both)."""
+    planner: str | None = None
+    """The microbatch planner (default: harts for the compact execution, per-trajectory for the baseline)."""
+    capacity: int = DEFAULT_CAPACITY
+    """T: tokens per microbatch (compact tokens; the baseline's semantic tokens)."""
+    dtype: str | None = None
+    """fp32 or bf16 (bf16 autocast; default: bf16 on CUDA, fp32 on CPU)."""
+    recompute: bool = False
+    """Per-layer activation recomputation."""
+    recompute_blocks: int | None = None
+    """With recompute: recompute only blocks 0..N-1 (of each pipeline stage), the others keep their activations
+    (Megatron's block method: less recomputation for more memory; default: every block)."""
+    recompute_by_rows: bool = False
+    """With recompute_blocks: a microbatch smaller than another of the step keeps more blocks, in proportion to its
+    rows (KDA and ancestor-KV rows too), within that one's activation memory. Same values."""
+    keep_attention: bool = False
+    """With recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and log-sum-exp)
+    instead of running the attention again. Same values, more memory (every attention backend but cudnn and
+    flex)."""
+    keep_kda_intermediates: bool = False
+    """With recompute and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors, gated
+    q/k, chunk states) from the recomputation for the backward instead of computing them a third time (a transient
+    of one block's intermediates)."""
+    attention_backend: str | None = None
+    """The MLA backend (default: sdpa on CPU, varlen on CUDA)."""
+    kda_backend: str | None = None
+    """The KDA backend (default: torch on CPU, fla on CUDA)."""
+    experts_backend: str | None = None
+    """The MoE experts' backend, overriding the model config's moe.experts_backend (auto: grouped on CUDA, loop
+    elsewhere; lean: grouped in one autograd node that keeps less for the backward)."""
+    logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS
+    """Rows of the LM head's logits formed at a time (its transient memory: N x vocabulary fp32)."""
+    logprob_grad_precision: str = "fp32"
+    """The LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input (rounded once to
+    bf16, bf16 tensor-core matmuls)."""
+
+    def check(self, prefix: str = "") -> None:
+        """ValueError naming `prefix` + the field unless every field has an allowed value and the fields agree.
+        Not run on construction, so that a config holding this one names its key (`TrainConfig` checks
+        "execution."); `resolved` and `StepConfig` run it."""
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            optional = name not in ("logprob_grad_precision",)
+            if not (value is None and optional) and value not in choices:
+                raise ValueError(f"{prefix}{name} must be one of {choices}, got {value!r}")
+        for name in ("capacity", "logprob_chunk_rows"):
+            _check_count(prefix + name, getattr(self, name))
+        for name in ("recompute", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{prefix}{name} must be true or false, got {getattr(self, name)!r}")
+        if self.recompute_blocks is not None:
+            _check_count(prefix + "recompute_blocks", self.recompute_blocks)
+        needs_recompute = [name for name in ("recompute_blocks", "recompute_by_rows", "keep_attention",
+                                             "keep_kda_intermediates") if getattr(self, name) not in (None, False)]
+        if needs_recompute and not self.recompute:
+            raise ValueError(f"{prefix}{needs_recompute[0]} needs {prefix}recompute")
+        if self.recompute_by_rows and self.recompute_blocks is None:
+            raise ValueError(f"{prefix}recompute_by_rows scales the blocks {prefix}recompute_blocks keeps: it needs "
+                             f"{prefix}recompute_blocks")
+        if self.keep_attention and self.attention_backend not in (None, *KEEPABLE_ATTENTION_BACKENDS):
+            raise ValueError(f"{prefix}keep_attention needs an attention backend among "
+                             f"{', '.join(KEEPABLE_ATTENTION_BACKENDS)} (their kernels are dispatcher ops), got "
+                             f"{self.attention_backend!r}")
+        if self.keep_kda_intermediates and self.kda_backend not in (None, "fla"):
+            raise ValueError(f"{prefix}keep_kda_intermediates keeps fla's KDA intermediates: it needs kda_backend "
+                             f"'fla', got {self.kda_backend!r}")
+
+    def resolved(self, device: str, execution: str | None = None):
+        """This config (of its own class) with the device's and the execution's defaults filled in: `execution`
+        (when this config names none), the planner, the dtype and the attention and KDA backends. The result
+        still passes `check` (the fla KDA is checked where it is known, on CUDA)."""
+        self.check()
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        execution = self.execution or execution
+        if execution is not None and execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+        filled = dict(
+            execution=execution,
+            planner=self.planner or (default_planner(execution) if execution else None),
+            dtype=self.dtype or default_dtype(device),
+            attention_backend=self.attention_backend or default_attention_backend(device),
+            kda_backend=self.kda_backend or default_kda_backend(device),
+        )
+        return dataclasses.replace(self, **filled)
+
+    def knobs(self) -> dict[str, Any]:
+        """The fields of `ExecutionConfig` (not of a subclass) by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ExecutionConfig)}
+
+
+def check_run_dtype(dtype: str | None, execution: ExecutionConfig) -> None:
+    """A training run's dtype (harts train, harts rl) is its parameters' and its autocast's: execution.dtype, when
+    given, is the same (ValueError otherwise)."""
+    if None not in (dtype, execution.dtype) and dtype != execution.dtype:
+        raise ValueError(f"execution.dtype {execution.dtype!r} differs from dtype {dtype!r}: the run's dtype is its "
+                         "parameters' and its autocast's, give one")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ExecutionConfig))
+"""Every knob's name (a flag is `--name-with-dashes`, a YAML key the name)."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@functools.cache
+def field_help(cls: type = ExecutionConfig) -> dict[str, str]:
+    """The docstring below each field of dataclass `cls` (and its bases), as one line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for statement, following in zip(body, body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _positive_int(text: str) -> int:
+    from harts.args import positive_int
+
+    return positive_int(text)
+
+
+def argument(name: str, *, default: bool = True, negatable: bool = False) -> tuple[str, dict[str, Any]]:
+    """The flag of field `name` and its argparse keywords: its type or choices, its help (the field's docstring)
+    and, with `default`, the field's default (a boolean is a store_true flag, or with `negatable` a
+    --flag/--no-flag pair whose default is None: an override of a config file)."""
+    field = next(f for f in dataclasses.fields(ExecutionConfig) if f.name == name)
+    keywords: dict[str, Any] = {"help": field_help()[name].replace("%", "%%")}
+    if field.type == "bool":
+        keywords["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
+    elif name in CHOICES:
+        keywords["choices"] = CHOICES[name]
+    elif field.type in ("int", "int | None"):
+        keywords.update(type=_positive_int, metavar="N")
+    if default and field.type != "bool":
+        keywords["default"] = field.default
+    return flag(name), keywords
+
+
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: tuple[str, ...] = FIELDS, *,
+                  exclude: tuple[str, ...] = (), overrides: bool = False, **replace: dict[str, Any]) -> None:
+    """Add the flags of fields `names` (less `exclude`) to `parser`, each as `argument` makes it (with `overrides`:
+    default None and negatable booleans, flags that override a config file) with the keywords of `replace[name]`
+    replacing its own (a surface's required flag, or a type taking more words)."""
+    unknown = set(names) | set(exclude) | set(replace)
+    assert unknown <= set(FIELDS), unknown - set(FIELDS)
+    for name in names:
+        if name in exclude:
+            continue
+        option, keywords = argument(name, default=not overrides, negatable=overrides)
+        parser.add_argument(option, **{**keywords, **replace.get(name, {})})
+
+
+def from_arguments(args: argparse.Namespace, names: tuple[str, ...] = FIELDS, *,
+                   given: bool = False) -> dict[str, Any]:
+    """The values of the flags of `names` that `args` holds, by field name (with `given`, only those not None:
+    the overrides given)."""
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return {name: value for name, value in values.items() if value is not None} if given else values
