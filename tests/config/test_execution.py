@@ -1,0 +1,177 @@
+"""The one execution config: its choices are the registries', its rules refuse bad knobs in one line naming the key,
+`resolved` fills the device's and the execution's defaults, every field has a flag with help, every command offers
+the knobs that apply to it, and every command refuses a bad knob before it builds a model."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from harts.config import execution
+from harts.config.execution import ExecutionConfig
+
+
+def test_choice_lists_are_the_registries():
+    from harts import args
+    from harts.objective.step import DTYPES
+    from harts.ops.attention.groups import BACKENDS, KEEPABLE_BACKENDS
+
+    assert tuple(BACKENDS) == execution.ATTENTION_BACKENDS
+    assert set(KEEPABLE_BACKENDS) <= set(execution.ATTENTION_BACKENDS)
+    assert tuple(DTYPES) == execution.DTYPES
+    assert args.EXPERT_BACKENDS == execution.EXPERT_BACKENDS
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(planner="best"), "execution.planner must be one of"),
+    (dict(execution="replay"), "execution.execution must be one of"),
+    (dict(dtype="fp16"), "execution.dtype must be one of"),
+    (dict(attention_backend="bogus"), "execution.attention_backend must be one of"),
+    (dict(kda_backend="triton"), "execution.kda_backend must be one of"),
+    (dict(experts_backend="fast"), "execution.experts_backend must be one of"),
+    (dict(logprob_grad_precision=None), "execution.logprob_grad_precision must be one of"),
+    (dict(capacity=0), "execution.capacity must be an int >= 1"),
+    (dict(capacity=True), "execution.capacity must be an int >= 1"),
+    (dict(logprob_chunk_rows=2.5), "execution.logprob_chunk_rows must be an int >= 1"),
+    (dict(recompute="yes"), "execution.recompute must be true or false"),
+    (dict(recompute=True, recompute_blocks=0), "execution.recompute_blocks must be an int >= 1"),
+    (dict(recompute_blocks=2), "execution.recompute_blocks needs execution.recompute"),
+    (dict(keep_attention=True), "execution.keep_attention needs execution.recompute"),
+    (dict(keep_kda_intermediates=True), "execution.keep_kda_intermediates needs execution.recompute"),
+    (dict(recompute=True, recompute_by_rows=True), "execution.recompute_by_rows scales the blocks"),
+    (dict(recompute=True, keep_attention=True, attention_backend="flex"), "keep_attention needs an attention backend"),
+    (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs kda_backend 'fla'"),
+], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "experts-backend", "grad-precision",
+        "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-alone",
+        "keep-attention-alone", "keep-kda-alone", "by-rows-without-blocks", "keep-attention-flex", "keep-kda-torch"])
+def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
+    config = ExecutionConfig(**fields)
+    with pytest.raises(ValueError, match=message) as error:
+        config.check("execution.")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError):
+        config.resolved("cpu", "compact")
+
+
+def test_every_knob_alone_passes_the_check():
+    good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
+                kda_backend="fla", experts_backend="lean", logprob_grad_precision="input", capacity=7,
+                logprob_chunk_rows=3, recompute=True)
+    assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
+        execution.FIELDS)
+    ExecutionConfig(**good).check()
+    ExecutionConfig(recompute=True, recompute_blocks=2, recompute_by_rows=True, keep_attention=True,
+                    keep_kda_intermediates=True).check()
+
+
+@pytest.mark.parametrize("device, execution_name, expected", [
+    ("cpu", "compact", ("compact", "harts", "fp32", "sdpa", "torch")),
+    ("cpu", "baseline", ("baseline", "per-trajectory", "fp32", "sdpa", "torch")),
+    ("cuda", "compact", ("compact", "harts", "bf16", "varlen", "fla")),
+    ("cuda", None, (None, None, "bf16", "varlen", "fla")),
+], ids=["cpu-compact", "cpu-baseline", "cuda-compact", "cuda-no-execution"])
+def test_resolved_fills_the_device_and_execution_defaults(device, execution_name, expected):
+    resolved = ExecutionConfig().resolved(device, execution_name)
+    assert (resolved.execution, resolved.planner, resolved.dtype, resolved.attention_backend,
+            resolved.kda_backend) == expected
+    assert resolved.experts_backend is None  # the model config's
+
+
+def test_resolved_keeps_what_is_given():
+    given = ExecutionConfig(execution="baseline", planner="harts", dtype="fp32", attention_backend="naive",
+                            kda_backend="torch", experts_backend="loop")
+    assert given.resolved("cuda", "compact") == given
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
+        given.resolved("tpu")
+
+
+def _parse(add, argv):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_field_has_help_and_a_flag_that_round_trips():
+    helps = execution.field_help()
+    assert set(helps) == set(execution.FIELDS) and all(len(text) > 20 for text in helps.values())
+    defaults = _parse(execution.add_arguments, [])
+    assert ExecutionConfig(**execution.from_arguments(defaults)) == ExecutionConfig()
+    config = ExecutionConfig(execution="baseline", planner="greedy-trie", capacity=99, dtype="bf16", recompute=True,
+                             recompute_blocks=3, recompute_by_rows=True, keep_attention=True,
+                             keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
+                             experts_backend="lean", logprob_chunk_rows=17, logprob_grad_precision="input")
+    argv = []
+    for name in execution.FIELDS:
+        value = getattr(config, name)
+        argv += [execution.flag(name)] if value is True else [execution.flag(name), str(value)]
+    assert ExecutionConfig(**execution.from_arguments(_parse(execution.add_arguments, argv))) == config
+    overrides = _parse(lambda p: execution.add_arguments(p, overrides=True), ["--no-recompute", "--capacity", "5"])
+    assert execution.from_arguments(overrides, given=True) == {"recompute": False, "capacity": 5}
+
+
+def _flags(command: list[str]) -> set[str]:
+    from harts.cli.main import build_parser
+
+    parser = build_parser()
+    for name in command:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+SURFACES = {
+    # command: the knobs it does not take, and why.
+    "train-step": (),
+    "verify": ("execution",),  # runs both
+    "train": (),  # --dtype is the run's: parameters and autocast
+    "rl": ("execution",),  # runs the config's executions
+    "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "recompute_by_rows", "keep_attention",
+                       "keep_kda_intermediates"),  # its paths fix these
+}
+
+
+@pytest.mark.parametrize("command", SURFACES)
+def test_every_command_offers_every_knob_that_applies(command):
+    flags = _flags(command.split())
+    offered = {name for name in execution.FIELDS if execution.flag(name) in flags}
+    assert offered == set(execution.FIELDS) - set(SURFACES[command])
+
+
+BAD = {
+    "train-step": ["train-step", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz", "--execution",
+                   "compact", "--recompute-blocks", "2"],
+    "train-step-backend": ["train-step", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz",
+                           "--execution", "compact", "--recompute", "--attention-backend", "bogus"],
+    "verify": ["verify", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz", "--keep-attention"],
+    "train": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--recompute-by-rows"],
+    "rl": ["rl", "--config", "tiny", "--out", "{tmp}/rl.json", "--recompute", "--keep-kda-intermediates"],
+    "bench-fidelity": ["bench", "fidelity", "--model", "tiny", "--trees", "tiny", "--capacity", "0",
+                       "--out", "{tmp}/f.json"],
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_every_command_refuses_a_bad_knob_before_building_a_model(case, tmp_path, monkeypatch, capsys):
+    from harts.cli.main import main
+    from harts.model.model import HybridModel
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(HybridModel, "__init__", built)
+    try:
+        code = main([arg.format(tmp=tmp_path) for arg in BAD[case]])
+    except SystemExit as exit:  # argparse's refusal of a value its type or choices rule out
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error:" in err.splitlines()[-1] and "a model was built" not in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_field_is_a_yaml_key_of_every_config_that_holds_one():
+    from harts.rl.config import RLConfig
+    from harts.training.config import TrainConfig
+
+    for cls in (TrainConfig, RLConfig):
+        (field,) = [f for f in dataclasses.fields(cls) if f.name == "execution"]
+        assert field.default_factory is ExecutionConfig
