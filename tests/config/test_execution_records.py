@@ -1,0 +1,54 @@
+"""Records and JSON outputs written through the one execution config have the fields and values they had before it
+(tests/data/records/*.json: written at 4782eda, before harts.config.execution existed, by `harts bench speedup`,
+`harts train-step --json` and `harts verify --json` on the tiny model and the sample step): the same config, the
+same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
+as fields only."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from harts.cli.main import main
+from tests.fixtures import one_thread  # noqa: F401
+
+GOLDEN = Path(__file__).parents[1] / "data" / "records"
+STEP = "data/samples/tiny-step.jsonl.gz"
+TIMINGS = {"plan_seconds", "seconds"}
+
+
+def _fields(value):
+    return {k: _fields(v) for k, v in value.items()} if isinstance(value, dict) else None
+
+
+def _same(got, expected, where=""):
+    if isinstance(expected, dict):
+        assert set(got) == set(expected), f"{where}: fields {sorted(set(got) ^ set(expected))}"
+        for key in expected:
+            if key not in TIMINGS:
+                _same(got[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, float) and not isinstance(got, bool):
+        assert math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-9), f"{where}: {got} != {expected}"
+    else:
+        assert got == expected, f"{where}: {got!r} != {expected!r}"
+
+
+@pytest.mark.parametrize("command", ["train-step", "verify"])
+def test_train_step_and_verify_print_what_they_printed(command, capsys):
+    extra = ["--execution", "compact"] if command == "train-step" else []
+    assert main([command, "--model", "tiny", "--trees", STEP, *extra, "--capacity", "1024", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    _same(got, json.loads((GOLDEN / "train-step-tiny.json").read_text())[command], command)
+
+
+def test_bench_speedup_writes_the_record_it_wrote(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = tmp_path / "speedup.json"
+    assert main(["bench", "speedup", "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--repeats", "1",
+                 "--no-breakdown", "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    golden = json.loads((GOLDEN / "bench-speedup-tiny.json").read_text())
+    _same(record["config"], golden["config"], "config")
+    assert _fields(record["results"]) == golden["results_fields"]
+    _same({key: record["results"][key] for key in golden["results"]}, golden["results"], "results")
