@@ -386,12 +386,13 @@ def first_start_record(log: Path) -> dict[str, Any] | None:
 
 def _with_new_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
     """A checkpoint's (or start record's) resolved config with the training keys it lacks (added to HARTS after it was written)
-    at their defaults: read back through the strict loader, which fills them; an unreadable one is compared
-    as it is (and so reported)."""
+    at their defaults: read back through the strict loader, which fills them, and resolved again (an execution
+    knob added since defaults by device as the others did); an unreadable one is compared as it is (and so
+    reported)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
         return saved
     try:
-        train = config_to_dict(train_config_from_dict(saved["train"], str(where)))
+        train = config_to_dict(resolve(train_config_from_dict(saved["train"], str(where)), 1))
     except ValueError:
         return saved
     return {**saved, "train": train}

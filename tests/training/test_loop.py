@@ -148,7 +148,10 @@ def test_resume_fills_keys_an_older_checkpoint_lacks(tmp_path):
     train(_config(**one_step), tmp_path, max_steps=1)
     for path in (tmp_path / "checkpoints").glob("*/config.json"):
         saved = json.loads(path.read_text())
-        del saved["train"]["execution"]["logprob_grad_precision"]
+        # logprob_grad_precision came first; dtype, keep_kda_intermediates and experts_backend with the one execution
+        # config (the dtype then defaults by device: fp32 here).
+        for key in ("logprob_grad_precision", "dtype", "keep_kda_intermediates", "experts_backend"):
+            del saved["train"]["execution"][key]
         path.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"'train.execution.logprob_grad_precision' is 'fp32' in the checkpoint but "
                                          r"'input' now"):
