@@ -138,19 +138,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _layouts(step, capacity: int, num_microbatches: int) -> dict:
     """The first microbatches' layouts of each execution (HARTS plan for compact, per-trajectory packing)."""
-    import numpy as np
-
     from harts.planning.microbatch import plan
     from harts.runtime.layout import baseline_layout, compact_layout
     from harts.trees.trie import PrefixIndex
 
     index = PrefixIndex.from_step(step)
-    position = {t: k for k, t in enumerate(step.ids)}
     layouts = {}
     for execution, planner in (("baseline", "per-trajectory"), ("compact", "harts")):
-        result = plan(step, capacity, 1, planner=planner, index=index)
-        chosen = [mb for mb in result.microbatches if mb.trajectory_ids][:num_microbatches]
-        members = [np.asarray([position[t] for t in mb.trajectory_ids]) for mb in chosen]
+        members = [m for m in plan(step, capacity, 1, planner=planner, index=index).members(step) if len(m)]
+        members = members[:num_microbatches]
         build = (lambda m: compact_layout(step, index, m, conv_size=4, chunk_size=64)) if execution == "compact" \
             else (lambda m: baseline_layout(step, m, conv_size=4, chunk_size=64))
         layouts[execution] = [build(m) for m in members]

@@ -122,14 +122,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
     """Member indices of the planned microbatches; for dp > 1 all K of them in (slot, replica) order."""
-    import numpy as np
-
     from harts.planning.microbatch import plan
 
-    position = {t: k for k, t in enumerate(step.ids)}
-    result = plan(step, capacity, dp, planner=planner, index=index)
-    return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
-            if mb.trajectory_ids or dp > 1]
+    members = plan(step, capacity, dp, planner=planner, index=index).members(step)
+    return [m for m in members if len(m) or dp > 1]
 
 
 class BlockOutputs:

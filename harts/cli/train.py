@@ -22,7 +22,6 @@ from harts.args import (
     LOSS_OPTIONS,
     loss_flag,
     non_negative_int,
-    positive_int,
     print_error,
 )
 from harts.config import execution
@@ -122,21 +121,8 @@ def _loss_summary(config) -> dict:
     return {"loss": config.loss, **config_to_dict(config.grpo if config.loss == "grpo" else config.ppo)}
 
 
-def _microbatches(step, index, args, planner: str, dp: int = 1):
-    import numpy as np
-
-    from harts.planning.microbatch import plan
-
-    result = plan(step, args.capacity, dp, planner=planner, index=index)
-    position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
-    microbatches = [
-        np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in result.microbatches
-    ]
-    return result, microbatches
-
-
 def run_train_step(args: argparse.Namespace) -> int:
-    from harts.objective.step import run_step
+    from harts.engine import Engine
     from harts.parallel.launch import check_torchrun
 
     if args.parallel:
@@ -144,20 +130,20 @@ def run_train_step(args: argparse.Namespace) -> int:
     check_torchrun(None)
     config = _step_config(args, args.execution)
     model, step, index = _setup(args)
-    planner = args.planner or execution.default_planner(args.execution)
-    plan, microbatches = _microbatches(step, index, args, planner)
-    result = run_step(model, step, microbatches, config, index=index)
+    engine = Engine(model, config)
+    planned = engine.plan(step, index=index)
+    result = engine.run(step, planned)
     summary = {
         "execution": args.execution,
-        "planner": planner,
+        "planner": config.planner,
         "loss_config": _loss_summary(config),
-        "microbatches": len([m for m in microbatches if len(m)]),
+        "microbatches": planned.num_microbatches,
         "loss": result.loss,
         "policy_loss": result.policy_loss,
         "moe_loss": result.moe_loss,
         "semantic_tokens": result.num_semantic_tokens,
         "rows": result.num_rows,
-        "plan_seconds": plan.plan_seconds,
+        "plan_seconds": planned.plan.plan_seconds,
         "seconds": result.seconds,
     }
     _check_finite(summary, step, "train-step")
@@ -175,6 +161,7 @@ def run_train_step(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from harts.engine import plan_step
     from harts.objective.verify import compare_executions
     from harts.parallel.launch import check_torchrun
 
@@ -183,8 +170,8 @@ def run_verify(args: argparse.Namespace) -> int:
     check_torchrun(None)
     reference, candidate = _step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)
     model, step, index = _setup(args)
-    _, microbatches = _microbatches(step, index, args, args.planner)
-    report = compare_executions(model, step, microbatches, reference, candidate, index=index)
+    planned = plan_step(step, reference, index=index)
+    report = compare_executions(model, step, planned.microbatches, reference, candidate, index=index)
     report["compact_tokens"] = index.segment_tree().num_compact_tokens
     report["loss_config"] = _loss_summary(reference)
     _check_finite(report, step, "verify")
@@ -217,6 +204,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     torchrun every rank runs this, and the others print nothing)."""
     import torch
 
+    from harts.engine import plan_step
     from harts.model.config import load_model_config_with
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, launch
@@ -228,18 +216,18 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     parallel = load_parallel_config(args.parallel)
     check_torchrun(parallel)
-    loss_config = _loss_summary(_step_config(args, "baseline"))
+    planning = _step_config(args, "baseline" if verify else args.execution)
+    loss_config = _loss_summary(planning)
     config = load_model_config_with(args.model, args.experts_backend)
     parallel.check_model(config)
     step = read_step(args.trees, vocab_size=config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)
     index = PrefixIndex.from_step(step)
-    planner = args.planner or execution.default_planner(args.execution)
-    plan, microbatches = _microbatches(step, index, args, planner, dp=parallel.dp)
-    common = (config, args.seed, step, microbatches)
-    head = {"parallel": parallel.name, "world_size": parallel.world_size, "planner": planner,
-            "microbatches": len(microbatches), "loss_config": loss_config}
+    planned = plan_step(step, planning, index=index, dp=parallel.dp)
+    common = (config, args.seed, step, planned.microbatches)
+    head = {"parallel": parallel.name, "world_size": parallel.world_size, "planner": planning.planner,
+            "microbatches": len(planned.microbatches), "loss_config": loss_config}
     try:
         if verify:
             candidates = [_step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)]
@@ -258,7 +246,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     else:
         summary = {**head, "execution": args.execution, "loss": result.loss, "policy_loss": result.policy_loss,
                    "moe_loss": result.moe_loss, "semantic_tokens": result.num_semantic_tokens,
-                   "rows": result.num_rows, "plan_seconds": plan.plan_seconds, "seconds": result.seconds}
+                   "rows": result.num_rows, "plan_seconds": planned.plan.plan_seconds, "seconds": result.seconds}
     _check_finite(summary, step, "verify" if verify else "train-step")
     if args.json:
         print(json.dumps(summary))

@@ -70,6 +70,12 @@ class Plan:
     def num_microbatches(self) -> int:
         return len(self.microbatches)
 
+    def members(self, step: Step) -> list[np.ndarray]:
+        """Each microbatch's trajectories as int64 indices into the step's batch order (the runtime's members), in
+        the plan's (slot, replica) order; an empty microbatch is an empty array (a replica idle in its slot)."""
+        position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
+        return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in self.microbatches]
+
     @property
     def compact_tokens(self) -> int:
         return sum(mb.work for mb in self.microbatches)

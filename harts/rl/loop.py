@@ -14,9 +14,10 @@ alternating from step to step, so that neither always runs first on a loaded mac
    differ by rounding);
 3. the `Step`: one trajectory per leaf, its tree id, loss mask (the sampled decisions), reward and
    GRPO advantage within its tree (`grpo_advantages`), on-policy (one update per batch, ratio 1);
-4. the microbatch plan (capacity T; `harts` for compact, `per-trajectory` for baseline);
+4. the microbatch plan (`Engine.plan` of harts.engine: capacity T; `harts` for compact, `per-trajectory` for
+   baseline, unless execution.planner names one);
 5. the reference log-probs: the initial policy's forward over the same microbatches;
-6. the training step: `run_step` (forward, GRPO loss, backward), the global-norm clip, AdamW, the
+6. the training step: `Engine.run` (forward, GRPO loss, backward), the global-norm clip, AdamW, the
    schedule and the expert-bias update, as `harts train` does (t < N; step N runs the forward only,
    to measure the final policy's loss and KL).
 Sampling (2) and the reference forward (5) are outside the timed training step: a step record
@@ -47,20 +48,19 @@ from tqdm import tqdm
 
 from harts.config import config_to_dict
 from harts.config.execution import ExecutionConfig
+from harts.engine import Engine
 from harts.model.model import HybridModel
 from harts.objective.losses import step_kl
-from harts.objective.step import StepConfig, run_step
+from harts.objective.step import run_step
 from harts.objective.step import step_config as step_config_of
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.config import OptimizerConfig
 from harts.optim.update import apply_update
-from harts.planning.microbatch import plan
 from harts.rl.config import RLConfig, model_config_of
 from harts.rollout.env import CALL, LookupEnv
 from harts.rollout.generate import Trajectory, generate_trees
 from harts.trees.step import TOKEN_DTYPE, Step, grpo_advantages
-from harts.trees.trie import PrefixIndex
 
 TIMING = ("seconds.train = plan + layout + forward + backward + optimizer of the training step; sampling "
           "(seconds.sample) and the reference policy's forward (seconds.reference) run outside it")
@@ -115,19 +115,14 @@ class _Learner:
     model: HybridModel
     optimizer: MasterWeightAdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    step_config: StepConfig
-
-    def microbatches(self, config: RLConfig, step: Step, index: PrefixIndex) -> list[np.ndarray]:
-        planned = plan(step, config.execution.capacity, 1, planner=config.planner(self.execution), index=index)
-        position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
-        return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in planned.microbatches]
+    engine: Engine
 
 
 def _learner(execution: str, model: HybridModel, config: RLConfig) -> _Learner:
     optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
-    step_config = step_config_of(config.execution, config.device, loss_config=config.loss, execution=execution)
+    engine = Engine.build(model, config.execution, config.device, loss_config=config.loss, execution=execution)
     return _Learner(execution=execution, model=model, optimizer=optimizer,
-                    scheduler=make_scheduler(optimizer, config.schedule, config.num_steps), step_config=step_config)
+                    scheduler=make_scheduler(optimizer, config.schedule, config.num_steps), engine=engine)
 
 
 def initial_model(config: RLConfig, seed: int) -> HybridModel:
@@ -215,22 +210,17 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
     step = step_from_trajectories(trajectories)
     sample_seconds = time.perf_counter() - start
 
-    start = time.perf_counter()
-    index = PrefixIndex.from_step(step)
-    microbatches = learner.microbatches(config, step, index)
-    plan_seconds = time.perf_counter() - start
+    planned = learner.engine.plan(step)
 
     start = time.perf_counter()
-    ref = run_step(reference, step, microbatches, learner.step_config, index=index, backward=False,
-                   collect_logprobs=True)
+    ref = Engine(reference, learner.engine.config).run(step, planned, backward=False, collect_logprobs=True)
     step = replace(step, ref_logprobs=target_logprobs(step, ref.logprobs))
     reference_seconds = time.perf_counter() - start
 
     update = t < config.num_steps
     lr = learner.scheduler.get_last_lr()[0]
     learner.optimizer.zero_grad()
-    result = run_step(learner.model, step, microbatches, learner.step_config, index=index, backward=update,
-                      collect_logprobs=True)
+    result = learner.engine.run(step, planned, backward=update, collect_logprobs=True)
     if not math.isfinite(result.loss):
         raise ValueError(f"{where}: the loss is {result.loss}")
     grad_norm = None
@@ -244,8 +234,8 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
     optimizer_seconds = time.perf_counter() - start
 
     samples = [tr for tr in trajectories if tr.retry is None]
-    compact_tokens = index.segment_tree().num_compact_tokens
-    seconds = {"sample": sample_seconds, "reference": reference_seconds, "plan": plan_seconds, **result.seconds,
+    compact_tokens = planned.index.segment_tree().num_compact_tokens
+    seconds = {"sample": sample_seconds, "reference": reference_seconds, "plan": planned.seconds, **result.seconds,
                "optimizer": optimizer_seconds}
     seconds["train"] = sum(seconds[k] for k in ("plan", "layout", "forward", "backward", "optimizer"))
     return {
@@ -268,7 +258,7 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         "compact_tokens": compact_tokens,
         "compression": step.num_semantic_tokens / compact_tokens,
         "rows": result.num_rows,
-        "microbatches": len([m for m in microbatches if len(m)]),
+        "microbatches": planned.num_microbatches,
         "seconds": seconds,
     }
 

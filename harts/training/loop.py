@@ -6,8 +6,8 @@ into the run's dtype and device by harts.model.hf; its config.json is the model 
 Step t (0-based; records and checkpoints count the steps done, t + 1):
 1. data step order[t mod M] of the `StepSource` (M data steps; epoch t // M, whose order
    `epoch_order` gives at its first step), without old log-probs if `data.on_policy`; its
-   microbatches planned (`harts.planning.microbatch.plan`, capacity T, one replica);
-2. `run_step` (forward, GRPO/PPO loss, backward; for bf16 parameters the gradients accumulate in
+   microbatches planned (`Engine.plan` of harts.engine: the execution's planner, capacity T, one replica);
+2. `Engine.run` (forward, GRPO/PPO loss, backward; for bf16 parameters the gradients accumulate in
    the fp32 masters);
 3. a non-finite loss or gradient norm stops the run with a ValueError naming the step, before
    anything is updated or saved;
@@ -80,6 +80,7 @@ from harts.training.data import StepSource, epoch_order
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from harts.engine import Engine
     from harts.model.model import HybridModel
     from harts.objective.step import StepConfig
 
@@ -197,11 +198,12 @@ class _Run:
     model: HybridModel
     optimizer: MasterWeightAdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    step_config: StepConfig
+    engine: Engine
 
     @classmethod
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
               digests: list[str], run_dir: Path) -> _Run:
+        from harts.engine import Engine
         from harts.model.hf import load_hf_checkpoint
         from harts.model.model import HybridModel
 
@@ -218,10 +220,9 @@ class _Run:
             if config.dtype == "bf16":
                 model.to(torch.bfloat16)
         optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
-        step_config = step_config_of(config)
         return cls(config=config, resolved=resolved, source=source, digests=digests, run_dir=run_dir, model=model,
                    optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
-                   step_config=step_config)
+                   engine=Engine(model, step_config_of(config)))
 
     def restore(self, checkpoint: Path) -> tuple[int, list[int]]:
         """Load `checkpoint` (after `build`: module construction draws from the global RNG, which
@@ -254,9 +255,6 @@ class _Run:
     def step(self, number: int, data_index: int) -> dict[str, Any]:
         """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
         from harts.objective.losses import step_kl
-        from harts.objective.step import run_step
-        from harts.planning.microbatch import plan
-        from harts.trees.trie import PrefixIndex
 
         config = self.config
         started = time.perf_counter()
@@ -264,18 +262,11 @@ class _Run:
         if config.data.on_policy:
             step = replace(step, old_logprobs=None)
         data_seconds = time.perf_counter() - started
-        start = time.perf_counter()
-        index = PrefixIndex.from_step(step)
-        planned = plan(step, config.execution.capacity, 1, planner=config.execution.planner, index=index)
-        position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
-        microbatches = [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64)
-                        for mb in planned.microbatches]
-        plan_seconds = time.perf_counter() - start
+        planned = self.engine.plan(step)
 
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
-        result = run_step(self.model, step, microbatches, self.step_config, index=index,
-                          collect_logprobs=step.ref_logprobs is not None)
+        result = self.engine.run(step, planned, collect_logprobs=step.ref_logprobs is not None)
         where = f"step {number} ({self.source.describe(data_index)})"
         if not math.isfinite(result.loss):
             hint = ""
@@ -297,10 +288,10 @@ class _Run:
             "clip_fraction": result.clip_fraction,
             "kl": step_kl(step, result.logprobs),
             "semantic_tokens": result.num_semantic_tokens,
-            "compact_tokens": index.segment_tree().num_compact_tokens,
+            "compact_tokens": planned.index.segment_tree().num_compact_tokens,
             "rows": result.num_rows,
-            "microbatches": len([m for m in microbatches if len(m)]),
-            "seconds": {"data": data_seconds, "plan": plan_seconds, **result.seconds,
+            "microbatches": planned.num_microbatches,
+            "seconds": {"data": data_seconds, "plan": planned.seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
         }
 

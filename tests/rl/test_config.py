@@ -98,7 +98,7 @@ def test_execution_fields_reach_the_learners(tmp_path):
                     "logprob_chunk_rows: 96}\n")
     config = resolve(load_rl_config(path))
     for execution in ("compact", "baseline"):
-        step = _learner(execution, initial_model(config, seed=0), config).step_config
+        step = _learner(execution, initial_model(config, seed=0), config).engine.config
         assert (step.execution, step.recompute, step.recompute_blocks, step.logprob_grad_precision) == (
             execution, True, 1, "input")
         assert step.keep_attention and step.recompute_by_rows and step.logprob_chunk_rows == 96
