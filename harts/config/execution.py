@@ -247,3 +247,24 @@ def from_arguments(args: argparse.Namespace, names: tuple[str, ...] = FIELDS, *,
     the overrides given)."""
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return {name: value for name, value in values.items() if value is not None} if given else values
+
+
+def markdown_table() -> str:
+    """docs/execution.md's table of every knob (tests/test_docs.py checks that the page holds it;
+    `python -m harts.config.execution` prints it)."""
+    rows = ["| knob (YAML key) | flag | values | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    for field in dataclasses.fields(ExecutionConfig):
+        if field.name in CHOICES:
+            values = ", ".join(f"`{choice}`" for choice in CHOICES[field.name])
+        elif field.type == "bool":
+            values = "`true`, `false`"
+        else:
+            values = "an integer >= 1"
+        default = "see its text" if field.default is None else f"`{str(field.default).lower()}`" if isinstance(
+            field.default, bool) else f"`{field.default}`"
+        rows.append(f"| `{field.name}` | `{flag(field.name)}` | {values} | {default} | {field_help()[field.name]} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -8,7 +8,7 @@ import torch
 
 from harts.config import load_config
 from harts.model.moe import updated_expert_bias
-from harts.objective import step as step_module
+from harts import engine as engine_module
 from harts.training.config import load_train_config
 from harts.training.loop import LOG_NAME, train
 from harts.trees.io import write_step
@@ -102,8 +102,8 @@ def test_expert_bias_follows_the_steps_counts(tmp_path, monkeypatch):
         results.append(run_step(*args, **kwargs))
         return results[-1]
 
-    run_step = step_module.run_step
-    monkeypatch.setattr(step_module, "run_step", recording)
+    run_step = engine_module.run_step
+    monkeypatch.setattr(engine_module, "run_step", recording)  # the name the engine calls
     train(_config(num_steps=2), tmp_path)
     weights = _weights(tmp_path, 2)
     names = [f"blocks.{i}.mlp.expert_bias" for i in (1, 2, 3)]  # tiny: a dense layer, then three MoE layers
