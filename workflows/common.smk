@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from harts.bench.speedup import SEARCHED
+from harts.bench.speedup.recompute import SEARCHED
 from harts.config import load_yaml_mapping
 from harts.objective.step import check_keep_attention
 from harts.parallel.config import load_parallel_config

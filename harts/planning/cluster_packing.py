@@ -7,7 +7,7 @@ m_c = trie(c) - g0, and a plan of K such microbatches has W = C + (K - 1)·g0: W
 alone, and since every adjacent LCP is >= g0 the bound of `harts.planning.bounds` shows that no
 plan with K or more microbatches has less W. So the work of a whole-cluster plan is settled by
 its count, and what is left is the slot critical path: this module packs item sizes (the m_c)
-into bins of room T - g0 and balances them; `harts_planner` turns bins into microbatches.
+into bins of room T - g0 and balances them; `harts_packing` turns bins into microbatches.
 
 Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
 - `first_fit_count(sizes, room)`: bins used by first-fit-decreasing (K is it rounded up to D);
@@ -15,7 +15,7 @@ Provides (items: int64 sizes [P]; bins: `bin_of` int64 [P], 0 <= bin < count):
   item for every still-empty bin (bins filled near the room form tight slots at the top);
   `pack_least_loaded(sizes, room, count)`: largest first to the least-loaded bin (near-equal
   loads, which balancing finishes better when a bin holds only a few items);
-  `BestFit`, the ordered loads it (and `harts_planner`'s repacking) finds that bin with;
+  `BestFit`, the ordered loads it (and `harts_packing`'s splitting of leftovers) finds that bin with;
 - `critical_path(works, dp)`: Σ over slots of the largest work under the sorted grouping of
   `harts.planning.plans.objective`;
 - `CriticalPathChange(works, dp, ranks).price(...)`: the exact change of the critical path when

@@ -6,9 +6,9 @@ device, dtype, recomputation, LM-head gradient precision, MLA attention backends
   `paper`), the configuration, step, S, C, the trie lower bound, compression S/C, baseline and
   compact F+B+Grad and planning seconds, F/B/Grad speedup, Core speedup, efficiency
   (F/B/Grad speedup / compression), compression and efficiency counted in model FLOPs (`flops_compression`,
-  `flops_efficiency`: `harts.bench.speedup.flops_metrics`), peak memory of both executions,
+  `flops_efficiency`: `harts.bench.speedup.metrics.flops_metrics`), peak memory of both executions,
   `timing_flags` (why the record's timings should not be trusted, `; `-separated, empty when nothing was flagged: see
-  `harts.bench.speedup.timing_flags`; the PDF's table marks the efficiency "(flagged)") and `error`
+  `harts.bench.speedup.metrics.timing_flags`; the PDF's table marks the efficiency "(flagged)") and `error`
   (the record's error message). A cell the record does not hold says `not measured`; a failed case
   says `error` in every figure; a figure the paper does not give says `not reported`.
 - PDF: (1) compression beside F/B/Grad and Core speedup per configuration (median over steps,
@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harts.bench.speedup import DEFAULT_CAPACITY, DEFAULT_CHUNK_ROWS
+from harts.bench.speedup.cli import DEFAULT_CAPACITY, DEFAULT_CHUNK_ROWS
 from harts.report.records import (
     ERROR, NOT_MEASURED, NOT_REPORTED, format_value, get, is_number, load_records, provenance_lines,
 )
@@ -55,7 +55,7 @@ PAPER_SETUP = "Ling-3.0-tiny, 8 GPUs, BF16, T = 65,536, full recomputation"
 
 
 def paper_figures() -> dict[str, float]:
-    from harts.bench.speedup import PAPER
+    from harts.bench.speedup.records import PAPER
 
     return dict(PAPER)
 

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from harts.planning import harts_planner as hp
+from harts.planning import harts_refine as hr
+from harts.planning.harts_search import HartsConfig, cut_point_dp
 from harts.planning.microbatch import plan, validate
 from harts.planning.plans import objective
 from harts.planning.rank_work import RankWork
@@ -156,7 +157,7 @@ def _stage_inputs(seed: int):
     step, capacity, dp = _random_medium(seed)
     index = PrefixIndex.from_step(step)
     rw = RankWork(index)
-    return rw, hp.cut_point_dp(rw, capacity, dp), capacity, dp
+    return rw, cut_point_dp(rw, capacity, dp), capacity, dp
 
 
 def _works(rw: RankWork, bins) -> np.ndarray:
@@ -171,15 +172,15 @@ def _check_partition(rw: RankWork, bins, capacity: int) -> None:
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
 def test_descent_lowers_work_and_keeps_the_count_when_asked(seed):
     rw, bins, capacity, dp = _stage_inputs(seed)
-    config = hp.HartsConfig()
-    state = hp._State(rw, bins, capacity)
-    hp._descend(state, config, dp=dp, snapshots=None)
+    config = HartsConfig()
+    state = hr._State(rw, bins, capacity)
+    hr._descend(state, config, dp=dp, snapshots=None)
     _check_partition(rw, state.nonempty(), capacity)
     assert len(state.nonempty()) == len(bins)
     assert state.total() <= _works(rw, bins).sum()
-    drifting = hp._State(rw, bins, capacity)
+    drifting = hr._State(rw, bins, capacity)
     snapshots = []
-    hp._descend(drifting, config, dp=dp, snapshots=snapshots)
+    hr._descend(drifting, config, dp=dp, snapshots=snapshots)
     _check_partition(rw, drifting.nonempty(), capacity)
     assert drifting.total() <= state.total() or len(drifting.nonempty()) != len(bins)
     for total, snapshot in snapshots:
@@ -190,16 +191,16 @@ def test_descent_lowers_work_and_keeps_the_count_when_asked(seed):
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
 def test_repack_and_balance(seed):
     rw, bins, capacity, dp = _stage_inputs(seed)
-    repacked = hp._repack(rw, bins, capacity, dp)
+    repacked = hr._repack(rw, bins, capacity, dp)
     if repacked is not None:
         _check_partition(rw, repacked, capacity)
         assert len(repacked) % dp == 0 and all(repacked)
         clusters = [c for b in bins for c in rw.clusters(b)]
         g0 = rw.common_prefix
         assert _works(rw, repacked).sum() <= len(repacked) * g0 + sum(rw.trie(c) - g0 for c in clusters)
-    state = hp._State(rw, bins, capacity)
+    state = hr._State(rw, bins, capacity)
     before = objective(_works(rw, bins), dp)
-    hp._balance(state, dp, hp.HartsConfig())
+    hr._balance(state, dp, HartsConfig())
     _check_partition(rw, state.nonempty(), capacity)
     assert objective(_works(rw, state.nonempty()), dp) <= before
 
@@ -211,9 +212,9 @@ def test_balance_lowers_the_critical_path_by_moving_a_cluster():
     index = PrefixIndex.from_step(step)
     rw = RankWork(index)
     # Ranks: [1]*20 -> 0, [2]*5 -> 1, [3]*2 -> 2. Start from {0}, {1, 2}: works 30 and 17.
-    state = hp._State(rw, [[0, 1], [2]], capacity=100)
+    state = hr._State(rw, [[0, 1], [2]], capacity=100)
     assert state.works == [35, 12]
-    hp._balance(state, 2, hp.HartsConfig())
+    hr._balance(state, 2, HartsConfig())
     assert sorted(state.works) == [17, 30]
 
 
@@ -247,10 +248,10 @@ def test_elimination_empties_microbatches_and_lowers_work():
     eliminated = 0
     for seed in range(12):
         rw, bins, capacity, dp = _stage_inputs(seed)
-        state = hp._State(rw, bins, capacity)
+        state = hr._State(rw, bins, capacity)
         snapshots = []
         before = state.total()
-        if hp._eliminate(state, hp.HartsConfig(), dp=dp, snapshots=snapshots):
+        if hr._eliminate(state, HartsConfig(), dp=dp, snapshots=snapshots):
             eliminated += 1
             assert len(state.nonempty()) < len(bins) and state.total() < before
         else:
@@ -269,11 +270,11 @@ def test_elimination_uses_an_ejection_chain():
     b, c = shared + [2] * 12, shared + [3] * 20
     rw = RankWork(PrefixIndex.from_step(make_step([a, a2, b, c])))
     # Ranks a, a2, b, c = 0, 1, 2, 3; LCP(a, a2) = 28, every other pair 10.
-    state = hp._State(rw, [[0, 2], [1], [3]], capacity=45)
+    state = hr._State(rw, [[0, 2], [1], [3]], capacity=45)
     assert state.works == [42, 32, 30]
     # c (30) does not fit beside a and b (62 > 45) nor beside b without a (50): it replaces a,
     # which joins a2 (+2): 2 < 30. Then nothing else can be emptied.
-    assert hp._eliminate(state, hp.HartsConfig(), dp=1, snapshots=[])
+    assert hr._eliminate(state, HartsConfig(), dp=1, snapshots=[])
     assert sorted(state.nonempty()) == [[0, 1], [2, 3]]
     assert sorted(state.works) == [0, 34, 42]
 

@@ -227,7 +227,7 @@ def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
 def test_the_lm_head_chunk_is_a_configuration_of_its_own(tmp_path):
     """Records that differ only in the LM head's chunk rows are not merged; older records (no key) and the
     default 4,096 are one configuration, not labelled."""
-    from harts.bench.speedup import DEFAULT_CHUNK_ROWS as BENCH_DEFAULT
+    from harts.bench.speedup.cli import DEFAULT_CHUNK_ROWS as BENCH_DEFAULT
     from harts.objective.logprobs import DEFAULT_CHUNK_ROWS
     from harts.objective.step import StepConfig
     from harts.report.speedup import DEFAULT_CHUNK_ROWS as REPORT_DEFAULT

@@ -50,7 +50,7 @@ def test_every_grid_point_is_a_gpu_harts_command_with_its_own_output(tmp_path):
         argv = subprocess.run(agent_argv(sweep, point), env=environ, capture_output=True, text=True,
                               check=True).stdout.splitlines()
         args = parser.parse_args(argv)
-        assert args.run.__module__ == "harts.bench.speedup"
+        assert args.run.__module__ == "harts.bench.speedup.run"
         assert (args.model, args.parallel, args.planner) == (point["model"], point["parallel"], point["planner"])
         assert (args.device, args.dtype, args.recompute, args.no_breakdown) == ("cuda", "bf16", True, True)
         assert args.out == f"reports/raw/sweep/sw1/run{index}.json"

@@ -1,0 +1,127 @@
+"""One step measured on the ranks of a parallel configuration (`measure_parallel_step`, `--parallel NAME`): both
+executions planned for dp = the config's DP degree, then on every rank (`speedup_on_rank`, through
+harts.parallel.launch: gloo on CPU, NCCL on CUDA) a warm-up (a whole step on CUDA, the first slot on CPU:
+`first_slot`) and `--repeats` interleaved steps of `run_parallel_step`, each rank's seconds gathered on rank 0.
+The record's times are medians over repeats of the slowest rank (`metrics.execution_times`); no op-level breakdown.
+docs/benchmarks.md "How `speedup` measures a step" says how each figure is aggregated; tested in
+tests/bench/speedup/test_parallel.py (dp2, tp2-sp, pp2, ep2 on CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harts.bench.speedup.executions import EXECUTIONS, step_configs, step_microbatches
+from harts.bench.speedup.memory import PeakMemory, sync
+from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
+
+PARALLEL_BREAKDOWN_SKIPPED = (
+    "--parallel: the op-level breakdown is single-process only (it subtracts single-device op times from the "
+    "measured F+B, which under --parallel also holds communication and pipeline waits)"
+)
+
+
+def first_slot(step, microbatches: list, dp: int) -> tuple[Any, list]:
+    """The step restricted to the plan's first slot (its first dp microbatches), and those microbatches in it."""
+    import numpy as np
+
+    members = microbatches[:dp]
+    sizes = np.cumsum([0] + [len(m) for m in members])
+    sub = step.subset(np.concatenate(members))
+    return sub, [np.arange(sizes[i], sizes[i + 1], dtype=np.int64) for i in range(len(members))]
+
+
+def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: dict, configs: dict,
+                    repeats: int) -> dict[str, Any] | None:
+    """Rank program of `--parallel`: warm-up (a whole step on CUDA, the first slot on CPU), then `repeats`
+    interleaved timed steps of both executions. On global rank 0: per execution the per-repeat, per-rank seconds
+    (`samples`), the peak memory (maximum over ranks) and the layouts' info of every microbatch; None on other
+    ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from harts.model.model import HybridModel
+    from harts.objective.step import build_layout
+    from harts.parallel.model import parallelize
+    from harts.parallel.step import run_parallel_step
+    from harts.trees.trie import PrefixIndex
+
+    device = groups.device
+    with device:
+        model = HybridModel(model_config)
+    model.init_weights(model_seed)
+    pmodel = parallelize(model, groups)
+    index = PrefixIndex.from_step(step)
+    dp = groups.config.dp
+    for name in EXECUTIONS:
+        # On CUDA a whole step (Triton autotunes per sequence length); on CPU the first slot.
+        if device.type == "cuda":
+            run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+        else:
+            run_parallel_step(pmodel, *first_slot(step, microbatches[name], dp), configs[name])
+        model.zero_grad(set_to_none=True)
+    samples: dict[str, list] = {name: [] for name in EXECUTIONS}
+    peaks = dict.fromkeys(EXECUTIONS, 0)
+    for _ in range(repeats):
+        for name in EXECUTIONS:
+            dist.barrier()
+            with PeakMemory(device) as memory:
+                result = run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+            seconds = dict(result.rank_seconds)
+            # The reduction again, alone: the same collectives on gradients of the same sizes.
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            pmodel.reduce_gradients()
+            sync(device)
+            seconds["grad_reduction_alone"] = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(seconds, gathered, dst=0)
+            samples[name].append(gathered)
+            peaks[name] = max(peaks[name], memory.peak)
+    peak = torch.tensor([peaks[name] for name in EXECUTIONS], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return None
+    infos = {
+        name: [build_layout(step, m, model, configs[name], index).info for m in microbatches[name]]
+        for name in EXECUTIONS
+    }
+    return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos}
+
+
+def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dict[str, Any] | None:
+    """The `--parallel` record's results of one step (None on a torchrun rank other than 0)."""
+    from harts.parallel.launch import launch
+    from harts.parallel.step import check_microbatches
+    from harts.planning.microbatch import plan
+    from harts.trees.io import check_vocabulary
+    from harts.trees.trie import PrefixIndex
+
+    check_vocabulary(step, model_config.vocab_size)
+    parallel.check_model(model_config)
+    plans = {
+        "baseline": plan(step, args.capacity, parallel.dp, planner="per-trajectory"),
+        "compact": plan(step, args.capacity, parallel.dp, planner=args.planner),
+    }
+    microbatches = {name: step_microbatches(step, p) for name, p in plans.items()}
+    for name in EXECUTIONS:
+        check_microbatches(step, microbatches[name], parallel.dp)
+    measured = launch(speedup_on_rank, parallel, model_config, args.model_seed, step, microbatches,
+                      step_configs(args, dtype_name), args.repeats, device=args.device)
+    if measured is None:  # a torchrun rank other than 0
+        return None
+    executions = {
+        name: execution_results(measured["samples"][name], plans[name].plan_seconds,
+                                measured["peak_memory_bytes"][name], measured["layout_info"][name], microbatches[name])
+        for name in EXECUTIONS
+    }
+    index = PrefixIndex.from_step(step)
+    results = step_results(model_config, step, index, executions, measured["layout_info"]["compact"])
+    results["world_size"] = parallel.world_size
+    if args.device == "cuda":
+        results.update(mfu_metrics(model_config, step, executions["baseline"], parallel.world_size))
+    results["breakdown_skipped"] = PARALLEL_BREAKDOWN_SKIPPED
+    return results
