@@ -112,42 +112,47 @@ class ExecutionConfig:
     """The LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input (rounded once to
     bf16, bf16 tensor-core matmuls)."""
 
-    def check(self, prefix: str = "") -> None:
-        """ValueError naming `prefix` + the field unless every field has an allowed value and the fields agree.
-        Not run on construction, so that a config holding this one names its key (`TrainConfig` checks
-        "execution."); `resolved` and `StepConfig` run it."""
+    def check(self, prefix: str = "", *, as_flags: bool = False) -> None:
+        """ValueError naming the field (`prefix` + its name, or with `as_flags` its flag) unless every field has an
+        allowed value and the fields agree. Not run on construction, so that a config holding this one names its
+        key (`TrainConfig` checks "execution."); `resolved` and `StepConfig` run it."""
+
+        def key(name: str) -> str:
+            return flag(name) if as_flags else prefix + name
+
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             optional = name not in ("logprob_grad_precision",)
             if not (value is None and optional) and value not in choices:
-                raise ValueError(f"{prefix}{name} must be one of {choices}, got {value!r}")
+                raise ValueError(f"{key(name)} must be one of {choices}, got {value!r}")
         for name in ("capacity", "logprob_chunk_rows"):
-            _check_count(prefix + name, getattr(self, name))
+            _check_count(key(name), getattr(self, name))
         for name in ("recompute", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{prefix}{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{key(name)} must be true or false, got {getattr(self, name)!r}")
         if self.recompute_blocks is not None:
-            _check_count(prefix + "recompute_blocks", self.recompute_blocks)
+            _check_count(key("recompute_blocks"), self.recompute_blocks)
         needs_recompute = [name for name in ("recompute_blocks", "recompute_by_rows", "keep_attention",
                                              "keep_kda_intermediates") if getattr(self, name) not in (None, False)]
         if needs_recompute and not self.recompute:
-            raise ValueError(f"{prefix}{needs_recompute[0]} needs {prefix}recompute")
+            raise ValueError(f"{key(needs_recompute[0])} needs {key('recompute')}")
         if self.recompute_by_rows and self.recompute_blocks is None:
-            raise ValueError(f"{prefix}recompute_by_rows scales the blocks {prefix}recompute_blocks keeps: it needs "
-                             f"{prefix}recompute_blocks")
+            raise ValueError(f"{key('recompute_by_rows')} scales the blocks {key('recompute_blocks')} keeps: it needs "
+                             f"{key('recompute_blocks')}")
         if self.keep_attention and self.attention_backend not in (None, *KEEPABLE_ATTENTION_BACKENDS):
-            raise ValueError(f"{prefix}keep_attention needs an attention backend among "
+            raise ValueError(f"{key('keep_attention')} needs an attention backend among "
                              f"{', '.join(KEEPABLE_ATTENTION_BACKENDS)} (their kernels are dispatcher ops), got "
                              f"{self.attention_backend!r}")
         if self.keep_kda_intermediates and self.kda_backend not in (None, "fla"):
-            raise ValueError(f"{prefix}keep_kda_intermediates keeps fla's KDA intermediates: it needs kda_backend "
-                             f"'fla', got {self.kda_backend!r}")
+            raise ValueError(f"{key('keep_kda_intermediates')} keeps fla's KDA intermediates: it needs "
+                             f"{key('kda_backend')} 'fla', got {self.kda_backend!r}")
 
-    def resolved(self, device: str, execution: str | None = None):
+    def resolved(self, device: str, execution: str | None = None, *, as_flags: bool = False):
         """This config (of its own class) with the device's and the execution's defaults filled in: `execution`
-        (when this config names none), the planner, the dtype and the attention and KDA backends. The result
-        still passes `check` (the fla KDA is checked where it is known, on CUDA)."""
-        self.check()
+        (when this config names none), the planner, the dtype and the attention and KDA backends; checked before
+        and after (a rule that holds of the device's default, e.g. fla's KDA for keep_kda_intermediates), the
+        errors naming flags with `as_flags`."""
+        self.check(as_flags=as_flags)
         if device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         execution = self.execution or execution
@@ -160,7 +165,9 @@ class ExecutionConfig:
             attention_backend=self.attention_backend or default_attention_backend(device),
             kda_backend=self.kda_backend or default_kda_backend(device),
         )
-        return dataclasses.replace(self, **filled)
+        resolved = dataclasses.replace(self, **filled)
+        resolved.check(as_flags=as_flags)
+        return resolved
 
     def knobs(self) -> dict[str, Any]:
         """The fields of `ExecutionConfig` (not of a subclass) by name."""

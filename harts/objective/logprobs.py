@@ -64,10 +64,9 @@ from collections.abc import Iterator
 
 import torch
 
-from harts.config.execution import GRAD_PRECISIONS
+from harts.config.execution import DEFAULT_LOGPROB_CHUNK_ROWS, GRAD_PRECISIONS
 from harts.ops.logit_grad import logit_grad
 
-DEFAULT_CHUNK_ROWS = 4096
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -304,7 +303,7 @@ def compact_logprobs(
     compact_index_S: torch.Tensor,
     targets_S: torch.Tensor,
     *,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS,
     temperature: float = 1.0,
     return_entropy: bool = False,
     grad_precision: str = "fp32",
@@ -373,7 +372,7 @@ def naive_compact_logprobs(
 
 @torch.no_grad()
 def iter_compact_logits(
-    hidden_CD: torch.Tensor, lm_head_weight_VD: torch.Tensor, *, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    hidden_CD: torch.Tensor, lm_head_weight_VD: torch.Tensor, *, chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Full-vocabulary fp32 logits of the compact rows, chunk by chunk, without gradients.
 

@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harts.bench.speedup.cli import DEFAULT_CAPACITY, DEFAULT_CHUNK_ROWS
+from harts.config.execution import DEFAULT_CAPACITY, DEFAULT_LOGPROB_CHUNK_ROWS
 from harts.report.records import (
     ERROR, NOT_MEASURED, NOT_REPORTED, format_value, get, is_number, load_records, provenance_lines,
 )
@@ -89,7 +89,7 @@ def configuration(record: dict[str, Any]) -> tuple:
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
-            c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS,
+            c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_LOGPROB_CHUNK_ROWS,
             bool(c.get("keep_kda_intermediates")), compact_recompute_blocks(c), bool(c.get("recompute_by_rows")))
 
 
@@ -158,7 +158,7 @@ def shown_kda(kda: str, device: str | None) -> str | None:
 
 def shown_chunk_rows(chunk_rows: Any) -> int | None:
     """The LM head's chunk rows for a label: None where they are the default (or not recorded)."""
-    return chunk_rows if is_number(chunk_rows) and chunk_rows != DEFAULT_CHUNK_ROWS else None
+    return chunk_rows if is_number(chunk_rows) and chunk_rows != DEFAULT_LOGPROB_CHUNK_ROWS else None
 
 
 def shown_capacity(capacity: Any) -> int | None:
@@ -202,7 +202,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
                "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "capacity": c.get("capacity"),
-               "logprob_chunk_rows": c.get("logprob_chunk_rows") or DEFAULT_CHUNK_ROWS,
+               "logprob_chunk_rows": c.get("logprob_chunk_rows") or DEFAULT_LOGPROB_CHUNK_ROWS,
                "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
         for column, keys in _RESULT_KEYS.items():

@@ -40,7 +40,7 @@ def test_choice_lists_are_the_registries():
     (dict(keep_kda_intermediates=True), "execution.keep_kda_intermediates needs execution.recompute"),
     (dict(recompute=True, recompute_by_rows=True), "execution.recompute_by_rows scales the blocks"),
     (dict(recompute=True, keep_attention=True, attention_backend="flex"), "keep_attention needs an attention backend"),
-    (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs kda_backend 'fla'"),
+    (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs execution.kda_backend 'fla'"),
 ], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "experts-backend", "grad-precision",
         "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-alone",
         "keep-attention-alone", "keep-kda-alone", "by-rows-without-blocks", "keep-attention-flex", "keep-kda-torch"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 
 import pytest
@@ -227,12 +228,14 @@ def test_kda_backends_and_capacities_are_configurations_of_their_own(tmp_path):
 def test_the_lm_head_chunk_is_a_configuration_of_its_own(tmp_path):
     """Records that differ only in the LM head's chunk rows are not merged; older records (no key) and the
     default 4,096 are one configuration, not labelled."""
-    from harts.bench.speedup.cli import DEFAULT_CHUNK_ROWS as BENCH_DEFAULT
-    from harts.objective.logprobs import DEFAULT_CHUNK_ROWS
+    from harts.bench.speedup.cli import register
+    from harts.config.execution import DEFAULT_LOGPROB_CHUNK_ROWS
     from harts.objective.step import StepConfig
-    from harts.report.speedup import DEFAULT_CHUNK_ROWS as REPORT_DEFAULT
 
-    assert BENCH_DEFAULT == REPORT_DEFAULT == DEFAULT_CHUNK_ROWS == StepConfig().logprob_chunk_rows
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    bench_default = parser.parse_args(["speedup", "--model", "m", "--trees", "t"]).logprob_chunk_rows
+    assert bench_default == DEFAULT_LOGPROB_CHUNK_ROWS == StepConfig().logprob_chunk_rows
     old = speedup_record(step=0)
     named = speedup_record(step=1)
     named["config"]["logprob_chunk_rows"] = 4096

@@ -10,17 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.args import (
-    EXPERT_BACKENDS, EXPERTS_BACKEND_HELP, KEEP_ATTENTION_HELP, index_list, non_negative_int, positive_int,
-)
+from harts.args import index_list, non_negative_int, positive_int
 from harts.bench.speedup.recompute import AUTO, SEARCHED
+from harts.bench.speedup.executions import RUN_KNOBS
 from harts.bench.speedup.run import run
+from harts.config import execution
 from harts.tracking import wandb_log
 
-# The default capacity T, and the LM head's default chunk (harts.objective.logprobs.DEFAULT_CHUNK_ROWS; not
-# imported here: torch loads lazily). The speedup report labels other values.
-DEFAULT_CAPACITY = 65536
-DEFAULT_CHUNK_ROWS = 4096
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -32,8 +28,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-trees", type=positive_int, default=None,
                         help="use the first N task trees of each step (a slice of the same shape)")
     parser.add_argument("--model-seed", type=non_negative_int, default=0)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--device", choices=execution.DEVICES, default="cpu")
+    execution.add_arguments(parser, ("dtype",))
     parser.add_argument("--params", choices=("fp32", "bf16"), default=None,
                         help="parameter dtype: bf16 = bf16 parameters with every microbatch's gradients added "
                              "into fp32 buffers (megatron's main_grad), no per-use casts; fp32 = fp32 parameters "
@@ -62,60 +58,45 @@ def register(commands: argparse._SubParsersAction) -> None:
 # The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter
 # dtype), the device or the trees, so that one process measures every variant on the same weights and compiled
 # kernels. The experts backend is one: its three backends hold the same parameters.
-VARIANT_FLAGS = ("planner", "capacity", "recompute", "recompute-blocks", "compact-recompute-blocks",
-                 "recompute-by-rows", "keep-attention", "keep-kda-intermediates",
-                 "attention-backend", "compact-attention-backend", "kda-backend", "experts-backend",
-                 "logprob-grad-precision", "logprob-chunk-rows", "repeats")
+VARIANT_FLAGS = (*(execution.flag(name).removeprefix("--") for name in RUN_KNOBS), "compact-recompute-blocks",
+                 "compact-attention-backend", "repeats")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> None:
-    """The `VARIANT_FLAGS` with their defaults; for a variant's parser (`variant`), without defaults (only the
-    flags it names are set) and with the booleans taking an optional yes/no."""
-
-    def add(name: str, *, boolean: bool = False, **kwargs) -> None:
+    """The `VARIANT_FLAGS` with their defaults (the knobs' as harts.config.execution makes them, the compact
+    execution's own two, --repeats); for a variant's parser (`variant`), without defaults (only the flags it
+    names are set) and with the booleans taking an optional yes/no."""
+    help_of = execution.field_help()
+    own = {
+        "planner": dict(default="harts", help="The compact execution's microbatch planner (the baseline's is "
+                                              "per-trajectory; default: harts)."),
+        "recompute_blocks": dict(
+            type=all_auto_or_positive_int if variant else auto_or_positive_int,
+            help=help_of["recompute_blocks"] + " auto: the fewest with which a whole step of each execution runs in "
+                                               "the GPU's memory (searched by untimed steps; one process on CUDA)"),
+    }
+    for name in RUN_KNOBS:
+        option, keywords = execution.argument(name, default=not variant)
+        keywords.update(own.get(name, {}))
         if variant:
-            kwargs.pop("default", None)
-            if boolean:
-                kwargs.update(nargs="?", const=True, type=yes_no)
-        elif boolean:
-            kwargs["action"] = "store_true"
-        parser.add_argument(name, **kwargs)
-
-    add("--planner", default="harts")
-    add("--capacity", type=positive_int, default=DEFAULT_CAPACITY)
-    add("--recompute", boolean=True, help="full per-layer activation recomputation")
-    add("--recompute-blocks", type=all_auto_or_positive_int if variant else auto_or_positive_int, default=None,
-        metavar="N", help="with --recompute: recompute only blocks 0..N-1, the others keep their activations "
-                          "(Megatron's block method; default: every block); auto: the fewest with which a whole "
-                          "step of each execution runs in the GPU's memory (searched by untimed steps; one process "
-                          "on CUDA)")
-    add("--compact-recompute-blocks", type=same_or_compact_blocks if variant else compact_blocks,
-        default=None, metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the "
-                                        "same), so that each execution recomputes what its own memory needs (the "
-                                        "compact one has fewer rows); auto as there; within-baseline: the fewest "
-                                        "with which a compact step also peaks no higher than a baseline step")
-    add("--recompute-by-rows", boolean=True,
-        help="with --recompute-blocks: a microbatch smaller than another of the step keeps more blocks, in "
-             "proportion to its rows (KDA and ancestor-KV rows too), within that one's activation memory")
-    add("--keep-attention", boolean=True, help=KEEP_ATTENTION_HELP)
-    add("--keep-kda-intermediates", boolean=True,
-        help="with --recompute and the fla KDA (the CUDA default): the recomputed blocks' KDA calls keep fla's "
-             "intermediates (WY factors, gated q/k, chunk states) from the recomputation for the backward instead "
-             "of computing them again (a transient of one block's intermediates)")
-    add("--attention-backend", default=None,
-        help="MLA backend, naive|sdpa|varlen|flex|cudnn|flash4 (default: sdpa on CPU, varlen on CUDA)")
-    add("--compact-attention-backend", default=None,
-        help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
-             "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen")
-    add("--kda-backend", default=None)
-    add("--experts-backend", default=None, choices=EXPERT_BACKENDS, help=EXPERTS_BACKEND_HELP)
-    add("--logprob-grad-precision", choices=("fp32", "input"), default="fp32",
-        help="the LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input "
-             "(rounded once to bf16, bf16 tensor-core matmuls)")
-    add("--logprob-chunk-rows", type=positive_int, default=DEFAULT_CHUNK_ROWS, metavar="N",
-        help="rows of the LM head's logits formed at a time (its transient memory: N x vocabulary fp32; default "
-             f"{DEFAULT_CHUNK_ROWS:,})")
-    add("--repeats", type=positive_int, default=3)
+            keywords.pop("default", None)
+            if keywords.get("action") == "store_true":
+                del keywords["action"]
+                keywords.update(nargs="?", const=True, type=yes_no)
+        parser.add_argument(option, **keywords)
+    defaults = {} if variant else {"default": None}
+    parser.add_argument("--compact-recompute-blocks", type=same_or_compact_blocks if variant else compact_blocks,
+                        metavar="N", help="with --recompute: the compact execution's --recompute-blocks (default: the "
+                                          "same), so that each execution recomputes what its own memory needs (the "
+                                          "compact one has fewer rows); auto as there; within-baseline: the fewest "
+                                          "with which a compact step also peaks no higher than a baseline step",
+                        **defaults)
+    parser.add_argument("--compact-attention-backend", choices=execution.ATTENTION_BACKENDS,
+                        help="MLA backend of the compact execution only (default: --attention-backend), e.g. flex: "
+                             "the DFS tree mask over the compact rows, without the ancestor-KV copies of varlen",
+                        **defaults)
+    parser.add_argument("--repeats", type=positive_int, **({} if variant else {"default": 3}),
+                        help="timed steps of each execution, interleaved, after a warm-up (default 3)")
 
 
 def yes_no(text: str) -> bool:

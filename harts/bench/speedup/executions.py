@@ -8,38 +8,38 @@ tests/bench/speedup/test_run.py.
 
 from __future__ import annotations
 
+from harts.bench.speedup.recompute import SEARCHED
+from harts.config.execution import FIELDS, ExecutionConfig
+
 EXECUTIONS = ("baseline", "compact")
+RUN_KNOBS = tuple(name for name in FIELDS if name not in ("execution", "dtype"))
+"""The execution knobs of a run (harts.config.execution): every one but the execution (both run) and the dtype
+(the weights' and the compiled kernels': a run flag of its own)."""
 
 
 def step_microbatches(step, plan) -> list:
     """Each microbatch of `plan` as the positions of its trajectories in `step`."""
-    import numpy as np
+    return plan.members(step)
 
-    position = {trajectory_id: k for k, trajectory_id in enumerate(step.ids)}
-    return [np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64) for mb in plan.microbatches]
+
+def knobs_of(args, name: str, recompute_blocks: int | str | None = None):
+    """The execution config of one execution (`name`) from the run flags: the compact execution's own attention
+    backend, and `recompute_blocks` (a search's AUTO stands for blocks not yet known: checked as one block)."""
+    knobs = {field: getattr(args, field) for field in RUN_KNOBS if field != "recompute_blocks"}
+    if name == "compact" and args.compact_attention_backend is not None:
+        knobs["attention_backend"] = args.compact_attention_backend
+    knobs["recompute_blocks"] = 1 if recompute_blocks in SEARCHED else recompute_blocks
+    return ExecutionConfig(execution=name, dtype=args.dtype, **knobs)
 
 
 def step_configs(args, dtype_name: str, blocks: dict[str, int | None] | None = None) -> dict:
     """Each execution's StepConfig; `blocks`: its recompute_blocks (default: the flags')."""
-    from harts.objective.step import StepConfig
-    from harts.ops.attention.groups import default_attention_backend
-    from harts.ops.kda.compact import default_kda_backend
+    from harts.objective.step import step_config
 
-    cuda = args.device == "cuda"
-    attention = args.attention_backend or default_attention_backend(cuda)
-    backends = {"baseline": attention, "compact": args.compact_attention_backend or attention}
     blocks = blocks or requested_blocks(args)
-    return {
-        name: StepConfig(
-            execution=name, recompute=args.recompute, recompute_blocks=blocks[name],
-            recompute_by_rows=args.recompute_by_rows,
-            keep_attention=args.keep_attention, keep_kda_intermediates=args.keep_kda_intermediates,
-            dtype=dtype_name, attention_backend=backends[name],
-            kda_backend=args.kda_backend or default_kda_backend(cuda),
-            logprob_grad_precision=args.logprob_grad_precision, logprob_chunk_rows=args.logprob_chunk_rows,
-        )
-        for name in EXECUTIONS
-    }
+    return {name: step_config(knobs_of(args, name, blocks[name]), args.device, dtype=dtype_name,
+                              recompute_blocks=blocks[name])
+            for name in EXECUTIONS}
 
 
 def compact_recompute_blocks(args) -> int | str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import print_error
-from harts.bench.speedup.executions import EXECUTIONS, compact_recompute_blocks
+from harts.bench.speedup.executions import EXECUTIONS, compact_recompute_blocks, knobs_of, requested_blocks
 from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.memory import release_memory
 from harts.bench.speedup.parallel import measure_parallel_step
@@ -144,9 +144,6 @@ def run(args: argparse.Namespace) -> int:
 def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The run's settings: `args` itself (variant None), then `args` with each `--variant`'s flags over them,
     each checked before any model is built (ValueError naming the variant)."""
-    from harts.objective.step import check_backends, check_keep_attention, check_keep_kda_intermediates
-    from harts.ops.kda.compact import default_kda_backend
-
     overrides = [{"variant": None}, *(args.variant or [])]
     variants = [argparse.Namespace(**{**vars(args), **override}) for override in overrides]
     measured: dict[tuple, str] = {}
@@ -160,16 +157,9 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
         measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
         check_recompute_flags(run_args, where)
-        if run_args.recompute_by_rows and run_args.recompute_blocks is None:
-            raise ValueError(f"{where}--recompute-by-rows scales the kept blocks: it needs --recompute-blocks")
-        if run_args.keep_attention and not run_args.recompute:
-            raise ValueError(f"{where}--keep-attention needs --recompute")
         try:
-            for backend in (run_args.attention_backend, run_args.compact_attention_backend):
-                check_backends(backend, run_args.kda_backend)
-                check_keep_attention(run_args.recompute, run_args.keep_attention, backend)
-            check_keep_kda_intermediates(run_args.recompute, run_args.keep_kda_intermediates,
-                                         run_args.kda_backend or default_kda_backend(run_args.device == "cuda"))
+            for name, blocks in requested_blocks(run_args).items():
+                knobs_of(run_args, name, blocks).resolved(run_args.device, as_flags=True)
         except ValueError as error:
             raise ValueError(f"{where}{error}") from None
     return variants

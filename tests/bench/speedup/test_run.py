@@ -99,7 +99,8 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
                               kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
                               keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
-                              compact_recompute_blocks=None, recompute_by_rows=False)
+                              compact_recompute_blocks=None, recompute_by_rows=False, planner="harts", capacity=80,
+                              experts_backend=None, dtype=None)
     configs = step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
@@ -143,7 +144,7 @@ def test_compact_recompute_blocks_and_recompute_by_rows(tree_step_path, tmp_path
     assert config["recompute_by_rows"] is True
     assert seen and set(seen) == {("baseline", 2, True), ("compact", 1, True)}
     for flags, message in ((["--compact-recompute-blocks", "1"], "--compact-recompute-blocks needs --recompute"),
-                           (["--recompute", "--recompute-by-rows"], "--recompute-by-rows scales the kept blocks")):
+                           (["--recompute", "--recompute-by-rows"], "--recompute-by-rows scales the blocks --recompute-blocks keeps")):
         code = main(["bench", "speedup", "--model", "tiny", "--trees", path, *flags,
                      "--out", str(tmp_path / "bad.json")])
         err = capsys.readouterr().err
@@ -166,7 +167,7 @@ def test_keep_attention(tree_step_path, tmp_path, capsys, monkeypatch):
     assert code == 0 and records[0]["config"]["keep_attention"] is True
     assert kept and set(kept) == {True}
     for flags, message in ((["--recompute", "--compact-attention-backend", "flex"],
-                            "keep_attention needs an attention backend among"),
+                            "--keep-attention needs an attention backend among"),
                            ([], "--keep-attention needs --recompute")):
         code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--keep-attention", *flags,
                      "--out", str(tmp_path / "bad.json")])
@@ -336,14 +337,15 @@ def test_a_variant_can_give_the_compact_execution_the_baseline_blocks_again(tree
      ("capacity=0", "a positive integer"), ("recompute=no,keep-attention", "--keep-attention needs --recompute"),
      ("recompute=no,recompute-blocks=2", "--recompute-blocks needs --recompute"),
      ("keep-attention,attention-backend=flex", "flex"), ("experts-backend=fast", "invalid choice"),
-     ("attention-backend=flsh4", "attention_backend must be one of"), ("kda-backend=cuda", "kda_backend must be"),
-     ("attention-backend=", "attention_backend must be one of"),
-     ("keep-kda-intermediates", "needs kda_backend 'fla', got 'torch'"),
-     ("recompute=no,keep-kda-intermediates,kda-backend=fla", "keep_kda_intermediates needs recompute"),
+     ("attention-backend=flsh4", "--attention-backend: invalid choice: 'flsh4'"),
+     ("kda-backend=cuda", "--kda-backend: invalid choice: 'cuda'"),
+     ("attention-backend=", "--attention-backend: invalid choice: ''"),
+     ("keep-kda-intermediates", "needs --kda-backend 'fla', got 'torch'"),
+     ("recompute=no,keep-kda-intermediates,kda-backend=fla", "--keep-kda-intermediates needs --recompute"),
      ("repeats=3", "the same run settings as the run's own (only repeats differ)"),
      ("recompute", "the same run settings as the run's own"),
      ("recompute=no,compact-recompute-blocks=2", "--compact-recompute-blocks needs --recompute"),
-     ("recompute-by-rows", "--recompute-by-rows scales the kept blocks"),
+     ("recompute-by-rows", "--recompute-by-rows scales the blocks --recompute-blocks keeps"),
      ("compact-recompute-blocks=same", "the same run settings as the run's own")],
     ids=["not-a-run-flag", "bad-boolean", "bad-number", "keep-without-recompute", "blocks-without-recompute",
          "keep-with-flex", "bad-experts-backend", "bad-attention-backend", "bad-kda-backend", "empty-backend",
