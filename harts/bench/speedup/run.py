@@ -2,8 +2,9 @@
 settings and each `--variant`'s (`run_variants`, all checked before any model is built) measured in one process
 (`measure.measure_step`) or on the ranks of `--parallel` (`parallel.measure_parallel_step`), one record per step
 and variant, written after every case. A failed case (an error, out of memory, SIGTERM) is an error row and the run
-goes on (SIGTERM ends it, every record written); torchrun ranks other than 0 follow rank 0 quietly. Each record is
-one W&B run, opened before its step is measured. Tested end to end in tests/bench/speedup/test_run.py.
+goes on (SIGTERM ends it, every record written; so does any failure under torchrun, whose ranks are then out of
+step); torchrun ranks other than 0 follow rank 0 quietly. Each record is one W&B run, opened before its step is
+measured. Tested end to end in tests/bench/speedup/test_run.py.
 """
 
 from __future__ import annotations
