@@ -6,9 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-from harts.bench.speedup.recompute import SEARCHED
+from harts.bench.speedup.cli import check_pipeline_section, pipeline_flags
 from harts.config import load_yaml_mapping
-from harts.objective.step import check_keep_attention
 from harts.parallel.config import load_parallel_config
 from harts.rl.config import load_rl_config
 
@@ -54,20 +53,7 @@ def _check_config():
         raise ValueError(f"pipeline config: rl.config: no file {rl}")
     if load_rl_config(rl).name != config["rl"]["config"]:
         raise ValueError(f"{rl}: its `name` must be {config['rl']['config']!r} (records are labelled by it)")
-    for key in ("recompute_blocks", "compact_recompute_blocks"):
-        if config["speedup"][key] is not None and not config["speedup"]["recompute"]:
-            raise ValueError(f"pipeline config: speedup.{key} needs speedup.recompute: true")
-        if config["speedup"][key] in SEARCHED and (config["speedup"]["device"] != "cuda"
-                                                   or config["speedup"]["parallel"] != ["single"]):
-            raise ValueError(f"pipeline config: speedup.{key}: {config['speedup'][key]} searches one GPU's memory: "
-                             "it needs speedup.device cuda and speedup.parallel [single]")
-    if config["speedup"]["recompute_by_rows"] and config["speedup"]["recompute_blocks"] is None:
-        raise ValueError("pipeline config: speedup.recompute_by_rows needs speedup.recompute_blocks")
-    try:
-        check_keep_attention(config["speedup"]["recompute"], config["speedup"]["keep_attention"],
-                             config["speedup"]["attention_backend"], "speedup.")
-    except ValueError as error:
-        raise ValueError(f"pipeline config: {error}") from None
+    check_pipeline_section(config["speedup"])
     for name in config["planning"]["datasets"]:
         if name not in SYNTH_DATASETS:
             raise ValueError(f"pipeline config: planning.datasets: {name!r} is not a generated (synth) dataset")
@@ -142,26 +128,6 @@ def world_size(parallel):
 def parallel_flag(wildcards):
     """`single` runs in the bench's own process (no --parallel); others spawn the config's ranks."""
     return "" if wildcards.parallel == "single" else f"--parallel configs/parallel/{wildcards.parallel}.yaml"
-
-
-def speedup_execution_flags(speedup):
-    """bench speedup's options for the execution settings the config sets (none: the bench's defaults)."""
-    flags = [f"--logprob-grad-precision {speedup['logprob_grad_precision']}"]
-    if speedup["attention_backend"] is not None:
-        flags.append(f"--attention-backend {speedup['attention_backend']}")
-    if speedup["recompute_blocks"] is not None:
-        flags.append(f"--recompute-blocks {speedup['recompute_blocks']}")
-    if speedup["experts_backend"] is not None:
-        flags.append(f"--experts-backend {speedup['experts_backend']}")
-    if speedup["keep_attention"]:
-        flags.append("--keep-attention")
-    if speedup["compact_recompute_blocks"] is not None:
-        flags.append(f"--compact-recompute-blocks {speedup['compact_recompute_blocks']}")
-    if speedup["recompute_by_rows"]:
-        flags.append("--recompute-by-rows")
-    if speedup["logprob_chunk_rows"] is not None:
-        flags.append(f"--logprob-chunk-rows {speedup['logprob_chunk_rows']}")
-    return " ".join(flags)
 
 
 def gpus(section, wildcards):

@@ -15,13 +15,11 @@ rule speedup_step:
         "reports/raw/speedup/{model}/{parallel}/{planner}/step_{step}.json",
     params:
         parallel=parallel_flag,
-        capacity=config["speedup"]["capacity"],
         device=config["speedup"]["device"],
         dtype=config["speedup"]["dtype"],
-        recompute="--recompute" if config["speedup"]["recompute"] else "",
         repeats=config["speedup"]["repeats"],
         breakdown="" if config["speedup"]["breakdown"] else "--no-breakdown",
-        execution=speedup_execution_flags(config["speedup"]),
+        execution=" ".join(pipeline_flags(config["speedup"])),
         record=speedup_record,
         failures=lambda wildcards: failures_file(speedup_record(wildcards)),
         failed_attempts=lambda wildcards: failed_attempts(speedup_record(wildcards)),
@@ -40,8 +38,8 @@ rule speedup_step:
     shell:
         "OMP_NUM_THREADS={resources.torch_threads} python -m harts.workflow.devices --take {resources.gpu}"
         " --pool {resources.gpu_pool} -- harts bench speedup --model {input.model} --trees {input.step}"
-        " {params.parallel} --planner {wildcards.planner} --capacity {params.capacity} --device {params.device}"
-        " --dtype {params.dtype} {params.recompute} {params.execution} --repeats {params.repeats} {params.breakdown}"
+        " {params.parallel} --planner {wildcards.planner} --device {params.device} --dtype {params.dtype}"
+        " {params.execution} --repeats {params.repeats} {params.breakdown}"
         " --out {output}"
         ' 2>&1 | tee {log} || {{ test $? -eq 1 && echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) error rows in {params.record}"'
         ' >> {params.failures}; }}'

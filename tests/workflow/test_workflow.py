@@ -240,28 +240,28 @@ BAD_CONFIGS = {
     "unknown-attention-backend": ({"speedup": {"attention_backend": "fa9"}}, "'fa9' is not one of"),
     "unknown-experts-backend": ({"speedup": {"experts_backend": "fused"}}, "'fused' is not one of"),
     "recompute-blocks-without-recompute": ({"speedup": {"recompute": False, "recompute_blocks": 2}},
-                                           "speedup.recompute_blocks needs speedup.recompute: true"),
+                                           "pipeline config: speedup: --recompute-blocks needs --recompute"),
     "compact-blocks-without-recompute": ({"speedup": {"recompute": False, "compact_recompute_blocks": 2}},
-                                         "speedup.compact_recompute_blocks needs speedup.recompute: true"),
+                                         "pipeline config: speedup: --compact-recompute-blocks needs --recompute"),
     "auto-blocks-on-cpu": ({"speedup": {"recompute": True, "recompute_blocks": "auto"}},
-                           "speedup.recompute_blocks: auto searches one GPU's memory: it needs speedup.device cuda"),
+                           "--recompute-blocks auto searches one GPU's memory: it needs --device cuda"),
     "auto-compact-blocks-in-parallel": ({"speedup": {"recompute": True, "compact_recompute_blocks": "auto",
                                                      "device": "cuda", "parallel": ["single", "dp2"]}},
-                                        "speedup.compact_recompute_blocks: auto searches one GPU's memory"),
+                                        "--compact-recompute-blocks auto searches one GPU's memory"),
     "within-baseline-compact-blocks-on-cpu": (
         {"speedup": {"recompute": True, "compact_recompute_blocks": "within-baseline"}},
-        "speedup.compact_recompute_blocks: within-baseline searches one GPU's memory: it needs speedup.device cuda"),
+        "--compact-recompute-blocks within-baseline searches one GPU's memory: it needs --device cuda"),
     "within-baseline-for-the-baseline": ({"speedup": {"recompute": True, "recompute_blocks": "within-baseline"}},
                                          "'within-baseline' does not match '^auto$'"),
     "unknown-compact-blocks-word": ({"speedup": {"recompute": True, "compact_recompute_blocks": "most"}},
                                     "'most' does not match '^(auto|within-baseline)$'"),
     "by-rows-without-blocks": ({"speedup": {"recompute": True, "recompute_by_rows": True}},
-                               "speedup.recompute_by_rows needs speedup.recompute_blocks"),
+                               "--recompute-by-rows scales the blocks --recompute-blocks keeps"),
     "keep-attention-without-recompute": ({"speedup": {"recompute": False, "keep_attention": True}},
-                                         "pipeline config: speedup.keep_attention needs speedup.recompute"),
+                                         "pipeline config: speedup: --keep-attention needs --recompute"),
     "keep-attention-with-flex": ({"speedup": {"recompute": True, "keep_attention": True,
                                               "attention_backend": "flex"}},
-                                   "pipeline config: speedup.keep_attention needs an attention backend among"),
+                                   "pipeline config: speedup: --keep-attention needs an attention backend among"),
 }
 
 
@@ -323,16 +323,17 @@ def test_nested_config_values_on_the_command_line(workdir):
 
 
 def test_speedup_execution_settings_reach_the_jobs(workdir):
-    """The pipeline's opt-in execution settings (attention backend, bf16 LM-head gradients, partial
-    recomputation) become the bench's flags."""
+    """The pipeline's opt-in execution settings (every knob key of the section: harts.bench.speedup.cli's
+    PIPELINE_KEYS) become the bench's flags of the same names."""
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={recompute: true, attention_backend: varlen, "
                        "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true, "
-                       "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048}")
+                       "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048, "
+                       "kda_backend: fla, keep_kda_intermediates: true}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("--recompute --logprob-grad-precision input --attention-backend varlen --recompute-blocks 2 "
-            "--experts-backend lean --keep-attention --compact-recompute-blocks 1 --recompute-by-rows "
-            "--logprob-chunk-rows 2048") in result.stdout
+    assert ("--recompute --recompute-blocks 2 --recompute-by-rows --keep-attention --keep-kda-intermediates "
+            "--attention-backend varlen --kda-backend fla --experts-backend lean --logprob-chunk-rows 2048 "
+            "--logprob-grad-precision input --compact-recompute-blocks 1") in result.stdout
 
 
 def test_auto_recompute_blocks_reach_the_gpu_jobs(workdir):

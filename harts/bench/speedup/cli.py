@@ -13,7 +13,7 @@ from typing import Any
 from harts.args import index_list, non_negative_int, positive_int
 from harts.bench.speedup.recompute import AUTO, SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
-from harts.bench.speedup.run import run
+from harts.bench.speedup.run import run, run_variants
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -155,3 +155,41 @@ def parse_variant(text: str) -> dict[str, Any]:
     except argparse.ArgumentTypeError as error:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
     return {**overrides, "variant": text}
+
+
+PIPELINE_KEYS = (*(name for name in RUN_KNOBS if name != "planner"), "compact_recompute_blocks")
+"""The keys of the pipeline's `speedup` section that are run flags of the same name (its `planners` are a
+wildcard of the jobs, its `device` and `dtype` flags of the rule)."""
+
+
+def pipeline_flags(section: dict[str, Any]) -> list[str]:
+    """The run flags of the pipeline's `speedup` section: each of `PIPELINE_KEYS` it sets (a boolean that is
+    true, any other value but null)."""
+    flags = []
+    for key in PIPELINE_KEYS:
+        value = section.get(key)
+        if value is True:
+            flags.append(execution.flag(key))
+        elif value is not None and value is not False:
+            flags += [execution.flag(key), str(value)]
+    return flags
+
+
+def check_pipeline_section(section: dict[str, Any]) -> None:
+    """The pipeline's `speedup` section checked as `harts bench speedup` checks its flags, for every planner and
+    parallel configuration the jobs will run (ValueError starting "pipeline config: speedup: ")."""
+    parser = argparse.ArgumentParser(prog="harts bench", add_help=False)
+    register(parser.add_subparsers())
+    for planner in section["planners"]:
+        for parallel in section["parallel"]:
+            argv = ["speedup", "--model", "m", "--trees", "t", "--device", section["device"], "--dtype",
+                    section["dtype"], "--planner", planner, *pipeline_flags(section)]
+            if parallel != "single":
+                argv += ["--parallel", parallel]
+            try:
+                run_variants(parser.parse_args(argv))
+            except SystemExit:
+                raise ValueError(f"pipeline config: speedup: harts bench speedup refuses {' '.join(argv[5:])} "
+                                 "(above)") from None
+            except ValueError as error:
+                raise ValueError(f"pipeline config: speedup: {error}") from None
