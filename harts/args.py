@@ -23,15 +23,6 @@ def print_error(message: str) -> None:
     sys.stderr.flush()
 
 
-# harts.model.moe.EXPERT_BACKENDS, spelled out so that the CLI builds without importing torch.
-EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
-EXPERTS_BACKEND_HELP = ("the MoE experts' backend, overriding the model config's moe.experts_backend (auto: grouped on "
-                        "CUDA, loop elsewhere; lean: grouped in one autograd node that keeps less for the backward)")
-KEEP_ATTENTION_HELP = ("with --recompute: the recomputed MLA blocks keep their attention kernels' outputs (output and "
-                       "log-sum-exp) instead of running the attention again; same values, more memory (every "
-                       "attention backend but flex)")
-
-
 def index_list(text: str) -> list[int]:
     """argparse type of `--steps 0,3,7`: comma-separated non-negative integers, at least one."""
     try:

@@ -12,14 +12,12 @@ from harts.config.execution import ExecutionConfig
 
 
 def test_choice_lists_are_the_registries():
-    from harts import args
     from harts.objective.step import DTYPES
     from harts.ops.attention.groups import BACKENDS, KEEPABLE_BACKENDS
 
     assert tuple(BACKENDS) == execution.ATTENTION_BACKENDS
     assert set(KEEPABLE_BACKENDS) <= set(execution.ATTENTION_BACKENDS)
     assert tuple(DTYPES) == execution.DTYPES
-    assert args.EXPERT_BACKENDS == execution.EXPERT_BACKENDS
 
 
 @pytest.mark.parametrize("fields, message", [
