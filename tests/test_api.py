@@ -11,6 +11,11 @@ shows up. fp32 on the CPU: log-probs and entropy within 1e-5 (as tests/model/tes
 the compact rows run the same math in other call shapes), the loss within 1e-6 relative and every
 parameter gradient within 1e-4 relative (‖Δg‖ / ‖g‖ per parameter, the equivalence test's bound;
 measured: about 1e-6).
+
+Planned mini-batches (`api.plan`, `api.policy_step`): the batch planned into 4+ microbatches (GRPO groups whole,
+or every group split) gives the loss, the MoE losses and the gradients of the batch run as one microbatch, on a
+model whose MoE loss coefficients (0.5, 0.05) make a misnormalised MoE loss show above the tolerances; without
+MoE losses, the per-trajectory oracle's; two replicas add up to the batch.
 """
 
 import dataclasses
@@ -794,9 +799,9 @@ def test_bad_requests_are_refused(model, case):
 # The library page's example runs (docs/library.md, "RL batch API")
 
 
-def library_example() -> str:
+def library_example(heading: str = "RL batch API") -> str:
     text = (Path(__file__).resolve().parents[1] / "docs/library.md").read_text(encoding="utf-8")
-    section = text.split("\n## RL batch API\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, "the section has one Python example"
     return blocks[0]
@@ -806,3 +811,9 @@ def test_library_example_runs(capsys):
     exec(compile(library_example(), "docs/library.md (RL batch API)", "exec"), {})
     rows, tokens = map(int, re.search(r"(\d+) rows computed for (\d+) tokens", capsys.readouterr().out).groups())
     assert rows < tokens  # the groups' prompts are shared
+
+
+def test_planned_example_runs(capsys):
+    exec(compile(library_example("Planned mini-batches"), "docs/library.md (Planned mini-batches)", "exec"), {})
+    count, rows = map(int, re.search(r"(\d+) microbatches, loss -?[\d.]+, (\d+) rows", capsys.readouterr().out).groups())
+    assert (count, rows) == (4, 4 * 88)  # one group per microbatch, as the page says
