@@ -815,5 +815,6 @@ def test_library_example_runs(capsys):
 
 def test_planned_example_runs(capsys):
     exec(compile(library_example("Planned mini-batches"), "docs/library.md (Planned mini-batches)", "exec"), {})
-    count, rows = map(int, re.search(r"(\d+) microbatches, loss -?[\d.]+, (\d+) rows", capsys.readouterr().out).groups())
+    printed = capsys.readouterr().out
+    count, rows = map(int, re.search(r"(\d+) microbatches, loss -?[\d.]+, (\d+) rows", printed).groups())
     assert (count, rows) == (4, 4 * 88)  # one group per microbatch, as the page says

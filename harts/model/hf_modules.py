@@ -78,7 +78,8 @@ def _mlp_sources(config: ModelConfig, index: int, hf: str, ours: str) -> dict[st
     mlp = hf + "mlp."
     if index < config.num_dense_layers:
         return {
-            ours + "gate_up.weight": lambda get: torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+            ours + "gate_up.weight": lambda get: torch.cat(
+                [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
             ours + "down.weight": _named(mlp + "down_proj.weight"),
         }
     sources = {
