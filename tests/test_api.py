@@ -608,8 +608,9 @@ def test_replicas_add_up_to_the_step():
     assert sum(p.num_tokens for p in parts) == one.num_tokens
 
 
-def test_wrapped_model_runs_the_planned_step(process_group):
-    """A DistributedDataParallel model (one process): the planned step's loss and gradients are the plain
+@pytest.mark.parametrize("wrapper", ["ddp", "fully_shard"])
+def test_wrapped_model_runs_the_planned_step(process_group, wrapper):
+    """A DistributedDataParallel or FSDP2 model (one process): the planned step's loss and gradients are the plain
     model's (it reduces after the last microbatch only)."""
     _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
     plan = api.plan(batch, CAPACITIES["groups-whole"])
@@ -617,8 +618,19 @@ def test_wrapped_model_runs_the_planned_step(process_group):
     expected = api.policy_step(plain, plan)
     want = gradients(plain)
     model = moe_model()
-    result = api.policy_step(torch.nn.parallel.DistributedDataParallel(model), plan)
-    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if wrapper == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    result = api.policy_step(wrapped, plan)
+    got = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+           for name, p in model.named_parameters() if p.grad is not None}
     assert abs(float(result.loss) - float(expected.loss)) <= 1e-6 * abs(float(expected.loss))
     assert relative_gradient_error(got, want) <= 1e-5
 
