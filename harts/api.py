@@ -46,18 +46,23 @@ this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequenc
 token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
 and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
 and `moe_loss` are its parts. Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
-needs `ref_log_probs`. A batch runs as one microbatch (its whole trie in one forward): split a large
-step as the trainer already does, keeping each GRPO group in one micro-batch so that its prompt is
-shared, and pass `normalizer` (the step's count) and `num_microbatches` (the MoE losses are a mean
-over the step's micro-batches, as in `harts.objective.step.run_step`): the micro-batches' losses and
-gradients then add up to the step's. The model may be wrapped: DistributedDataParallel (called for the forward, so
-that it reduces the gradients), FSDP2's `fully_shard` (keep the LM head in the root's group: it is
-applied outside the model's forward) or torch.compile.
+needs `ref_log_probs`. `policy_loss` and `logprobs` run the batch as one microbatch (its whole trie in one
+forward; `capacity` refuses one over that many rows). A mini-batch larger than a microbatch: `plan(batch,
+capacity, dp)` splits it with the HARTS planner (DESIGN §2: GRPO groups stay whole where they fit, cuts fall
+where the least sharing is lost) and `policy_step(model, plan)` runs it as ONE step: gradient accumulation over
+the planned microbatches, every loss part normalised over the whole batch (the policy loss's and the entropy
+bonus's denominators, and the MoE losses through `harts.model.moe.step_share`), so that the microbatches' losses
+and gradients add up to the batch's run as one microbatch. (A trainer that splits the step itself may instead
+call `policy_loss` per micro-batch with `normalizer`, the step's count, and `num_microbatches`: the MoE losses are
+then a mean over micro-batches, as in `harts.objective.step.run_step`.) The model may be wrapped:
+DistributedDataParallel (called for the forward, so that it reduces the gradients), FSDP2's `fully_shard` (keep
+the LM head in the root's group: it is applied outside the model's forward) or torch.compile.
 
 Invariant (tests/test_api.py): for left, right and two-sided padding, GRPO groups sharing prompts
 and batches without sharing, the outputs equal those of each sequence run alone through the model
 (fp32 CPU, ≤ 1e-5), with temperature and entropy, and the loss and every parameter gradient equal
-the per-trajectory ones. Legend: B sequences, L padded length, R response columns, T packed
+the per-trajectory ones; a planned step's loss, MoE losses and gradients equal the whole batch's as one
+microbatch (groups whole or split, D = 1 and 2). Legend: B sequences, L padded length, R response columns, T packed
 tokens, S semantic tokens (real tokens of all sequences), C compact rows.
 """
 
@@ -65,6 +70,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,12 +79,16 @@ import torch
 
 from harts.config.execution import DEVICES, ExecutionConfig
 from harts.model.model import HybridModel, unwrap_model
+from harts.model.moe import step_share
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
-    StepConfig, aggregation_normalizer, build_layout, loss_config_of, microbatch_logprobs, policy_loss_of,
-    step_config, step_normalizer,
+    StepConfig, aggregation_normalizer, autocast_context, build_layout, loss_config_of, microbatch_logprobs,
+    policy_loss_of, semantic_index, step_config, step_normalizer,
 )
-from harts.objective.targets import semantic_targets_from_step
+from harts.objective.targets import SemanticTargets, semantic_targets_from_step
+from harts.planning import Plan
+from harts.planning import plan as plan_microbatches
+from harts.planning import validate as validate_plan
 from harts.trees.step import LOGPROB_FLOOR, TOKEN_DTYPE, Step
 from harts.trees.trie import PrefixIndex
 
@@ -109,10 +119,13 @@ class RLBatch:
     def num_sequences(self) -> int:
         return self.step.num_trajectories
 
-    def prediction_mask(self) -> torch.Tensor:
-        """bool, the batch's layout: True where a token is predicted (real, not a sequence's first)."""
+    def prediction_mask(self, among: np.ndarray | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """bool, the batch's layout: True where a token is predicted (real, not a sequence's first), and, with
+        `among` (bool [S], step order), where `among` is True."""
         has_prediction = np.ones(self.step.num_semantic_tokens, dtype=bool)
         has_prediction[self.step.offsets[:-1]] = False
+        if among is not None:
+            has_prediction &= among
         return self.to_layout(torch.from_numpy(has_prediction))
 
     def to_layout(self, values_S: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -502,23 +515,61 @@ def _model(model: torch.nn.Module) -> HybridModel:
     return inner
 
 
-def _run(model: torch.nn.Module, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool):
+def _check_vocabulary(model: torch.nn.Module, batch: RLBatch) -> None:
     vocab = _model(model).config.vocab_size
     too_large = np.flatnonzero(batch.step.tokens >= vocab)
     if len(too_large):
         k = int(too_large[0])
         raise ValueError(f"{batch.step.source}: field 'input_ids': token {int(batch.step.tokens[k])} at "
                          f"{batch.locate(k)} is outside the model's vocabulary [0, {vocab})")
+
+
+@dataclass(frozen=True, eq=False)
+class _Microbatch:
+    """One forward over some of a batch's sequences (their semantic positions in `semantic_index` order)."""
+
+    num_rows: int
+    sem_index: np.ndarray
+    """int64 [S_mb]: the step's semantic positions of the microbatch."""
+    logprobs_S: torch.Tensor
+    entropy_S: torch.Tensor | None
+    moe: torch.Tensor
+    """The model's MoE losses of this forward alone (its rows' means)."""
+    auxes: list
+
+
+def _index(batch: RLBatch, config: StepConfig) -> PrefixIndex | None:
+    return PrefixIndex.from_step(batch.step) if config.execution == "compact" else None
+
+
+def _forward(model: torch.nn.Module, batch: RLBatch, members: np.ndarray, config: StepConfig,
+             index: PrefixIndex | None, targets: SemanticTargets, temperature: float, entropy: bool,
+             capacity: int | None = None) -> _Microbatch:
+    """The model over the sequences `members` of the batch, one microbatch (a batch over `capacity` rows refused)."""
     device = next(model.parameters()).device
-    members = np.arange(batch.num_sequences)
-    index = PrefixIndex.from_step(batch.step) if config.execution == "compact" else None
-    layout = build_layout(batch.step, members, model, config, index).to(device)
-    targets = semantic_targets_from_step(batch.step)
-    logprobs_S, entropy_S, moe, _ = microbatch_logprobs(
-        model, layout, torch.from_numpy(targets.targets).to(device), config, device,
-        temperature=temperature, return_entropy=entropy,
+    layout = build_layout(batch.step, members, model, config, index)
+    if capacity is not None and layout.num_rows > capacity:
+        raise ValueError(f"{batch.step.source}: {layout.num_rows:,} rows ({config.execution} execution) in one "
+                         f"microbatch, more than the capacity {capacity:,}: plan the batch into microbatches "
+                         "(harts.api.plan) and run them with harts.api.policy_step")
+    layout = layout.to(device)
+    sem_index = semantic_index(batch.step, members)
+    targets_S = torch.from_numpy(targets.targets[sem_index]).to(device)
+    logprobs_S, entropy_S, moe, auxes = microbatch_logprobs(
+        model, layout, targets_S, config, device, temperature=temperature, return_entropy=entropy,
     )
-    return layout, targets, logprobs_S, entropy_S, moe
+    return _Microbatch(num_rows=layout.num_rows, sem_index=sem_index, logprobs_S=logprobs_S, entropy_S=entropy_S,
+                       moe=moe, auxes=auxes)
+
+
+def _run(model: torch.nn.Module, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool,
+         capacity: int | None) -> tuple[_Microbatch, SemanticTargets]:
+    """The whole batch as one microbatch."""
+    _check_vocabulary(model, batch)
+    targets = semantic_targets_from_step(batch.step)
+    members = np.arange(batch.num_sequences)
+    return _forward(model, batch, members, config, _index(batch, config), targets, temperature, entropy,
+                    capacity), targets
 
 
 def _outputs(batch: RLBatch, logprobs_S: torch.Tensor, entropy_S: torch.Tensor | None, num_rows: int) -> dict:
@@ -531,33 +582,90 @@ def _outputs(batch: RLBatch, logprobs_S: torch.Tensor, entropy_S: torch.Tensor |
     )
 
 
+def _check_capacity_argument(capacity: int | None, caller: str) -> None:
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"{caller}: capacity must be an integer >= 1 or None, got {capacity!r}")
+
+
 def logprobs(
     model: torch.nn.Module,
-    batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    batch: BatchPlan | RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
     *,
     temperature: float = 1.0,
     entropy: bool = False,
     config: StepConfig | None = None,
+    capacity: int | None = None,
 ) -> TokenOutputs:
     """Per-token log-probs (and entropy) of `batch` under `model`, in the batch's layout.
 
     Args:
         model: the policy (or reference) HybridModel, or a wrapper of it (module docstring); its parameters'
             device is where it runs.
-        batch: an RLBatch, or a padded/packed mapping or list of trajectories (`as_batch`).
+        batch: an RLBatch, or a padded/packed mapping or list of trajectories (`as_batch`): run as one
+            microbatch; or a `BatchPlan` (`plan`): its microbatches run one after another (every replica's).
         temperature: T > 0: log-probs and entropy of softmax(logits / T).
         entropy: also return the entropy of every predicting distribution.
         config: execution (compact or baseline), recompute, dtype and backends; default
             `default_config(model)`.
+        capacity: the most rows one microbatch may have: a batch over it is refused (plan it instead).
 
     Returns:
         TokenOutputs on the model's device, differentiable w.r.t. the model's parameters unless
         called under `torch.no_grad()` (as for old or reference log-probs).
     """
-    batch = as_batch(batch)
+    _check_capacity_argument(capacity, "logprobs")
     config = config or default_config(model)
-    layout, _, logprobs_S, entropy_S, _ = _run(model, batch, config, temperature, entropy)
-    return TokenOutputs(**_outputs(batch, logprobs_S, entropy_S, layout.num_rows))
+    if isinstance(batch, BatchPlan):
+        plan = batch
+        _check_plan_execution(plan, config)
+        batch = plan.batch
+        _check_vocabulary(model, batch)
+        targets = semantic_targets_from_step(batch.step)
+        index = _index(batch, config)
+        device = next(model.parameters()).device
+        logprobs_S = torch.zeros(batch.step.num_semantic_tokens, device=device)
+        entropy_S = torch.zeros_like(logprobs_S) if entropy else None
+        num_rows = 0
+        for members in plan.microbatches:
+            if not len(members):
+                continue
+            part = _forward(model, batch, members, config, index, targets, temperature, entropy)
+            sem = torch.from_numpy(part.sem_index).to(device)
+            logprobs_S = logprobs_S.index_put((sem,), part.logprobs_S)
+            if entropy:
+                entropy_S = entropy_S.index_put((sem,), part.entropy_S)
+            num_rows += part.num_rows
+        return TokenOutputs(**_outputs(batch, logprobs_S, entropy_S, num_rows))
+    batch = as_batch(batch)
+    part, _ = _run(model, batch, config, temperature, entropy, capacity)
+    return TokenOutputs(**_outputs(batch, part.logprobs_S, part.entropy_S, part.num_rows))
+
+
+def _check_policy_inputs(batch: RLBatch, config: StepConfig) -> None:
+    if not batch.has_loss_mask:
+        raise ValueError(f"{batch.step.source}: policy_loss needs a loss mask (field 'loss_mask' or 'response_mask')")
+    if not batch.has_advantages:
+        raise ValueError(f"{batch.step.source}: policy_loss needs field 'advantages'")
+    if config.loss == "grpo" and config.grpo.kl_coef > 0 and batch.step.ref_logprobs is None:
+        raise ValueError(f"{batch.step.source}: GRPO with kl_coef > 0 needs field 'ref_log_probs'")
+
+
+def _policy(part: _Microbatch, targets: SemanticTargets, config: StepConfig, normalizer: float,
+            entropy_normalizer: float | None) -> PolicyLoss:
+    """The policy loss of a microbatch's positions with the given normalisers."""
+    device = part.logprobs_S.device
+    sem = part.sem_index
+
+    def pick(array):
+        return None if array is None else torch.from_numpy(array[sem]).to(device)
+
+    return policy_loss_of(
+        part.logprobs_S, config, advantages_S=pick(targets.advantages), loss_mask_S=pick(targets.loss_mask),
+        old_logprobs_S=pick(targets.old_logprobs), ref_logprobs_S=pick(targets.ref_logprobs),
+        trajectory_index_S=pick(targets.trajectory_index), normalizer=normalizer,
+        entropy_S=part.entropy_S if loss_config_of(config).entropy_coef > 0 else None,
+        entropy_normalizer=entropy_normalizer,
+    )
 
 
 def policy_loss(
@@ -570,19 +678,22 @@ def policy_loss(
     normalizer: float | None = None,
     num_microbatches: int | None = None,
     entropy_normalizer: float | None = None,
+    capacity: int | None = None,
 ) -> BatchLoss:
-    """The GRPO/PPO loss of `batch` (needs a loss mask and advantages), its MoE losses and per-token
-    outputs; `result.loss.backward()` accumulates the parameters' gradients.
+    """The GRPO/PPO loss of `batch` (needs a loss mask and advantages) run as one microbatch, its MoE losses and
+    per-token outputs; `result.loss.backward()` accumulates the parameters' gradients. A batch larger than one
+    microbatch: `plan` and `policy_step`.
 
     Args:
-        model, batch, temperature, entropy: as for `logprobs`.
+        model, batch, temperature, entropy, capacity: as for `logprobs`.
         config: `loss` ("grpo"/"ppo") with its `grpo`/`ppo` hyper-parameters, and the execution
             settings; default `default_config(model)` (GRPO, clip 0.2/0.2, no KL, token-mean).
         normalizer: the aggregation's denominator (masked tokens, or sequences for
             seq-mean-token-mean) of the whole step when `batch` is one micro-batch of it; default:
             this batch's own count.
         num_microbatches: with `normalizer`, how many micro-batches the step has: the MoE losses are
-            divided by it (their mean over the step's micro-batches, as `run_step` takes it).
+            divided by it (their mean over the step's micro-batches, as `run_step` takes it; `policy_step`
+            normalises them as one step instead).
         entropy_normalizer: with an entropy bonus whose `entropy_aggregation` is not the loss's, the step's
             denominator of that aggregation (default: this batch's own count); otherwise `normalizer` serves.
     """
@@ -596,38 +707,268 @@ def policy_loss(
     for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"policy_loss: {name} must be a finite count > 0, got {value!r}")
+    _check_capacity_argument(capacity, "policy_loss")
     batch = as_batch(batch)
     config = config or default_config(model)
-    if not batch.has_loss_mask:
-        raise ValueError(f"{batch.step.source}: policy_loss needs a loss mask (field 'loss_mask' or 'response_mask')")
-    if not batch.has_advantages:
-        raise ValueError(f"{batch.step.source}: policy_loss needs field 'advantages'")
-    if config.loss == "grpo" and config.grpo.kl_coef > 0 and batch.step.ref_logprobs is None:
-        raise ValueError(f"{batch.step.source}: GRPO with kl_coef > 0 needs field 'ref_log_probs'")
+    _check_policy_inputs(batch, config)
     loss_config = loss_config_of(config)
-    layout, targets, logprobs_S, entropy_S, moe = _run(
-        model, batch, config, temperature, entropy or loss_config.entropy_coef > 0
-    )
-    device = logprobs_S.device
-
-    def tensor(array):
-        return None if array is None else torch.from_numpy(array).to(device)
-
-    policy: PolicyLoss = policy_loss_of(
-        logprobs_S, config, advantages_S=tensor(targets.advantages), loss_mask_S=tensor(targets.loss_mask),
-        old_logprobs_S=tensor(targets.old_logprobs), ref_logprobs_S=tensor(targets.ref_logprobs),
-        trajectory_index_S=tensor(targets.trajectory_index),
+    part, targets = _run(model, batch, config, temperature, entropy or loss_config.entropy_coef > 0, capacity)
+    policy = _policy(
+        part, targets, config,
         normalizer=step_normalizer(targets, config) if normalizer is None else float(normalizer),
-        entropy_S=entropy_S if loss_config.entropy_coef > 0 else None,
         entropy_normalizer=(
             float(entropy_normalizer) if entropy_normalizer is not None
             else None if normalizer is not None and loss_config.entropy_aggregation in (None, loss_config.aggregation)
             else aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
         ),
     )
-    moe = moe / (num_microbatches or 1)
+    moe = part.moe / (num_microbatches or 1)
     return BatchLoss(
-        **_outputs(batch, logprobs_S, entropy_S if entropy else None, layout.num_rows),
+        **_outputs(batch, part.logprobs_S, part.entropy_S if entropy else None, part.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
         kl=policy.kl,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Planned microbatches: a whole mini-batch as one step
+
+
+PLAN_WORK_MODELS = {"compact": "compact", "baseline": "semantic"}
+"""The plan's work model that bounds each execution's rows (compact rows, or every token)."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """A batch split into microbatches by a HARTS planner (DESIGN §2), each at most `capacity` rows."""
+
+    batch: RLBatch
+    microbatches: tuple[np.ndarray, ...]
+    """int64 sequence indices of each microbatch (ascending), K of them in (slot, replica) order: microbatch k
+    runs on replica k mod D. A sequence is in exactly one; one is empty only when the batch has fewer than D
+    sequences."""
+    num_rows: tuple[int, ...]
+    """Rows of each microbatch under the plan's work model (compact rows: its trie's size)."""
+    plan: Plan
+    """The planner's record (slots, replicas, planning time; `harts.planning.plan_metrics` reads it)."""
+
+    @property
+    def capacity(self) -> int:
+        return self.plan.capacity
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
+
+    def of_replica(self, rank: int) -> list[np.ndarray]:
+        """The microbatches replica `rank` runs, in slot order."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.dp:
+            raise ValueError(f"rank must be an integer in [0, {self.dp}) (the plan's D), got {rank!r}")
+        return [m for k, m in enumerate(self.microbatches) if k % self.dp == rank]
+
+
+def plan(
+    batch: RLBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    capacity: int,
+    dp: int = 1,
+    *,
+    planner: str = "harts",
+) -> BatchPlan:
+    """The batch's sequences in microbatches of at most `capacity` rows each, for `dp` data-parallel replicas.
+
+    The HARTS planner cuts the batch's trie where the least sharing is lost: a GRPO group (sequences sharing a
+    prompt) stays in one microbatch wherever it fits, and sequences of different groups share a microbatch when
+    the planner finds that best. A sequence longer than `capacity` is a ValueError (never split). `planner`: one
+    of `harts.planning.PLANNER_NAMES` ("per-trajectory" bounds every token, for the baseline execution).
+    """
+    _check_capacity_argument(capacity, "plan")
+    if capacity is None:
+        raise ValueError("plan: capacity must be an integer >= 1, got None")
+    batch = as_batch(batch)
+    step = batch.step
+    index = PrefixIndex.from_step(step)
+    planned = plan_microbatches(step, capacity, dp, planner, index=index)
+    validate_plan(planned, step, index)
+    position = {trajectory: k for k, trajectory in enumerate(step.ids)}
+    microbatches = tuple(np.sort(np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64))
+                         for mb in planned.microbatches)
+    return BatchPlan(batch=batch, microbatches=microbatches, num_rows=tuple(mb.work for mb in planned.microbatches),
+                     plan=planned)
+
+
+def _check_plan_execution(plan: BatchPlan, config: StepConfig) -> None:
+    if PLAN_WORK_MODELS[config.execution] != plan.plan.work_model:
+        raise ValueError(f"the plan bounds {plan.plan.work_model} rows but the {config.execution} execution runs "
+                         f"{PLAN_WORK_MODELS[config.execution]} rows: plan with planner "
+                         f"{'harts' if config.execution == 'compact' else 'per-trajectory'!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class StepLoss(TokenOutputs):
+    """A mini-batch step's losses (detached: the gradients are already accumulated) and per-token outputs.
+
+    With D > 1 the values are this replica's shares (the replicas' add up to the batch's) and the per-token
+    outputs hold this replica's sequences (zero elsewhere, `mask` False there); `num_rows` and `num_tokens`
+    count this replica's."""
+
+    loss: torch.Tensor
+    """policy_loss + moe_loss."""
+    policy_loss: torch.Tensor
+    moe_loss: torch.Tensor
+    """The MoE losses of the batch's rows as one step (`harts.model.moe.step_share`)."""
+    clip_fraction: torch.Tensor
+    """Over the loss-masked tokens."""
+    kl: torch.Tensor | None
+    """Mean KL estimate over the loss-masked tokens (GRPO with reference log-probs)."""
+    num_microbatches: int
+    """Microbatches this replica ran."""
+
+
+def _averages_gradients(model: torch.nn.Module) -> bool:
+    """Whether the wrapper reduces gradients as a mean over its replicas (DDP, FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, (DistributedDataParallel, FSDPModule))
+
+
+def _gradient_sync(model: torch.nn.Module, last: bool):
+    """Reduce gradients only after a replica's last microbatch (DDP's no_sync, FSDP2's requires_gradient_sync)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not last:
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+    return nullcontext()
+
+
+def _balance_counts(model: torch.nn.Module, batch: RLBatch, microbatches: list[np.ndarray], config: StepConfig,
+                    index: PrefixIndex | None, dp: int, group) -> list[torch.Tensor]:
+    """Per MoE layer, the load-balancing assignments of the whole step: a forward without gradients of each
+    of this replica's microbatches (its routing is the training forward's: same rows, same weights), summed,
+    and over the replicas with D > 1."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    # A replica without sequences (fewer than D) still joins the sum.
+    counts = [torch.zeros(block.mlp.config.num_experts, dtype=torch.promote_types(parameter.dtype, torch.float32),
+                          device=device) for block in _model(model).blocks if block.is_moe]
+    with torch.no_grad():
+        for members in microbatches:
+            layout = build_layout(batch.step, members, model, config, index).to(device)
+            with autocast_context(device, config):
+                _, auxes = model(layout.input_ids, layout)
+            counts = [total + aux.balance_counts_E.to(total.dtype) for total, aux in zip(counts, auxes, strict=True)]
+    if dp > 1:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"policy_step: the load-balancing loss of a step over D = {dp} replicas needs the step's "
+                             "expert counts of every replica: initialise torch.distributed (the replicas' group)")
+        for tensor in counts:
+            dist.all_reduce(tensor, group=group)
+    return counts
+
+
+def policy_step(
+    model: torch.nn.Module,
+    plan: BatchPlan,
+    *,
+    config: StepConfig | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    rank: int = 0,
+    backward: bool = True,
+    group=None,
+) -> StepLoss:
+    """Forward and backward of a planned mini-batch as ONE step: gradient accumulation over replica `rank`'s
+    microbatches, every loss part normalised over the whole batch, so the microbatches' losses and gradients
+    add up to those of the whole batch run as one microbatch.
+
+    - Policy loss: the aggregation's denominator (masked tokens, or sequences) and the entropy bonus's are
+      the batch's counts, not a microbatch's.
+    - MoE losses: each microbatch adds its share of the batch's (`harts.model.moe.step_share`): its z-loss
+      numerator over the batch's tokens, and its load-balancing probability mass times the batch's expert
+      counts. Those counts come from the routing of every microbatch, so with a load-balancing loss and more
+      than one microbatch a forward without gradients of each microbatch runs first (one forward more), and
+      with D > 1 the counts are summed over the replicas through torch.distributed (`group`, default WORLD).
+    - Data parallelism: each replica holds the whole batch and runs its own microbatches (`BatchPlan.of_replica`);
+      the replicas' gradients add up to the batch's. A DistributedDataParallel or FSDP2 model averages its
+      replicas' gradients, so for such a model the step back-propagates D times its share, and reduces only
+      after its last microbatch.
+
+    Args:
+        model: a HybridModel or a wrapper of it (module docstring).
+        plan: `plan(batch, capacity, dp)`; every microbatch has at most `plan.capacity` rows.
+        config, temperature, entropy: as for `policy_loss`.
+        rank: this replica (0 <= rank < D).
+        backward: False runs the forwards only (no gradients).
+
+    Returns:
+        StepLoss: detached values and per-token outputs in the batch's layout.
+    """
+    if not isinstance(plan, BatchPlan):
+        raise ValueError(f"policy_step: expected a BatchPlan (harts.api.plan(batch, capacity)), got "
+                         f"{type(plan).__name__}")
+    config = config or default_config(model)
+    _check_plan_execution(plan, config)
+    batch = plan.batch
+    _check_policy_inputs(batch, config)
+    _check_vocabulary(model, batch)
+    microbatches = [m for m in plan.of_replica(rank) if len(m)]
+    averaging = _averages_gradients(model)
+    if averaging and len(microbatches) != len(plan.of_replica(rank)):
+        raise ValueError(f"policy_step: the plan gives replica {rank} an empty microbatch (fewer sequences than "
+                         f"D = {plan.dp}); a {type(model).__name__} needs every replica to run as many")
+    step = batch.step
+    targets = semantic_targets_from_step(step)
+    loss_config = loss_config_of(config)
+    normalizer = step_normalizer(targets, config)
+    entropy_normalizer = aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
+    index = _index(batch, config)
+    device = next(model.parameters()).device
+    moe_config = _model(model).config.moe
+    num_tokens = float(step.num_semantic_tokens)
+    counts = None
+    if moe_config.aux_loss_coeff > 0 and sum(1 for m in plan.microbatches if len(m)) > 1:
+        counts = _balance_counts(model, batch, microbatches, config, index, plan.dp, group)
+    # DDP and FSDP2 average the replicas' gradients; the step's are their sum.
+    scale = float(plan.dp) if averaging else 1.0
+    logprobs_S = torch.zeros(step.num_semantic_tokens)
+    entropy_S = torch.zeros(step.num_semantic_tokens) if entropy else None
+    mine = np.zeros(step.num_semantic_tokens, dtype=bool)
+    total_policy = total_moe = clipped = kl_sum = masked = 0.0
+    has_kl = False
+    num_rows = 0
+    for j, members in enumerate(microbatches):
+        with torch.set_grad_enabled(backward), _gradient_sync(model, last=j == len(microbatches) - 1):
+            part = _forward(model, batch, members, config, index, targets, temperature,
+                            entropy or loss_config.entropy_coef > 0)
+            assert part.num_rows <= plan.capacity, (part.num_rows, plan.capacity)  # the planner bounded it
+            policy = _policy(part, targets, config, normalizer, entropy_normalizer)
+            moe = sum((step_share(aux, moe_config, step_tokens=num_tokens,
+                                  step_balance_counts_E=aux.balance_counts_E if counts is None else counts[layer])
+                       for layer, aux in enumerate(part.auxes)), policy.loss.new_zeros(()))
+            if backward:
+                ((policy.loss + moe) * scale).backward()
+        total_policy += float(policy.loss.detach())
+        total_moe += float(moe.detach())
+        count = float(targets.loss_mask[part.sem_index].sum())
+        masked += count
+        clipped += float(policy.clip_fraction) * count
+        if policy.kl is not None:
+            has_kl, kl_sum = True, kl_sum + float(policy.kl) * count
+        sem = torch.from_numpy(part.sem_index)
+        logprobs_S[sem] = part.logprobs_S.detach().float().cpu()
+        if entropy:
+            entropy_S[sem] = part.entropy_S.detach().float().cpu()
+        mine[part.sem_index] = True
+        num_rows += part.num_rows
+    outputs = _outputs(batch, logprobs_S.to(device), None if entropy_S is None else entropy_S.to(device), num_rows)
+    outputs.update(mask=batch.prediction_mask(mine).to(device) if batch.kind != "trajectories"
+                   else [m.to(device) for m in batch.prediction_mask(mine)], num_tokens=int(mine.sum()))
+    return StepLoss(
+        **outputs, loss=torch.tensor(total_policy + total_moe), policy_loss=torch.tensor(total_policy),
+        moe_loss=torch.tensor(total_moe), clip_fraction=torch.tensor(clipped / max(masked, 1.0)),
+        kl=torch.tensor(kl_sum / max(masked, 1.0)) if has_kl else None, num_microbatches=len(microbatches),
     )

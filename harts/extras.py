@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"ortools": "bench", "matplotlib": "bench", "wandb": "wandb", "snakemake": "pipeline"}
+EXTRAS = {"ortools": "bench", "matplotlib": "bench", "wandb": "wandb", "snakemake": "pipeline", "trl": "trl"}
 """Top-level package -> the extra that installs it."""
 
 

@@ -11,8 +11,14 @@ shows up. fp32 on the CPU: log-probs and entropy within 1e-5 (as tests/model/tes
 the compact rows run the same math in other call shapes), the loss within 1e-6 relative and every
 parameter gradient within 1e-4 relative (‖Δg‖ / ‖g‖ per parameter, the equivalence test's bound;
 measured: about 1e-6).
+
+Planned mini-batches (`api.plan`, `api.policy_step`): the batch planned into 4+ microbatches (GRPO groups whole,
+or every group split) gives the loss, the MoE losses and the gradients of the batch run as one microbatch, on a
+model whose MoE loss coefficients (0.5, 0.05) make a misnormalised MoE loss show above the tolerances; without
+MoE losses, the per-trajectory oracle's; two replicas add up to the batch.
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -285,8 +291,10 @@ def near_policy(model, pairs, fields, rng, temperature):
 
 
 def reference_loss(model, pairs, fields, places, size, config, temperature):
-    """The loss of `harts.objective.losses` over the batch's positions, from per-trajectory log-probs."""
-    logprobs, _, _ = reference(model, pairs, places, size, temperature)
+    """The loss of `harts.objective.losses` over the batch's positions, from per-trajectory log-probs (and
+    entropies, for an entropy bonus). Values sit at the tokens they predict (shifted by one from the positions
+    that predict them): the loss is a sum over positions, so the order does not matter."""
+    logprobs, entropy, _ = reference(model, pairs, places, size, temperature)
     data = {name: torch.zeros(size, dtype=torch.float32) for name in ("loss_mask", "advantages", "old", "ref")}
     row = torch.zeros(size, dtype=torch.int64)
     for b, (f, place) in enumerate(zip(fields, places)):
@@ -300,6 +308,8 @@ def reference_loss(model, pairs, fields, places, size, config, temperature):
         row[index] = b
     common = dict(advantages_S=data["advantages"], loss_mask_S=data["loss_mask"].bool(), old_logprobs_S=data["old"],
                   trajectory_index_S=row)
+    if (config.grpo if config.loss == "grpo" else config.ppo).entropy_coef > 0:
+        common["entropy_S"] = entropy
     if config.loss == "grpo":
         return grpo_loss(logprobs, config=config.grpo, ref_logprobs_S=data["ref"], **common), common["loss_mask_S"]
     return ppo_loss(logprobs, config=config.ppo, **common), common["loss_mask_S"]
@@ -484,6 +494,186 @@ def test_entropy_is_differentiable(model):
 
 
 # ---------------------------------------------------------------------------------------------
+# Planned microbatches: a mini-batch as one step
+
+
+def moe_model(aux_loss_coeff=0.5, z_loss_coeff=0.05):
+    """The fixture's tiny model with MoE loss coefficients large enough that their gradients weigh in the
+    comparisons (tiny's own 0.01 and 0.001 would hide a misnormalised MoE loss below the gradient tolerance)."""
+    config = load_model_config("tiny")
+    config = dataclasses.replace(config, moe=dataclasses.replace(
+        config.moe, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff))
+    model = HybridModel(config)
+    model.init_weights(seed=42)
+    return model
+
+
+def relative_gradient_error(got, want):
+    assert got.keys() == want.keys()
+    return max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0)
+
+
+CAPACITIES = {"groups-whole": 200, "groups-split": 90}
+"""Compact rows per microbatch: 200 holds one GRPO group (116-142 rows) but not two; 90 splits every group."""
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("loss", LOSSES)
+def test_planned_step_equals_one_microbatch(loss, capacity):
+    """A batch planned into microbatches and run by `policy_step` (gradient accumulation) gives the loss, the MoE
+    losses and every gradient of the whole batch run as ONE microbatch (`policy_loss`: one forward over all rows),
+    and the per-token outputs of each sequence alone."""
+    _, pairs, fields, _, places, size = case_data("grpo-4x8-verl")
+    model = moe_model()
+    fields = near_policy(model, pairs, fields, np.random.default_rng(3), 1.0)
+    batch, _ = make_batch("verl", pairs, fields)
+    config = LOSSES[loss]
+    plan = api.plan(batch, CAPACITIES[capacity])
+    assert all(rows <= CAPACITIES[capacity] for rows in plan.num_rows) and len(plan.microbatches) >= 4
+    groups = [set(m.tolist()) for m in plan.microbatches]
+    if capacity == "groups-whole":  # every GRPO group (8 consecutive rows) in one microbatch
+        assert sorted(tuple(sorted(g)) for g in groups) == [tuple(range(8 * i, 8 * i + 8)) for i in range(4)]
+
+    model.zero_grad(set_to_none=True)
+    one = api.policy_loss(model, batch, config=config)
+    one.loss.backward()
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+    step = api.policy_step(model, plan, config=config, entropy=True)
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    assert step.num_microbatches == len(plan.microbatches) and step.num_rows == sum(plan.num_rows)
+    assert step.num_rows > one.num_rows if capacity == "groups-split" else step.num_rows == one.num_rows
+    assert float(one.moe_loss.detach()) > 0.1 * abs(float(one.policy_loss.detach()))
+    assert abs(float(step.moe_loss) - float(one.moe_loss.detach())) <= 1e-6 * float(one.moe_loss.detach())
+    one_policy = float(one.policy_loss.detach())
+    assert abs(float(step.policy_loss) - one_policy) <= 1e-6 * max(abs(one_policy), 1e-2)
+    assert abs(float(step.loss) - float(one.loss.detach())) <= 1e-6 * abs(float(one.loss.detach()))
+    assert abs(float(step.clip_fraction) - float(one.clip_fraction.detach())) <= 1e-6
+    assert relative_gradient_error(got, want) <= 1e-4
+    with torch.no_grad():
+        expected_lp, expected_h, expected_mask = reference(model, pairs, places, size, 1.0)
+    assert torch.equal(flat(step.mask), expected_mask)
+    assert float((flat(step.log_probs) - expected_lp).abs().max()) <= 1e-5
+    assert float((flat(step.entropy) - expected_h).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_planned_step_equals_each_sequence_alone(loss):
+    """Without MoE losses, the planned step's loss and gradients are the per-trajectory oracle's."""
+    layout, pairs, fields, _, places, size = case_data("grpo-4x8-right")
+    model = moe_model(0.0, 0.0)
+    temperature = 0.8
+    fields = near_policy(model, pairs, fields, np.random.default_rng(7), temperature)
+    batch, _ = make_batch(layout, pairs, fields)
+    config = LOSSES[loss]
+    model.zero_grad(set_to_none=True)
+    step = api.policy_step(model, api.plan(batch, CAPACITIES["groups-split"]), config=config, temperature=temperature)
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+    expected, mask = reference_loss(model, pairs, fields, places, size, config, temperature)
+    expected.loss.backward()
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+    scale = float(expected.per_token_loss.detach().abs()[mask].mean())
+    assert abs(float(step.policy_loss) - float(expected.loss.detach())) <= 1e-6 * scale
+    assert float(step.moe_loss) == 0.0
+    assert relative_gradient_error(got, want) <= 1e-4
+
+
+def test_replicas_add_up_to_the_step():
+    """D = 2: each replica runs its microbatches (the plan's replica k mod 2); the two replicas' losses and
+    gradients add up to the whole batch's (z-loss on: its share needs only the batch's tokens)."""
+    _, pairs, fields, _, _, _ = case_data("grpo-4x8-verl")
+    model = moe_model(0.0, 0.5)
+    fields = near_policy(model, pairs, fields, np.random.default_rng(5), 1.0)
+    batch, _ = make_batch("verl", pairs, fields)
+    plan = api.plan(batch, CAPACITIES["groups-split"], dp=2)
+    assert len(plan.microbatches) % 2 == 0
+    model.zero_grad(set_to_none=True)
+    one = api.policy_loss(model, batch)
+    one.loss.backward()
+    want = gradients(model)
+    model.zero_grad(set_to_none=True)
+    parts = [api.policy_step(model, plan, rank=rank) for rank in (0, 1)]
+    got = gradients(model)
+    model.zero_grad(set_to_none=True)
+    assert abs(sum(float(p.loss) for p in parts) - float(one.loss.detach())) <= 1e-6 * abs(float(one.loss.detach()))
+    one_moe = float(one.moe_loss.detach())
+    assert abs(sum(float(p.moe_loss) for p in parts) - one_moe) <= 1e-6 * one_moe
+    assert relative_gradient_error(got, want) <= 1e-4
+    masks = [p.mask for p in parts]
+    assert not (masks[0] & masks[1]).any() and torch.equal(masks[0] | masks[1], one.mask)
+    assert sum(p.num_tokens for p in parts) == one.num_tokens
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fully_shard"])
+def test_wrapped_model_runs_the_planned_step(process_group, wrapper):
+    """A DistributedDataParallel or FSDP2 model (one process): the planned step's loss and gradients are the plain
+    model's (it reduces after the last microbatch only)."""
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    plan = api.plan(batch, CAPACITIES["groups-whole"])
+    plain = moe_model()
+    expected = api.policy_step(plain, plan)
+    want = gradients(plain)
+    model = moe_model()
+    if wrapper == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    result = api.policy_step(wrapped, plan)
+    got = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+           for name, p in model.named_parameters() if p.grad is not None}
+    assert abs(float(result.loss) - float(expected.loss)) <= 1e-6 * abs(float(expected.loss))
+    assert relative_gradient_error(got, want) <= 1e-5
+
+
+def test_load_balancing_over_replicas_needs_torch_distributed():
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    with pytest.raises(ValueError, match="policy_step: the load-balancing loss of a step over D = 2 replicas"):
+        api.policy_step(moe_model(), api.plan(batch, CAPACITIES["groups-split"], dp=2))
+
+
+def test_planned_logprobs_equal_one_microbatch(model):
+    _, _, _, batch, _, _ = case_data("grpo-4x8-left")
+    with torch.no_grad():
+        one = api.logprobs(model, batch, entropy=True)
+        planned = api.logprobs(model, api.plan(batch, CAPACITIES["groups-split"]), entropy=True)
+    assert planned.num_rows > one.num_rows
+    assert torch.equal(planned.mask, one.mask)
+    assert float((planned.log_probs - one.log_probs).abs().max()) <= 1e-5
+    assert float((planned.entropy - one.entropy).abs().max()) <= 1e-5
+
+
+def test_a_batch_over_capacity_is_refused_or_planned(model):
+    """One microbatch over the capacity is refused (never run oversized); a sequence longer than the capacity
+    cannot be planned; a plan of one execution does not run the other."""
+    _, _, _, batch, _, _ = case_data("grpo-4x8-verl")
+    with pytest.raises(ValueError, match=r"padded batch: 501 rows \(compact execution\) in one microbatch, more "
+                                         r"than the capacity 200: plan the batch"):
+        api.policy_loss(model, batch, capacity=200)
+    with pytest.raises(ValueError, match="padded batch: 501 rows"):
+        api.logprobs(model, batch, capacity=200)
+    with torch.no_grad():
+        assert api.policy_loss(model, batch, capacity=501).num_rows == 501
+    with pytest.raises(ValueError, match=r"trajectory '\d+' has \d+ tokens, more than the capacity T = 20"):
+        api.plan(batch, 20)
+    with pytest.raises(ValueError, match="the plan bounds compact rows but the baseline execution runs semantic"):
+        api.policy_step(model, api.plan(batch, 200), config=StepConfig(execution="baseline"))
+    with pytest.raises(ValueError, match="capacity must be an integer >= 1"):
+        api.plan(batch, 0)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 1\)"):
+        api.policy_step(model, api.plan(batch, 200), rank=1)
+
+
+# ---------------------------------------------------------------------------------------------
 # Padding side and bad input
 
 
@@ -621,9 +811,9 @@ def test_bad_requests_are_refused(model, case):
 # The library page's example runs (docs/library.md, "RL batch API")
 
 
-def library_example() -> str:
+def library_example(heading: str = "RL batch API") -> str:
     text = (Path(__file__).resolve().parents[1] / "docs/library.md").read_text(encoding="utf-8")
-    section = text.split("\n## RL batch API\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, "the section has one Python example"
     return blocks[0]
@@ -633,3 +823,10 @@ def test_library_example_runs(capsys):
     exec(compile(library_example(), "docs/library.md (RL batch API)", "exec"), {})
     rows, tokens = map(int, re.search(r"(\d+) rows computed for (\d+) tokens", capsys.readouterr().out).groups())
     assert rows < tokens  # the groups' prompts are shared
+
+
+def test_planned_example_runs(capsys):
+    exec(compile(library_example("Planned mini-batches"), "docs/library.md (Planned mini-batches)", "exec"), {})
+    printed = capsys.readouterr().out
+    count, rows = map(int, re.search(r"(\d+) microbatches, loss -?[\d.]+, (\d+) rows", printed).groups())
+    assert (count, rows) == (4, 4 * 88)  # one group per microbatch, as the page says

@@ -171,6 +171,12 @@ class MoEAux:
     """Switch-style load-balancing loss (None when its coefficient is 0)."""
     tokens_per_expert_E: torch.Tensor
     """fp32 q-weighted routed assignments per expert (no grad): the expert-bias update counts."""
+    num_tokens: torch.Tensor | None = None
+    """Σ q of the rows (no grad): the tokens the losses are means over (`step_share`)."""
+    balance_mass_E: torch.Tensor | None = None
+    """Σ q·P_e, the load-balancing loss's probability mass per expert (with grad; when that loss is computed)."""
+    balance_counts_E: torch.Tensor | None = None
+    """Σ q·f_e, its top-k assignment counts per expert (no grad; when that loss is computed)."""
 
     @property
     def loss(self) -> torch.Tensor:
@@ -240,6 +246,26 @@ def aux_loss_scores(
     return scores, selected
 
 
+def balance_parts(
+    scores_NE: torch.Tensor, selected_NE: torch.Tensor, multiplicity_N: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ q·P_e, Σ q·f_e) per expert: the two factors of the load-balancing loss (the counts without grad)."""
+    q = _weights(multiplicity_N, scores_NE)
+    probability_mass_E = (q[:, None] * scores_NE).sum(dim=0)
+    assignments_E = (q[:, None] * selected_NE.to(q.dtype)).sum(dim=0).detach()
+    return probability_mass_E, assignments_E
+
+
+def balance_loss_of(
+    probability_mass_E: torch.Tensor, assignments_E: torch.Tensor, num_tokens: torch.Tensor | float, *, top_k: int,
+    coeff: float,
+) -> torch.Tensor:
+    """coeff · E/(k·S²) · Σ_e mass_e·count_e for S = `num_tokens`."""
+    total = torch.as_tensor(num_tokens, dtype=probability_mass_E.dtype, device=probability_mass_E.device)
+    num_experts = probability_mass_E.shape[0]
+    return (probability_mass_E * assignments_E).sum() * (num_experts * coeff / top_k) / _row_total(total * total)
+
+
 def load_balancing_loss(
     scores_NE: torch.Tensor,
     selected_NE: torch.Tensor,
@@ -249,12 +275,31 @@ def load_balancing_loss(
     coeff: float,
 ) -> torch.Tensor:
     """coeff · E/(k·S²) · Σ_e (Σ q·P_e)(Σ q·f_e), S = Σ q (megatron's switch loss when q ≡ 1)."""
-    q = _weights(multiplicity_N, scores_NE)
-    num_experts = scores_NE.shape[1]
-    total = q.sum()
-    probability_mass_E = (q[:, None] * scores_NE).sum(dim=0)
-    assignments_E = (q[:, None] * selected_NE.to(q.dtype)).sum(dim=0)
-    return (probability_mass_E * assignments_E).sum() * (num_experts * coeff / top_k) / _row_total(total * total)
+    probability_mass_E, assignments_E = balance_parts(scores_NE, selected_NE, multiplicity_N)
+    total = _weights(multiplicity_N, scores_NE).sum()
+    return balance_loss_of(probability_mass_E, assignments_E, total, top_k=top_k, coeff=coeff)
+
+
+def step_share(
+    aux: MoEAux, config: MoEConfig, *, step_tokens: float, step_balance_counts_E: torch.Tensor | None
+) -> torch.Tensor:
+    """This forward's share of the MoE losses of a step whose forwards (microbatches) together hold `step_tokens`
+    tokens (Σ q) and `step_balance_counts_E` load-balancing assignments (the sum of their `balance_counts_E`): its
+    z-loss numerator over the step's tokens, and its probability mass times the step's counts over the step's
+    tokens squared. The shares of a step's forwards add up, value and gradient, to the losses of all their rows in
+    one forward (the load-balancing loss is not a sum over rows: each share needs the step's counts)."""
+    total = aux.tokens_per_expert_E.new_zeros(())
+    if aux.z_loss is not None:
+        if aux.num_tokens is None:
+            raise ValueError("step_share: this MoE forward did not report its tokens (num_tokens)")
+        total = total + aux.z_loss * (aux.num_tokens / step_tokens)
+    if aux.load_balancing_loss is not None:
+        if aux.balance_mass_E is None or step_balance_counts_E is None:
+            raise ValueError("step_share: the load-balancing share needs this forward's probability mass and the "
+                             "step's assignment counts")
+        total = total + balance_loss_of(aux.balance_mass_E, step_balance_counts_E.to(aux.balance_mass_E.dtype),
+                                        step_tokens, top_k=config.top_k, coeff=config.aux_loss_coeff)
+    return total
 
 
 def _row_total(total: torch.Tensor) -> torch.Tensor:
@@ -525,14 +570,15 @@ class MoE(nn.Module):
             out = out + _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
 
         z_loss = router_z_loss(logits, multiplicity_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
-        balance = None
+        num_tokens = _weights(multiplicity_N, logits).sum().detach()
+        balance = mass = assignments = None
         if c.aux_loss_coeff > 0:
             scores, selected = aux_loss_scores(logits, top_k=c.top_k, score_function=c.score_function)
-            balance = load_balancing_loss(
-                scores, selected, multiplicity_N, top_k=c.top_k, coeff=c.aux_loss_coeff
-            )
+            mass, assignments = balance_parts(scores, selected, multiplicity_N)
+            balance = balance_loss_of(mass, assignments, num_tokens, top_k=c.top_k, coeff=c.aux_loss_coeff)
         counts = expert_assignment_counts(routing.experts_NK, multiplicity_N, c.num_experts)
-        aux = MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts)
+        aux = MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts, num_tokens=num_tokens,
+                     balance_mass_E=mass, balance_counts_E=assignments)
         return out.to(x_ND.dtype), aux
 
     @torch.no_grad()

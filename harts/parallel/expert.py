@@ -44,8 +44,9 @@ from harts.model.moe import (
     Routing,
     _swiglu,
     aux_loss_scores,
+    balance_loss_of,
+    balance_parts,
     expert_assignment_counts,
-    load_balancing_loss,
     router_z_loss,
 )
 from harts.parallel.comm import (
@@ -131,27 +132,34 @@ class ParallelMoE(MoE):
         padded = pad_rows(multiplicity_R, num_rows * p.tp)
         return padded[rank * num_rows : (rank + 1) * num_rows]
 
-    def _losses(self, logits_NE: torch.Tensor, q_N: torch.Tensor | None):
+    def _losses(self, logits_NE: torch.Tensor, q_N: torch.Tensor | None) -> dict:
+        """The MoEAux loss fields of these rows (under SP, of the whole sequence-parallel group's rows)."""
         c = self.config
         if not self.parallelism.sequence_parallel:
+            q = q_N.to(logits_NE.dtype) if q_N is not None else logits_NE.new_ones(logits_NE.shape[0])
             z_loss = router_z_loss(logits_NE, q_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
-            balance = None
+            total = q.sum().detach()
+            mass_E = assignments_E = None
             if c.aux_loss_coeff > 0:
                 scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
-                balance = load_balancing_loss(scores, selected, q_N, top_k=c.top_k, coeff=c.aux_loss_coeff)
-            return z_loss, balance
-        q = q_N.to(logits_NE.dtype)
-        total = all_reduce_(q.sum().detach().clone(), self.parallelism.tp_group)
-        z_loss = balance = None
-        if c.z_loss_coeff > 0:
-            numerator = self._global_sum((q * torch.logsumexp(logits_NE, dim=-1).square()).sum())
-            z_loss = numerator / total * c.z_loss_coeff
-        if c.aux_loss_coeff > 0:
-            scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
-            mass_E = self._global_sum((q[:, None] * scores).sum(dim=0))
-            assignments_E = all_reduce_((q[:, None] * selected.to(q.dtype)).sum(dim=0), self.parallelism.tp_group)
-            balance = (mass_E * assignments_E).sum() * (c.num_experts * c.aux_loss_coeff / c.top_k) / (total * total)
-        return z_loss, balance
+                mass_E, assignments_E = balance_parts(scores, selected, q_N)
+        else:
+            q = q_N.to(logits_NE.dtype)
+            total = all_reduce_(q.sum().detach().clone(), self.parallelism.tp_group)
+            z_loss = mass_E = assignments_E = None
+            if c.z_loss_coeff > 0:
+                numerator = self._global_sum((q * torch.logsumexp(logits_NE, dim=-1).square()).sum())
+                z_loss = numerator / total * c.z_loss_coeff
+            if c.aux_loss_coeff > 0:
+                scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
+                mass_E, assignments_E = balance_parts(scores, selected, q)
+                mass_E = self._global_sum(mass_E)
+                assignments_E = all_reduce_(assignments_E, self.parallelism.tp_group)
+        balance = None
+        if mass_E is not None:
+            balance = balance_loss_of(mass_E, assignments_E, total, top_k=c.top_k, coeff=c.aux_loss_coeff)
+        return dict(z_loss=z_loss, load_balancing_loss=balance, num_tokens=total, balance_mass_E=mass_E,
+                    balance_counts_E=assignments_E)
 
     def _tensor_parallel_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         p = self.parallelism
@@ -218,6 +226,5 @@ class ParallelMoE(MoE):
             out = self._expert_parallel_experts(x_ND, routing)
         else:
             out = self._tensor_parallel_experts(x_ND, routing)
-        z_loss, balance = self._losses(logits, q_N)
         counts = expert_assignment_counts(routing.experts_NK, q_N, c.num_experts)
-        return out.to(x_ND.dtype), MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts)
+        return out.to(x_ND.dtype), MoEAux(tokens_per_expert_E=counts, **self._losses(logits, q_N))

@@ -12,6 +12,7 @@ from harts.model.moe import (
     expert_assignment_counts,
     load_balancing_loss,
     router_z_loss,
+    step_share,
     topk_routing,
     updated_expert_bias,
 )
@@ -230,6 +231,41 @@ def test_compact_q_weighted_equals_expanded(name):
         scores, routing_map.sum(dim=0), num_semantic, top_k, NUM_EXPERTS, 1e-2
     )
     assert aux.load_balancing_loss.item() == pytest.approx(megatron_balance.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_step_shares_add_up_to_one_forward(name):
+    """Rows split into three forwards (compact rows with multiplicities): the forwards' `step_share`s, with the
+    step's tokens and summed load-balancing counts, add up to the MoE losses of all rows in one forward, value and
+    every gradient (fp64). Not their plain sum, nor their mean: both differ."""
+    module = _module(MODULES[name])
+    generator = torch.Generator().manual_seed(7)
+    num_rows = 60
+    x = torch.randn(num_rows, 16, generator=generator, dtype=torch.float64)
+    multiplicity = torch.randint(1, 5, (num_rows,), generator=generator)
+    pieces = [slice(0, 10), slice(10, 35), slice(35, 60)]
+
+    module.zero_grad()
+    _, whole = module(x, multiplicity)
+    whole.loss.backward()
+    want = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    module.zero_grad()
+    auxes = [module(x[piece], multiplicity[piece])[1] for piece in pieces]
+    step_tokens = float(multiplicity.sum())
+    counts = sum(aux.balance_counts_E for aux in auxes)
+    shares = [step_share(aux, module.config, step_tokens=step_tokens, step_balance_counts_E=counts) for aux in auxes]
+    total = sum(shares)
+    total.backward()
+    got = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    assert float(total) == pytest.approx(float(whole.loss), rel=1e-12)
+    assert got.keys() == want.keys() == {"router_weight"}
+    for n in want:
+        assert float((got[n] - want[n]).abs().max()) <= 1e-12 * float(want[n].abs().max()), n
+    naive = sum(float(aux.loss) for aux in auxes)
+    assert abs(naive - float(whole.loss)) > 1e-3 * float(whole.loss)
+    assert abs(naive / len(auxes) - float(whole.loss)) > 1e-3 * float(whole.loss)
 
 
 def _grouped_mm_runs_on_cpu():

@@ -1,0 +1,1 @@
+"""HARTS inside the RL trainers people use: `harts.integrations.trl` (TRL's GRPO trainer)."""

@@ -1,0 +1,230 @@
+"""HARTS inside TRL's GRPO trainer (trl 1.16): `HARTSGRPOTrainer`, a `trl.GRPOTrainer` whose per-token log-probs,
+entropies and loss run through HARTS's compact execution (`harts.api`), so that the prompt a GRPO group shares
+is computed once per micro-batch instead of once per completion.
+
+The model is a transformers `KimiLinearForCausalLM` (e.g. `harts export` of a kimi-tiny training, or any
+Kimi-Linear checkpoint): TRL keeps driving it (generation, the optimizer, `save_pretrained`, the reference model)
+and HARTS runs its parameters in place (`harts.model.hf_modules.HFParameterView`: gradients land in the Hugging
+Face parameters). What the trainer replaces, and nothing else:
+- `_get_per_token_logps_and_entropies` (old and reference log-probs, in TRL's `batch_size` chunks): `api.logprobs`
+  of the padded prompt + completion rows at TRL's temperature;
+- `_compute_loss`: `api.policy_loss` of the micro-batch with TRL's loss read as a HARTS `GRPOConfig`
+  (`grpo_config_from_trl`, the mapping of docs/losses.md) and TRL's normaliser of each `loss_type` (dapo, cispo and
+  vespo: `num_items_in_batch` per accumulation step; grpo, sapo, dr_grpo, luspo: the micro-batch's rows × the
+  accumulation steps; bnpo: its masked tokens × the accumulation steps); the entropy bonus is a token mean over the
+  micro-batch, as TRL's. It logs TRL's `entropy`, `kl` and `clip_ratio/region_mean` metrics and
+  `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
+  forward computes) per call.
+TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
+turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
+entropy, the router auxiliary loss, PEFT models, multimodal inputs, more than one process (the model's forward is
+not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (TRL adds none for this model).
+
+Invariant (tests/integrations/test_trl.py): from the same seed, N steps of `trl.GRPOTrainer` and of
+`HARTSGRPOTrainer` generate the same completions and give the same losses and parameters (fp32 rounding), with
+fewer rows computed by HARTS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harts import api
+from harts.config.execution import ExecutionConfig
+from harts.extras import require
+from harts.model.hf import model_config_from_hf
+from harts.model.hf_modules import HFParameterView, without_moe_losses
+from harts.objective.losses import GRPOConfig
+from harts.objective.step import StepConfig, step_config
+
+trl = require("trl", "harts.integrations.trl (HARTS inside TRL's GRPO trainer)")
+
+SUPPORTED_TRL = ("1.16",)
+"""TRL minor releases whose private methods this trainer overrides (pyproject's extra `trl` pins the range)."""
+TOKEN_NORMALIZED = ("dapo", "cispo", "vespo")
+"""TRL loss types divided by the generation batch's masked tokens per accumulation step (`num_items_in_batch`)."""
+ROW_NORMALIZED = ("grpo", "sapo", "dr_grpo", "luspo")
+"""TRL loss types divided by the micro-batch's rows (and the accumulation steps)."""
+MULTIMODAL_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def grpo_config_from_trl(args: Any) -> GRPOConfig:
+    """HARTS's reading of a `trl.GRPOConfig`'s loss (docs/losses.md, TRL's tables): surrogate, clip range,
+    aggregation, KL term and entropy bonus. The normaliser is the trainer's (module docstring)."""
+    loss_type = args.loss_type
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    fields: dict[str, Any] = dict(clip_ratio_low=args.epsilon, clip_ratio_high=epsilon_high,
+                                  importance_sampling_level=args.importance_sampling_level)
+    if loss_type in ("grpo", "sapo"):
+        fields["aggregation"] = "seq-mean-token-mean"
+    elif loss_type == "dr_grpo":
+        fields.update(aggregation="seq-mean-token-sum-norm", loss_scale_factor=float(args.max_completion_length))
+    elif loss_type == "luspo":
+        fields["aggregation"] = "seq-mean-token-sum"
+    elif loss_type not in ("dapo", "bnpo", "cispo", "vespo"):
+        raise ValueError(f"trl.GRPOConfig: loss_type {loss_type!r} has no HARTS reading")
+    if loss_type == "cispo":
+        # TRL's CISPO caps the ratio at epsilon_high itself and has no lower bound.
+        fields.update(surrogate="cispo", clip_ratio_low=1.0, clip_ratio_high=epsilon_high - 1.0)
+    elif loss_type == "sapo":
+        fields.update(surrogate="sapo", sapo_tau_pos=args.sapo_temperature_pos, sapo_tau_neg=args.sapo_temperature_neg)
+    elif loss_type == "vespo":
+        fields.update(surrogate="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                      vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+    elif args.delta is not None:
+        fields["ratio_cap"] = args.delta
+    if args.beta != 0.0:
+        fields.update(kl_coef=args.beta, kl_estimator="k3", kl_importance_weighted=bool(args.use_bias_correction_kl))
+    if args.entropy_coef != 0.0:
+        fields["entropy_coef"] = args.entropy_coef
+        if fields.get("aggregation", "token-mean") != "token-mean":  # TRL's bonus is a token mean for every type
+            fields["entropy_aggregation"] = "token-mean"
+    return GRPOConfig(**fields)
+
+
+def unsupported_options(args: Any) -> list[str]:
+    """The settings of a `trl.GRPOConfig` that act inside TRL's loss without a HARTS reading, each with the value
+    to set instead."""
+    problems = []
+    if args.top_entropy_quantile < 1.0:
+        problems.append(f"top_entropy_quantile={args.top_entropy_quantile} (set 1.0)")
+    if args.off_policy_mask_threshold is not None:
+        problems.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (set None)")
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        problems.append("vllm_importance_sampling_correction=True with use_vllm (set False)")
+    if args.use_adaptive_entropy:
+        problems.append("use_adaptive_entropy=True (set False)")
+    return problems
+
+
+class HARTSGRPOTrainer(trl.GRPOTrainer):
+    """`trl.GRPOTrainer` with HARTS's compact execution for the log-probs, entropies and loss (module docstring).
+
+    Takes GRPOTrainer's arguments; `harts_config` (optional) sets HARTS's execution (compact or baseline,
+    recomputation, backends); its loss fields are always TRL's reading."""
+
+    def __init__(self, *args: Any, harts_config: StepConfig | None = None, **kwargs: Any) -> None:
+        version = ".".join(trl.__version__.split(".")[:2])
+        if version not in SUPPORTED_TRL:
+            raise ValueError(f"HARTSGRPOTrainer overrides private methods of trl {', '.join(SUPPORTED_TRL)}; "
+                             f"trl {trl.__version__} is installed: pip install 'harts[trl]'")
+        super().__init__(*args, **kwargs)
+        problems = unsupported_options(self.args)
+        if self.aux_loss_enabled:
+            problems.append("router_aux_loss_coef != 0 with a model returning router logits (set 0.0)")
+        if trl.trainer.grpo_trainer.is_peft_model(self.model):
+            problems.append("a PEFT model (train the full model)")
+        if self.accelerator.num_processes > 1:
+            problems.append(f"{self.accelerator.num_processes} processes (run one)")
+        if self.args.fp16:
+            problems.append("fp16=True (use bf16 or fp32)")
+        if problems:
+            raise ValueError("HARTSGRPOTrainer: TRL settings without a HARTS reading: " + "; ".join(problems))
+        device = "cuda" if self.accelerator.device.type == "cuda" else "cpu"
+        # No autocast unless TRL's bf16: the model computes in its parameters' dtype.
+        base = harts_config or step_config(ExecutionConfig(dtype="fp32"), device, execution="compact")
+        self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
+                                          "dtype": "bf16" if self.args.bf16 else base.dtype})
+        self._views: dict[int, HFParameterView] = {}
+        self.harts_counts = {"rows": 0, "tokens": 0, "padded_rows": 0}
+        """Totals over the run: rows HARTS computed, real tokens, and rows TRL's padded forwards would compute."""
+
+    def _view(self, model: torch.nn.Module) -> HFParameterView:
+        """The HARTS model over `model`'s parameters (one per model: the policy, the reference)."""
+        hf_model = self.accelerator.unwrap_model(model)
+        view = self._views.get(id(hf_model))
+        if view is None or view.hf_model is not hf_model:
+            config = model_config_from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__} config")
+            view = self._views[id(hf_model)] = HFParameterView(hf_model, config=without_moe_losses(config))
+        return view
+
+    def _log_rows(self, outputs: api.TokenOutputs, padded_rows: int) -> None:
+        mode = "train" if self.model.training else "eval"
+        for name, value in (("rows", outputs.num_rows), ("tokens", outputs.num_tokens), ("padded_rows", padded_rows)):
+            self._metrics[mode][f"harts/{name}"].append(float(value))
+            self.harts_counts[name] += value
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **multimodal,
+    ):
+        """TRL's (log-probs, entropies or None, aux loss None) of the last `logits_to_keep` columns, computed by
+        HARTS in TRL's chunks of `batch_size` rows."""
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            raise ValueError(f"HARTSGRPOTrainer: multimodal inputs are not supported (got {', '.join(given)})")
+        assert not compute_aux_loss, "refused at construction"
+        view = self._view(model)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            batch = {"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}
+            with view.bound() as harts_model:
+                out = api.logprobs(harts_model, batch, temperature=self.temperature, entropy=compute_entropy,
+                                   config=self.harts_config)
+            self._log_rows(out, input_ids[rows].numel())
+            logps.append(out.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                entropies.append(out.entropy[:, -logits_to_keep:])
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    def _normalizers(self, inputs: dict, mask: torch.Tensor, accumulation: float) -> tuple[float, float]:
+        """(policy loss's N, entropy bonus's N) of TRL's `_compute_loss` for this micro-batch."""
+        if self.loss_type in TOKEN_NORMALIZED:
+            normalizer = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
+            if self.model.training:
+                normalizer *= self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        elif self.loss_type in ROW_NORMALIZED:
+            normalizer = mask.size(0) * accumulation
+        else:  # bnpo: the micro-batch's own masked tokens
+            normalizer = max(float(mask.sum()), 1.0) * accumulation
+        return normalizer, max(float(mask.sum()), 1.0) * accumulation
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss of a micro-batch, computed by `harts.api.policy_loss` (module docstring)."""
+        given = sorted(name for name in MULTIMODAL_FIELDS if inputs.get(name) is not None)
+        if given:
+            raise ValueError(f"HARTSGRPOTrainer: multimodal inputs are not supported (got {', '.join(given)})")
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        batch = {
+            "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+            "loss_mask": mask,
+            "advantages": inputs["advantages"],
+            "old_log_probs": inputs.get("old_per_token_logps"),
+            "ref_log_probs": inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+        }
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        normalizer, entropy_normalizer = self._normalizers(inputs, mask, float(accumulation))
+        view = self._view(model)
+        with view.bound() as harts_model:
+            result = api.policy_loss(
+                harts_model, batch, config=self.harts_config, temperature=self.temperature, entropy=True,
+                normalizer=normalizer, num_microbatches=accumulation, entropy_normalizer=entropy_normalizer,
+            )
+        self._log_rows(result, batch["input_ids"].numel())
+        self._log_loss_metrics(mode, result, mask)
+        return result.loss
+
+    def _log_loss_metrics(self, mode: str, result: api.BatchLoss, mask: torch.Tensor) -> None:
+        """TRL's entropy, KL and clip-ratio metrics (token means over the processes' masked tokens)."""
+        width = mask.size(1)
+        masked = mask.bool()
+        count = self.accelerator.reduce(masked.sum().float(), reduction="sum").clamp(min=1.0)
+
+        def global_mean(values: torch.Tensor) -> float:
+            total = self.accelerator.reduce(torch.where(masked, values, 0.0).sum(), reduction="sum")
+            return float(total / count)
+
+        metrics = self._metrics[mode]
+        metrics["entropy"].append(global_mean(result.entropy[:, -width:].detach()))
+        if self.beta != 0.0 and result.kl is not None:
+            metrics["kl"].append(float(result.kl))
+        if self.harts_config.grpo.surrogate == "clip":
+            metrics["clip_ratio/region_mean"].append(float(result.clip_fraction))

@@ -1,0 +1,199 @@
+"""harts.integrations.trl: `HARTSGRPOTrainer` trains exactly as `trl.GRPOTrainer` does, computing fewer rows.
+
+End to end on the CPU: a kimi-tiny Kimi-Linear checkpoint (HARTS's init, exported) that transformers loads, a
+character tokenizer, 8 prompts of 5-11 tokens, 4 completions each of at most 8 tokens, a toy reward (the share
+of completion tokens below 128), SGD (Adam would turn fp32 noise in near-zero gradients into whole learning-rate
+steps). Each case runs 3 GRPO steps of stock TRL and of the HARTS trainer from the same seed: the completions
+(recorded by the reward function) must be identical, the logged losses equal to fp32 rounding (1e-6 + 1e-5
+relative) and every parameter equal within 1e-4 of the largest parameter change plus 1e-6 of its own size (a few
+fp32 ulps of rounding per update); HARTS computes fewer rows than
+TRL's padded forwards (the group's prompt once). The cases cover gradient accumulation with TRL's per-step
+normalisers, reused generations (old log-probs from HARTS, off-policy ratios), the KL term (reference log-probs
+from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type.
+
+The HARTS reading of TRL's config (`grpo_config_from_trl`) equals the readings tests/objective/test_losses_readings
+checks against TRL's own loss function. Without trl (pip install 'harts[trl]') the module is skipped.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.fixtures import one_thread  # noqa: F401  (autouse fixture)
+
+trl = pytest.importorskip("trl", reason="trl is not installed (pip install 'harts[trl]')")
+datasets = pytest.importorskip("datasets", reason="datasets (a dependency of trl) is not installed")
+
+import transformers  # noqa: E402
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+
+from harts.integrations.trl import HARTSGRPOTrainer, grpo_config_from_trl, unsupported_options  # noqa: E402
+from harts.model.config import load_model_config  # noqa: E402
+from harts.model.hf import save_hf_checkpoint  # noqa: E402
+from harts.model.model import HybridModel  # noqa: E402
+from tests.objective.test_losses_readings import MAX_COMPLETION_LENGTH, READINGS  # noqa: E402
+
+NUM_PROMPTS, NUM_GENERATIONS, COMPLETION_TOKENS, STEPS = 4, 4, 8, 3
+FIRST_CHARACTER = 0x4E00
+"""Token t >= 3 is the character FIRST_CHARACTER + t - 3: one character, one token, all 256 ids decodable."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("trl") / "kimi-tiny")
+
+
+def make_checkpoint(path):
+    """A kimi-tiny Kimi-Linear checkpoint at `path` (a new directory) with a character tokenizer beside it."""
+    model = HybridModel(load_model_config("kimi-tiny"))
+    model.init_weights(seed=3)
+    save_hf_checkpoint(model, path)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(FIRST_CHARACTER + i): 3 + i for i in range(253)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                         unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return ["".join(chr(FIRST_CHARACTER + int(t)) for t in rng.integers(0, 253, int(rng.integers(5, 12))))
+            for _ in range(NUM_PROMPTS)]
+
+
+def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
+    """(trainer, final parameters, completions seen by the reward, rows the log-prob computations ran)."""
+    seen, rows = [], []
+
+    def reward(completions, completion_ids, **kwargs):
+        seen.append([list(ids) for ids in completion_ids])
+        return [sum(t < 128 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    reward.__name__ = "low_tokens"
+    settings = dict(per_device_train_batch_size=NUM_PROMPTS * NUM_GENERATIONS // settings.get(
+        "gradient_accumulation_steps", 1), **settings)
+    args = trl.GRPOConfig(
+        output_dir=str(output_dir), num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_TOKENS,
+        max_steps=steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
+        report_to="none", seed=42, save_strategy="no", use_cpu=True, bf16=False, **settings,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    trainer = trainer_class(
+        model=model, reward_funcs=reward, args=args, processing_class=transformers.AutoTokenizer.from_pretrained(
+            checkpoint), train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+    )
+    if trainer_class is trl.GRPOTrainer:  # the rows TRL's padded forwards compute
+        compute = trainer._get_per_token_logps_and_entropies
+
+        def counted(model, input_ids, *args, **kwargs):
+            rows.append(input_ids.numel())
+            return compute(model, input_ids, *args, **kwargs)
+
+        trainer._get_per_token_logps_and_entropies = counted
+    torch.manual_seed(0)
+    trainer.train()
+    if trainer_class is HARTSGRPOTrainer:
+        rows = [trainer.harts_counts["rows"]]
+    return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}, seen, sum(rows)
+
+
+CASES = {
+    # name: (GRPOConfig settings, steps); the loss types after the first four run a generation and its reuse.
+    "dapo": ({}, STEPS),
+    "dapo-accumulate-reuse-kl": (dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04, temperature=0.8),
+                                 STEPS),
+    "grpo-accumulate-entropy": (dict(loss_type="grpo", gradient_accumulation_steps=2, entropy_coef=0.01), STEPS),
+    "bnpo-accumulate": (dict(loss_type="bnpo", gradient_accumulation_steps=2), STEPS),
+    "dr_grpo": (dict(loss_type="dr_grpo", num_iterations=2), 2),
+    "cispo": (dict(loss_type="cispo", epsilon_high=5.0, num_iterations=2), 2),
+    "sapo": (dict(loss_type="sapo", num_iterations=2), 2),
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence", num_iterations=2), 2),
+    "vespo": (dict(loss_type="vespo", num_iterations=2), 2),
+    "gspo-delta": (dict(importance_sampling_level="sequence", delta=1.5, epsilon_high=0.28, num_iterations=2), 2),
+}
+
+
+def losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def run_case(checkpoint, output_dir, case):
+    """Both trainers on one case: {trainer name: (trainer, parameters, completions, rows)}."""
+    settings, steps = CASES[case]
+    return {name: train(trainer_class, checkpoint, output_dir / name, settings, steps)
+            for name, trainer_class in (("trl", trl.GRPOTrainer), ("harts", HARTSGRPOTrainer))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_harts_trainer_trains_as_trl(checkpoint, tmp_path, case):
+    runs = run_case(checkpoint, tmp_path, case)
+    (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
+    (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
+    settings, steps = CASES[case]
+    assert harts_completions == stock_completions
+    assert len(stock_completions) == (steps + 1) // 2 if settings.get("num_iterations", 1) > 1 else steps
+    assert len(losses(stock)) == steps
+    for got, want in zip(losses(harts), losses(stock), strict=True):
+        assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), (losses(harts), losses(stock))
+    initial = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.named_parameters())
+    assert change > 1e-3
+    for name, want in stock_parameters.items():
+        # The parameters differ by the gradients' fp32 rounding (a 1e-4 share of the step) and by the rounding
+        # of each update onto parameters of size ~1-5 (a few ulps).
+        assert torch.allclose(harts_parameters[name], want, rtol=1e-6, atol=1e-4 * change), name
+    assert harts.harts_counts["padded_rows"] == stock_rows
+    assert harts_rows < 0.75 * harts.harts_counts["tokens"] < 0.75 * stock_rows, (harts.harts_counts, stock_rows)
+
+
+@pytest.mark.parametrize("name", [name for name, reading in READINGS.items() if reading.library == "trl"])
+def test_config_reading_is_the_losses_reading(name):
+    """`grpo_config_from_trl` gives, for each TRL setting, the GRPOConfig that the loss readings check against
+    TRL's own `_compute_loss`."""
+    reading = READINGS[name]
+    settings = {k: v for k, v in reading.settings.items() if k != "num_items_in_batch"}
+    args = trl.GRPOConfig(output_dir="/tmp/harts-trl-unused", max_completion_length=MAX_COMPLETION_LENGTH,
+                          report_to="none", use_cpu=True, bf16=False, **settings)
+    assert grpo_config_from_trl(args) == reading.harts
+
+
+def test_unsupported_settings_are_refused(checkpoint, tmp_path):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), top_entropy_quantile=0.2, off_policy_mask_threshold=0.5,
+                          use_adaptive_entropy=True, report_to="none", use_cpu=True, bf16=False)
+    assert len(unsupported_options(args)) == 3
+    with pytest.raises(ValueError, match=r"HARTSGRPOTrainer: TRL settings without a HARTS reading: "
+                                         r"top_entropy_quantile=0.2 \(set 1.0\); off_policy_mask_threshold=0.5"):
+        HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                         processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                         train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+
+
+def main() -> None:
+    """Print each case's losses, parameter differences and rows: python -m tests.integrations.test_trl."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="harts-trl-"))
+    path = make_checkpoint(root / "kimi-tiny")
+    torch.set_num_threads(1)
+    print("| case | steps | losses TRL | losses HARTS | max abs param diff | max param change | rows TRL (padded) "
+          "| real tokens | rows HARTS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case in CASES:
+        runs = run_case(path, root / case, case)
+        (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
+        (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
+        assert harts_completions == stock_completions
+        initial = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+        change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.items())
+        difference = max(float((harts_parameters[n] - p).abs().max()) for n, p in stock_parameters.items())
+        print(f"| {case} | {CASES[case][1]} | {', '.join(f'{x:.6f}' for x in losses(stock))} | "
+              f"{', '.join(f'{x:.6f}' for x in losses(harts))} | {difference:.1e} | {change:.1e} | {stock_rows} | "
+              f"{harts.harts_counts['tokens']} | {harts_rows} |")
+
+
+if __name__ == "__main__":
+    main()
