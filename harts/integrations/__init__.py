@@ -1,0 +1,1 @@
+"""HARTS inside other RL trainers: each module adapts one trainer and imports it only there."""
