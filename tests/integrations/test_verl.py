@@ -354,3 +354,165 @@ def test_loss_and_gradients_match_verl_fsdp_engine(checkpoint, loss, dynamic):
     for name, grad in grads.items():
         error = float((grad - reference_names[name]).norm() / reference_names[name].norm().clamp_min(1e-30))
         assert error <= 1e-4, (name, error)
+
+
+# ---------------------------------------------------------------------------------------------
+# One update through verl's TrainingWorker
+
+
+def test_train_mini_batch_takes_verls_adamw_step(checkpoint):
+    """verl's update_actor path (train_mini_batch → train_batch → forward_backward_batch, optimizer_step): the
+    parameters after one step equal the reference's gradients clipped to clip_grad and stepped by torch's AdamW
+    with verl's settings (weight decay on every parameter, constant schedule)."""
+    actor = actor_config(entropy_coeff=0.01, optim=FSDPOptimizerConfig(lr=1e-3, total_training_steps=4,
+                                                                        weight_decay=0.1, clip_grad=1.0))
+    worker = make_worker(checkpoint, actor)
+    reference = reference_engine(checkpoint)
+    batch = with_old_and_ref_log_probs(rollout_batch(seed=4), reference, seed=5)
+    reference_parameters = {name.removeprefix("model."): p.detach().clone()
+                            for name, p in reference.module.named_parameters()}
+    metrics = tu.get(worker.train_mini_batch(update_actor_input(batch, actor)), "metrics")
+
+    _, grads = forward_backward(reference, with_engine_settings(update_actor_input(batch, actor), actor), actor)
+    params = [p for p in reference.module.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, actor.optim.clip_grad))
+    optimizer = torch.optim.AdamW(params, lr=actor.optim.lr, betas=actor.optim.betas,
+                                  weight_decay=actor.optim.weight_decay)
+    optimizer.step()
+    assert abs(metrics["grad_norm"][0] - norm) <= 1e-5 * norm, (metrics["grad_norm"], norm)
+    # AdamW's first step moves an entry by about lr·g/(|g| + eps), ±lr whatever |g|: an entry whose gradient is
+    # near 0 moves by a different amount (or sign) under the gradients' rounding, so the updates are compared
+    # per tensor, ‖Δ − Δ_ref‖ / ‖Δ_ref‖ (measured: at most 1.2e-3, a KDA conv weight; most below 1e-5). Weight decay
+    # 0.1 makes a decay left off the vectors (verl decays every parameter) a 10% error of their update.
+    expected = {name.removeprefix("model."): p for name, p in reference.module.named_parameters()}
+    errors = {}
+    for name, param in worker.engine.module.named_parameters():
+        update, expected_update = param - reference_parameters[name], expected[name] - reference_parameters[name]
+        errors[name] = float((update - expected_update).norm() / expected_update.norm())
+    assert max(errors.values()) <= 1e-2, max(errors.items(), key=lambda item: item[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE losses and the expert-bias update (HARTS's own, not verl's)
+
+
+def test_moe_losses_and_expert_bias_update(tmp_path):
+    """With the model's MoE losses on, the engine's loss is verl's plus each micro-batch's MoE losses over the
+    micro-batch count, and the expert biases move by the step's routed counts: both as the baseline execution
+    (each sequence its own packed sequence, no sharing) of the same micro-batches gives them."""
+    path = save_model(tmp_path / "moe", moe_losses=True)
+    actor = actor_config()
+    worker = make_worker(path, actor)
+    engine = worker.engine
+    reference = reference_engine(path)
+    batch = with_old_and_ref_log_probs(rollout_batch(seed=6), reference, seed=7)
+    batch_td = with_engine_settings(update_actor_input(batch, actor), actor)
+    engine.optimizer_zero_grad()
+    output = engine.forward_backward_batch(batch_td, partial(ppo_loss, config=actor), forward_only=False)
+    verl_loss, _ = forward_backward(reference, with_engine_settings(update_actor_input(batch, actor), actor), actor)
+
+    model, _ = load_hf_checkpoint(path)
+    offsets = batch_td["input_ids"].offsets().numpy()
+    tokens = batch_td["input_ids"].values().numpy()
+    num = len(offsets) - 1
+    step = Step(ids=tuple(map(str, range(num))), trees=tuple(map(str, range(num))), offsets=offsets,
+                tokens=tokens.astype(TOKEN_DTYPE), loss_mask=np.zeros(len(tokens), dtype=np.uint8),
+                rewards=np.zeros(num, dtype=np.float32), advantage_per_trajectory=np.zeros(num, dtype=np.float32))
+    baseline = StepConfig(execution="baseline")
+    chunks = [np.arange(start, start + SAMPLES) for start in range(0, num, SAMPLES)]
+    moe_losses, counts = [], None
+    with torch.no_grad():
+        for members in chunks:
+            layout = build_layout(step, members, model, baseline, None)
+            targets = torch.zeros(layout.semantic_rows.shape[0], dtype=torch.long)
+            _, _, moe, auxes = microbatch_logprobs(model, layout, targets, baseline, torch.device("cpu"))
+            moe_losses.append(float(moe))
+            mb_counts = [aux.tokens_per_expert_E for aux in auxes]
+            counts = mb_counts if counts is None else [a + b for a, b in zip(counts, mb_counts)]
+    expected = verl_loss + sum(moe_losses) / len(chunks)
+    assert abs(sum(output["loss"]) - expected) <= 1e-6 * abs(expected), (sum(output["loss"]), expected)
+    assert sum(moe_losses) > 0
+
+    biases = [block.mlp.expert_bias.clone() for block in model.blocks if block.is_moe]
+    engine.optimizer_step()
+    for block, bias, count in zip([b for b in engine.module.blocks if b.is_moe], biases, counts):
+        block_reference = [b for b in model.blocks if b.is_moe][0].mlp
+        expected_bias = bias + torch.sign(count.float().mean() - count.float()) * block_reference.config.bias_update_rate
+        assert torch.allclose(block.mlp.expert_bias, expected_bias), (block.mlp.expert_bias, expected_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight sync and checkpoints
+
+
+def test_weight_sync_streams_the_checkpoint_layout(checkpoint):
+    from safetensors.torch import load_file
+
+    worker = make_worker(checkpoint, actor_config())
+    tensors, peft_config = worker.engine.get_per_tensor_param()
+    sent = dict(tensors)
+    stored = load_file(str(checkpoint / "model.safetensors"))
+    assert peft_config is None and set(sent) == set(stored)
+    for name, tensor in sent.items():
+        expected = stored[name] if stored[name].dtype != torch.bfloat16 else stored[name]
+        assert torch.equal(tensor, hf_state_dict(worker.engine.module, dtype=torch.bfloat16)[name]), name
+        assert torch.equal(tensor.float(), expected.to(tensor.dtype).float()), name
+
+
+def test_checkpoint_round_trip(checkpoint, tmp_path):
+    """save_checkpoint then load_checkpoint into a fresh worker: the same parameters, optimizer and schedule, so
+    the next step is the same step; max_ckpt_to_keep removes the older checkpoints."""
+    actor = actor_config()
+    reference = reference_engine(checkpoint)
+    batches = [with_old_and_ref_log_probs(rollout_batch(seed=s), reference, seed=s + 1) for s in (8, 10)]
+    worker = make_worker(checkpoint, actor)
+    worker.train_mini_batch(update_actor_input(batches[0], actor))
+    worker.engine.save_checkpoint(str(tmp_path / "global_step_1" / "actor"), global_step=1, max_ckpt_to_keep=1)
+    resumed = make_worker(checkpoint, actor)
+    resumed.engine.load_checkpoint(str(tmp_path / "global_step_1" / "actor"))
+    for worker_ in (worker, resumed):
+        worker_.train_mini_batch(update_actor_input(batches[1], actor))
+    for (name, param), resumed_param in zip(worker.engine.module.named_parameters(),
+                                            resumed.engine.module.parameters()):
+        assert torch.equal(param, resumed_param), name
+    worker.engine.save_checkpoint(str(tmp_path / "global_step_2" / "actor"), global_step=2, max_ckpt_to_keep=1)
+    assert not (tmp_path / "global_step_1" / "actor").exists()
+    assert (tmp_path / "global_step_2" / "actor" / "huggingface" / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine refuses
+
+
+def test_offload_is_refused(checkpoint):
+    actor = actor_config(fsdp_config=FSDPEngineConfig(dtype="float32", param_offload=True))
+    with pytest.raises(ValueError, match="param_offload: HARTS keeps the model and optimizer on the device"):
+        make_worker(checkpoint, actor)
+
+
+@pytest.mark.parametrize("fault", ["positions", "temperatures", "vocabulary", "sum-pi-squared"])
+def test_bad_batches_are_refused(checkpoint, fault):
+    batch = rollout_batch(seed=12)
+    worker = make_worker(checkpoint, actor_config())
+    batch_td = old_log_prob_input(batch)
+    if fault == "positions":
+        positions = batch_td["position_ids"]
+        values = positions.values().clone()
+        values[5] += 1
+        batch_td["position_ids"] = torch.nested.nested_tensor_from_jagged(values, positions.offsets())
+        message = r"position_ids: sequence 0 has position \d+ at token 5 \(HARTS needs 0, 1, ... per sequence\)"
+    elif fault == "temperatures":
+        tu.assign_non_tensor(batch_td, temperature=None)
+        batch_td["temperature"] = torch.linspace(0.5, 1.0, len(batch_td))
+        message = "temperature: one temperature per batch is supported"
+    elif fault == "vocabulary":
+        ids = batch_td["input_ids"]
+        values = ids.values().clone()
+        values[7] = VOCAB + 3
+        batch_td["input_ids"] = torch.nested.nested_tensor_from_jagged(values, ids.offsets())
+        message = r"input_ids: token 259 at sequence 0, token 7 is outside the model's vocabulary \[0, 256\)"
+    else:
+        tu.assign_non_tensor(batch_td, calculate_sum_pi_squared=True)
+        message = "calculate_sum_pi_squared: not supported"
+    with pytest.raises(ValueError, match=message):
+        worker.infer_batch(batch_td)

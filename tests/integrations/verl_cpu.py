@@ -15,7 +15,7 @@ CPU_MODULE = SimpleNamespace(
     empty_cache=lambda: None, max_memory_allocated=lambda *a: 0, max_memory_reserved=lambda *a: 0,
     memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0, manual_seed=torch.manual_seed,
     manual_seed_all=torch.manual_seed, set_device=lambda *a: None, mem_get_info=lambda *a: (0, 0),
-    reset_peak_memory_stats=lambda *a: None,
+    reset_peak_memory_stats=lambda *a: None, get_device_name=lambda *a: "CPU",
 )
 
 
