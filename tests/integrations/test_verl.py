@@ -516,3 +516,48 @@ def test_bad_batches_are_refused(checkpoint, fault):
         message = "calculate_sum_pi_squared: not supported"
     with pytest.raises(ValueError, match=message):
         worker.infer_batch(batch_td)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data parallel: two ranks, each with half the batch, take the step one rank takes with all of it
+
+DP_LOSS = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05, ppo_micro_batch_size_per_gpu=2)
+
+
+def _data_parallel_rank(rank: int, world: int, checkpoint: str, store: str, out: str) -> None:
+    os.environ.update(WORKER_ENVIRONMENT, WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    actor = actor_config(**DP_LOSS)
+    batch = torch.load(os.path.join(out, "batch.pt"), weights_only=False)
+    rows = len(batch) // world
+    half = batch[rank * rows:(rank + 1) * rows]  # verl's dispatch: contiguous chunks, one per data-parallel rank
+    worker = make_worker(checkpoint, actor)
+    metrics = tu.get(worker.train_mini_batch(update_actor_input(half, actor)), "metrics")
+    if rank == 0:
+        torch.save({"grad_norm": metrics["grad_norm"], "params": dict(worker.engine.module.named_parameters()),
+                    "biases": [b.mlp.expert_bias for b in worker.engine.module.blocks if b.is_moe]},
+                   os.path.join(out, "rank0.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_data_parallel_ranks_take_the_single_rank_step(tmp_path):
+    """Averaged gradients (verl's loss scales each rank's by dp_size over the global token count) and summed
+    routed counts: the update of two ranks equals one rank's on the whole batch (the same per-tensor bound as the
+    AdamW test), the gradient norm within 1e-5 and the expert biases exactly."""
+    path = save_model(tmp_path / "moe", moe_losses=True)
+    actor = actor_config(**DP_LOSS)
+    batch = with_old_and_ref_log_probs(rollout_batch(seed=14), reference_engine(path), seed=15)
+    torch.save(batch, tmp_path / "batch.pt")
+    torch.multiprocessing.spawn(_data_parallel_rank, args=(2, str(path), str(tmp_path / "store"), str(tmp_path)),
+                                nprocs=2)
+    two = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    worker = make_worker(path, actor)
+    initial = {name: p.detach().clone() for name, p in worker.engine.module.named_parameters()}
+    metrics = tu.get(worker.train_mini_batch(update_actor_input(batch, actor)), "metrics")
+    assert abs(two["grad_norm"][0] - metrics["grad_norm"][0]) <= 1e-5 * metrics["grad_norm"][0]
+    for name, param in worker.engine.module.named_parameters():
+        update, two_update = param - initial[name], two["params"][name] - initial[name]
+        assert float((two_update - update).norm() / update.norm()) <= 1e-2, name
+    for bias, two_bias in zip([b.mlp.expert_bias for b in worker.engine.module.blocks if b.is_moe], two["biases"]):
+        assert torch.equal(bias, two_bias)
