@@ -17,8 +17,12 @@ bounds).
 """
 
 import os
+import re
+import shlex
+import string
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -561,3 +565,53 @@ def test_two_data_parallel_ranks_take_the_single_rank_step(tmp_path):
         assert float((two_update - update).norm() / update.norm()) <= 1e-2, name
     for bias, two_bias in zip([b.mlp.expert_bias for b in worker.engine.module.blocks if b.is_moe], two["biases"]):
         assert torch.equal(bias, two_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe of docs/integrations.md "The recipe"
+
+RECIPE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
+def recipe_overrides() -> list[str]:
+    """The Hydra overrides of the `python3 -m verl.trainer.main_ppo` command of the docs, variables expanded."""
+    text = RECIPE.read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(MODEL=.*?)```", text, re.S).group(1)
+    lines = block.replace("\\\n", " ").splitlines()
+    variables = dict(item.split("=", 1) for item in shlex.split(lines[0]))
+    command = shlex.split(string.Template(lines[1]).substitute(variables))
+    assert command[:3] == ["python3", "-m", "verl.trainer.main_ppo"], command[:3]
+    return command[3:]
+
+
+def test_the_documented_recipe_selects_harts_in_verls_config():
+    """The docs' command composed with verl's own Hydra config (`ppo_trainer`, as main_ppo composes it): verl's
+    validate_config accepts it, and the actor and the reference policy (converted as ActorRolloutRefWorker
+    converts them) both get the harts engine, without offload, the reference forward-only."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    import verl.trainer
+
+    overrides = recipe_overrides()
+    assert "actor_rollout_ref.actor.strategy=harts" in overrides
+    with initialize_config_dir(config_dir=str(Path(verl.trainer.__file__).parent / "config"), version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    assert config.actor_rollout_ref.model.external_lib == "harts.integrations.verl"
+    assert need_reference_policy(config) and not need_critic(config)
+    validate_config(config, use_reference_policy=True, use_critic=False)
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    ref = config.actor_rollout_ref.ref
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = config.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    ref = omega_conf_to_dataclass(ref)
+    for engine, forward_only in ((actor.engine, False), (ref.engine, True)):
+        assert EngineRegistry.get_engine_cls("language_model", engine.strategy) is harts_verl.HartsEngine
+        assert (engine.param_offload, engine.optimizer_offload, engine.forward_only) == (False, False, forward_only)
+    assert actor.use_dynamic_bsz and not config.trainer.balance_batch
