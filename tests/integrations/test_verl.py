@@ -244,7 +244,8 @@ def update_actor_input(batch: DataProto, actor: FSDPActorConfig):
 
 def with_engine_settings(batch_td, actor: FSDPActorConfig, *, dynamic=False, max_token_len=None):
     """The settings `TrainingWorker.train_batch` adds before calling the engine."""
-    tu.assign_non_tensor(batch_td, use_remove_padding=True, use_dynamic_bsz=dynamic, max_token_len_per_gpu=max_token_len,
+    tu.assign_non_tensor(batch_td, use_remove_padding=True, use_dynamic_bsz=dynamic,
+                         max_token_len_per_gpu=max_token_len,
                          micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu, use_fused_kernels=False,
                          global_token_num=batch_td["input_ids"].offsets().diff().tolist())
     return batch_td
@@ -439,9 +440,9 @@ def test_moe_losses_and_expert_bias_update(tmp_path):
 
     biases = [block.mlp.expert_bias.clone() for block in model.blocks if block.is_moe]
     engine.optimizer_step()
+    rate = model.config.moe.bias_update_rate
     for block, bias, count in zip([b for b in engine.module.blocks if b.is_moe], biases, counts):
-        block_reference = [b for b in model.blocks if b.is_moe][0].mlp
-        expected_bias = bias + torch.sign(count.float().mean() - count.float()) * block_reference.config.bias_update_rate
+        expected_bias = bias + torch.sign(count.float().mean() - count.float()) * rate
         assert torch.allclose(block.mlp.expert_bias, expected_bias), (block.mlp.expert_bias, expected_bias)
 
 
