@@ -99,12 +99,12 @@ class HartsEngine(BaseEngine):
         optimizer_config: verl's optimizer config: AdamW (torch.optim) with lr, betas, weight_decay (every
             parameter, as verl's FSDP engine), clip_grad, and verl's constant or cosine schedule with warm-up.
         checkpoint_config: verl's; checkpoints hold the model in `huggingface/` and the optimizer state.
-        step_config: HARTS's execution settings (default: compact, the device's attention and KDA backends, the
-            two verl settings above); the loss fields of StepConfig are not used (verl's loss_function is).
+
+    HARTS's execution is the compact one with the device's attention and KDA backends (`harts.api.default_config`);
+    the loss fields of its StepConfig are not used (verl's loss_function is).
     """
 
-    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, *,
-                 step_config: StepConfig | None = None):
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         super().__init__()
         self.model_config = model_config
         self.engine_config = engine_config
@@ -129,7 +129,7 @@ class HartsEngine(BaseEngine):
         # verl's get_device_name() says "cuda" on a machine without GPUs too.
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.step_config = step_config or StepConfig(
+        self.step_config = StepConfig(
             attention_backend=default_attention_backend(cuda), kda_backend=default_kda_backend(cuda),
             recompute=bool(getattr(model_config, "enable_gradient_checkpointing", False)),
             dtype=COMPUTE_DTYPES[compute],
@@ -255,7 +255,8 @@ class HartsEngine(BaseEngine):
 
         outputs = []
         for members in groups:
-            micro = tu.index_select_tensor_dict(data, members.tolist())
+            # On the model's device, as verl's engines hand it to the loss function.
+            micro = tu.index_select_tensor_dict(data, members.tolist()).to(self.device)
             with (torch.no_grad() if forward_only else nullcontext()):
                 loss, output = self._microbatch(step, index, members, targets_S, micro, loss_function,
                                                 temperature, calculate_entropy, forward_only, len(groups))
