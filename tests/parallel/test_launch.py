@@ -106,10 +106,13 @@ def test_cli_errors(capsys, tmp_path):
     config.write_text("name: tp4\ntp: 4\n")
     assert main(["verify", *common, "--parallel", str(config)]) == 2
     assert "kda.num_heads (2) not divisible by tp (4)" in capsys.readouterr().err
-    assert main(["train-step", *common, "--execution", "compact", "--parallel", "tp2",
-                 "--attention-backend", "bogus"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("harts: error: rank ") and "unknown attention backend 'bogus'" in err[0]
+    with pytest.raises(SystemExit) as refused:  # a bad knob is refused before any rank starts
+        main(["train-step", *common, "--execution", "compact", "--parallel", "tp2", "--attention-backend", "bogus"])
+    assert refused.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+    # A failure inside the ranks (fla's KDA takes no chunks of 16, the tiny model's) is one line naming a rank.
+    assert main(["train-step", *common, "--execution", "compact", "--parallel", "tp2", "--kda-backend", "fla"]) == 1
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("harts:")]
+    assert len(err) == 1 and err[0].startswith("harts: error: rank ") and "chunk_size 32 or 64, got 16" in err[0]
 
 
 @pytest.mark.slow
