@@ -3,11 +3,12 @@
 `Engine(model, config)` holds a model and its `StepConfig` (harts.config.execution's knobs resolved for a device,
 and the loss; `Engine.build` makes one from an `ExecutionConfig`). `plan(step)` plans the step's microbatches
 with the config's planner and capacity (`PlannedStep`: the plan, each microbatch's members in the step's batch
-order, the prefix index and the planning seconds; `plan_step` without a model); `run(step, planned)` runs one training step over them (layouts,
-forward, loss, backward: gradients accumulate in the model) and returns its `StepResult`. `harts train-step` and
-`harts verify`, `harts train`, `harts rl` and `harts bench fidelity` run through it; what stays in training/ and
-rl/ is the optimizer, the schedule and the logging. Tested in tests/test_engine.py: a planned and run step equals
-`run_step` over the same members, and the plan honours the config's planner and capacity.
+order, the prefix index and the planning seconds; `plan_step` without a model); `run(step, planned)` runs one
+training step over them (layouts, forward, loss, backward: gradients accumulate in the model) and returns its
+`StepResult`. `harts train-step` and `harts verify`, `harts train`, `harts rl` and `harts bench fidelity` run
+through it; what stays in training/ and rl/ is the optimizer, the schedule and the logging. Tested in
+tests/test_engine.py: a planned and run step equals `run_step` over the same members, and the plan honours the
+config's planner and capacity.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def test_readme_library_example_runs_and_prints_what_the_readme_says(capsys):
 
 NOT_KNOBS = {"-h", "--help", "--model", "--trees", "--steps", "--seed", "--max-trees", "--model-seed", "--repeats",
              "--variant", "--no-breakdown", "--profile", "--out", "--json", "--wandb-project", "--wandb-group",
-             "--wandb-mode", "--device"}
+             "--wandb-mode", "--device", "--preset"}
 """`harts bench speedup` options that choose what to measure, where or where to write it, not how a step executes."""
 
 
@@ -207,3 +207,15 @@ def test_bench_speedups_additions_are_its_flags_and_pipeline_keys():
         assert key_cell == "—" or first_word(key_cell) in pipeline_keys, row
     own = options - {flag(name) for name in FIELDS} - NOT_KNOBS
     assert own <= named, f"bench speedup options missing from the table: {sorted(own - named)}"
+
+
+def test_the_presets_table_is_the_configs():
+    from harts.config.execution import PRESETS
+
+    text = section((REPO / "docs" / "execution.md").read_text(encoding="utf-8"), "Every execution knob")
+    rows = {cells[0].strip("` "): cells[1] for line in text.split("Presets:")[1].split("`harts bench speedup` adds")[0]
+            .splitlines() if line.startswith("| `") for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    assert set(rows) == set(PRESETS)
+    for name, knobs in PRESETS.items():
+        listed = dict(item.strip("` ").split(": ") for item in rows[name].split(", "))
+        assert listed == {key: str(value).lower() for key, value in knobs.items()}, name

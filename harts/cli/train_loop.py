@@ -82,6 +82,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise; "
                              "implied by any --wandb-* flag)")
     wandb_log.add_arguments(parser)
+    parser.add_argument("--preset", choices=tuple(execution.PRESETS), default=None,
+                        help="a named setting of several execution knobs (harts.config.execution.PRESETS) over the "
+                             "config's; the flags given beside it win")
     for flag, _, keywords in OVERRIDES + LOSS_OVERRIDES:
         if "action" not in keywords and "choices" not in keywords:
             keywords = {"metavar": flag.removeprefix("--").replace("-", "_").upper(), **keywords}
@@ -106,6 +109,8 @@ def build_config(args: argparse.Namespace):
         data, where = first["config"]["train"], f"{log} (the first start record)"
     else:
         data, where = {}, "command line"
+    for name, value in execution.PRESETS[args.preset].items() if args.preset else ():
+        set_dotted(data, "dtype" if name == "dtype" else f"execution.{name}", value, where)
     for flag, key, _ in OVERRIDES:
         value = getattr(args, _destination(flag))
         if value is not None:

@@ -49,6 +49,19 @@ CHOICES = {
 """The fields that take one of a few names, and those names."""
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": dict(dtype="fp32", attention_backend="sdpa", kda_backend="torch", experts_backend="loop"),
+    "memory-lean": dict(recompute=True, experts_backend="lean", logprob_chunk_rows=1024),
+    "h200-fastest": dict(dtype="bf16", attention_backend="flash4", kda_backend="fla", experts_backend="lean",
+                         logprob_grad_precision="input", logprob_chunk_rows=2048, recompute=True, keep_attention=True),
+}
+"""Settings users pick as a whole (`--preset NAME`; docs/execution.md "Every execution knob"): the CPU's
+defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a smaller LM-head chunk);
+the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4, which needs
+flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and capacity,
+`--recompute-blocks N` or bench speedup's `auto`). Flags given beside a preset win."""
+
+
 def default_planner(execution: str) -> str:
     """The planner of an execution when none is chosen: HARTS for the compact one, per-trajectory for the
     baseline."""
@@ -234,11 +247,30 @@ def argument(name: str, *, default: bool = True, negatable: bool = False) -> tup
     return flag(name), keywords
 
 
+class PresetAction(argparse.Action):
+    """`--preset NAME`: sets each knob of `PRESETS[NAME]` that the command takes and that no flag before it set
+    (a flag after it wins as any later flag does)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for name, value in PRESETS[values].items():
+            if hasattr(namespace, name) and getattr(namespace, name) == parser.get_default(name):
+                setattr(namespace, name, value)
+        setattr(namespace, self.dest, values)
+
+
+def add_preset_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--preset", choices=tuple(PRESETS), action=PresetAction, default=None,
+                        help="a named setting of several knobs (" + "; ".join(
+                            f"{name}: {', '.join(f'{k}={v}' for k, v in knobs.items())}"
+                            for name, knobs in PRESETS.items()) + "); flags given beside it win")
+
+
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: tuple[str, ...] = FIELDS, *,
-                  exclude: tuple[str, ...] = (), overrides: bool = False, **replace: dict[str, Any]) -> None:
+                  exclude: tuple[str, ...] = (), overrides: bool = False, preset: bool = True,
+                  **replace: dict[str, Any]) -> None:
     """Add the flags of fields `names` (less `exclude`) to `parser`, each as `argument` makes it (with `overrides`:
     default None and negatable booleans, flags that override a config file) with the keywords of `replace[name]`
-    replacing its own (a surface's required flag, or a type taking more words)."""
+    replacing its own (a surface's required flag, or a type taking more words), and with `preset` `--preset`."""
     unknown = set(names) | set(exclude) | set(replace)
     assert unknown <= set(FIELDS), unknown - set(FIELDS)
     for name in names:
@@ -246,6 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, nam
             continue
         option, keywords = argument(name, default=not overrides, negatable=overrides)
         parser.add_argument(option, **{**keywords, **replace.get(name, {})})
+    if preset:
+        add_preset_argument(parser)
 
 
 def from_arguments(args: argparse.Namespace, names: tuple[str, ...] = FIELDS, *,

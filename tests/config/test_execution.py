@@ -173,3 +173,46 @@ def test_a_field_is_a_yaml_key_of_every_config_that_holds_one():
     for cls in (TrainConfig, RLConfig):
         (field,) = [f for f in dataclasses.fields(cls) if f.name == "execution"]
         assert field.default_factory is ExecutionConfig
+
+
+@pytest.mark.parametrize("name", execution.PRESETS)
+def test_every_preset_is_knobs_that_pass_the_check(name):
+    preset = execution.PRESETS[name]
+    assert preset and set(preset) <= set(execution.FIELDS)
+    ExecutionConfig(**preset).check()
+
+
+def _parse_command(argv: list[str]) -> argparse.Namespace:
+    from harts.cli.main import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+STEP_ARGS = ["--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz"]
+
+
+@pytest.mark.parametrize("order", ["flag-after", "flag-before"])
+def test_a_preset_sets_its_knobs_on_every_command_and_flags_beside_it_win(order, tmp_path):
+    from harts.bench.speedup.executions import knobs_of
+    from harts.cli.train import _step_config
+    from harts.cli.train_loop import build_config
+
+    preset, flag = ["--preset", "memory-lean"], ["--logprob-chunk-rows", "512"]
+    given = preset + flag if order == "flag-after" else flag + preset
+    expected = dict(recompute=True, experts_backend="lean", logprob_chunk_rows=512)
+
+    def knobs(config):
+        return {name: getattr(config, name) for name in expected}
+
+    args = _parse_command(["train-step", *STEP_ARGS, "--execution", "compact", *given])
+    assert knobs(_step_config(args, "compact")) == expected
+    args = _parse_command(["verify", *STEP_ARGS, *given])
+    assert knobs(_step_config(args, "baseline")) == expected
+    args = _parse_command(["bench", "speedup", *STEP_ARGS, *given])
+    assert knobs(knobs_of(args, "compact")) == expected
+    args = _parse_command(["rl", "--config", "tiny", "--out", str(tmp_path / "r.json"), *given])
+    assert {k: v for k, v in execution.from_arguments(args, given=True).items() if k in expected} == expected
+    args = _parse_command(["train", *STEP_ARGS[:2], "--trees", "tiny", "--out", str(tmp_path / "run"), *given])
+    assert knobs(build_config(args).execution) == expected
+    args = _parse_command(["bench", "fidelity", *STEP_ARGS, "--preset", "cpu", "--out", str(tmp_path / "f.json")])
+    assert (args.dtype, args.experts_backend) == ("fp32", "loop")  # only the knobs fidelity takes
