@@ -56,10 +56,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                          logprob_grad_precision="input", logprob_chunk_rows=2048, recompute=True, keep_attention=True),
 }
 """Settings users pick as a whole (`--preset NAME`; docs/execution.md "Every execution knob"): the CPU's
-defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a smaller LM-head chunk);
-the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4, which needs
-flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and capacity,
-`--recompute-blocks N` or bench speedup's `auto`). Flags given beside a preset win."""
+defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a
+smaller LM-head chunk); the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4,
+which needs flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and
+capacity, `--recompute-blocks N` or bench speedup's `auto`). Flags given beside a preset win."""
 
 
 def default_planner(execution: str) -> str:
