@@ -425,9 +425,7 @@ def plan(
     index = PrefixIndex.from_step(step)
     planned = plan_microbatches(step, capacity, dp, planner, index=index)
     validate_plan(planned, step, index)
-    position = {trajectory: k for k, trajectory in enumerate(step.ids)}
-    microbatches = tuple(np.sort(np.asarray([position[t] for t in mb.trajectory_ids], dtype=np.int64))
-                         for mb in planned.microbatches)
+    microbatches = tuple(np.sort(members) for members in planned.members(step))
     return BatchPlan(batch=batch, microbatches=microbatches, num_rows=tuple(mb.work for mb in planned.microbatches),
                      plan=planned)
 

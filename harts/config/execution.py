@@ -195,6 +195,14 @@ def check_run_dtype(dtype: str | None, execution: ExecutionConfig) -> None:
                          "parameters' and its autocast's, give one")
 
 
+def resolved_for_run(dtype: str | None, execution: ExecutionConfig, device: str,
+                     execution_name: str | None = None) -> ExecutionConfig:
+    """A training run's execution config (harts train, harts rl) resolved for `device`, its dtype the run's:
+    `dtype`, else execution.dtype, else the device's default (`check_run_dtype` keeps the two from differing)."""
+    run_dtype = dtype or execution.dtype or default_dtype(device)
+    return dataclasses.replace(execution, dtype=run_dtype).resolved(device, execution_name)
+
+
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 from harts.config.execution import (
-    DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_dtype, default_planner,
+    DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_planner, resolved_for_run,
 )
 from harts.model.config import load_model_config, with_experts_backend
 from harts.objective.losses import LossConfig
@@ -115,8 +115,7 @@ def load_rl_config(name_or_path: str | Path) -> RLConfig:
 def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     """`config` with the device-dependent defaults (dtype, backends) made explicit; a ValueError
     (starting with `where`) for a choice the model cannot run."""
-    dtype = config.dtype or config.execution.dtype or default_dtype(config.device)
-    execution = replace(config.execution, dtype=dtype).resolved(config.device)
+    execution = resolved_for_run(config.dtype, config.execution, config.device)
     model = model_config_of(config)
     env_vocab = LookupEnv(config.env).vocab_size
     if env_vocab > model.vocab_size:
@@ -131,4 +130,4 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     if execution.kda_backend == "fla" and chunk != 64:
         raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
                          f"{config.model} has {chunk}; set execution.kda_backend: torch")
-    return replace(config, dtype=dtype, execution=execution)
+    return replace(config, dtype=execution.dtype, execution=execution)

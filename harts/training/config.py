@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.config import from_dict, load_yaml_mapping
-from harts.config.execution import DEVICES, DTYPES, ExecutionConfig, check_run_dtype, default_dtype
+from harts.config.execution import DEVICES, DTYPES, ExecutionConfig, check_run_dtype, resolved_for_run
 from harts.objective.losses import LossConfig
 from harts.optim.config import OptimizerConfig, ScheduleConfig
 
@@ -133,6 +133,5 @@ def load_train_config(path: str | Path | None, overrides: dict[str, Any] | None 
 def resolve(config: TrainConfig, num_data_steps: int) -> TrainConfig:
     """`config` with every None default made explicit (see the fields; the execution's by
     `ExecutionConfig.resolved`, its dtype the run's)."""
-    dtype = config.dtype or config.execution.dtype or default_dtype(config.device)
-    execution = replace(config.execution, dtype=dtype).resolved(config.device, "compact")
-    return replace(config, execution=execution, num_steps=config.num_steps or num_data_steps, dtype=dtype)
+    execution = resolved_for_run(config.dtype, config.execution, config.device, "compact")
+    return replace(config, execution=execution, num_steps=config.num_steps or num_data_steps, dtype=execution.dtype)

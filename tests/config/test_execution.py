@@ -9,6 +9,7 @@ import pytest
 
 from harts.config import execution
 from harts.config.execution import ExecutionConfig
+from tests.test_docs import command_options
 
 
 def test_choice_lists_are_the_registries():
@@ -107,15 +108,6 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
     assert execution.from_arguments(overrides, given=True) == {"recompute": False, "capacity": 5}
 
 
-def _flags(command: list[str]) -> set[str]:
-    from harts.cli.main import build_parser
-
-    parser = build_parser()
-    for name in command:
-        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-    return {option for action in parser._actions for option in action.option_strings}
-
-
 SURFACES = {
     # command: the knobs it does not take, and why.
     "train-step": (),
@@ -129,7 +121,7 @@ SURFACES = {
 
 @pytest.mark.parametrize("command", SURFACES)
 def test_every_command_offers_every_knob_that_applies(command):
-    flags = _flags(command.split())
+    flags = command_options(*command.split())
     offered = {name for name in execution.FIELDS if execution.flag(name) in flags}
     assert offered == set(execution.FIELDS) - set(SURFACES[command])
 

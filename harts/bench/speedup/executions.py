@@ -1,5 +1,5 @@
 """The two executions a speedup record compares (`EXECUTIONS`: the per-trajectory baseline, then the compact
-execution) and what each runs: its microbatches as positions in the step, and its StepConfig from the run flags.
+execution) and what each runs: its StepConfig from the run flags (its microbatches are `Plan.members`).
 
 Both executions get the same settings except two the compact one may have of its own: `--compact-attention-backend`
 and `--compact-recompute-blocks` (`compact_recompute_blocks`: the baseline's where not given). Tested in
@@ -15,11 +15,6 @@ EXECUTIONS = ("baseline", "compact")
 RUN_KNOBS = tuple(name for name in FIELDS if name not in ("execution", "dtype"))
 """The execution knobs of a run (harts.config.execution): every one but the execution (both run) and the dtype
 (the weights' and the compiled kernels': a run flag of its own)."""
-
-
-def step_microbatches(step, plan) -> list:
-    """Each microbatch of `plan` as the positions of its trajectories in `step`."""
-    return plan.members(step)
 
 
 def knobs_of(args, name: str, recompute_blocks: int | str | None = None):

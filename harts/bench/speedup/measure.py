@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from harts.bench.speedup.breakdown import breakdown
-from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs, step_microbatches
+from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs
 from harts.bench.speedup.memory import PeakMemory
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
 from harts.bench.speedup.recompute import SEARCHED, search_recompute_blocks
@@ -29,7 +29,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         "baseline": plan(step, args.capacity, 1, planner="per-trajectory"),
         "compact": plan(step, args.capacity, 1, planner=args.planner),
     }
-    microbatches = {name: step_microbatches(step, p) for name, p in plans.items()}
+    microbatches = {name: p.members(step) for name, p in plans.items()}
     index = PrefixIndex.from_step(step)
     requested = requested_blocks(args)
     num_blocks = model.config.num_layers

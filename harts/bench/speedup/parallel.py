@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from harts.bench.speedup.executions import EXECUTIONS, step_configs, step_microbatches
+from harts.bench.speedup.executions import EXECUTIONS, step_configs
 from harts.bench.speedup.memory import PeakMemory, sync
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
 
@@ -106,7 +106,7 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
         "baseline": plan(step, args.capacity, parallel.dp, planner="per-trajectory"),
         "compact": plan(step, args.capacity, parallel.dp, planner=args.planner),
     }
-    microbatches = {name: step_microbatches(step, p) for name, p in plans.items()}
+    microbatches = {name: p.members(step) for name, p in plans.items()}
     for name in EXECUTIONS:
         check_microbatches(step, microbatches[name], parallel.dp)
     measured = launch(speedup_on_rank, parallel, model_config, args.model_seed, step, microbatches,
