@@ -93,8 +93,8 @@ from harts.planning import validate as validate_plan
 from harts.trees.trie import PrefixIndex
 
 __all__ = [
-    "BatchLoss", "BatchPlan", "RLBatch", "StepLoss", "TokenOutputs", "as_batch", "default_config", "logprobs",
-    "packed_batch", "padded_batch", "plan", "policy_loss", "policy_step", "trajectory_batch",
+    "BatchLoss", "BatchPlan", "RLBatch", "StepLoss", "TokenOutputs", "as_batch", "default_config", "device_config",
+    "logprobs", "packed_batch", "padded_batch", "plan", "policy_loss", "policy_step", "trajectory_batch",
 ]
 
 
@@ -136,11 +136,16 @@ class BatchLoss(TokenOutputs):
 
 
 def default_config(model: torch.nn.Module) -> StepConfig:
-    """The compact execution with the backends `harts train-step` picks for the model's device (sdpa
-    and the PyTorch KDA on CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
+    """`device_config` of the model's device (CPU defaults for a device other than CUDA)."""
     device = next(model.parameters()).device.type
+    return device_config(device if device in DEVICES else "cpu")
+
+
+def device_config(device: str) -> StepConfig:
+    """The compact execution with the backends `harts train-step` picks for `device` (sdpa and the PyTorch KDA on
+    CPU, varlen attention and fla's KDA on CUDA), GRPO with default settings."""
     # No autocast: the model computes in its parameters' dtype.
-    return step_config(ExecutionConfig(dtype="fp32"), device if device in DEVICES else "cpu", execution="compact")
+    return step_config(ExecutionConfig(dtype="fp32"), device, execution="compact")
 
 
 def _model(model: torch.nn.Module) -> HybridModel:

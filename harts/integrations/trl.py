@@ -32,12 +32,11 @@ from typing import Any
 import torch
 
 from harts import api
-from harts.config.execution import ExecutionConfig
 from harts.extras import require
 from harts.model.hf import model_config_from_hf
 from harts.model.hf_modules import HFParameterView, without_moe_losses
 from harts.objective.losses import GRPOConfig
-from harts.objective.step import StepConfig, step_config
+from harts.objective.step import StepConfig
 
 trl = require("trl", "harts.integrations.trl (HARTS inside TRL's GRPO trainer)")
 
@@ -125,7 +124,7 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
             raise ValueError("HARTSGRPOTrainer: TRL settings without a HARTS reading: " + "; ".join(problems))
         device = "cuda" if self.accelerator.device.type == "cuda" else "cpu"
         # No autocast unless TRL's bf16: the model computes in its parameters' dtype.
-        base = harts_config or step_config(ExecutionConfig(dtype="fp32"), device, execution="compact")
+        base = harts_config or api.device_config(device)
         self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
                                           "dtype": "bf16" if self.args.bf16 else base.dtype})
         self._views: dict[int, HFParameterView] = {}
