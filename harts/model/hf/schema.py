@@ -1,0 +1,101 @@
+"""Pieces every Hugging Face layout of harts.model.hf is written with.
+
+- `Slot`: where one checkpoint tensor lives in the model (a region of one model tensor, in the checkpoint's
+  shape and orientation), and the views that cut the usual regions (`rows`, `columns_t`, `expert_columns_t`,
+  `expert_t`);
+- `Fields`: typed reads of a config.json's fields, every error naming the file and the field; `type_list`
+  (transformers' per-layer lists) and `agree` (two keys of one config that must describe one model).
+Tested through every layout (tests/model/test_hf.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor lives in the model: `view(model tensor target)` is the region,
+    in the checkpoint's shape and orientation."""
+
+    target: str
+    shape: tuple[int, ...]
+    view: Callable[[torch.Tensor], torch.Tensor]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def rows(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[lo:hi]
+
+
+def columns_t(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[:, lo:hi].T
+
+
+def expert_columns_t(expert: int, lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[expert, :, lo:hi].T
+
+
+def expert_t(expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[expert].T
+
+
+class Fields:
+    """Typed reads of config.json's fields, each error naming the file and the field."""
+
+    def __init__(self, data: dict, where: str) -> None:
+        self.data, self.where = data, where
+
+    def fail(self, field: str, message: str) -> ValueError:
+        return ValueError(f"{self.where}: field '{field}' {message}")
+
+    def get(self, field: str, kind: type | tuple[type, ...], default=None, *, required: bool = False):
+        """The field's value (`default` when absent or null, unless `required`), type-checked."""
+        value = self.data.get(field)
+        if value is None:
+            if required:
+                raise ValueError(f"{self.where}: missing field '{field}'")
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise self.fail(field, f"must be {kind_name(kinds)}, got {value!r}")
+        return value
+
+    def require(self, field: str, kind: type | tuple[type, ...]):
+        return self.get(field, kind, required=True)
+
+    def expect(self, field: str, value, default, reason: str) -> None:
+        """Refuse any value of `field` other than `value` (absent means `default`; a field without
+        a default must be present)."""
+        if field not in self.data and default is None:
+            raise ValueError(f"{self.where}: missing field '{field}'")
+        actual = self.data.get(field, default)
+        if actual != value:
+            raise self.fail(field, f"= {json.dumps(actual)} is not supported ({reason})")
+
+
+def kind_name(kinds: tuple[type, ...]) -> str:
+    return " or ".join({int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                        dict: "a mapping", list: "a list"}[k] for k in kinds)
+
+
+def type_list(fields: Fields, key: str, kinds: tuple[str, str], num_layers: int) -> list[str] | None:
+    """transformers' per-layer list `key` (each entry one of `kinds`), or None when absent."""
+    values = fields.get(key, list)
+    if values is not None and (len(values) != num_layers or any(v not in kinds for v in values)):
+        raise fields.fail(key, f"must list {num_layers} entries, each {kinds[0]!r} or {kinds[1]!r}, got {values!r}")
+    return values
+
+
+def agree(fields: Fields, field: str, value, other_field: str, other) -> None:
+    """Refuse a config.json whose Moonshot and transformers keys describe different models: each reader
+    would build another one."""
+    if value != other:
+        raise fields.fail(field, f"= {json.dumps(value)} disagrees with '{other_field}' = {json.dumps(other)}")
