@@ -15,6 +15,8 @@ Face parameters). What the trainer replaces, and nothing else:
   micro-batch, as TRL's. It logs TRL's `entropy`, `kl` and `clip_ratio/region_mean` metrics and
   `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
   forward computes) per call.
+- `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
+  HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
 turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
 entropy, the router auxiliary loss, PEFT models, multimodal inputs, more than one process (the model's forward is

@@ -10,15 +10,15 @@ normalised within each group as TRL's `scale_rewards="group"`: it is what TRL's 
 the update, so generation and rewards are not run (`_generate_and_score_completions` returns the batch). Each
 trainer runs `trainer.train()` for `--warmup` + `--repeats` steps of one micro-batch (the whole batch, TRL's dapo
 loss, on-policy); a callback times each step from `on_step_begin` to `on_step_end` (log-probs, loss, backward,
-gradient clipping, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the median of the steps
+gradient clipping at TRL's max_grad_norm, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the median of the steps
 after the warm-up is the figure. The trainers run one after the other, each on a fresh copy of the checkpoint;
 the model's parameters stay fp32; on CUDA both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype
 bf16; HARTS's grouped experts take bf16 only), on the CPU in fp32.
 
 Fidelity, HARTS against stock TRL from the same weights: the per-token log-probs and entropies of the batch's
 completions (`_get_per_token_logps_and_entropies`, before training), the first step's loss (on-policy dapo: the
-ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients (relative
-difference of the whole gradient vector) and the parameters after it (largest difference, beside the largest
+ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients after
+clipping (relative difference of the whole gradient vector) and the parameters after it (largest difference, beside the largest
 change the step made). One record per run (`harts.tracking.records`), written after each trainer; a trainer that
 fails leaves an `error` in its entry and the command exits 1.
 
@@ -42,7 +42,8 @@ PAD, EOS, UNK = 0, 1, 2
 FIRST_TOKEN = 3
 """The batch's tokens are drawn from [FIRST_TOKEN, vocabulary): never the tokenizer's pad, eos or unknown ids."""
 TRAINERS = ("trl", "harts")
-OPTIMIZERS = ("adamw_torch", "sgd")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd")
+"""TRL's optimizer names the command takes (the first is TRL's default)."""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -58,7 +59,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps first (the first one is "
                         "the fidelity step)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps")
-    parser.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch", help="TRL's optimizer")
+    parser.add_argument("--optim", choices=OPTIMIZERS, default=OPTIMIZERS[0], help="TRL's optimizer (default: TRL's)")
     parser.add_argument("--lr", type=positive_float, default=1e-6, help="learning rate (TRL's default)")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="TRL's gradient_checkpointing (default on, as TRL's), HARTS's recompute")
