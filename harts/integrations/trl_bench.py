@@ -7,20 +7,21 @@ Hugging Face checkpoint that transformers loads as `KimiLinearForCausalLM`, as t
 (`grpo_batch`) is `--prompts` random prompts of `--prompt-length` tokens, each with `--generations` random
 completions of `--completion-length` tokens at most (lengths uniform in [half, all]; right-padded) and advantages
 normalised within each group as TRL's `scale_rewards="group"`: it is what TRL's generation and rewards would hand
-the update, so generation and rewards are not run (`_generate_and_score_completions` returns the batch). Each
-trainer runs `trainer.train()` for `--warmup` + `--repeats` steps of one micro-batch (the whole batch, TRL's dapo
-loss, on-policy); a callback times each step from `on_step_begin` to `on_step_end` (log-probs, loss, backward,
-gradient clipping at TRL's max_grad_norm, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the median of the steps
-after the warm-up is the figure. The trainers run one after the other, each on a fresh copy of the checkpoint;
-the model's parameters stay fp32; on CUDA both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype
-bf16; HARTS's grouped experts take bf16 only), on the CPU in fp32.
+the update, so generation and rewards are not run (`_generate_and_score_completions` returns the batch).
+
+Each trainer runs `trainer.train()` for `--warmup` + `--repeats` steps of one micro-batch (the whole batch, TRL's
+dapo loss, on-policy); a callback times each step from `on_step_begin` to `on_step_end` (log-probs, loss, backward,
+gradient clipping at TRL's max_grad_norm, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the
+median of the steps after the warm-up is the figure. The trainers run one after the other, each on a fresh copy of
+the checkpoint. The parameters stay fp32; on CUDA both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype
+bf16: HARTS's grouped experts take bf16 only), on the CPU in fp32.
 
 Fidelity, HARTS against stock TRL from the same weights: the per-token log-probs and entropies of the batch's
 completions (`_get_per_token_logps_and_entropies`, before training), the first step's loss (on-policy dapo: the
 ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients after
-clipping (relative difference of the whole gradient vector) and the parameters after it (largest difference, beside the largest
-change the step made). One record per run (`harts.tracking.records`), written after each trainer; a trainer that
-fails leaves an `error` in its entry and the command exits 1.
+clipping (relative difference of the whole gradient vector) and the parameters after it (largest difference, beside
+the largest change the step made). One record per run (`harts.tracking.records`), written after each trainer; a
+trainer that fails leaves an `error` in its entry and the command exits 1.
 
 This lives beside the TRL integration rather than in harts.bench: the benchmarks must not import the
 integrations (tests/test_imports.py). Tested on the CPU in tests/integrations/test_trl_bench.py.
