@@ -120,7 +120,8 @@ def kimi_linear_form(config):
     transformers' model calls on CUDA; HARTS's fla kernels take 32 or 64). ValueError for what it cannot change."""
     from dataclasses import replace
 
-    from harts.model.hf import LATENT_NORM_EPS, check_exportable
+    from harts.model.hf import check_exportable
+    from harts.model.hf.kimi import LATENT_NORM_EPS
 
     kda = replace(config.kda, gate_rank=config.kda.head_dim, output_gate_bias=False, chunk_size=64)
     mla = replace(config.mla, use_rope=False, latent_norm_eps=LATENT_NORM_EPS)
