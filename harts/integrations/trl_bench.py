@@ -78,14 +78,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.config import config_to_dict
+    from harts.extras import require
     from harts.model.config import load_model_config
     from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    import transformers
-
-    import trl
+    trl = require("trl", "harts bench trl")
+    import transformers  # a dependency of trl
 
     dtype = "bf16" if args.device == "cuda" else "fp32"
     config = kimi_linear_form(load_model_config(args.model))
