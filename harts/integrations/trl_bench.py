@@ -101,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
         args.gradient_checkpointing, "loss_type": "dapo", "seed": args.seed, "trl": trl.__version__,
         "transformers": transformers.__version__,
     }
-    results: dict[str, Any] = {}
     with sigterm_raises():
         try:
             results = measure(args, config, dtype, lambda partial: write_records(
