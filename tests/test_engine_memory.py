@@ -30,7 +30,10 @@ def _probes(peaks: dict[int, int], out_of_memory: tuple[int, ...] = ()):
     (1001, 0.05, 0, 950),  # the margin rounds up to a byte: 50.05 -> 51
     (1000, 0.05, 30, 920),
     (143_771_000_000, 0.05, 0, 143_771_000_000 - 7_188_550_000),
-], ids=["5%", "10%", "30%", "none", "rounds-up", "reserved", "h200"])
+    # In binary floats 1000 * (1 - 0.07) is 929.99..., and 100 * 0.07 is 7.000...01 (which rounds up to 8).
+    (1000, 0.07, 0, 930),
+    (100, 0.07, 0, 93),
+], ids=["5%", "10%", "30%", "none", "rounds-up", "reserved", "h200", "7%-of-1000", "7%-of-100"])
 def test_the_limit_is_the_total_less_the_margin_and_the_reserved_bytes(total, margin, reserved, limit):
     assert memory_limit_bytes(total, margin, reserved) == limit
 

@@ -38,7 +38,7 @@ def test_choice_lists_are_the_registries():
     (dict(memory_margin=1.0), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(memory_margin=-0.01), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(memory_margin=float("nan")), "execution.memory_margin must be a number >= 0 and < 1"),
-    (dict(memory_margin=True), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(memory_margin=False), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(memory_margin="5%"), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(recompute_blocks="auto"), "execution.recompute_blocks needs execution.recompute"),
     (dict(recompute_blocks=2), "execution.recompute_blocks needs execution.recompute"),
