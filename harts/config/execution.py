@@ -70,7 +70,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a
 smaller LM-head chunk); the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4,
 which needs flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and
-capacity, `--recompute-blocks N` or bench speedup's `auto`). Flags given beside a preset win."""
+capacity, `--recompute-blocks N`, or `auto` on harts train and bench speedup). Flags given beside a
+preset win."""
 
 
 def default_planner(execution: str) -> str:
