@@ -10,10 +10,13 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   g = -exp(A_log)·softplus(f(x) + dt_bias) (per channel, log space), β = sigmoid(b(x)), KDA with
   L2-normalised q/k, output gate + RMSNorm (o = RMSNorm(o)·sigmoid(gate)), output projection;
   the gate's full-rank projection has a bias unless `output_gate_bias` is off (Kimi-Linear).
+  BailingHybrid's variant: f and g each one full-rank projection (`full_rank_gates`), and the bounded
+  gate g = b·sigmoid(exp(A_log)·(f(x) + dt_bias)) (`gate_lower_bound` b).
 - `MLALayer`: DeepSeek-V2 multi-head latent attention: optional low-rank query, KV compressed
   to `kv_lora_rank` + a shared decoupled RoPE key; RoPE on the original path positions (or
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
-  but never rotates it).
+  but never rotates it), of the halves or of adjacent pairs (`rope_interleave`); BailingHybrid's gated
+  MLA scales each head's output by sigmoid(x·g_h) (`output_gate`) and may carry biases (`attention_bias`).
 - `SwiGLU`: the dense MLP of the first layers.
 On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`), its decay gate
 (`harts.ops.kda.gate.kda_gate`: fla's kernel), its output gate (`harts.ops.norm_gate`) and every SwiGLU
