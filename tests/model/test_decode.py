@@ -5,8 +5,8 @@ token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
 models with and without the MLA rope part and with NoPE, and bailing-tiny (BailingHybrid's bounded gate, full-rank
-KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU); a fork continues two rollouts from one
-prefix, each equal to its own full forward; a dropped row leaves the others intact.
+KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU); a fork continues two rollouts
+from one prefix, each equal to its own full forward; a dropped row leaves the others intact.
 """
 
 from dataclasses import replace

@@ -3,8 +3,7 @@
 (The logits against transformers' BailingHybridForCausalLM are tests/model/test_hf_bailing_reference.py.)
 - Round trip: bailing-tiny saved sharded, as one file, tied and in bf16, then loaded: the config equal, every tensor
   bitwise equal (bf16: its bf16 rounding; the fp32 tensors of FP32_SUFFIXES exact), the logits bitwise equal.
-- The shipped ling3-tiny config is what the Hub's Ling-3.0-tiny config.json (the values of configs/models/ling3-tiny.yaml)
-  reads to, and a model config picks its layout by `hf_layout`.
+- Every shipped config of the layout is expressible in it, and a model config picks its layout by `hf_layout`.
 - Each unsupported config.json value, among them multi-token-prediction layers, is a one-line ValueError naming the
   file and the field; each model feature the layout cannot express is refused on saving, by name; the Kimi-Linear
   layout refuses BailingHybrid's features.

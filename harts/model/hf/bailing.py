@@ -1,4 +1,5 @@
-"""BailingHybrid's Hugging Face layout (`model_type` "bailing_hybrid": Ling-3, transformers' `BailingHybridForCausalLM`).
+"""BailingHybrid's Hugging Face layout (`model_type` "bailing_hybrid": Ling-3, transformers'
+`BailingHybridForCausalLM`).
 
 BailingHybrid (inclusionAI's Ling-3.0 family, e.g. inclusionAI/Ling-3.0-tiny and Ling-3.0-flash) is a KDA + gated
 MLA + MoE architecture; transformers (5.25) carries it as `BailingHybridForCausalLM` / `BailingHybridConfig`. An
@@ -29,9 +30,9 @@ with the Hub's keys plus the ones transformers needs (layer_types, rope_paramete
 
 How the tensors become `HybridModel` parameters (ModelConfig with hf_layout "bailing_hybrid"): KDA as Kimi-Linear's
 but for f_proj and g_proj, one full-rank linear each (`kda.full_rank_gates`), A_log 1-D; MLA as Kimi-Linear's plus
-g_proj (`mla.output_gate`) and dense -> o_proj; the experts as Kimi-Linear's (gate_proj/up_proj [F, D] -> gate_up_proj[e]
-[D, 2F], down_proj [D, F] -> down_proj[e] [F, D]); expert_bias -> the MoE's expert_bias. Where BailingHybrid's math
-differs from HARTS's defaults, loading sets the ModelConfig option that reproduces it: the bounded decay gate
+g_proj (`mla.output_gate`) and dense -> o_proj; the experts as Kimi-Linear's (gate_proj/up_proj [F, D] ->
+gate_up_proj[e] [D, 2F], down_proj [D, F] -> down_proj[e] [F, D]); expert_bias -> the MoE's expert_bias. Where
+BailingHybrid's math differs from HARTS's defaults, loading sets the ModelConfig option that reproduces it: the bounded decay gate
 (`kda.gate_lower_bound` = kda_lower_bound when kda_safe_gate), no output-gate bias, interleaved RoPE
 (`mla.rope_interleave`), the MLA output gate, `mla.attention_bias`, latent RMSNorm eps 1e-6 (q_a_layernorm and
 kv_a_layernorm keep the RMSNorm default), group-limited routing (`moe.num_groups` = n_group, `moe.topk_groups`),

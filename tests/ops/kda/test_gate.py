@@ -28,7 +28,8 @@ def test_bounded_reference_is_the_formula():
     from fla.ops.kda.gate import naive_kda_lowerbound_gate
 
     gen = torch.Generator().manual_seed(42)
-    f, A_log, dt_bias = torch.randn(5, 2, 3, generator=gen) * 3, torch.rand(2, generator=gen), torch.randn(6, generator=gen)
+    f = torch.randn(5, 2, 3, generator=gen) * 3
+    A_log, dt_bias = torch.rand(2, generator=gen), torch.randn(6, generator=gen)
     g = naive_kda_gate(f, A_log, dt_bias, lower_bound=-5.0)
     assert g.dtype == torch.float32 and bool(((g > -5) & (g < 0)).all())
     torch.testing.assert_close(g, naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=-5.0), rtol=0, atol=0)

@@ -82,7 +82,8 @@ def test_cuda_dispatch_matches_reference(rows, limit):
     gate_up = torch.randn(rows, 2 * 512, generator=gen, device="cuda") * 3
     upstream = torch.randn(rows, 512, generator=gen, device="cuda")
     results = []
-    for run, dtype in ((partial(naive_swiglu, limit=limit), torch.float64), (partial(swiglu, limit=limit), torch.bfloat16)):
+    for run, dtype in ((partial(naive_swiglu, limit=limit), torch.float64),
+                       (partial(swiglu, limit=limit), torch.bfloat16)):
         results.append(value_and_grads(run, [gate_up.to(dtype).requires_grad_()], upstream))
     assert results[1][0].dtype == torch.bfloat16
     for actual, reference in zip(results[1], results[0]):
