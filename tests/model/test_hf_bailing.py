@@ -3,7 +3,8 @@
 (The logits against transformers' BailingHybridForCausalLM are tests/model/test_hf_bailing_reference.py.)
 - Round trip: bailing-tiny saved sharded, as one file, tied and in bf16, then loaded: the config equal, every tensor
   bitwise equal (bf16: its bf16 rounding; the fp32 tensors of FP32_SUFFIXES exact), the logits bitwise equal.
-- Every shipped config of the layout is expressible in it, and a model config picks its layout by `hf_layout`.
+- Every shipped config of the layout is expressible in it, the Hub's Ling-3.0-tiny config.json reads to the shipped
+  ling3-tiny (once its MTP layer is left out), and a model config picks its layout by `hf_layout`.
 - Each unsupported config.json value, among them multi-token-prediction layers, is a one-line ValueError naming the
   file and the field; each model feature the layout cannot express is refused on saving, by name; the Kimi-Linear
   layout refuses BailingHybrid's features.
@@ -53,6 +54,37 @@ def test_every_shipped_bailing_config_exports(name):
     """Each shipped model config of the BailingHybrid layout is expressible in it: its config.json reads back to it."""
     config = load_model_config(name)
     assert model_config_from_hf(hf_config_from_model(config), f"{name}/config.json") == replace(config)
+
+
+LING3_TINY_HUB = {
+    # Ling-3.0-tiny's config.json, the values public code quotes from the Hub (configs/models/ling3-tiny.yaml).
+    "architectures": ["BailingMoeV3ForCausalLM"], "model_type": "bailing_hybrid", "vocab_size": 157184,
+    "hidden_size": 1536, "intermediate_size": 4608, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 6000000.0,
+    "partial_rotary_factor": 0.5, "rotary_dim": 64, "rope_interleave": True, "use_qk_norm": True, "q_lora_rank": 256,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "qk_head_dim": 192, "v_head_dim": 128,
+    "use_mla_nope": False, "gated_attention_proj_granularity_type": "head_wise", "layer_group_size": 4,
+    "no_kda_lora": True, "kda_safe_gate": True, "kda_lower_bound": -5.0, "short_conv_kernel_size": 4,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 512,
+    "moe_shared_expert_intermediate_size": 512, "first_k_dense_replace": 1, "moe_router_enable_expert_bias": True,
+    "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "score_function": "sigmoid",
+    "routed_scaling_factor": 2.5, "router_dtype": "fp32", "num_nextn_predict_layers": 1, "mtp_loss_scaling_factor": 0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "eos_token_id": 156895, "pad_token_id": 156892,
+}
+
+
+def test_ling3_tiny_is_the_hub_config():
+    """The Hub's Ling-3.0-tiny config.json is refused for its MTP layer; without it, it reads to the shipped
+    ling3-tiny config (up to HARTS's training fields, which config.json does not carry)."""
+    with pytest.raises(ValueError, match=r"num_mtp_layers = 1\) are not supported yet"):
+        model_config_from_hf(LING3_TINY_HUB, "Ling-3.0-tiny/config.json")
+    read = model_config_from_hf({**LING3_TINY_HUB, "num_nextn_predict_layers": 0}, "Ling-3.0-tiny/config.json")
+    shipped = load_model_config("ling3-tiny")
+    training = dict(name=shipped.name, kda=replace(read.kda, chunk_size=shipped.kda.chunk_size),
+                    moe=replace(read.moe, aux_loss_coeff=shipped.moe.aux_loss_coeff,
+                                z_loss_coeff=shipped.moe.z_loss_coeff))
+    assert replace(read, **training) == shipped
 
 
 def test_a_model_config_picks_its_layout():
