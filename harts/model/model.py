@@ -16,6 +16,8 @@ keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). T
 the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py).
 With a layout's `keep_kda_intermediates` the recomputed blocks run inside harts.ops.kda.keep's context, where fla's
 KDA calls keep their intermediates for the backward instead of computing them again.
+With `config.mtp` the model also owns the multi-token-prediction layers (`self.mtp`, harts.model.mtp), which its
+forward runs after the final norm when given their layouts.
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
@@ -41,9 +43,9 @@ from harts.runtime.layout import Layout
 class Block(nn.Module):
     """Pre-norm residual block: token mixer (KDA or MLA), then MLP (dense or MoE)."""
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, *, kind: str | None = None) -> None:
         super().__init__()
-        self.kind = config.layer_kind(index)
+        self.kind = config.layer_kind(index) if kind is None else kind
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
         if self.kind == "kda":
             self.mixer = KDALayer(config.hidden_size, config.kda, config.norm_eps)
@@ -99,6 +101,11 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.mtp = None
+        if config.mtp is not None:
+            from harts.model.mtp import MultiTokenPrediction
+
+            self.mtp = MultiTokenPrediction(config)
 
     def set_experts_backend(self, backend: str) -> None:
         """Run every MoE layer's experts with `backend` from now on (`EXPERT_BACKENDS`; they share the
@@ -131,13 +138,21 @@ class HybridModel(nn.Module):
 
     def forward(
         self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False,
-        recompute_blocks: int | None = None, keep_attention: bool = False,
-    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        recompute_blocks: int | None = None, keep_attention: bool = False, mtp_layouts: list | None = None,
+    ) -> tuple[torch.Tensor, list[MoEAux]] | tuple[torch.Tensor, list[MoEAux], list[torch.Tensor]]:
+        """(final hidden states [R, D], MoE aux of every MoE block); with `mtp_layouts` (harts.runtime.mtp, one per
+        MTP depth run) also the MTP layers' final hidden states, one [R_k, D] per depth, their MoE aux appended."""
         x_RD, auxes = self.run_blocks(
             self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute,
             recompute_blocks=recompute_blocks, keep_attention=keep_attention,
         )
-        return self.final_norm(x_RD), auxes
+        hidden_RD = self.final_norm(x_RD)
+        if mtp_layouts is None:
+            return hidden_RD, auxes
+        if self.mtp is None:
+            raise ValueError(f"model {self.config.name!r}: MTP layouts given, but the model has no MTP layers")
+        mtp_hidden, mtp_auxes = self.mtp(self.embed, hidden_RD, mtp_layouts, recompute=recompute)
+        return hidden_RD, auxes + mtp_auxes, mtp_hidden
 
     def run_blocks(
         self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False,
