@@ -120,21 +120,28 @@ class HybridModel(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialisation in place on the model's device: normal(0, init_std) for matrices,
         layer-specific for KDA. Deterministic for a seed and a device type (the CPU and CUDA
-        generators draw different streams)."""
+        generators draw different streams). The MTP layers come last from the same generator, so the
+        decoder's weights are those of the model without them."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
-        for name, parameter in self.named_parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, self.config.init_std, generator=generator)
-            elif name.endswith(".bias"):
-                parameter.zero_()
-            elif name.endswith("norm.weight") or name.endswith(".weight"):
-                parameter.fill_(1.0)
-        for module in self.modules():
-            if isinstance(module, KDALayer):
-                module.reset_kda_parameters(generator)
-            if isinstance(module, MoE) and module.expert_bias is not None:
-                module.expert_bias.zero_()
+        # The decoder's parameters and modules, then the MTP layers' (the module "mtp").
+        parts = [([(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")],
+                  [m for n, m in self.named_modules() if n != "mtp" and not n.startswith("mtp.")])]
+        if self.mtp is not None:
+            parts.append((list(self.mtp.named_parameters()), list(self.mtp.modules())))
+        for parameters, modules in parts:
+            for name, parameter in parameters:
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, self.config.init_std, generator=generator)
+                elif name.endswith(".bias"):
+                    parameter.zero_()
+                elif name.endswith("norm.weight") or name.endswith(".weight"):
+                    parameter.fill_(1.0)
+            for module in modules:
+                if isinstance(module, KDALayer):
+                    module.reset_kda_parameters(generator)
+                if isinstance(module, MoE) and module.expert_bias is not None:
+                    module.expert_bias.zero_()
 
     def forward(
         self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False,

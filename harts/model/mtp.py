@@ -47,11 +47,14 @@ class MTPLayer(nn.Module):
         self.block = Block(config, config.num_layers + depth - 1, kind=config.mtp.layer_kind)
         self.final_layernorm = RMSNorm(dim, eps)
 
+    def combine(self, embedded_RD: torch.Tensor, previous_RD: torch.Tensor) -> torch.Tensor:
+        """The block's input: eh_proj([enorm(embedding); hnorm(previous hidden state)])."""
+        return self.eh_proj(torch.cat([self.enorm(embedded_RD), self.hnorm(previous_RD)], dim=-1))
+
     def forward(self, embedded_RD: torch.Tensor, previous_RD: torch.Tensor,
                 layout: Layout) -> tuple[torch.Tensor, MoEAux | None]:
         """h^k of the rows from the embeddings of their tokens x_{t+k} and the previous depth's h^{k-1}_t."""
-        x_RD = self.eh_proj(torch.cat([self.enorm(embedded_RD), self.hnorm(previous_RD)], dim=-1))
-        x_RD, aux = self.block(x_RD, layout)
+        x_RD, aux = self.block(self.combine(embedded_RD, previous_RD), layout)
         return self.final_layernorm(x_RD), aux
 
 
