@@ -33,8 +33,10 @@ def apply_update(model: HybridModel, optimizer, scheduler, max_grad_norm: float,
 
 
 def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
-    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
-    layers = [block.mlp for block in model.blocks if block.is_moe]
+    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step (the
+    decoder's layers, then the MTP layers')."""
+    blocks = list(model.blocks) + ([] if model.mtp is None else [layer.block for layer in model.mtp.layers])
+    layers = [block.mlp for block in blocks if block.is_moe]
     assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
     for layer, counts in zip(layers, tokens_per_expert):
         if layer.expert_bias is not None:

@@ -290,6 +290,7 @@ class _Run:
             "semantic_tokens": result.num_semantic_tokens,
             "compact_tokens": planned.index.segment_tree().num_compact_tokens,
             "rows": result.num_rows,
+            **result.mtp_record(),
             "microbatches": planned.num_microbatches,
             "seconds": {"data": data_seconds, "plan": planned.seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},

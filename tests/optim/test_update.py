@@ -18,7 +18,7 @@ def _learner():
     optimizer = MasterWeightAdamW(layer.named_parameters(), OptimizerConfig(lr=0.1))
     scheduler = make_scheduler(optimizer, ScheduleConfig(warmup_steps=2), num_steps=4)
     # A model without MoE layers: update_expert_biases has no layer to update.
-    return layer, SimpleNamespace(blocks=[]), optimizer, scheduler
+    return layer, SimpleNamespace(blocks=[], mtp=None), optimizer, scheduler
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
