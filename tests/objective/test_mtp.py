@@ -130,6 +130,18 @@ def test_compact_equals_per_trajectory(name, kind, depths):
         assert compact.num_mtp_rows[0] < baseline.num_mtp_rows[0]
 
 
+@pytest.mark.parametrize("execution", ["baseline", "compact"])
+def test_microbatching_does_not_change_the_mtp_loss(execution):
+    """The step-level N_k: two microbatches add up to the one-microbatch loss and gradients."""
+    model = _model(_config("mla", 2))
+    step, microbatches = TREES["random-0"]
+    whole, whole_grads = _run(model, step, [np.arange(step.num_trajectories)], execution)
+    split, split_grads = _run(model, step, microbatches, execution)
+    assert split.mtp_loss == pytest.approx(whole.mtp_loss, rel=1e-6)
+    assert split.mtp_depth_losses == pytest.approx(whole.mtp_depth_losses, rel=1e-6)
+    _assert_same_gradients(split_grads, whole_grads, 1e-5)
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 def test_whole_step_with_mtp(recompute):
     """Policy (GRPO with KL), MoE and MTP losses together; the MTP blocks' expert-bias counts and update."""
