@@ -116,7 +116,7 @@ def test_compact_equals_per_trajectory(name, kind, depths):
     assert baseline.mtp_loss > 0
     assert compact.mtp_loss == pytest.approx(baseline.mtp_loss, rel=1e-6, abs=0)
     assert compact.mtp_depth_losses == pytest.approx(baseline.mtp_depth_losses, rel=1e-6, abs=1e-12)
-    _assert_same_gradients(compact_grads, baseline_grads, 1e-5)
+    _assert_same_gradients(compact_grads, baseline_grads, 2e-5)  # fp32; worst seen 3.9e-6 (a KDA gate: other chunkings)
     trained = [f"mtp.layers.{k}.block." for k, term in enumerate(baseline.mtp_depth_losses) if term > 0]
     for prefix in ("embed.", "blocks.0.", "lm_head.", "mtp.layers.0.eh_proj", *trained):
         assert any(n.startswith(prefix) and float(g.norm()) > 0 for n, g in baseline_grads.items()), prefix
@@ -189,7 +189,7 @@ def test_per_trajectory_equals_dense_reference(kind, length):
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     assert result.mtp_loss == pytest.approx(float(loss.detach()), rel=1e-6, abs=1e-12)
-    if float(loss) == 0:
+    if float(loss.detach()) == 0:
         return  # length 2, mask on the second token off: no MTP label
     # The baseline's zero-advantage policy term and the MoE blocks' (coefficient 0) losses add exact zeros.
     grads = {n: g for n, g in grads.items() if n in expected}
