@@ -30,7 +30,6 @@ from harts.config import execution as execution_config
 from harts.config.execution import ExecutionConfig
 from harts.model.model import HybridModel, unwrap_model
 from harts.objective.logprobs import compact_logprobs
-from harts.objective.mtp import MTPLoss, microbatch_mtp_loss, mtp_normalizers, mtp_scaling_factor
 from harts.objective.losses import (
     LOSSES,
     GRPOConfig,
@@ -40,6 +39,7 @@ from harts.objective.losses import (
     grpo_loss,
     ppo_loss,
 )
+from harts.objective.mtp import MTPLoss, microbatch_mtp_loss, mtp_normalizers, mtp_scaling_factor
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.runtime.layout import Layout, baseline_layout, compact_layout
 from harts.runtime.mtp import MTPLayout, mtp_layouts

@@ -1,8 +1,8 @@
 """Records and JSON outputs written through the one execution config have the fields and values they had before it
 (tests/data/records/*.json: written at 4782eda, before harts.config.execution existed, by `harts bench speedup`,
 `harts train-step --json` and `harts verify --json` on the tiny model and the sample step): the same config, the
-same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
-as fields only."""
+same result fields, the same sizes, and the same losses and differences within float noise (the model config has
+gained `mtp` since: null, without MTP layers). Timings are compared as fields only."""
 
 import json
 import math
