@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from harts.model.config import ModelConfig
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
+from harts.model.mtp import MultiTokenPrediction
 from harts.ops.attention.groups import attention_kernel_ops
 from harts.ops.attention.keep import keeper_contexts, keeper_scope
 from harts.ops.kda.keep import keeping_kda_intermediates
@@ -103,9 +104,10 @@ class HybridModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.mtp = None
         if config.mtp is not None:
-            from harts.model.mtp import MultiTokenPrediction
-
-            self.mtp = MultiTokenPrediction(config)
+            # Numbered after the decoder's blocks, as the checkpoints store them (so they are MoE blocks).
+            self.mtp = MultiTokenPrediction(config, [
+                Block(config, config.num_layers + i, kind=config.mtp.layer_kind) for i in range(config.mtp.num_layers)
+            ])
 
     def set_experts_backend(self, backend: str) -> None:
         """Run every MoE layer's experts with `backend` from now on (`EXPERT_BACKENDS`; they share the

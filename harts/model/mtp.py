@@ -5,9 +5,10 @@ Depth k = 1 .. D (`MTPConfig.num_layers`) turns the row at position t into
 where h^0 is the main model's final hidden state after its final norm (megatron-core hands its MTP block the decoder's
 output, final layernorm included) and h^{k-1} for k >= 2 the previous depth's output after its own final_layernorm;
 the embedding comes first in the concatenation (megatron-core's `_concat_embeddings`, sglang's Bailing NextN). `embed`
-and the LM head are the main model's (shared): h^k_t predicts x_{t+k+1}. The block is one decoder `Block` with the
-MoE MLP and the token mixer `MTPConfig.layer_kind`: full attention (MLA) for Ling-3.0, whose Bailing-hybrid NextN
-layer is an MLA layer with the sparse MLP (sglang's bailing_moe_nextn).
+and the LM head are the main model's (shared): h^k_t predicts x_{t+k+1}. The block is one decoder `Block` (the model
+builds it, numbered after its decoder's blocks, so with the MoE MLP) with the token mixer `MTPConfig.layer_kind`: full
+attention (MLA) for Ling-3.0, whose Bailing-hybrid NextN layer is an MLA layer with the sparse MLP (sglang's
+bailing_moe_nextn).
 
 Which rows a depth has and which row of the previous depth each one reads is its layout's (harts.runtime.mtp): per
 trajectory, the positions t < L - k; under a tree, one row per trie node of depth >= k. The MTP loss is
@@ -29,22 +30,21 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.model.config import ModelConfig
 from harts.model.layers import RMSNorm
-from harts.model.model import Block
 from harts.model.moe import MoEAux
 from harts.runtime.layout import Layout
 
 
 class MTPLayer(nn.Module):
-    """One MTP depth: the two input norms, the projection of their concatenation, a block and the output norm."""
+    """One MTP depth: the two input norms, the projection of their concatenation, a block (harts.model.model's
+    `Block`, built by the model) and the output norm."""
 
-    def __init__(self, config: ModelConfig, depth: int) -> None:
+    def __init__(self, config: ModelConfig, block: nn.Module) -> None:
         super().__init__()
         dim, eps = config.hidden_size, config.norm_eps
         self.enorm = RMSNorm(dim, eps)
         self.hnorm = RMSNorm(dim, eps)
         self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
-        # Numbered after the decoder's blocks, as the checkpoints store it (so it is a MoE block).
-        self.block = Block(config, config.num_layers + depth - 1, kind=config.mtp.layer_kind)
+        self.block = block
         self.final_layernorm = RMSNorm(dim, eps)
 
     def combine(self, embedded_RD: torch.Tensor, previous_RD: torch.Tensor) -> torch.Tensor:
@@ -59,12 +59,12 @@ class MTPLayer(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The D MTP layers of a model (`HybridModel.mtp`)."""
+    """The D MTP layers of a model (`HybridModel.mtp`), one per block of `blocks` (depth 1 first)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, blocks: list[nn.Module]) -> None:
         super().__init__()
-        assert config.mtp is not None
-        self.layers = nn.ModuleList(MTPLayer(config, depth) for depth in range(1, config.mtp.num_layers + 1))
+        assert config.mtp is not None and len(blocks) == config.mtp.num_layers
+        self.layers = nn.ModuleList(MTPLayer(config, block) for block in blocks)
 
     def forward(self, embed: nn.Embedding, hidden_RD: torch.Tensor, layouts: list, *,
                 recompute: bool = False) -> tuple[list[torch.Tensor], list[MoEAux]]:
