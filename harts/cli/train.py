@@ -34,12 +34,12 @@ AGGREGATIONS = LOSS_AGGREGATIONS
 def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train-step", help="forward + backward of one step (loss, rows, seconds)")
     _common(train)
-    execution.add_arguments(train, execution=dict(required=True, default=None))
+    execution.add_arguments(train, exclude=("memory_margin",), execution=dict(required=True, default=None))
     train.set_defaults(run=run_train_step)
 
     verify = commands.add_parser("verify", help="compare the compact execution with the baseline")
     _common(verify)
-    execution.add_arguments(verify, exclude=("execution",), planner=dict(
+    execution.add_arguments(verify, exclude=("execution", "memory_margin"), planner=dict(
         default="harts", help="The microbatch planner, shared by both executions (default: harts)."))
     verify.add_argument("--no-replay", action="store_true", help="compact side runs the no-replay ablation")
     verify.set_defaults(run=run_verify)

@@ -54,7 +54,8 @@ class Block(nn.Module):
             self.mixer = MLALayer(config.hidden_size, config.mla, config.norm_eps)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.is_moe = index >= config.num_dense_layers
-        self.mlp = MoE(config.moe) if self.is_moe else SwiGLU(config.hidden_size, config.dense_hidden_size)
+        self.mlp = MoE(config.moe_for_layer(index)) if self.is_moe else SwiGLU(config.hidden_size,
+                                                                                config.dense_hidden_size)
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, MoEAux | None]:
         x_RD = x_RD + self.mixer(self.mixer_norm(x_RD), layout)
@@ -112,11 +113,10 @@ class HybridModel(nn.Module):
     def set_experts_backend(self, backend: str) -> None:
         """Run every MoE layer's experts with `backend` from now on (`EXPERT_BACKENDS`; they share the
         parameters, so a benchmark can compare them on the same weights)."""
-        moe = replace(self.config.moe, experts_backend=backend)
-        self.config = replace(self.config, moe=moe)
+        self.config = replace(self.config, moe=replace(self.config.moe, experts_backend=backend))
         for module in self.modules():
-            if isinstance(module, MoE):
-                module.config = moe
+            if isinstance(module, MoE):  # each keeps its own layer's SwiGLU limits
+                module.config = replace(module.config, experts_backend=backend)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -80,6 +80,9 @@ class StepConfig(ExecutionConfig):
             if getattr(self, name) is None:
                 raise ValueError(f"{prefix}{name}: a StepConfig takes resolved knobs (ExecutionConfig.resolved), "
                                  "got None")
+        if self.recompute_blocks == execution_config.AUTO:
+            raise ValueError(f"{prefix}recompute_blocks: a StepConfig takes a number of blocks, got "
+                             f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
         factor = self.mtp_loss_scaling_factor

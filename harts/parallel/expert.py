@@ -23,7 +23,8 @@ MLPs and combine are the plain layer's methods; what changes is where rows and e
   received (grouped by expert), sends the outputs back by the reverse exchange and combines
   them locally with the plain `combine`. The shared expert stays whole on every rank.
   Expert gradients are complete on their owner (every row routed to an expert reaches it);
-  they are summed only over the expert-data-parallel group.
+  they are summed only over the expert-data-parallel group. Routing, group-limited too, runs on
+  each row's whole router logits before the exchange, so expert groups need not match EP ranks.
 
 Reference (tests/parallel/test_expert.py, test_step.py): outputs, MoE losses, counts and
 gradients against the plain `MoE` on the same rows in one process.
@@ -174,7 +175,7 @@ class ParallelMoE(MoE):
             routing = Routing(experts_NK=routing.experts_NK, probs_NK=copy_to_group(routing.probs_NK, p.tp_group))
         out = self.routed_experts(x_full, routing)
         if self.shared_gate_up_proj is not None:
-            out = out + _swiglu(x_full, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+            out = out + self.shared_expert(x_full).to(out.dtype)
         if p.sequence_parallel:
             return reduce_scatter_rows(out, p.tp_group)
         return reduce_from_group(out, p.tp_group)
@@ -186,7 +187,8 @@ class ParallelMoE(MoE):
             return self.grouped_experts(x_RD, counts)
         pieces = torch.split(x_RD, tokens_per_expert)
         return torch.cat([
-            _swiglu(rows, self.gate_up_proj[e], self.down_proj[e]) for e, rows in enumerate(pieces)
+            _swiglu(rows, self.gate_up_proj[e], self.down_proj[e], self.config.swiglu_limit)
+            for e, rows in enumerate(pieces)
         ])
 
     def _expert_parallel_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -212,7 +214,7 @@ class ParallelMoE(MoE):
         y_RD = all_to_all_rows(y_received, input_splits, output_splits, group)
         out = self.combine(y_RD, routing, plan, x_ND.shape[0])
         if self.shared_gate_up_proj is not None:
-            out = out + _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+            out = out + self.shared_expert(x_ND).to(out.dtype)
         return out
 
     def forward(

@@ -33,7 +33,8 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
     assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny"])
+@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-shape", "kimi-tiny",
+                                  "bailing-tiny"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
 

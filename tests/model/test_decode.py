@@ -4,8 +4,9 @@ fp32 on the CPU: three rollouts decoded together (a batch row each), the logits 
 token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
-models with and without the MLA rope part and with NoPE; a fork continues two rollouts from one
-prefix, each equal to its own full forward; a dropped row leaves the others intact.
+models with and without the MLA rope part and with NoPE, and bailing-tiny (BailingHybrid's bounded gate, full-rank
+KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU); a fork continues two rollouts
+from one prefix, each equal to its own full forward; a dropped row leaves the others intact.
 """
 
 from dataclasses import replace
@@ -24,11 +25,11 @@ from tests.fixtures import one_thread  # noqa: F401
 TOLERANCE = 1e-5
 
 
-VARIANTS = ("rope", "nope", "no-rope-dim")
+VARIANTS = ("rope", "nope", "no-rope-dim", "bailing")
 
 
 def _model(variant: str) -> HybridModel:
-    config = load_model_config("tiny")
+    config = load_model_config("bailing-tiny" if variant == "bailing" else "tiny")
     if variant == "nope":
         config = replace(config, mla=replace(config.mla, use_rope=False))
     elif variant == "no-rope-dim":
