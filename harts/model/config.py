@@ -6,6 +6,9 @@ MLA layer, as in Ling-3 / Kimi Linear), else a KDA layer; an explicit `mla_layer
 that pattern (Kimi-Linear-48B ends on an extra MLA layer). The first `num_dense_layers` layers use
 a dense SwiGLU MLP, the rest the MoE MLP.
 
+`ModelConfig.mtp` (an `MTPConfig`) adds multi-token-prediction layers after the decoder (harts.model.mtp);
+None, the default, builds none.
+
 The options whose defaults keep HARTS's own layers and that exist to reproduce Kimi-Linear's
 checkpoints exactly (harts.model.hf): `KDAConfig.output_gate_bias`, `MLAConfig.use_rope`,
 `MLAConfig.latent_norm_eps` and `ModelConfig.mla_layers`; BailingHybrid's (Ling-3's) likewise:
@@ -118,6 +121,31 @@ class MLAConfig:
         _check_epsilon("mla", "latent_norm_eps", self.latent_norm_eps)
 
 
+MTP_LAYER_KINDS = ("mla", "kda")
+"""The token mixers an MTP layer's block may use (Ling-3.0's is full attention: MLA)."""
+
+
+@dataclass(kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 / Megatron style; harts.model.mtp): depth k = 1 .. num_layers predicts
+    the token k + 1 ahead with one more block over the previous depth's hidden states and the embeddings."""
+
+    num_layers: int
+    """D, the MTP depths (Ling-3.0 and DeepSeek-V3: 1)."""
+    loss_scaling_factor: float = 0.1
+    """The MTP loss is this factor times the mean over depths of each depth's cross entropy (megatron-core's
+    mtp_loss_scaling_factor, whose default this is)."""
+    layer_kind: str = "mla"
+    """The token mixer of each MTP block (`MTP_LAYER_KINDS`); its MLP is the MoE MLP."""
+
+    def __post_init__(self) -> None:
+        _check_positive("mtp", num_layers=self.num_layers)
+        if not (math.isfinite(self.loss_scaling_factor) and self.loss_scaling_factor >= 0):
+            raise ValueError(f"mtp.loss_scaling_factor must be a finite number >= 0, got {self.loss_scaling_factor!r}")
+        if self.layer_kind not in MTP_LAYER_KINDS:
+            raise ValueError(f"mtp.layer_kind must be one of {MTP_LAYER_KINDS}, got {self.layer_kind!r}")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The whole model."""
@@ -150,6 +178,8 @@ class ModelConfig:
     """The Hugging Face layout (config.json's model_type, harts.model.hf.ARCHITECTURES) the model is saved in
     and loaded from: "kimi_linear" (Kimi-Linear) or "bailing_hybrid" (BailingHybrid, Ling-3). Loading a
     checkpoint sets it; a layout refuses the features it cannot express (`harts.model.hf.check_exportable`)."""
+    mtp: MTPConfig | None = None
+    """Multi-token-prediction layers after the decoder (None: none)."""
 
     def __post_init__(self) -> None:
         _check_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size)
@@ -189,8 +219,10 @@ class ModelConfig:
         return [self.layer_kind(i) for i in range(self.num_layers)]
 
     def moe_for_layer(self, index: int) -> MoEConfig:
-        """The MoE config of layer `index`: `moe` with that layer's SwiGLU limits (itself without limits)."""
-        if self.expert_swiglu_limits is None and self.shared_expert_swiglu_limits is None:
+        """The MoE config of layer `index`: `moe` with that layer's SwiGLU limits (itself without limits). The MTP
+        layers' blocks (index num_layers + i) have none: the lists hold the decoder's layers (Ling's configs too;
+        SGLang's NextN reads entry 0, which the published configs leave at 0)."""
+        if (self.expert_swiglu_limits is None and self.shared_expert_swiglu_limits is None) or index >= self.num_layers:
             return self.moe
 
         def limit(limits: list[float] | None) -> float | None:

@@ -256,6 +256,7 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         "compact_tokens": compact_tokens,
         "compression": step.num_semantic_tokens / compact_tokens,
         "rows": result.num_rows,
+        **result.mtp_record(),
         "microbatches": planned.num_microbatches,
         "seconds": seconds,
     }

@@ -321,6 +321,7 @@ class _Run:
             "semantic_tokens": result.num_semantic_tokens,
             "compact_tokens": planned.index.segment_tree().num_compact_tokens,
             "rows": result.num_rows,
+            **result.mtp_record(),
             "microbatches": planned.num_microbatches,
             "seconds": {"data": data_seconds, "plan": planned.seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
@@ -409,15 +410,24 @@ def first_start_record(log: Path) -> dict[str, Any] | None:
 def _with_new_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
     """A checkpoint's (or start record's) resolved config with the training keys it lacks (added to HARTS after it was written)
     at their defaults: read back through the strict loader, which fills them, and resolved again (an execution
-    knob added since defaults by device as the others did); an unreadable one is compared as it is (and so
-    reported)."""
+    knob added since defaults by device as the others did), and likewise the model config's (e.g. `mtp`); an
+    unreadable one is compared as it is (and so reported)."""
+    from harts.config import from_dict
+    from harts.model.config import ModelConfig
+
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
         return saved
     try:
         train = config_to_dict(resolve(train_config_from_dict(saved["train"], str(where)), 1))
     except ValueError:
         return saved
-    return {**saved, "train": train}
+    filled = {**saved, "train": train}
+    if isinstance(saved.get("model"), dict):
+        try:
+            filled["model"] = config_to_dict(from_dict(ModelConfig, saved["model"], str(where)))
+        except ValueError:
+            pass
+    return filled
 
 
 def first_difference(then: Any, now: Any, prefix: str = "") -> tuple[str, Any, Any] | None:

@@ -37,3 +37,35 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
                                   "bailing-tiny"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
+
+
+BAD_MTP = {
+    "zero-depths": ({"num_layers": 0}, "mtp.num_layers must be a positive integer, got 0"),
+    "negative-factor": ({"num_layers": 1, "loss_scaling_factor": -0.1},
+                        "mtp.loss_scaling_factor must be a finite number >= 0, got -0.1"),
+    "unknown-kind": ({"num_layers": 1, "layer_kind": "gdn"}, "mtp.layer_kind must be one of ('mla', 'kda'), got 'gdn'"),
+    "unknown-key": ({"num_layers": 1, "depth": 2}, "unknown key 'mtp.depth'"),
+}
+
+
+def _with_mtp(tmp_path, mtp):
+    config = yaml.safe_load((REPO / "configs/models/tiny.yaml").read_text())
+    config["mtp"] = mtp
+    path = tmp_path / "mtp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_mtp_section_is_read_with_its_defaults(tmp_path):
+    config = load_model_config(str(_with_mtp(tmp_path, {"num_layers": 2})))
+    assert (config.mtp.num_layers, config.mtp.loss_scaling_factor, config.mtp.layer_kind) == (2, 0.1, "mla")
+    assert load_model_config("tiny").mtp is None
+
+
+@pytest.mark.parametrize("case", BAD_MTP)
+def test_a_bad_mtp_section_is_refused_by_file_and_key(tmp_path, case):
+    mtp, message = BAD_MTP[case]
+    path = _with_mtp(tmp_path, mtp)
+    with pytest.raises(ValueError) as error:
+        load_model_config(str(path))
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)

@@ -3,11 +3,13 @@
 (The logits against transformers' BailingHybridForCausalLM are tests/model/test_hf_bailing_reference.py.)
 - Round trip: bailing-tiny saved sharded, as one file, tied and in bf16, then loaded: the config equal, every tensor
   bitwise equal (bf16: its bf16 rounding; the fp32 tensors of FP32_SUFFIXES exact), the logits bitwise equal.
+- Multi-token-prediction layers: stored as model.layers.{num_hidden_layers + j}.* (enorm, hnorm, eh_proj, an MLA or
+  KDA decoder layer with the MoE, final_layernorm), read from num_nextn_predict_layers / num_mtp_layers,
+  mtp_use_kda and mtp_loss_scaling_factor; round trips as above; declared but not stored is refused by tensor name.
 - Every shipped config of the layout is expressible in it, the Hub's Ling-3.0-tiny config.json reads to the shipped
-  ling3-tiny (once its MTP layer is left out), and a model config picks its layout by `hf_layout`.
-- Each unsupported config.json value, among them multi-token-prediction layers, is a one-line ValueError naming the
-  file and the field; each model feature the layout cannot express is refused on saving, by name; the Kimi-Linear
-  layout refuses BailingHybrid's features.
+  ling3-tiny with its one MTP layer, and a model config picks its layout by `hf_layout`.
+- Each unsupported config.json value is a one-line ValueError naming the file and the field; each model feature the
+  layout cannot express is refused on saving, by name; the Kimi-Linear layout refuses BailingHybrid's features.
 """
 
 import json
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from harts.config import shipped_configs
-from harts.model.config import load_model_config
+from harts.model.config import MTPConfig, load_model_config
 from harts.model.hf import (
     architecture_for, bailing, check_exportable, hf_config_from_model, kimi, load_hf_checkpoint, model_config_from_hf,
     save_hf_checkpoint,
@@ -30,13 +32,16 @@ def _hub() -> dict:
     return hub_config(transformers_config())
 
 
-@pytest.mark.parametrize("case", ["sharded", "tied-one-file", "bf16"])
+@pytest.mark.parametrize("case", ["sharded", "tied-one-file", "bf16", "mtp-mla", "mtp-kda-bf16"])
 def test_round_trip_is_bitwise(tmp_path, case):
     config = load_model_config("bailing-tiny")
     if case == "tied-one-file":
         config = replace(config, tie_embeddings=True)
+    if case.startswith("mtp"):
+        kind = case.split("-")[1]
+        config = replace(config, mtp=MTPConfig(num_layers=2, loss_scaling_factor=0.25, layer_kind=kind))
     model = random_model(config)
-    dtype = torch.bfloat16 if case == "bf16" else None
+    dtype = torch.bfloat16 if case.endswith("bf16") else None
     save_hf_checkpoint(model, tmp_path / "out", max_shard_bytes=20_000 if case == "sharded" else 10**9, dtype=dtype)
     loaded, loaded_config = load_hf_checkpoint(tmp_path / "out")
     assert loaded_config == config
@@ -75,16 +80,35 @@ LING3_TINY_HUB = {
 
 
 def test_ling3_tiny_is_the_hub_config():
-    """The Hub's Ling-3.0-tiny config.json is refused for its MTP layer; without it, it reads to the shipped
-    ling3-tiny config (up to HARTS's training fields, which config.json does not carry)."""
-    with pytest.raises(ValueError, match=r"num_mtp_layers = 1\) are not supported yet"):
-        model_config_from_hf(LING3_TINY_HUB, "Ling-3.0-tiny/config.json")
-    read = model_config_from_hf({**LING3_TINY_HUB, "num_nextn_predict_layers": 0}, "Ling-3.0-tiny/config.json")
+    """The Hub's Ling-3.0-tiny config.json reads to the shipped ling3-tiny config (up to HARTS's training fields,
+    which config.json does not carry) with its one MTP layer: MLA, MTP loss factor 0 (the Hub's)."""
+    read = model_config_from_hf(LING3_TINY_HUB, "Ling-3.0-tiny/config.json")
+    assert read.mtp == MTPConfig(num_layers=1, loss_scaling_factor=0.0, layer_kind="mla")
     shipped = load_model_config("ling3-tiny")
     training = dict(name=shipped.name, kda=replace(read.kda, chunk_size=shipped.kda.chunk_size),
                     moe=replace(read.moe, aux_loss_coeff=shipped.moe.aux_loss_coeff,
-                                z_loss_coeff=shipped.moe.z_loss_coeff))
+                                z_loss_coeff=shipped.moe.z_loss_coeff), mtp=shipped.mtp)
     assert replace(read, **training) == shipped
+    no_mtp = model_config_from_hf({**LING3_TINY_HUB, "num_nextn_predict_layers": 0}, "Ling-3.0-tiny/config.json")
+    assert no_mtp.mtp is None
+
+
+MTP_READINGS = {
+    # id: (changes to the Hub config, the MTPConfig read)
+    "hub-key": ({"num_nextn_predict_layers": 1}, MTPConfig(num_layers=1, loss_scaling_factor=0.0)),
+    "transformers-key": ({"num_nextn_predict_layers": None, "num_mtp_layers": 2}, MTPConfig(num_layers=2,
+                                                                                           loss_scaling_factor=0.0)),
+    "transformers-default": ({"num_nextn_predict_layers": None}, MTPConfig(num_layers=1, loss_scaling_factor=0.0)),
+    "kda-and-factor": ({"num_nextn_predict_layers": 1, "mtp_use_kda": True, "mtp_loss_scaling_factor": 0.3},
+                       MTPConfig(num_layers=1, loss_scaling_factor=0.3, layer_kind="kda")),
+    "none": ({"num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": 0.3}, None),
+}
+
+
+@pytest.mark.parametrize("case", MTP_READINGS)
+def test_mtp_layers_are_read(case):
+    changes, expected = MTP_READINGS[case]
+    assert model_config_from_hf({**_hub(), **changes}, "hub/config.json").mtp == expected
 
 
 def test_a_model_config_picks_its_layout():
@@ -108,11 +132,11 @@ def test_hub_config_reads_every_feature():
 
 REFUSED = {
     # id: (changes to the Hub config, the field the error names, words of its reason)
-    "mtp-layers": ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers",
-                   r"multi-token-prediction layers \(num_mtp_layers = 1\) are not supported yet"),
-    "mtp-by-default": ({"num_nextn_predict_layers": None}, "num_nextn_predict_layers", "num_mtp_layers = 1"),
-    "transformers-mtp-key": ({"num_nextn_predict_layers": None, "num_mtp_layers": 2}, "num_nextn_predict_layers",
-                             "num_mtp_layers = 2"),
+    "negative-mtp": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers", "must be >= 0, got -1"),
+    "mtp-keys-disagree": ({"num_nextn_predict_layers": 1, "num_mtp_layers": 2}, "num_nextn_predict_layers",
+                          "disagrees with 'num_mtp_layers'"),
+    "negative-mtp-factor": ({"mtp_loss_scaling_factor": -0.5}, "mtp_loss_scaling_factor", "finite number >= 0"),
+    "mtp-kda-flag": ({"num_nextn_predict_layers": 1, "mtp_use_kda": "no"}, "mtp_use_kda", "must be"),
     "ling-2.5": ({"architectures": ["BailingMoeV2_5ForCausalLM"]}, "architectures", "lightning attention"),
     "other-model-type": ({"model_type": "bailing_moe"}, "model_type", "supported: kimi_linear, bailing_hybrid"),
     "quantised": ({"quantization_config": {"bits": 4}}, "quantization_config", "quantised"),
@@ -159,13 +183,35 @@ def test_refused_config_names_file_and_field(case):
     assert "\n" not in str(error.value)
 
 
-def test_load_refuses_mtp_layers_before_reading_tensors(tmp_path):
-    """A Ling-3 checkpoint with its MTP layer (model.layers.{num_hidden_layers}.*) is refused by its config.json."""
-    root = tmp_path / "ling"
-    root.mkdir()
-    (root / "config.json").write_text(json.dumps({**_hub(), "num_nextn_predict_layers": 1}))
-    with pytest.raises(ValueError, match=r"config\.json: field 'num_nextn_predict_layers' = 1: multi-token-prediction "
-                                         r"layers \(num_mtp_layers = 1\) are not supported yet"):
+def test_mtp_tensor_names():
+    """Ling-3's names for its MTP layers (model.layers.{num_hidden_layers + j}.*), and HARTS's tensors they fill."""
+    config = replace(load_model_config("bailing-tiny"), mtp=MTPConfig(num_layers=1))
+    slots = bailing.layout(config)
+    n = config.num_layers
+    for own in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"):
+        assert slots[f"model.layers.{n}.{own}"].target == f"mtp.layers.0.{own}"
+    assert slots[f"model.layers.{n}.eh_proj.weight"].shape == (config.hidden_size, 2 * config.hidden_size)
+    for stored, ours in (("input_layernorm.weight", "block.mixer_norm.weight"),
+                         ("attention.kv_a_proj_with_mqa.weight", "block.mixer.kv_a_proj.weight"),
+                         ("attention.dense.weight", "block.mixer.o_proj.weight"),
+                         ("post_attention_layernorm.weight", "block.mlp_norm.weight"),
+                         ("mlp.gate.expert_bias", "block.mlp.expert_bias"),
+                         ("mlp.shared_experts.down_proj.weight", "block.mlp.shared_down_proj")):
+        assert slots[f"model.layers.{n}.{stored}"].target == f"mtp.layers.0.{ours}", stored
+    assert not any(name.startswith(f"model.layers.{n + 1}.") for name in slots)
+    assert bailing.layout_name(f"model.layers.{n}.attention.o_proj.weight", config) == (
+        f"model.layers.{n}.attention.dense.weight"), "an MLA layer's output projection under either name"
+
+
+def test_declared_but_absent_mtp_layers_are_refused_by_tensor(tmp_path):
+    """A checkpoint whose config.json declares an MTP layer but stores none (transformers' save_pretrained writes
+    none) is refused naming the first missing MTP tensor."""
+    model = random_model(load_model_config("bailing-tiny"))
+    root = tmp_path / "out"
+    save_hf_checkpoint(model, root)
+    hf = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    with pytest.raises(ValueError, match=rf"missing tensor 'model\.layers\.{model.config.num_layers}\.enorm\.weight'"):
         load_hf_checkpoint(root)
 
 

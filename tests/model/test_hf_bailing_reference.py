@@ -17,6 +17,7 @@ HARTS's logits within the same tolerance.
 """
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from harts.model.config import load_model_config
+from harts.model.config import MTPConfig, load_model_config
 from harts.model.hf import load_hf_checkpoint, save_hf_checkpoint
 from tests.model.test_hf_reference import (  # noqa: F401 (offline is a fixture)
     LENGTHS, PADDINGS, harts_logits, harts_model, max_error, offline, padded_logits, random_weights,
@@ -173,14 +174,20 @@ def test_hub_schema_loads_to_the_same_model(tmp_path, offline):
     assert max_error(harts_logits(loaded, sequences), expected) <= TRANSFORMERS_TOLERANCE
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["no-mtp", "mtp"])
 @pytest.mark.parametrize("max_shard_bytes", [10**9, 30_000], ids=["one-file", "sharded"])
-def test_harts_model_runs_in_transformers(tmp_path, offline, max_shard_bytes):
+def test_harts_model_runs_in_transformers(tmp_path, offline, max_shard_bytes, mtp):
     """A model of the shipped bailing-tiny config (HARTS's chunk size, its SwiGLU limits, training fields) saved by
-    HARTS loads strictly in transformers, whose logits are HARTS's, alone and in batches padded on either side."""
-    model = harts_model(load_model_config("bailing-tiny"), seed=42)
+    HARTS loads strictly in transformers, whose logits are HARTS's, alone and in batches padded on either side; with
+    an MTP layer too, whose tensors (model.layers.{num_hidden_layers}.*) transformers reads past as Ling-3's."""
+    config = load_model_config("bailing-tiny")
+    if mtp:
+        config = replace(config, mtp=MTPConfig(num_layers=1))
+    model = harts_model(config, seed=42)
     root = tmp_path / "harts"
     save_hf_checkpoint(model, root, max_shard_bytes=max_shard_bytes)
     reference = load_strict(root)
+    assert reference.config.num_mtp_layers == (1 if mtp else 0)
     sequences = _sequences(model.config.vocab_size)
     actual = harts_logits(model, sequences)
     for side in PADDINGS:

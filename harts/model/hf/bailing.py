@@ -47,21 +47,26 @@ KV heads != heads, KDA heads != MLA heads (BailingHybrid has one num_attention_h
 keys use_bias / use_qkv_bias, low-rank KDA gates, non-interleaved RoPE, NoPE MLA, element-wise MLA gates, routing other
 than sigmoid with an expert bias (noaux_tc, fp32 router), moe_renormalize off, top-1 routing (transformers renormalises
 one weight to 1), no shared expert, a shared-expert size other than moe_intermediate_size × num_shared_experts, dense
-layers after MoE ones, quantised checkpoints, activations other than SiLU, and multi-token-prediction layers
-(num_mtp_layers > 0), which HARTS's model does not hold yet. Ignored: token ids, max_position_embeddings,
+layers after MoE ones, quantised checkpoints and activations other than SiLU. Ignored: token ids,
+max_position_embeddings,
 use_qk_norm (a Ling-2 key: Ling-3's MLA normalises its latents, and transformers reads no such key),
 partial_rotary_factor (transformers' default RoPE rotates qk_rope_head_dim dims whatever it says; rotary_dim, when
-given, must equal qk_rope_head_dim), mtp_loss_scaling_factor and the other training-only keys. The embedding's
-padding_idx (pad_token_id, whose row transformers never updates in training) is not a parameter.
+given, must equal qk_rope_head_dim) and the other training-only keys. The embedding's padding_idx (pad_token_id,
+whose row transformers never updates in training) is not a parameter.
 
-MTP layers (for whoever wires them): the Hub stores num_nextn_predict_layers layers after the decoder, as
-model.layers.{num_hidden_layers + j}.*; per inclusionAI's and SGLang's BailingMoe NextN code (sglang
-bailing_moe_nextn.py), layer j holds enorm.weight and hnorm.weight [D] (RMSNorms of the next token's embedding and of
-the hidden state), eh_proj.weight [D, 2D] (applied to [enorm(embedding) ‖ hnorm(hidden)]), a decoder layer with
-full (MLA) attention (attention.*, as an MLA layer above, mtp_use_kda false) and an MoE MLP (mlp.*, as above),
-input_layernorm / post_attention_layernorm, and final_layernorm.weight; its head (shared_head.head in SGLang) and
-embedding are the main model's lm_head and word_embeddings. transformers ignores those tensors on loading
-(`_keys_to_ignore_on_load_unexpected`); HARTS refuses the whole checkpoint until its model holds MTP layers.
+MTP layers (`ModelConfig.mtp`, harts.model.mtp): the Hub stores num_nextn_predict_layers (transformers:
+num_mtp_layers) layers after the decoder, as model.layers.{num_hidden_layers + j}.*; per inclusionAI's and SGLang's
+BailingMoe NextN code (sglang bailing_moe_nextn.py), layer j holds enorm.weight and hnorm.weight [D] (RMSNorms of
+the next token's embedding and of the hidden state; -> mtp.layers.{j}.enorm / hnorm), eh_proj.weight [D, 2D]
+(applied to [enorm(embedding) ‖ hnorm(hidden)], HARTS's order too), a decoder layer with full (MLA) attention
+(attention.*, as an MLA layer above; KDA with mtp_use_kda) and an MoE MLP (mlp.*, as above), input_layernorm /
+post_attention_layernorm (-> mtp.layers.{j}.block.*), and final_layernorm.weight; its head and embedding are the
+main model's lm_head and word_embeddings (per-layer copies, embed_tokens or shared_head.head as DeepSeek-V3 stores
+them, are refused as unexpected tensors). mtp_loss_scaling_factor is the MTP loss's factor (absent: transformers'
+0.0, no MTP loss: set `StepConfig.mtp_loss_scaling_factor` to train them). transformers ignores the MTP tensors on
+loading (`_keys_to_ignore_on_load_unexpected`), and its save_pretrained writes none: a checkpoint whose config
+declares MTP layers but stores none is refused for the missing tensors (its config.json says num_mtp_layers 0 if
+written without them).
 
 Invariant: every tensor of the layout fills exactly one region of one model tensor, so loading then saving (or the
 reverse) reproduces every parameter bitwise. Tested against transformers' `BailingHybridForCausalLM`
@@ -73,6 +78,7 @@ bailing-tiny load in it with HARTS's logits; every refusal by name.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -112,74 +118,98 @@ def layout(config: ModelConfig) -> dict[str, Slot]:
     def add(name: str, target: str, shape: tuple[int, ...], view=whole) -> None:
         slots[name] = Slot(target, shape, view)
 
-    hidden, kda, mla, moe = config.hidden_size, config.kda, config.mla, config.moe
+    hidden = config.hidden_size
     add(EMBEDDING, "embed.weight", (config.vocab_size, hidden))
     for i, kind in enumerate(config.layer_kinds()):
-        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        add(hf + "input_layernorm.weight", ours + "mixer_norm.weight", (hidden,))
-        attn, mixer = hf + "attention.", ours + "mixer."
-        if kind == "kda":
-            heads, dim = kda.num_heads, kda.head_dim
-            channels = heads * dim
-            for name in ("q", "k", "v"):
-                add(attn + f"{name}_proj.weight", mixer + f"{name}_proj.weight", (channels, hidden))
-                add(attn + f"{name}_conv1d.weight", mixer + f"{name}_conv", (channels, 1, kda.conv_size),
-                    lambda t: t.unsqueeze(1))
-            add(attn + "A_log", mixer + "A_log", (heads,))
-            add(attn + "dt_bias", mixer + "dt_bias", (channels,))
-            add(attn + "f_proj.weight", mixer + "f_proj.weight", (channels, hidden))
-            add(attn + "b_proj.weight", mixer + "b_proj.weight", (heads, hidden))
-            add(attn + "g_proj.weight", mixer + "g_proj.weight", (channels, hidden))
-            add(attn + "o_norm.weight", mixer + "o_norm.weight", (dim,))
-            add(attn + "o_proj.weight", mixer + "o_proj.weight", (hidden, channels))
-        else:
-            heads, qk = mla.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
-            if mla.q_lora_rank:
-                add(attn + "q_a_proj.weight", mixer + "q_proj.0.weight", (mla.q_lora_rank, hidden))
-                if mla.attention_bias:
-                    add(attn + "q_a_proj.bias", mixer + "q_proj.0.bias", (mla.q_lora_rank,))
-                add(attn + "q_a_layernorm.weight", mixer + "q_proj.1.weight", (mla.q_lora_rank,))
-                add(attn + "q_b_proj.weight", mixer + "q_proj.2.weight", (heads * qk, mla.q_lora_rank))
-            else:
-                add(attn + "q_proj.weight", mixer + "q_proj.weight", (heads * qk, hidden))
-            latent = mla.kv_lora_rank + mla.qk_rope_head_dim
-            add(attn + "kv_a_proj_with_mqa.weight", mixer + "kv_a_proj.weight", (latent, hidden))
-            if mla.attention_bias:
-                add(attn + "kv_a_proj_with_mqa.bias", mixer + "kv_a_proj.bias", (latent,))
-            add(attn + "kv_a_layernorm.weight", mixer + "kv_norm.weight", (mla.kv_lora_rank,))
-            add(attn + "kv_b_proj.weight", mixer + "kv_b_proj.weight",
-                (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
-            add(attn + "g_proj.weight", mixer + "g_proj.weight", (heads, hidden))
-            add(attn + "dense.weight", mixer + "o_proj.weight", (hidden, heads * mla.v_head_dim))
-            if mla.attention_bias:
-                add(attn + "dense.bias", mixer + "o_proj.bias", (hidden,))
-        add(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", (hidden,))
-        mlp = hf + "mlp."
-        if i < config.num_dense_layers:
-            size = config.dense_hidden_size
-            add(mlp + "gate_proj.weight", ours + "mlp.gate_up.weight", (size, hidden), rows(0, size))
-            add(mlp + "up_proj.weight", ours + "mlp.gate_up.weight", (size, hidden), rows(size, 2 * size))
-            add(mlp + "down_proj.weight", ours + "mlp.down.weight", (hidden, size))
-            continue
-        target, size = ours + "mlp.", moe.expert_hidden_size
-        add(mlp + "gate.weight", target + "router_weight", (moe.num_experts, hidden))
-        add(mlp + "gate.expert_bias", target + "expert_bias", (moe.num_experts,))
-        for e in range(moe.num_experts):
-            expert = mlp + f"experts.{e}."
-            add(expert + "gate_proj.weight", target + "gate_up_proj", (size, hidden), expert_columns_t(e, 0, size))
-            add(expert + "up_proj.weight", target + "gate_up_proj", (size, hidden),
-                expert_columns_t(e, size, 2 * size))
-            add(expert + "down_proj.weight", target + "down_proj", (hidden, size), expert_t(e))
-        shared = moe.shared_expert_hidden_size
-        add(mlp + "shared_experts.gate_proj.weight", target + "shared_gate_up_proj", (shared, hidden),
-            columns_t(0, shared))
-        add(mlp + "shared_experts.up_proj.weight", target + "shared_gate_up_proj", (shared, hidden),
-            columns_t(shared, 2 * shared))
-        add(mlp + "shared_experts.down_proj.weight", target + "shared_down_proj", (hidden, shared), lambda t: t.T)
+        _add_layer(add, config, f"model.layers.{i}.", f"blocks.{i}.", kind, dense=i < config.num_dense_layers)
+    if config.mtp is not None:
+        # The MTP layers after the decoder: a decoder layer (the configured mixer, the MoE MLP) and their own norms
+        # and projection, under the next layer indices (harts.model.mtp).
+        for j in range(config.mtp.num_layers):
+            hf, ours = f"model.layers.{config.num_layers + j}.", f"mtp.layers.{j}."
+            add(hf + "enorm.weight", ours + "enorm.weight", (hidden,))
+            add(hf + "hnorm.weight", ours + "hnorm.weight", (hidden,))
+            add(hf + "eh_proj.weight", ours + "eh_proj.weight", (hidden, 2 * hidden))
+            _add_layer(add, config, hf, ours + "block.", config.mtp.layer_kind, dense=False)
+            add(hf + "final_layernorm.weight", ours + "final_layernorm.weight", (hidden,))
     add("model.norm.weight", "final_norm.weight", (hidden,))
     # Written for tied embeddings too: transformers' BailingHybridForCausalLM never ties them (no tied weights keys).
     add("lm_head.weight", "lm_head.weight", (config.vocab_size, hidden))
     return slots
+
+
+def _add_layer(add, config: ModelConfig, hf: str, ours: str, kind: str, *, dense: bool) -> None:
+    """The tensors of one decoder layer stored under `hf` (its `Block` under `ours`): the `kind` mixer ("kda" or
+    "mla"), then the dense MLP or the MoE."""
+    hidden, kda, mla, moe = config.hidden_size, config.kda, config.mla, config.moe
+    add(hf + "input_layernorm.weight", ours + "mixer_norm.weight", (hidden,))
+    attn, mixer = hf + "attention.", ours + "mixer."
+    if kind == "kda":
+        heads, dim = kda.num_heads, kda.head_dim
+        channels = heads * dim
+        for name in ("q", "k", "v"):
+            add(attn + f"{name}_proj.weight", mixer + f"{name}_proj.weight", (channels, hidden))
+            add(attn + f"{name}_conv1d.weight", mixer + f"{name}_conv", (channels, 1, kda.conv_size),
+                lambda t: t.unsqueeze(1))
+        add(attn + "A_log", mixer + "A_log", (heads,))
+        add(attn + "dt_bias", mixer + "dt_bias", (channels,))
+        add(attn + "f_proj.weight", mixer + "f_proj.weight", (channels, hidden))
+        add(attn + "b_proj.weight", mixer + "b_proj.weight", (heads, hidden))
+        add(attn + "g_proj.weight", mixer + "g_proj.weight", (channels, hidden))
+        add(attn + "o_norm.weight", mixer + "o_norm.weight", (dim,))
+        add(attn + "o_proj.weight", mixer + "o_proj.weight", (hidden, channels))
+    else:
+        heads, qk = mla.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if mla.q_lora_rank:
+            add(attn + "q_a_proj.weight", mixer + "q_proj.0.weight", (mla.q_lora_rank, hidden))
+            if mla.attention_bias:
+                add(attn + "q_a_proj.bias", mixer + "q_proj.0.bias", (mla.q_lora_rank,))
+            add(attn + "q_a_layernorm.weight", mixer + "q_proj.1.weight", (mla.q_lora_rank,))
+            add(attn + "q_b_proj.weight", mixer + "q_proj.2.weight", (heads * qk, mla.q_lora_rank))
+        else:
+            add(attn + "q_proj.weight", mixer + "q_proj.weight", (heads * qk, hidden))
+        latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+        add(attn + "kv_a_proj_with_mqa.weight", mixer + "kv_a_proj.weight", (latent, hidden))
+        if mla.attention_bias:
+            add(attn + "kv_a_proj_with_mqa.bias", mixer + "kv_a_proj.bias", (latent,))
+        add(attn + "kv_a_layernorm.weight", mixer + "kv_norm.weight", (mla.kv_lora_rank,))
+        add(attn + "kv_b_proj.weight", mixer + "kv_b_proj.weight",
+            (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
+        add(attn + "g_proj.weight", mixer + "g_proj.weight", (heads, hidden))
+        add(attn + "dense.weight", mixer + "o_proj.weight", (hidden, heads * mla.v_head_dim))
+        if mla.attention_bias:
+            add(attn + "dense.bias", mixer + "o_proj.bias", (hidden,))
+    add(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", (hidden,))
+    mlp = hf + "mlp."
+    if dense:
+        size = config.dense_hidden_size
+        add(mlp + "gate_proj.weight", ours + "mlp.gate_up.weight", (size, hidden), rows(0, size))
+        add(mlp + "up_proj.weight", ours + "mlp.gate_up.weight", (size, hidden), rows(size, 2 * size))
+        add(mlp + "down_proj.weight", ours + "mlp.down.weight", (hidden, size))
+        return
+    target, size = ours + "mlp.", moe.expert_hidden_size
+    add(mlp + "gate.weight", target + "router_weight", (moe.num_experts, hidden))
+    add(mlp + "gate.expert_bias", target + "expert_bias", (moe.num_experts,))
+    for e in range(moe.num_experts):
+        expert = mlp + f"experts.{e}."
+        add(expert + "gate_proj.weight", target + "gate_up_proj", (size, hidden), expert_columns_t(e, 0, size))
+        add(expert + "up_proj.weight", target + "gate_up_proj", (size, hidden), expert_columns_t(e, size, 2 * size))
+        add(expert + "down_proj.weight", target + "down_proj", (hidden, size), expert_t(e))
+    shared = moe.shared_expert_hidden_size
+    add(mlp + "shared_experts.gate_proj.weight", target + "shared_gate_up_proj", (shared, hidden),
+        columns_t(0, shared))
+    add(mlp + "shared_experts.up_proj.weight", target + "shared_gate_up_proj", (shared, hidden),
+        columns_t(shared, 2 * shared))
+    add(mlp + "shared_experts.down_proj.weight", target + "shared_down_proj", (hidden, shared), lambda t: t.T)
+
+
+def _stored_kind(config: ModelConfig, index: int) -> str | None:
+    """The mixer of the stored layer `index`: a decoder layer's, an MTP layer's after them, else None."""
+    if index < config.num_layers:
+        return config.layer_kind(index)
+    if config.mtp is not None and index < config.num_layers + config.mtp.num_layers:
+        return config.mtp.layer_kind
+    return None
 
 
 _ALIASES = (
@@ -188,8 +218,8 @@ _ALIASES = (
     # The output projection: the Hub names KDA's o_proj and MLA's dense; transformers writes dense for both.
     (re.compile(r"model\.layers\.(\d+)\.attention\.(dense|o_proj)\.(weight|bias)"),
      lambda m, config: f"model.layers.{m[1]}.attention."
-                       f"{'o_proj' if config.layer_kind(int(m[1])) == 'kda' else 'dense'}.{m[3]}"
-     if int(m[1]) < config.num_layers else m[0]),
+                       f"{'o_proj' if _stored_kind(config, int(m[1])) == 'kda' else 'dense'}.{m[3]}"
+     if _stored_kind(config, int(m[1])) is not None else m[0]),
 )
 
 
@@ -260,6 +290,22 @@ def _num_dense_layers(f: Fields, num_layers: int) -> int:
     return dense
 
 
+def _mtp(f: Fields) -> dict | None:
+    """ModelConfig's mtp section: num_nextn_predict_layers (transformers: num_mtp_layers) MTP layers whose block is
+    MLA, or KDA with mtp_use_kda; the MTP loss's factor mtp_loss_scaling_factor (absent: transformers' 0.0, no MTP
+    loss). None without MTP layers."""
+    num = _either(f, ("num_nextn_predict_layers", "num_mtp_layers"), int, DEFAULTS["num_mtp_layers"])
+    if num < 0:
+        raise f.fail("num_nextn_predict_layers", f"must be >= 0, got {num}")
+    factor = f.get("mtp_loss_scaling_factor", (int, float), 0.0)
+    if not (math.isfinite(factor) and factor >= 0):
+        raise f.fail("mtp_loss_scaling_factor", f"must be a finite number >= 0, got {factor}")
+    if not num:
+        return None
+    return {"num_layers": num, "loss_scaling_factor": float(factor),
+            "layer_kind": "kda" if f.get("mtp_use_kda", bool, False) else "mla"}
+
+
 def _rope_theta(f: Fields) -> float:
     parameters = f.get("rope_parameters", dict)
     if f.data.get("rope_scaling") is not None:
@@ -316,10 +362,6 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
         raise ValueError(f"{where}: expected a JSON object")
     f = Fields(hf, where)
     _check_fixed_choices(f)
-    mtp = _either(f, ("num_nextn_predict_layers", "num_mtp_layers"), int, DEFAULTS["num_mtp_layers"])
-    if mtp:
-        raise f.fail("num_nextn_predict_layers", f"= {mtp}: multi-token-prediction layers (num_mtp_layers = {mtp}) "
-                                                 "are not supported yet")
     num_layers = f.require("num_hidden_layers", int)
     hidden = f.require("hidden_size", int)
     heads = f.require("num_attention_heads", int)
@@ -364,6 +406,7 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
         "expert_swiglu_limits": _limits(f, ("expert_swiglu_limit_list", "swiglu_limits"), num_layers),
         "shared_expert_swiglu_limits": _limits(f, ("share_expert_swiglu_limit_list", "swiglu_limits_shared"),
                                                num_layers),
+        "mtp": _mtp(f),
         "kda": {"num_heads": kda_heads, "head_dim": kda_dim, "conv_size": conv, "output_gate_bias": False,
                 "full_rank_gates": True, "gate_lower_bound": bound if safe else None},
         "mla": {
@@ -507,8 +550,9 @@ def hf_config_from_model(config: ModelConfig, dtype: torch.dtype = torch.float32
         "router_dtype": "fp32",
         "expert_swiglu_limit_list": _limit_list(config.expert_swiglu_limits, config.num_layers),
         "share_expert_swiglu_limit_list": _limit_list(config.shared_expert_swiglu_limits, config.num_layers),
-        "num_nextn_predict_layers": 0,
-        "mtp_loss_scaling_factor": 0.0,
+        "num_nextn_predict_layers": 0 if config.mtp is None else config.mtp.num_layers,
+        "mtp_loss_scaling_factor": 0.0 if config.mtp is None else config.mtp.loss_scaling_factor,
+        "mtp_use_kda": config.mtp is not None and config.mtp.layer_kind == "kda",
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,

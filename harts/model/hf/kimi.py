@@ -355,6 +355,8 @@ def _export_problems(config: ModelConfig) -> list[tuple[str, str]]:
         problems.append((f"moe.shared_expert_hidden_size {moe.shared_expert_hidden_size} (not a multiple of "
                          f"expert_hidden_size {moe.expert_hidden_size})",
                          "a multiple of moe.expert_hidden_size for moe.shared_expert_hidden_size"))
+    if config.mtp is not None:
+        problems.append(("mtp (Kimi-Linear checkpoints hold no MTP layers)", "no mtp section"))
     return problems
 
 
