@@ -166,9 +166,10 @@ def generate_grpo_step(config: GrpoConfig, seed: int, step_index: int) -> Step:
         taken: dict[tuple[int, int], set[int]] = {}
         group_paths: list[np.ndarray] = []
         group_masks: list[np.ndarray] = []
-        for s, sample in enumerate(samples):
+        for sample in samples:
             own = rng.integers(low, high, sample.end - sample.fork)
-            own_mask = np.concatenate([np.full(length, assistant, dtype=np.uint8) for assistant, length in sample.turns])
+            own_mask = np.concatenate([np.full(length, assistant, dtype=np.uint8)
+                                       for assistant, length in sample.turns])
             if sample.parent < 0:
                 base, base_mask = prompt, np.zeros(prompt_length, dtype=np.uint8)
             else:
