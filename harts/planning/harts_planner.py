@@ -49,6 +49,7 @@ from harts.planning.bounds import plan_bounds
 from harts.planning.harts_packing import whole_cluster_plan
 from harts.planning.harts_refine import refine
 from harts.planning.harts_search import HartsConfig, cut_point_dp, dp_window, exact_partition
+from harts.planning.harts_tail import refine_tail
 from harts.planning.plans import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork
 from harts.trees.step import Step
@@ -91,6 +92,9 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
             cut_works = np.asarray([rw.trie(b) for b in cut], dtype=np.int64)
             candidates.append((objective(cut_works, dp), "dp" if band is None else "restricted-dp", cut, cut_works))
         _, details["tier"], bins, works = min(candidates, key=lambda candidate: candidate[0])
+        if refining and config.tail:
+            bins, details["tail_changes"] = refine_tail(rw, bins, capacity, dp, config)
+            works = np.asarray([rw.trie(b) for b in bins], dtype=np.int64)
     details["work_gap_to_bound"] = int(works.sum()) - bound
     groups = [rw.order[np.asarray(b, dtype=np.int64)] for b in bins]
     return build_plan(step, groups, works, planner="harts", capacity=capacity, dp=dp,

@@ -78,6 +78,17 @@ class HartsConfig:
     At 128 the last slot of `paper` step 7 kept 2.17% imbalance (P95 over the step's 17 slots); at 512 the ten
     `paper` steps' P95 is 0.64-1.90% with the same W on every step and the same plan time (0.4-0.8 s)."""
 
+    tail: bool = True
+    """Run the slot-tail pass (`harts_tail.refine_tail`) on the plan the tiers chose (with `refine`)."""
+    tail_target: float = 0.01
+    """Slots at most this imbalanced (max/mean - 1) are left as they are."""
+    tail_unit_depth: int = 3
+    """Units of the tail pass: a microbatch's clusters and their root-level subtrees to this many levels."""
+    tail_candidates: int = 64
+    """Candidates of a slot weighed exactly (every slot's imbalance and the objective), best ranked first."""
+    tail_max_changes: int = 200
+    """Most changes the tail pass takes."""
+
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
             raise ValueError("exact_max_trajectories >= 0, neighbor_window >= 1, room_candidates >= 0")
