@@ -8,8 +8,8 @@ on GRPO steps, where groups larger than T are split into pieces of a few thousan
 
 Changes: move a unit of one microbatch to another, or swap two units of two microbatches. A unit is a run of a
 microbatch's sorted members: one of its clusters (members sharing more than g0, the step's common prefix) or a
-root-level subtree of one, recursively to `tail_unit_depth` levels (a split group's samples under its prompt,
-the sub-trees under a sample). A change is taken only when the plan's objective (W, critical path, largest
+root-level subtree of one, recursively to `tail_unit_depth` levels (one by default: a split group's samples
+under its prompt). A change is taken only when the plan's objective (W, critical path, largest
 replica) does not rise and the slot imbalances, sorted in decreasing order, fall lexicographically (the largest
 falls, or stays and the next falls, ...): so no change gives back tokens, and the pass ends. Slots are those of
 the greedy assignment (`plans.greedy_assignment`), so a plan is its microbatches' works.
