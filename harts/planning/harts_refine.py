@@ -191,41 +191,41 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
     capacity = state.capacity
     window = config.neighbor_window
     improved = False
+    bin_of = state.bin_of.tolist()
     for emptied in sorted((k for k, b in enumerate(state.bins) if b), key=lambda k: (state.works[k], k)):
         members = state.bins[emptied]
         if not members or len(members) > config.eliminate_max_members:
             continue
         scratch: dict[int, tuple[list[int], int]] = {}
+        # The microbatch of each rank that a scratch change holds: a rank is in one scratch list at most.
+        moved: dict[int, int] = {}
 
         def current(k: int) -> tuple[list[int], int]:
             return scratch.get(k, (state.bins[k], state.works[k]))
 
-        def home(r: int) -> int:
-            for k, (m, _) in scratch.items():
-                if r in m:
-                    return k
-            return int(state.bin_of[r])
+        def homes(lo: int, hi: int) -> set[int]:
+            return {moved.get(r, k) for r, k in zip(range(lo, hi), bin_of[lo:hi])}
 
         roomiest = _roomiest(state, config.room_candidates)
         cost = 0
         for x in sorted(members, key=lambda r: (-lengths[r], r)):
-            targets = {home(r) for r in range(max(0, x - window), min(rw.num, x + window + 1))}
+            targets = homes(max(0, x - window), min(rw.num, x + window + 1))
             best: tuple[int, dict[int, tuple[list[int], int]]] | None = None
             for target in sorted((targets | set(roomiest)) - {emptied}):
                 held, before = current(target)
                 if not held:
                     continue
-                joined = sorted(held + [x])
                 work = before + lengths[x] - rw.share(held, x)
                 if work <= capacity:
                     if best is None or work - before < best[0]:
-                        best = (work - before, {target: (joined, work)})
+                        best = (work - before, {target: (sorted(held + [x]), work)})
                     continue
+                joined = sorted(held + [x])
                 for y in held:
                     kept_work = work - lengths[y] + rw.share(joined, y)
                     if kept_work > capacity:
                         continue
-                    thirds = {home(r) for r in range(max(0, y - 4), min(rw.num, y + 5))} | set(roomiest[:4])
+                    thirds = homes(max(0, y - 4), min(rw.num, y + 5)) | set(roomiest[:4])
                     for third in sorted(thirds - {emptied, target}):
                         receiving, receiving_work = current(third)
                         if not receiving:
@@ -239,6 +239,8 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
                 break
             cost += best[0]
             scratch.update(best[1])
+            for k, (held, _) in best[1].items():
+                moved.update(dict.fromkeys(held, k))
             if cost >= state.works[emptied]:
                 break
         else:
@@ -246,6 +248,7 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
                 changes = {k: m for k, (m, _) in scratch.items()}
                 changes[emptied] = []
                 state.replace(changes)
+                bin_of = state.bin_of.tolist()
                 improved = True
                 if sum(1 for b in state.bins if b) % dp == 0:
                     snapshots.append((state.total(), state.nonempty()))
