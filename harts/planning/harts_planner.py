@@ -30,11 +30,16 @@ of any shape has less W), the W-lowering stages cannot change anything and are s
 result is the same as the full refinement's; tested). `details["work_gap_to_bound"]` reports the final W minus
 that bound (0: W proven optimal).
 
+Then, with `refine` and `tail` on, the slot-tail pass (`harts_tail.refine_tail`) evens out the most imbalanced
+slots (max/mean - 1 above `tail_target`) by moves and swaps that raise neither W nor the objective
+(`details["tail_changes"]`): the critical path sums absolute gaps, so light slots keep large relative ones.
+
 Replicas: the greedy assignment of `greedy_assignment` (sort by work, D per slot, heaviest to the
 least-loaded replica).
 
 Modules, imports pointing up this list: `harts_search` (`HartsConfig`, the exact and DP tiers), `harts_packing`
-(the cluster-packing tier) and `harts_refine` (the refinement), then this one (the tiers by size, the best kept).
+(the cluster-packing tier), `harts_refine` (the refinement) and `harts_tail` (the slot-tail pass), then this one (the
+tiers by size, the best kept, its tail evened out).
 Tested against brute force and enumeration in tests/planning/test_harts_planner.py.
 """
 
