@@ -30,11 +30,16 @@ of any shape has less W), the W-lowering stages cannot change anything and are s
 result is the same as the full refinement's; tested). `details["work_gap_to_bound"]` reports the final W minus
 that bound (0: W proven optimal).
 
+Then, with `refine` and `tail` on, the slot-tail pass (`harts_tail.refine_tail`) evens out the most imbalanced
+slots (max/mean - 1 above `tail_target`) by moves and swaps that raise neither W nor the objective
+(`details["tail_changes"]`): the critical path sums absolute gaps, so light slots keep large relative ones.
+
 Replicas: the greedy assignment of `greedy_assignment` (sort by work, D per slot, heaviest to the
 least-loaded replica).
 
 Modules, imports pointing up this list: `harts_search` (`HartsConfig`, the exact and DP tiers), `harts_packing`
-(the cluster-packing tier) and `harts_refine` (the refinement), then this one (the tiers by size, the best kept).
+(the cluster-packing tier), `harts_refine` (the refinement) and `harts_tail` (the slot-tail pass), then this one (the
+tiers by size, the best kept, its tail evened out).
 Tested against brute force and enumeration in tests/planning/test_harts_planner.py.
 """
 
@@ -49,6 +54,7 @@ from harts.planning.bounds import plan_bounds
 from harts.planning.harts_packing import whole_cluster_plan
 from harts.planning.harts_refine import refine
 from harts.planning.harts_search import HartsConfig, cut_point_dp, dp_window, exact_partition
+from harts.planning.harts_tail import refine_tail
 from harts.planning.plans import Plan, build_plan, objective
 from harts.planning.rank_work import RankWork
 from harts.trees.step import Step
@@ -91,6 +97,9 @@ def plan_harts(step: Step, capacity: int, dp: int, *, index: PrefixIndex | None 
             cut_works = np.asarray([rw.trie(b) for b in cut], dtype=np.int64)
             candidates.append((objective(cut_works, dp), "dp" if band is None else "restricted-dp", cut, cut_works))
         _, details["tier"], bins, works = min(candidates, key=lambda candidate: candidate[0])
+        if refining and config.tail:
+            bins, details["tail_changes"] = refine_tail(rw, bins, capacity, dp, config)
+            works = np.asarray([rw.trie(b) for b in bins], dtype=np.int64)
     details["work_gap_to_bound"] = int(works.sum()) - bound
     groups = [rw.order[np.asarray(b, dtype=np.int64)] for b in bins]
     return build_plan(step, groups, works, planner="harts", capacity=capacity, dp=dp,

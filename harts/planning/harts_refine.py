@@ -17,10 +17,12 @@ cuts cheaply), each change accepted only when it lowers the objective it targets
   count), largest first onto the least-loaded;
 - balance: moves of trajectories that do not raise W and moves or swaps of whole clusters out
   of each slot's heaviest microbatch whenever the (W, critical path, largest replica) key drops.
-The refined plan is returned only if its objective is no worse than the input's; with `work_optimal` (the input's W
+Moves and swaps that cannot beat the best change found are not priced: what a trajectory shares with any set is
+at most what it shares with its sorted neighbours (`RankWork.deepest`), which bounds a change's W from below. The
+refined plan is returned only if its objective is no worse than the input's; with `work_optimal` (the input's W
 equals the plan lower bound) only balancing runs. Tested stage by stage in tests/planning/test_harts_planner.py
 (descent, elimination and its ejection chain, repacking, balance: each keeps a valid partition and never raises its
-objective).
+objective), and plan for plan against the plans recorded before these bounds.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
     rw = state.rw
     lengths = rw.lengths_list
     window = config.neighbor_window
+    deepest = rw.deepest
     allow_empty = snapshots is not None
     dirty = set(range(len(state.bins)))
     for _ in range(config.max_passes):
@@ -146,7 +149,9 @@ def _descend(state: _State, config: HartsConfig, *, dp: int,
             candidates = set(nearby).union(roomiest)
             candidates.discard(source)
             best_delta, best_target = 0, -1
-            for target in sorted(candidates):
+            # A move lowers W only into a microbatch that x shares more with than with its own: none when x
+            # already shares there the most it shares with any rank.
+            for target in sorted(candidates) if lengths[x] - saved < deepest[x] else ():
                 if not state.bins[target]:
                     continue
                 added = lengths[x] - rw.share(state.bins[target], x)
@@ -191,41 +196,41 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
     capacity = state.capacity
     window = config.neighbor_window
     improved = False
+    bin_of = state.bin_of.tolist()
     for emptied in sorted((k for k, b in enumerate(state.bins) if b), key=lambda k: (state.works[k], k)):
         members = state.bins[emptied]
         if not members or len(members) > config.eliminate_max_members:
             continue
         scratch: dict[int, tuple[list[int], int]] = {}
+        # The microbatch of each rank that a scratch change holds: a rank is in one scratch list at most.
+        moved: dict[int, int] = {}
 
         def current(k: int) -> tuple[list[int], int]:
             return scratch.get(k, (state.bins[k], state.works[k]))
 
-        def home(r: int) -> int:
-            for k, (m, _) in scratch.items():
-                if r in m:
-                    return k
-            return int(state.bin_of[r])
+        def homes(lo: int, hi: int) -> set[int]:
+            return {moved.get(r, k) for r, k in zip(range(lo, hi), bin_of[lo:hi])}
 
         roomiest = _roomiest(state, config.room_candidates)
         cost = 0
         for x in sorted(members, key=lambda r: (-lengths[r], r)):
-            targets = {home(r) for r in range(max(0, x - window), min(rw.num, x + window + 1))}
+            targets = homes(max(0, x - window), min(rw.num, x + window + 1))
             best: tuple[int, dict[int, tuple[list[int], int]]] | None = None
             for target in sorted((targets | set(roomiest)) - {emptied}):
                 held, before = current(target)
                 if not held:
                     continue
-                joined = sorted(held + [x])
                 work = before + lengths[x] - rw.share(held, x)
                 if work <= capacity:
                     if best is None or work - before < best[0]:
-                        best = (work - before, {target: (joined, work)})
+                        best = (work - before, {target: (sorted(held + [x]), work)})
                     continue
+                joined = sorted(held + [x])
                 for y in held:
                     kept_work = work - lengths[y] + rw.share(joined, y)
                     if kept_work > capacity:
                         continue
-                    thirds = {home(r) for r in range(max(0, y - 4), min(rw.num, y + 5))} | set(roomiest[:4])
+                    thirds = homes(max(0, y - 4), min(rw.num, y + 5)) | set(roomiest[:4])
                     for third in sorted(thirds - {emptied, target}):
                         receiving, receiving_work = current(third)
                         if not receiving:
@@ -239,6 +244,8 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
                 break
             cost += best[0]
             scratch.update(best[1])
+            for k, (held, _) in best[1].items():
+                moved.update(dict.fromkeys(held, k))
             if cost >= state.works[emptied]:
                 break
         else:
@@ -246,6 +253,7 @@ def _eliminate(state: _State, config: HartsConfig, *, dp: int,
                 changes = {k: m for k, (m, _) in scratch.items()}
                 changes[emptied] = []
                 state.replace(changes)
+                bin_of = state.bin_of.tolist()
                 improved = True
                 if sum(1 for b in state.bins if b) % dp == 0:
                     snapshots.append((state.total(), state.nonempty()))
@@ -259,14 +267,21 @@ def _swap_neighbour(state: _State, x: int, saved: int, window: int) -> int:
     lengths = rw.lengths_list
     source = int(state.bin_of[x])
     members = state.bins[source]
+    deepest = rw.deepest
+    # W changes by s_x - share(members - x, y) + s_y - share(held - y, x), s_z being what z shares in its own
+    # microbatch; neither share exceeds what y and x share with any rank, which bounds the change from below.
+    floor = lengths[x] - saved - deepest[x]
     best_delta, best = 0, None
     for y in range(max(0, x - window), min(rw.num, x + window + 1)):
         target = int(state.bin_of[y])
         if target == source:
             continue
         held = state.bins[target]
+        kept = rw.share(held, y)
+        if floor + kept - deepest[y] >= best_delta:
+            continue
         work_source = state.works[source] - saved + lengths[y] - rw.share(members, y, skip=x)
-        work_target = state.works[target] - lengths[y] + rw.share(held, y) + lengths[x] - rw.share(held, x, skip=y)
+        work_target = state.works[target] - lengths[y] + kept + lengths[x] - rw.share(held, x, skip=y)
         if work_source > state.capacity or work_target > state.capacity:
             continue
         delta = work_source + work_target - state.works[source] - state.works[target]

@@ -78,6 +78,20 @@ class HartsConfig:
     At 128 the last slot of `paper` step 7 kept 2.17% imbalance (P95 over the step's 17 slots); at 512 the ten
     `paper` steps' P95 is 0.64-1.90% with the same W on every step and the same plan time (0.4-0.8 s)."""
 
+    tail: bool = True
+    """Run the slot-tail pass (`harts_tail.refine_tail`) on the plan the tiers chose (with `refine`)."""
+    tail_target: float = 0.01
+    """Slots at most this imbalanced (max/mean - 1) are left as they are."""
+    tail_unit_depth: int = 1
+    """Units of the tail pass: a microbatch's clusters and their root-level subtrees to this many levels (on the
+    GRPO shapes of `harts bench planning-grpo`, tuning seeds 0-1, 2 to 4 levels took the same changes as 1, in 30%
+    more time: a sub-tree under a sample moves only where its sample is)."""
+    tail_candidates: int = 16
+    """Candidates of a slot weighed on the whole plan (every slot's imbalance and the objective), best ranked first
+    (16 and 64 took the same changes on those seeds)."""
+    tail_max_changes: int = 200
+    """Most changes the tail pass takes."""
+
     def __post_init__(self) -> None:
         if self.exact_max_trajectories < 0 or self.neighbor_window < 1 or self.room_candidates < 0:
             raise ValueError("exact_max_trajectories >= 0, neighbor_window >= 1, room_candidates >= 0")

@@ -11,6 +11,7 @@ without touching tokens:
   there, optionally ignoring one member), so adding x costs len(x) - share and removing it
   saves the same;
 - `insert_cost(ranks, block)` and `cheapest_split(ranks)`: the same arithmetic for blocks;
+- `deepest[r]`: the most rank r shares with any other (its larger adjacent LCP), a bound on every `share`;
 - `root_subtrees(ranks)` and `clusters(members)`: a sorted set split under its own root fork, or
   where only the step's common prefix g0 is shared (task trees).
 
@@ -48,6 +49,12 @@ class RankWork:
         """Σ lcp[:j] at j."""
         self.common_prefix = int(self.lcp_adjacent[1:].min()) if self.num > 1 else 0
         """g0: the prefix every trajectory shares (0 when the step is a forest)."""
+
+    @functools.cached_property
+    def deepest(self) -> list[int]:
+        """The most each rank shares with any other: the larger of its two adjacent LCPs (0 for a lone rank)."""
+        after = np.concatenate([self.lcp_adjacent[1:], [0]])
+        return np.maximum(self.lcp_adjacent, after).tolist()
 
     @functools.cached_property
     def _table(self) -> list[list[int]]:

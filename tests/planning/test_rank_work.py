@@ -66,6 +66,8 @@ def test_lcp_and_run_cost(setting):
     ends = starts + 1 + rng.integers(0, rw.num - starts)
     assert rw.run_costs(starts, ends).tolist() == [rw.run_cost(i, j) for i, j in zip(starts.tolist(), ends.tolist())]
     assert rw.common_prefix == min(index.lcp_of(int(rw.order[0]), int(rw.order[r])) for r in range(1, rw.num))
+    assert rw.deepest == [max(index.lcp_of(int(rw.order[a]), int(rw.order[b])) for b in range(rw.num) if b != a)
+                          for a in range(rw.num)]
 
 
 def test_cheapest_split_and_split_to_multiple(setting):
