@@ -25,7 +25,8 @@ then × `topk_scaling_factor`.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
-row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA).
+row, with `shared_expert_gate` scaled per row by sigmoid(x·w_g) (Qwen3-Next / Qwen3.5's gated shared expert,
+w_g `shared_gate_weight` [1, D]). The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA).
 Expert outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
 CUDA). Two expert paths compute the same function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
@@ -99,6 +100,8 @@ class MoEConfig:
     """Multiplies the combine weights (e.g. 2.5 in DeepSeek-V3-style sigmoid routing)."""
     shared_expert_hidden_size: int = 0
     """Intermediate size of the shared expert applied to every row (0 = none)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output per row by sigmoid(x·w_g), w_g [1, D] (Qwen3-Next, Qwen3.5)."""
     expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to sigmoid scores for selection only."""
     bias_update_rate: float = 1e-3
@@ -125,6 +128,8 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig: experts_backend must be one of {EXPERT_BACKENDS}, got {self.experts_backend!r}"
             )
+        if self.shared_expert_gate and not self.shared_expert_hidden_size:
+            raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (shared_expert_hidden_size > 0)")
         if self.expert_bias and self.score_function != "sigmoid":
             raise ValueError("MoEConfig: expert_bias needs score_function 'sigmoid' (as in megatron-core)")
         if self.score_function == "softmax" and self.top_k == 1 and not self.softmax_before_topk:
@@ -448,6 +453,7 @@ class MoE(nn.Module):
             self.shared_down_proj = nn.Parameter(torch.empty(shared, c.hidden_size))
         else:
             self.shared_gate_up_proj = self.shared_down_proj = None
+        self.shared_gate_weight = nn.Parameter(torch.empty(1, c.hidden_size)) if c.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(c.num_experts) if c.expert_bias else None)
         for parameter in self.parameters():
             nn.init.normal_(parameter, std=c.init_std)
@@ -529,6 +535,13 @@ class MoE(nn.Module):
         y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], y_RD.shape[-1])
         return weighted_sum(probs_NK, y_NKD)
 
+    def shared_expert(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The shared expert's SwiGLU on every row, times sigmoid(x·w_g) per row when it is gated."""
+        y_ND = _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj)
+        if self.shared_gate_weight is not None:
+            y_ND = torch.sigmoid(x_ND @ self.shared_gate_weight.T) * y_ND
+        return y_ND
+
     def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Reference path: [N, D] in the combine dtype, one gather / MLP / scatter-add per expert."""
         out = x_ND.new_zeros(x_ND.shape, dtype=routing.probs_NK.dtype)
@@ -567,7 +580,7 @@ class MoE(nn.Module):
         routing = self.route(logits)
         out = self.routed_experts(x_ND, routing)
         if self.shared_gate_up_proj is not None:
-            out = out + _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+            out = out + self.shared_expert(x_ND).to(out.dtype)
 
         z_loss = router_z_loss(logits, multiplicity_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
         num_tokens = _weights(multiplicity_N, logits).sum().detach()

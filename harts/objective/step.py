@@ -144,7 +144,7 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
                  index: PrefixIndex | None, *, attention_splits: list[np.ndarray] | None = None) -> Layout:
     """The layout of `config.execution` for these members; `attention_splits` (baseline only, one
     array per member) splits each member's MLA queries there (`baseline_layout`)."""
-    kda = unwrap_model(model).config.kda
+    kda = unwrap_model(model).config.linear_attention
     if config.execution == "compact":
         assert attention_splits is None, "attention splits belong to the baseline layout"
         layout = compact_layout(

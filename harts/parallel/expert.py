@@ -105,10 +105,14 @@ def parallelize_moe(
     moe.__class__ = ParallelMoE
     moe.parallelism = parallelism
     partial = []
+    gate = moe.shared_gate_weight
     if parallelism.sequence_parallel:
         partial.append(moe.router_weight)
         if shared and parallelism.ep > 1:
-            partial += [moe.shared_gate_up_proj, moe.shared_down_proj]
+            partial += [moe.shared_gate_up_proj, moe.shared_down_proj] + ([gate] if gate is not None else [])
+    if gate is not None and parallelism.ep == 1 and parallelism.tp > 1:
+        # The whole gate scales each rank's partial sum of the sharded shared expert: its gradient is partial too.
+        partial.append(gate)
     return [sharder.name(p) for p in partial]
 
 
@@ -174,7 +178,7 @@ class ParallelMoE(MoE):
             routing = Routing(experts_NK=routing.experts_NK, probs_NK=copy_to_group(routing.probs_NK, p.tp_group))
         out = self.routed_experts(x_full, routing)
         if self.shared_gate_up_proj is not None:
-            out = out + _swiglu(x_full, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+            out = out + self.shared_expert(x_full).to(out.dtype)
         if p.sequence_parallel:
             return reduce_scatter_rows(out, p.tp_group)
         return reduce_from_group(out, p.tp_group)
@@ -212,7 +216,7 @@ class ParallelMoE(MoE):
         y_RD = all_to_all_rows(y_received, input_splits, output_splits, group)
         out = self.combine(y_RD, routing, plan, x_ND.shape[0])
         if self.shared_gate_up_proj is not None:
-            out = out + _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj).to(out.dtype)
+            out = out + self.shared_expert(x_ND).to(out.dtype)
         return out
 
     def forward(
