@@ -38,6 +38,10 @@ def _check_epsilon(owner: str, name: str, value: float | None) -> None:
         raise ValueError(f"{owner}.{name} must be a finite number in (0, 1), got {value!r}")
 
 
+HF_MODEL_TYPES = (None, "kimi_linear", "qwen3_next", "qwen3_5_moe_text")
+"""The Hugging Face layouts a model can be saved in (harts.model.hf.ARCHITECTURES), None: the family's default."""
+
+
 @dataclass(kw_only=True)
 class KDAConfig:
     """Kimi Delta Attention layer."""
@@ -177,6 +181,9 @@ class ModelConfig:
     norm_zero_centered: bool = False
     """The block, final and q/k RMSNorms scale by (1 + w) with w initialised to 0 (Qwen3-Next / Qwen3.5's
     convention) instead of by w initialised to 1."""
+    hf_model_type: str | None = None
+    """The Hugging Face layout (config.json's model_type) the model is saved in (harts.model.hf): None, the
+    family's default (kimi_linear for KDA/MLA, qwen3_next for GDN), or qwen3_5_moe_text for a GDN model."""
 
     def __post_init__(self) -> None:
         _check_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size)
@@ -184,6 +191,8 @@ class ModelConfig:
             raise ValueError("model: give exactly one linear-attention section, kda or gdn")
         if (self.mla is None) == (self.gated_attention is None):
             raise ValueError("model: give exactly one attention section, mla or gated_attention")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model.hf_model_type must be one of {HF_MODEL_TYPES}, got {self.hf_model_type!r}")
         _check_epsilon("model", "norm_eps", self.norm_eps)
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")

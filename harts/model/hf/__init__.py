@@ -1,6 +1,7 @@
 """Hugging Face checkpoints of HARTS's models: `config.json` + safetensors, sharded or not, both ways.
 
-One module per architecture holds its layout (harts.model.hf.kimi: Kimi-Linear); this package reads and writes
+One module per architecture holds its layout (harts.model.hf.kimi: Kimi-Linear; harts.model.hf.qwen3_next and
+qwen3_5_moe: Qwen3-Next and Qwen3.5-MoE's text model, the Gated DeltaNet family); this package reads and writes
 any of them:
 - `load_hf_checkpoint(path, dtype=None, device=None) -> (HybridModel, ModelConfig)`: a checkpoint
   directory (config.json and model.safetensors, or model-XXXXX-of-YYYYY.safetensors shards listed
@@ -35,13 +36,13 @@ from torch import nn
 
 from harts.files import atomic_path, write_text
 from harts.model.config import ModelConfig
-from harts.model.hf import kimi
+from harts.model.hf import kimi, qwen3_5_moe, qwen3_next
 from harts.model.hf.files import (
     DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SAFETENSORS_FLOATS, SINGLE_FILE, check_dtype, cut_shards, headers,
     read_json,
 )
 from harts.model.hf.kimi import FP32_SUFFIXES, KIMI_TINY
-from harts.model.hf.schema import Slot
+from harts.model.hf.schema import Slot, read_slot, write_slot
 from harts.model.model import HybridModel, unwrap_model
 
 __all__ = [
@@ -50,12 +51,16 @@ __all__ = [
     "load_hf_config", "model_config_from_hf", "save_hf_checkpoint", "save_hf_state",
 ]
 
-ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi}
+ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi, qwen3_next.MODEL_TYPE: qwen3_next,
+                                        qwen3_5_moe.MODEL_TYPE: qwen3_5_moe}
 """config.json's model_type -> the module of its layout."""
 
 
 def architecture_for(config: ModelConfig) -> ModuleType:
     """The layout a model of `config` is saved in: Kimi-Linear's, the one HARTS's KDA/MLA model config maps to."""
+    if config.gdn is not None or config.gated_attention is not None:
+        # The Gated DeltaNet family: Qwen3-Next's layout, or Qwen3.5-MoE's when its hf_model_type names it.
+        return qwen3_5_moe if config.hf_model_type == qwen3_5_moe.MODEL_TYPE else qwen3_next
     return kimi
 
 
@@ -179,7 +184,7 @@ def load_hf_checkpoint(
             with safe_open(file, "pt") as handle:
                 for layout_name in layout_names:
                     slot = slots[layout_name]
-                    slot.view(targets[slot.target]).copy_(handle.get_tensor(names[layout_name]))
+                    write_slot(slot, targets[slot.target], handle.get_tensor(names[layout_name]))
     return model, config
 
 
@@ -226,7 +231,7 @@ def _hf_items(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: tor
     for name in slots if names is None else names:
         slot = slots[name]
         source = state[slot.target].detach()
-        region = slot.view(source)
+        region = read_slot(slot, source)
         assert tuple(region.shape) == slot.shape, (name, tuple(region.shape), slot.shape)
         stored = _stored_dtype(config, name, source.dtype, dtype)
         yield name, torch.empty(slot.shape, dtype=stored, device=source.device).copy_(region)
