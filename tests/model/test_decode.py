@@ -4,8 +4,9 @@ fp32 on the CPU: three rollouts decoded together (a batch row each), the logits 
 token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
-models with and without the MLA rope part and with NoPE; a fork continues two rollouts from one
-prefix, each equal to its own full forward; a dropped row leaves the others intact.
+models with and without the MLA rope part and with NoPE, and for gdn-tiny (GDN with grouped values, gated GQA
+with partial rotary); a fork continues two rollouts from one prefix, each equal to its own full forward; a
+dropped row leaves the others intact.
 """
 
 from dataclasses import replace
@@ -24,11 +25,11 @@ from tests.fixtures import one_thread  # noqa: F401
 TOLERANCE = 1e-5
 
 
-VARIANTS = ("rope", "nope", "no-rope-dim")
+VARIANTS = ("rope", "nope", "no-rope-dim", "gdn")
 
 
 def _model(variant: str) -> HybridModel:
-    config = load_model_config("tiny")
+    config = load_model_config("gdn-tiny" if variant == "gdn" else "tiny")
     if variant == "nope":
         config = replace(config, mla=replace(config.mla, use_rope=False))
     elif variant == "no-rope-dim":
@@ -55,8 +56,8 @@ def full_logits(model: HybridModel, tokens: list[int]) -> torch.Tensor:
         tokens=np.asarray(tokens, dtype=TOKEN_DTYPE), loss_mask=np.zeros(len(tokens), dtype=np.uint8),
         rewards=np.zeros(1, dtype=np.float32), advantage_per_trajectory=np.zeros(1, dtype=np.float32),
     )
-    kda = model.config.kda
-    layout = baseline_layout(step, np.array([0]), conv_size=kda.conv_size, chunk_size=kda.chunk_size)
+    linear = model.config.linear_attention
+    layout = baseline_layout(step, np.array([0]), conv_size=linear.conv_size, chunk_size=linear.chunk_size)
     with torch.no_grad():
         hidden, _ = model(layout.input_ids, layout)
     return (hidden @ model.lm_head.weight.T).detach()
@@ -83,9 +84,10 @@ def test_token_by_token_equals_full_forward(models, variant, length):
     assert cache.lengths.tolist() == [length] * 3
 
 
+@pytest.mark.parametrize("variant", ["rope", "gdn"])
 @pytest.mark.parametrize("fork_at", [3, 21])
-def test_fork_continues_each_branch_as_its_own_forward(models, fork_at):
-    model = models["rope"]
+def test_fork_continues_each_branch_as_its_own_forward(models, fork_at, variant):
+    model = models[variant]
     rng = np.random.default_rng(fork_at)
     prefix = rng.integers(0, 256, fork_at).tolist()
     branches = [rng.integers(0, 256, 14).tolist() for _ in range(2)]
@@ -103,8 +105,9 @@ def test_fork_continues_each_branch_as_its_own_forward(models, fork_at):
     assert (parent - full_logits(model, prefix + more)[fork_at:]).abs().max() <= TOLERANCE
 
 
-def test_dropping_a_row_keeps_the_others(models):
-    model = models["rope"]
+@pytest.mark.parametrize("variant", ["rope", "gdn"])
+def test_dropping_a_row_keeps_the_others(models, variant):
+    model = models[variant]
     rng = np.random.default_rng(3)
     sequences = rng.integers(0, 256, (3, 12)).tolist()
     cache = empty_cache(model, batch_size=3, capacity=32)
