@@ -2,8 +2,8 @@
 `GDNLayer` and `GatedAttentionLayer`): one token per rollout per call, batched over rollouts.
 
 - GDN layer: the recurrent state [B, HV, K, V] (fla's orientation; fp32, fp64 for fp64 weights) advanced by the
-  token recurrence (S ← exp(g)·S; S ← S + β k ⊗ (v − Sᵀk); o = Sᵀ(q/√K), q and k L2-normalised and repeated over
-  the value groups), and the short conv's window: the [q | k | v] projections of the last W − 1 positions, most
+  token recurrence (S ← exp(g)·S; S ← S + β k ⊗ (v − Sᵀk); o = Sᵀ(q/√K), q and k L2-normalised and repeated
+  over the value groups), and the short conv's window: the [q | k | v] projections of the last W − 1 positions, most
   recent first (zeros before the first position, as the training path's conv reads a zero row there);
 - gated GQA layer: the cache of the normalised, rotated keys and the values of every position [B, T, G, E]; each
   step attends over the rollout's cached positions with the KV heads repeated to the query heads.

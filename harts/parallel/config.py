@@ -93,7 +93,8 @@ class ParallelConfig:
         if model.kda is not None:
             heads["kda.num_heads"] = model.kda.num_heads
         if model.gdn is not None:
-            heads.update({"gdn.num_key_heads": model.gdn.num_key_heads, "gdn.num_value_heads": model.gdn.num_value_heads})
+            heads.update({"gdn.num_key_heads": model.gdn.num_key_heads,
+                          "gdn.num_value_heads": model.gdn.num_value_heads})
         if model.mla is not None:
             heads["mla.num_heads"] = model.mla.num_heads
         if model.gated_attention is not None:

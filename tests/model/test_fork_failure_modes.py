@@ -9,9 +9,9 @@ bug reports), as regression tests of HARTS's compact execution of the whole mode
   every other trajectory's log-probs where they were (to rounding: the MoE's per-expert row counts change); a
   leak moves them by O(1e-2).
 
-Each tree runs both executions on the tiny and gdn-tiny models (fp32, CPU: PyTorch KDA and conv; on CUDA, `-m gpu`: fla's KDA,
-the fused Triton conv and the varlen attention, in bf16) and must agree as tests/model/test_equivalence.py
-requires: log-probs, loss and every parameter gradient.
+Each tree runs both executions on the tiny and gdn-tiny models (fp32, CPU: PyTorch KDA and conv; on CUDA,
+`-m gpu`: fla's KDA, the fused Triton conv and the varlen attention, in bf16) and must agree as
+tests/model/test_equivalence.py requires: log-probs, loss and every parameter gradient.
 """
 
 from dataclasses import replace

@@ -8,10 +8,10 @@ to transformers' logits within 1e-5 of the largest, for each sequence alone and 
 and on the right (transformers zeroes the padded rows of its GDN layers and masks them in its attention); HARTS
 saves them back and transformers reads every weight back bitwise (its logits then agree with its own within the
 last bits of fp32: the same weights at other addresses take other vectorised paths in its CPU kernels; measured
-0 to 5.4e-7 of the largest logit, and 3.6e-7 between transformers' in-memory model and its own reload). The other way, HARTS models of the shipped
-gdn-tiny config (and a Qwen3.5 variant without dense layers) saved by HARTS give transformers HARTS's logits
-within the same tolerance. Only public APIs of transformers are used. On CPU inputs transformers runs its PyTorch
-gated delta rule (chunks of 64, fp32), HARTS its own (chunks of 16 for gdn-tiny).
+0 to 5.4e-7 of the largest logit, and 3.6e-7 between transformers' in-memory model and its own reload). The other
+way, HARTS models of the shipped gdn-tiny config (and a Qwen3.5 variant without dense layers) saved by HARTS give
+transformers HARTS's logits within the same tolerance. Only public APIs of transformers are used. On CPU inputs
+transformers runs its PyTorch gated delta rule (chunks of 64, fp32), HARTS its own (chunks of 16 for gdn-tiny).
 
 Weights (`qwen_weights`): test_hf_reference's `random_weights` with every matrix but the embedding, head and conv
 halved, the (1 + w) norms' w near 0 (an effective scale near 1) and dt_bias −1 (decays of 0.1 to 0.9 a token).

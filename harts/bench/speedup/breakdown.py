@@ -1,6 +1,6 @@
 """The op-level breakdown of the compact time beyond the ideal (C / S) × baseline (`breakdown`): op times
-(`op_times`: KDA as planned, as one call with and without the replay rows, MLA, the LM head — for a Gated DeltaNet
-model its GDN and gated GQA under the same keys ("kda", "mla": the linear attention and the attention); forward + backward
+(`op_times`: KDA as planned, as one call with and without the replay rows, MLA, the LM head — for a Gated
+DeltaNet model its GDN and gated GQA under the same keys ("kda", "mla"); forward + backward
 on real microbatch layouts with random inputs of the model's shapes) on up to `BREAKDOWN_MICROBATCHES` evenly
 spaced microbatches of each execution, each op scaled to the step by its own work (`OP_WORK`), then split into
 terms (`breakdown_terms`: replay, boundary handoff and call launches, other KDA, ancestor KV, LM head, the remaining

@@ -366,8 +366,9 @@ def write_config(config: ModelConfig, dtype: torch.dtype, model_type: str, archi
         "harts": harts,
     }
     if model_type == MODEL_TYPE:
-        hf.update({"intermediate_size": config.dense_hidden_size, "mlp_only_layers": list(range(config.num_dense_layers)),
-                   "decoder_sparse_step": 1, "norm_topk_prob": not moe.softmax_before_topk})
+        hf.update({"intermediate_size": config.dense_hidden_size,
+                   "mlp_only_layers": list(range(config.num_dense_layers)), "decoder_sparse_step": 1,
+                   "norm_topk_prob": not moe.softmax_before_topk})
     return hf
 
 
