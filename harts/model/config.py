@@ -193,6 +193,10 @@ class ModelConfig:
             raise ValueError("model: give exactly one attention section, mla or gated_attention")
         if self.hf_model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model.hf_model_type must be one of {HF_MODEL_TYPES}, got {self.hf_model_type!r}")
+        gdn_family = self.gdn is not None or self.gated_attention is not None
+        if self.hf_model_type is not None and (self.hf_model_type == "kimi_linear") == gdn_family:
+            raise ValueError(f"model.hf_model_type {self.hf_model_type!r} is not a layout of this model's family "
+                             f"({'qwen3_next or qwen3_5_moe_text' if gdn_family else 'kimi_linear'})")
         _check_epsilon("model", "norm_eps", self.norm_eps)
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")

@@ -27,6 +27,7 @@ BAD = {
     "gdn-beside-kda": (None, "kda", {"num_heads": 2, "head_dim": 16}, "give exactly one linear-attention section"),
     "no-attention": (None, "gated_attention", None, "give exactly one attention section, mla or gated_attention"),
     "unknown-hf-layout": (None, "hf_model_type", "llama", "model.hf_model_type must be one of"),
+    "gdn-in-kimi-layout": (None, "hf_model_type", "kimi_linear", "'kimi_linear' is not a layout of this model's"),
     "gate-without-shared-expert": ("moe", "shared_expert_hidden_size", 0, "shared_expert_gate needs a shared expert"),
 }
 

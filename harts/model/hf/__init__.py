@@ -17,7 +17,7 @@ any of them:
   `ModelConfig` (the architecture chosen by config.json's model_type, or for a model by `architecture_for`);
   `check_exportable(config)`; `hf_tensor_shapes(config)`: every tensor of the layout.
 
-Invariant: every tensor of a layout fills exactly one region of one model tensor (`Slot`), so loading then saving
+Invariant: every tensor of a layout fills its own regions of one model tensor (`Slot`), so loading then saving
 (or the reverse) reproduces every parameter bitwise. Tested in tests/model/test_hf.py (round trips, bf16 loading
 without an fp32 copy, the weight-sync stream against the files, one check per refused or malformed input) and
 against transformers' own classes in tests/model/test_hf_reference.py.
