@@ -55,6 +55,17 @@ def positive_int(text: str) -> int:
     return _number(text, int, 1, True, "a positive integer below 2^62")
 
 
+def positive_int_or(text: str, words: tuple[str, ...]) -> int | str:
+    """argparse type of a count that also takes one of a few `words` (kept as the text), the error naming both."""
+    if text in words:
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as error:
+        listed = f" or {words[0]}" if len(words) == 1 else f", {', '.join(words[:-1])} or {words[-1]}"
+        raise argparse.ArgumentTypeError(str(error).replace(", got", f"{listed}, got", 1)) from None
+
+
 def non_negative_int(text: str) -> int:
     """argparse type of a seed: an integer >= 0 (numpy's seeds are non-negative)."""
     return _number(text, int, 0, True, "a non-negative integer below 2^62")
@@ -68,6 +79,14 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """argparse type of a coefficient or clip ratio: a finite number >= 0."""
     return _number(text, float, 0.0, True, "a finite number >= 0")
+
+
+def fraction(text: str) -> float:
+    """argparse type of a share of a whole (a memory margin): a finite number >= 0 and < 1."""
+    value = _number(text, float, 0.0, True, "a number >= 0 and < 1")
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 and < 1, got {text!r}")
+    return value
 
 
 # harts.objective.losses' choices, spelled out so that the CLI builds without importing torch

@@ -108,6 +108,22 @@ BAD_OPTIONS = {
         ["plan", "microbatches", STEP, "--capacity", "1" + "0" * 400, "--dp", "2"],
         "plan microbatches", "argument --capacity: expected a positive integer below 2^62, got '1" + "0" * 400 + "'",
     ),
+    "bench-speedup-memory-margin-one": (
+        ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--memory-margin", "1", "--out", "{tmp}/s.json"],
+        "bench speedup", "argument --memory-margin: expected a number >= 0 and < 1, got '1'",
+    ),
+    "bench-speedup-memory-margin-nan": (
+        ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--memory-margin", "nan", "--out", "{tmp}/s.json"],
+        "bench speedup", "argument --memory-margin: expected a number >= 0 and < 1, got 'nan'",
+    ),
+    "train-memory-margin-negative": (
+        ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--memory-margin", "-0.05"],
+        "train", "argument --memory-margin: expected a number >= 0 and < 1, got '-0.05'",
+    ),
+    "bench-speedup-recompute-blocks-word": (
+        ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--recompute-blocks", "most", "--out", "{tmp}/s.json"],
+        "bench speedup", "argument --recompute-blocks: expected a positive integer below 2^62 or auto, got 'most'",
+    ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }
 

@@ -60,3 +60,50 @@ def test_a_run_is_run_step_over_the_planned_members(step):
     model.zero_grad()
     forward_only = engine.run(step, planned, backward=False)
     assert forward_only.loss == expected.loss and all(p.grad is None for p in model.parameters())
+
+
+def test_recompute_blocks_auto_is_every_block_until_the_search_sets_the_fewest_that_fit(step, monkeypatch):
+    """An engine built with recompute_blocks auto recomputes every block until `fit_recompute_blocks`, which probes
+    untimed steps (out of memory below 3 blocks, simulated), sets the fewest that fit and returns the search's
+    record; on the CPU, which has no device total, the search is refused."""
+    from harts import engine as engine_module
+    from harts import engine_memory
+
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    engine = Engine.build(model, ExecutionConfig(recompute=True, recompute_blocks="auto", capacity=300,
+                                                 memory_margin=0.25), "cpu", execution="compact")
+    assert engine.search_pending and engine.config.recompute_blocks == 4
+    planned = engine.plan(step)
+    with pytest.raises(ValueError, match="recompute_blocks auto searches a GPU's memory: the model is on cpu"):
+        engine.fit_recompute_blocks(step, planned)
+    run_step_of = engine_module.run_step
+    ran = []
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        ran.append(config.recompute_blocks)
+        if config.recompute_blocks < 3:
+            raise torch.OutOfMemoryError("simulated")
+        return run_step_of(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
+    announced = []
+    search = engine.fit_recompute_blocks(step, planned, reserved_bytes=7, on_probe=announced.append)
+    assert announced == ran == [4, 2, 3]
+    assert search["recompute_blocks"] == 3 and [p["fits"] for p in search["probes"]] == [True, False, True]
+    assert (search["memory_margin"], search["reserved_bytes"]) == (0.25, 7)
+    assert search["memory_limit_bytes"] == (1 << 50) - (1 << 48) - 7
+    assert engine.config.recompute_blocks == 3 and not engine.search_pending
+    assert all(p.grad is None for p in model.parameters())  # the probes' gradients freed
+    engine.run(step, planned)
+    assert ran[-1] == 3
+
+
+def test_an_engine_built_with_given_blocks_does_not_search():
+    model = HybridModel(load_model_config("tiny"))
+    engine = Engine.build(model, ExecutionConfig(recompute=True, recompute_blocks="auto"), "cpu", execution="compact",
+                          recompute_blocks=2)
+    assert not engine.search_pending and engine.config.recompute_blocks == 2
+    engine = Engine.build(model, ExecutionConfig(recompute=True, recompute_blocks=1), "cpu", execution="compact")
+    assert not engine.search_pending and engine.config.recompute_blocks == 1

@@ -60,8 +60,9 @@ LAYERS = (
     Layer("shared", ("harts.optim", "harts.tracking", "harts.workflow"),
           "What the training, RL and benchmark surfaces share: the optimizer and its update (optim), JSON records "
           "and W&B logging (tracking), the pipeline's GPU pool and config coercion (workflow).", isolated=True),
-    Layer("engine", ("harts.api", "harts.engine"),
-          "The library API (harts.api: a training step on an RL batch) and the execution engine."),
+    Layer("engine", ("harts.api", "harts.engine", "harts.engine_memory"),
+          "The library API (harts.api: a training step on an RL batch), the execution engine and its memory (peak "
+          "memory, the device's, the search for the recomputed blocks that fit)."),
     Layer("surfaces", ("harts.training", "harts.rl", "harts.bench", "harts.integrations"),
           "harts train, harts rl, the benchmarks and integrations with other trainers: each on the layers below, "
           "none on another.", isolated=True),

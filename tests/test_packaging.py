@@ -93,7 +93,8 @@ def test_installed_cli_resolves_a_model_name(installed):
     assert report["logit_cosine_min"] >= 0.99999
     result = _run_installed(installed, "-m", "harts", "verify", "--model", "nope", "--trees", str(STEP))
     assert result.returncode == 2
-    assert "unknown model 'nope' (known: cpu-small, h200, kimi-tiny, ling3-tiny, tiny;" in result.stderr
+    assert "unknown model 'nope' (known: bailing-tiny, cpu-small, h200, kimi-tiny, ling3-tiny, ling3-tiny-shape, tiny;" \
+        in result.stderr
 
 
 def _locked_versions() -> str:

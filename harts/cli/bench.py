@@ -12,6 +12,7 @@ import importlib
 _COMMAND_MODULES: tuple[str, ...] = (
     "harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.kda_handoff",
     "harts.bench.speedup.cli", "harts.bench.attention", "harts.bench.fidelity", "harts.bench.conv_tiles",
+    "harts.integrations.trl_bench",
 )
 
 

@@ -1,7 +1,8 @@
 """`harts export`: a `harts train` checkpoint as a Hugging Face checkpoint that transformers, vLLM and SGLang run.
 
 `--run` is a run directory (its last checkpoint) or one checkpoint directory; `--out` a new directory that
-receives config.json and the safetensors (Kimi-Linear's Hub layout, harts.model.hf), shards of at most
+receives config.json and the safetensors (the Hub layout the model config's hf_layout names: Kimi-Linear
+or BailingHybrid, harts.model.hf), shards of at most
 `--max-shard-bytes` and their index when the tensors need more than one; `--dtype` fp32 or bf16 (default: the
 run's). harts.training.export does the work; each file is written atomically and config.json last, and an output
 that is the run, the checkpoint, or a directory that already holds a checkpoint is refused. Tested in
@@ -21,7 +22,8 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("export", help="a harts train checkpoint as a Hugging Face (Kimi-Linear) checkpoint")
+    parser = commands.add_parser(
+        "export", help="a harts train checkpoint as a Hugging Face (Kimi-Linear or BailingHybrid) checkpoint")
     parser.add_argument("--run", dest="source", required=True, metavar="RUN_OR_CHECKPOINT",
                         help="a harts train run directory (its last checkpoint) or a checkpoint directory")
     parser.add_argument("--out", required=True, help="a new directory for config.json and the safetensors")

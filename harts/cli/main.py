@@ -18,6 +18,7 @@ from harts import __version__
 from harts.args import print_error
 from harts.cli import bench as bench_cli
 from harts.cli import export as export_cli
+from harts.cli import model as model_cli
 from harts.cli import plan as plan_cli
 from harts.cli import rl as rl_cli
 from harts.cli import train as train_cli
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.register(commands)
     train_loop_cli.register(commands)
     export_cli.register(commands)
+    model_cli.register(commands)
     rl_cli.register(commands)
     return parser
 

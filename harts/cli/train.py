@@ -34,12 +34,12 @@ AGGREGATIONS = LOSS_AGGREGATIONS
 def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train-step", help="forward + backward of one step (loss, rows, seconds)")
     _common(train)
-    execution.add_arguments(train, execution=dict(required=True, default=None))
+    execution.add_arguments(train, exclude=("memory_margin",), execution=dict(required=True, default=None))
     train.set_defaults(run=run_train_step)
 
     verify = commands.add_parser("verify", help="compare the compact execution with the baseline")
     _common(verify)
-    execution.add_arguments(verify, exclude=("execution",), planner=dict(
+    execution.add_arguments(verify, exclude=("execution", "memory_margin"), planner=dict(
         default="harts", help="The microbatch planner, shared by both executions (default: harts)."))
     verify.add_argument("--no-replay", action="store_true", help="compact side runs the no-replay ablation")
     verify.set_defaults(run=run_verify)
@@ -143,6 +143,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         "moe_loss": result.moe_loss,
         "semantic_tokens": result.num_semantic_tokens,
         "rows": result.num_rows,
+        **result.mtp_record(),
         "plan_seconds": planned.plan.plan_seconds,
         "seconds": result.seconds,
     }
@@ -151,9 +152,10 @@ def run_train_step(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         seconds = result.seconds
+        mtp = "" if result.mtp_loss is None else f", mtp {result.mtp_loss:.6f}"
         print(
-            f"{args.execution}: loss {result.loss:.6f} (policy {result.policy_loss:.6f}, moe {result.moe_loss:.6f}), "
-            f"{result.num_rows:,} rows for {result.num_semantic_tokens:,} semantic tokens in "
+            f"{args.execution}: loss {result.loss:.6f} (policy {result.policy_loss:.6f}, moe {result.moe_loss:.6f}"
+            f"{mtp}), {result.num_rows:,} rows for {result.num_semantic_tokens:,} semantic tokens in "
             f"{summary['microbatches']} microbatch(es); layout {seconds['layout']:.2f} s, forward "
             f"{seconds['forward']:.2f} s, backward {seconds['backward']:.2f} s"
         )

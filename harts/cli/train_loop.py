@@ -5,8 +5,8 @@ harts.training.config.TrainConfig) whose keys the flags below override; without 
 flags alone (at least `--model` and `--trees`) make it, and with `--resume` the checkpoint's
 config is the base (or, before the first checkpoint, the config of the log's first start). The run
 directory `--out` receives train.jsonl and checkpoints/ (harts.training.checkpoint). `--init-from DIR`
-starts from a Hugging Face checkpoint (Kimi-Linear, harts.model.hf) whose config.json is the model config,
-instead of `--model` and a random initialisation (`harts export` is the way back). `--resume`
+starts from a Hugging Face checkpoint (Kimi-Linear or BailingHybrid, harts.model.hf) whose config.json is the model
+config, instead of `--model` and a random initialisation (`harts export` is the way back). `--resume`
 continues from the last checkpoint (or from step 0 when there is none) and refuses a config that
 differs from it or from the run's first start, and data steps whose content changed unless
 `--accept-changed-data`; `--max-steps N` stops after step N with a checkpoint there. Tested in
@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 # (flag, dotted config key, argparse keywords); loss options go to the chosen loss's section.
 OVERRIDES = [
     ("--model", "model", {"help": "configs/models NAME or a YAML path"}),
-    ("--init-from", "init_from", {"help": "start from this Hugging Face checkpoint (Kimi-Linear) instead of a random "
-                                          "initialisation; its config.json is the model config (no --model)"}),
+    ("--init-from", "init_from", {"help": "start from this Hugging Face checkpoint (Kimi-Linear or BailingHybrid) "
+                                          "instead of a random initialisation; its config.json is the model config "
+                                          "(no --model)"}),
     ("--trees", "data.trees", {"help": "a trees config (NAME or YAML), a directory of step_NNN files, or one step"}),
     ("--data-seed", "data.seed", {"type": non_negative_int, "help": "seed of generated steps"}),
     ("--on-policy", "data.on_policy", {"action": argparse.BooleanOptionalAction,
@@ -56,9 +57,11 @@ LOSS_OVERRIDES = [(loss_flag(field), field, {**keywords, "help": keywords["help"
                                               else f"GRPO only: {keywords['help']}"})
                   for field, losses, keywords in LOSS_OPTIONS]
 """The loss fields' flags (harts.args.LOSS_OPTIONS), set under the config's loss.name."""
-EXECUTION_OVERRIDES = [(option, f"execution.{name}", keywords) for name in execution.FIELDS if name != "dtype"
+EXECUTION_OVERRIDES = [(option, f"execution.{name}", {**keywords, **(
+    {"type": execution.auto_or_positive_int} if name == "recompute_blocks" else {})})
+                       for name in execution.FIELDS if name != "dtype"
                        for option, keywords in [execution.argument(name, default=False, negatable=True)]]
-"""Every execution knob's flag (harts.config.execution; --dtype is the run's)."""
+"""Every execution knob's flag (harts.config.execution; --dtype is the run's; --recompute-blocks also takes auto)."""
 OVERRIDES += EXECUTION_OVERRIDES
 
 

@@ -1,14 +1,15 @@
 """How a step is planned and executed: the one execution config of every entry point.
 
-`ExecutionConfig` holds every execution knob (the microbatch planner and capacity, the dtype, the recomputation
-and what it keeps, the attention, KDA and experts backends, the LM head's chunk and gradient precision), their
-choices and their rules (`check`), and `resolved(device, execution)`, the one place that
-fills the defaults depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with
-the loss; `harts train` and `harts rl` read it from their YAML's `execution` section, the benchmarks and the
-pipeline from their flags and keys, which are the field names. `add_arguments` makes every surface's flags from the
-fields, their types, choices and docstrings (`field_help`), so that a new knob is one field here, its consumer and
-a test. Torch-free: the command lines build and refuse a bad value before torch is imported; the lower layers
-take their choice lists from here (tests/config/test_execution.py checks them against the registries they name).
+`ExecutionConfig` holds every execution knob (the microbatch planner and capacity, the dtype, the recomputation and
+what it keeps, the memory margin of the search for the recomputed blocks, the attention, KDA and experts backends,
+the LM head's chunk and gradient precision), their choices and their rules (`check`), and `resolved(device,
+execution)`, the one place that fills the defaults depending on the device and the execution. `StepConfig`
+(harts.objective.step) extends it with the loss; `harts train` and `harts rl` read it from their YAML's `execution`
+section, the benchmarks and the pipeline from their flags and keys, which are the field names. `add_arguments` makes
+every surface's flags from the fields, their types, choices and docstrings (`field_help`), so that a new knob is one
+field here, its consumer and a test. Torch-free: the command lines build and refuse a bad value before torch is
+imported; the lower layers take their choice lists from here (tests/config/test_execution.py checks them against the
+registries they name).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ GRAD_PRECISIONS = ("fp32", "input")
 
 DEFAULT_CAPACITY = 65536
 DEFAULT_LOGPROB_CHUNK_ROWS = 4096
+DEFAULT_MEMORY_MARGIN = 0.05
+"""5% of the GPU: 7.2 GB of an H200's 143.8 GB, where `auto` once chose blocks peaking 0.12 GB below the total
+(issue 44), and 4 GB of an 80 GB H100."""
+
+AUTO = "auto"
+"""recompute_blocks `auto`: the fewest recomputed blocks that fit, found by `harts.engine.Engine.fit_recompute_blocks`
+(harts train and bench speedup search; the other commands take a number)."""
+SEARCH_DEVICES = ("cuda",)
+"""The devices where recompute_blocks `auto` can search: it probes for out-of-memory errors, which only a GPU's
+allocator raises (on the CPU the system would kill the process). Tests widen it to search simulated memory."""
 
 CHOICES = {
     "execution": EXECUTIONS, "planner": PLANNERS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
@@ -59,7 +70,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a
 smaller LM-head chunk); the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4,
 which needs flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and
-capacity, `--recompute-blocks N` or bench speedup's `auto`). Flags given beside a preset win."""
+capacity, `--recompute-blocks N`, or `auto` on harts train and bench speedup). Flags given beside a
+preset win."""
 
 
 def default_planner(execution: str) -> str:
@@ -98,9 +110,15 @@ class ExecutionConfig:
     """fp32 or bf16 (bf16 autocast; default: bf16 on CUDA, fp32 on CPU)."""
     recompute: bool = False
     """Per-layer activation recomputation."""
-    recompute_blocks: int | None = None
+    recompute_blocks: int | str | None = None
     """With recompute: recompute only blocks 0..N-1 (of each pipeline stage), the others keep their activations
-    (Megatron's block method: less recomputation for more memory; default: every block)."""
+    (Megatron's block method: less recomputation for more memory; default: every block). auto (harts train and
+    bench speedup, on CUDA): the fewest with which a step runs and leaves memory_margin of the GPU free."""
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
+    """With recompute_blocks auto: the share of the GPU's total memory (>= 0, < 1) the search leaves free, for the
+    allocator's fragmentation and for steps larger than the one searched: it takes the fewest recomputed blocks
+    whose step peaks at most (1 - memory_margin) x the GPU's total memory. A share of the GPU rather than GB, so
+    that one value serves an 80 GB and a 141 GB GPU alike."""
     recompute_by_rows: bool = False
     """With recompute_blocks: a microbatch smaller than another of the step keeps more blocks, in proportion to its
     rows (KDA and ancestor-KV rows too), within that one's activation memory. Same values."""
@@ -143,8 +161,11 @@ class ExecutionConfig:
         for name in ("recompute", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{key(name)} must be true or false, got {getattr(self, name)!r}")
-        if self.recompute_blocks is not None:
-            _check_count(key("recompute_blocks"), self.recompute_blocks)
+        if self.recompute_blocks is not None and self.recompute_blocks != AUTO:
+            _check_count(key("recompute_blocks"), self.recompute_blocks, f" or {AUTO!r}")
+        margin = self.memory_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"{key('memory_margin')} must be a number >= 0 and < 1, got {margin!r}")
         needs_recompute = [name for name in ("recompute_blocks", "recompute_by_rows", "keep_attention",
                                              "keep_kda_intermediates") if getattr(self, name) not in (None, False)]
         if needs_recompute and not self.recompute:
@@ -160,14 +181,19 @@ class ExecutionConfig:
             raise ValueError(f"{key('keep_kda_intermediates')} keeps fla's KDA intermediates: it needs "
                              f"{key('kda_backend')} 'fla', got {self.kda_backend!r}")
 
-    def resolved(self, device: str, execution: str | None = None, *, as_flags: bool = False):
+    def resolved(self, device: str, execution: str | None = None, *, as_flags: bool = False, prefix: str = ""):
         """This config (of its own class) with the device's and the execution's defaults filled in: `execution`
         (when this config names none), the planner, the dtype and the attention and KDA backends; checked before
-        and after (a rule that holds of the device's default, e.g. fla's KDA for keep_kda_intermediates), the
-        errors naming flags with `as_flags`."""
-        self.check(as_flags=as_flags)
+        and after (a rule that holds of the device's default, e.g. fla's KDA for keep_kda_intermediates; recompute
+        blocks auto only on a `SEARCH_DEVICES` device), the errors naming `prefix` + the key, or with `as_flags`
+        the flag."""
+        self.check(prefix, as_flags=as_flags)
         if device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if self.recompute_blocks == AUTO and device not in SEARCH_DEVICES:
+            name = flag("recompute_blocks") if as_flags else prefix + "recompute_blocks"
+            raise ValueError(f"{name} {AUTO} searches a GPU's memory (it probes for out-of-memory errors): it needs "
+                             f"device {' or '.join(SEARCH_DEVICES)}, got {device!r}")
         execution = self.execution or execution
         if execution is not None and execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
@@ -179,7 +205,7 @@ class ExecutionConfig:
             kda_backend=self.kda_backend or default_kda_backend(device),
         )
         resolved = dataclasses.replace(self, **filled)
-        resolved.check(as_flags=as_flags)
+        resolved.check(prefix, as_flags=as_flags)
         return resolved
 
     def knobs(self) -> dict[str, Any]:
@@ -198,14 +224,15 @@ def check_run_dtype(dtype: str | None, execution: ExecutionConfig) -> None:
 def resolved_for_run(dtype: str | None, execution: ExecutionConfig, device: str,
                      execution_name: str | None = None) -> ExecutionConfig:
     """A training run's execution config (harts train, harts rl) resolved for `device`, its dtype the run's:
-    `dtype`, else execution.dtype, else the device's default (`check_run_dtype` keeps the two from differing)."""
+    `dtype`, else execution.dtype, else the device's default (`check_run_dtype` keeps the two from differing); the
+    errors name the YAML section's keys (execution.NAME)."""
     run_dtype = dtype or execution.dtype or default_dtype(device)
-    return dataclasses.replace(execution, dtype=run_dtype).resolved(device, execution_name)
+    return dataclasses.replace(execution, dtype=run_dtype).resolved(device, execution_name, prefix="execution.")
 
 
-def _check_count(name: str, value: Any) -> None:
+def _check_count(name: str, value: Any, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{name} must be an int >= 1{alternative}, got {value!r}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ExecutionConfig))
@@ -238,18 +265,34 @@ def _positive_int(text: str) -> int:
     return positive_int(text)
 
 
+def auto_or_positive_int(text: str) -> int | str:
+    """argparse type of recompute blocks where a command searches them: a positive int or auto."""
+    from harts.args import positive_int_or
+
+    return positive_int_or(text, (AUTO,))
+
+
+def _fraction(text: str) -> float:
+    from harts.args import fraction
+
+    return fraction(text)
+
+
 def argument(name: str, *, default: bool = True, negatable: bool = False) -> tuple[str, dict[str, Any]]:
     """The flag of field `name` and its argparse keywords: its type or choices, its help (the field's docstring)
     and, with `default`, the field's default (a boolean is a store_true flag, or with `negatable` a
-    --flag/--no-flag pair whose default is None: an override of a config file)."""
+    --flag/--no-flag pair whose default is None: an override of a config file). recompute_blocks takes a number
+    here: a command that searches (`AUTO`) gives it `auto_or_positive_int`."""
     field = next(f for f in dataclasses.fields(ExecutionConfig) if f.name == name)
     keywords: dict[str, Any] = {"help": field_help()[name].replace("%", "%%")}
     if field.type == "bool":
         keywords["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
     elif name in CHOICES:
         keywords["choices"] = CHOICES[name]
-    elif field.type in ("int", "int | None"):
+    elif field.type in ("int", "int | None", "int | str | None"):
         keywords.update(type=_positive_int, metavar="N")
+    elif field.type == "float":
+        keywords.update(type=_fraction, metavar="F")
     if default and field.type != "bool":
         keywords["default"] = field.default
     return flag(name), keywords
@@ -307,6 +350,10 @@ def markdown_table() -> str:
             values = ", ".join(f"`{choice}`" for choice in CHOICES[field.name])
         elif field.type == "bool":
             values = "`true`, `false`"
+        elif field.type == "float":
+            values = "a number >= 0 and < 1"
+        elif field.name == "recompute_blocks":
+            values = f"an integer >= 1, `{AUTO}`"
         else:
             values = "an integer >= 1"
         default = "see its text" if field.default is None else f"`{str(field.default).lower()}`" if isinstance(

@@ -15,6 +15,8 @@ Face parameters). What the trainer replaces, and nothing else:
   micro-batch, as TRL's. It logs TRL's `entropy`, `kl` and `clip_ratio/region_mean` metrics and
   `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
   forward computes) per call.
+- `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
+  HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
 turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
 entropy, the router auxiliary loss, PEFT models, multimodal inputs, more than one process (the model's forward is
@@ -27,6 +29,7 @@ fewer rows computed by HARTS.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -123,8 +126,10 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         if problems:
             raise ValueError("HARTSGRPOTrainer: TRL settings without a HARTS reading: " + "; ".join(problems))
         device = "cuda" if self.accelerator.device.type == "cuda" else "cpu"
-        # No autocast unless TRL's bf16: the model computes in its parameters' dtype.
-        base = harts_config or api.device_config(device)
+        # No autocast unless TRL's bf16: the model computes in its parameters' dtype. TRL's gradient checkpointing
+        # (on by default; transformers >= 5.25 names it activation_checkpointing) is HARTS's recomputation.
+        checkpointing = getattr(self.args, "activation_checkpointing", self.args.gradient_checkpointing)
+        base = harts_config or dataclasses.replace(api.device_config(device), recompute=bool(checkpointing))
         self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
                                           "dtype": "bf16" if self.args.bf16 else base.dtype})
         self._views: dict[int, HFParameterView] = {}
@@ -139,6 +144,12 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
             config = model_config_from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__} config")
             view = self._views[id(hf_model)] = HFParameterView(hf_model, config=without_moe_losses(config))
         return view
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's training step with the HARTS model bound over the policy's tensors until after the backward, where
+        HARTS's recomputation runs blocks again from the model's tensors (`_compute_loss` binds it again inside)."""
+        with self._view(model).bound():
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def _log_rows(self, outputs: api.TokenOutputs, padded_rows: int) -> None:
         mode = "train" if self.model.training else "eval"

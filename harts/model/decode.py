@@ -40,11 +40,10 @@ import torch.nn.functional as F
 
 from harts.model.gdn import GatedAttentionLayer, GDNLayer
 from harts.model.gdn_decode import GDNCache, GQACache, gdn_step, gqa_step
-from harts.model.layers import KDALayer, MLALayer, apply_rope
+from harts.model.layers import KDALayer, MLALayer
 from harts.model.model import HybridModel
 from harts.ops import uses_fp32_kernels
 from harts.ops.kda.compact import l2norm
-from harts.ops.kda.gate import kda_gate
 from harts.ops.kda.naive import compute_dtype
 from harts.ops.norm_gate import norm_gate
 from harts.runtime.layout import conv_taps
@@ -140,7 +139,7 @@ def _kda_step(layer: KDALayer, x_BD: torch.Tensor, cache: KDACache) -> torch.Ten
     )
     if window.shape[1]:
         cache.window_BWC = torch.cat([projected.unsqueeze(1), window[:, :-1]], dim=1)
-    g = kda_gate(layer.f_proj(x_BD).view(shape), layer.A_log, layer.dt_bias)
+    g = layer.decay(x_BD)
     beta = torch.sigmoid(layer.b_proj(x_BD).float())
 
     dtype = cache.state_BHKV.dtype
@@ -165,8 +164,8 @@ def _mla_step(layer: MLALayer, x_BD: torch.Tensor, cache: MLACache, positions_B:
     compressed, k_rope = layer.kv_a_proj(x_BD).split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
     if config.qk_rope_head_dim and config.use_rope:
         q_nope, q_rope = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, positions_B, config.rope_theta)], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), positions_B, config.rope_theta).squeeze(1)
+        q = torch.cat([q_nope, layer.rotate(q_rope, positions_B)], dim=-1)
+        k_rope = layer.rotate(k_rope.unsqueeze(1), positions_B).squeeze(1)
     cache.latent_BTR[rows, positions_B] = layer.kv_norm(compressed)
     cache.rope_BTE[rows, positions_B] = k_rope
 
@@ -180,7 +179,7 @@ def _mla_step(layer: MLALayer, x_BD: torch.Tensor, cache: MLACache, positions_B:
     scores = torch.einsum("bhe,bthe->bht", q, k).float() * layer.scale
     visible = torch.arange(length, device=x_BD.device).unsqueeze(0) <= positions_B.unsqueeze(1)
     weights = torch.softmax(scores.masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
-    o = torch.einsum("bht,bthf->bhf", weights.to(v.dtype), v)
+    o = layer.gate_output(torch.einsum("bht,bthf->bhf", weights.to(v.dtype), v), x_BD)
     return layer.o_proj(o.reshape(batch, heads * config.v_head_dim))
 
 

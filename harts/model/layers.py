@@ -10,10 +10,13 @@ the same weights compute the same function (tests/model/test_equivalence.py).
   g = -exp(A_log)·softplus(f(x) + dt_bias) (per channel, log space), β = sigmoid(b(x)), KDA with
   L2-normalised q/k, output gate + RMSNorm (o = RMSNorm(o)·sigmoid(gate)), output projection;
   the gate's full-rank projection has a bias unless `output_gate_bias` is off (Kimi-Linear).
+  BailingHybrid's variant: f and g each one full-rank projection (`full_rank_gates`), and the bounded
+  gate g = b·sigmoid(exp(A_log)·(f(x) + dt_bias)) (`gate_lower_bound` b).
 - `MLALayer`: DeepSeek-V2 multi-head latent attention: optional low-rank query, KV compressed
   to `kv_lora_rank` + a shared decoupled RoPE key; RoPE on the original path positions (or
   NoPE when qk_rope_head_dim = 0, or with `use_rope` off: Kimi-Linear keeps the decoupled part
-  but never rotates it).
+  but never rotates it), of the halves or of adjacent pairs (`rope_interleave`); BailingHybrid's gated
+  MLA scales each head's output by sigmoid(x·g_h) (`output_gate`) and may carry biases (`attention_bias`).
 - `SwiGLU`: the dense MLP of the first layers.
 On CUDA the KDA layer's short conv + SiLU (`Layout.causal_conv_silu`), its decay gate
 (`harts.ops.kda.gate.kda_gate`: fla's kernel), its output gate (`harts.ops.norm_gate`) and every SwiGLU
@@ -110,13 +113,21 @@ class KDALayer(nn.Module):
         self.q_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
         self.k_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
         self.v_conv = nn.Parameter(torch.empty(heads * head_dim, config.conv_size))
-        self.f_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=False))
+        if config.full_rank_gates:
+            self.f_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        else:
+            self.f_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False),
+                                        nn.Linear(rank, heads * head_dim, bias=False))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads * head_dim))
+        self.gate_lower_bound = config.gate_lower_bound
         self.b_proj = nn.Linear(hidden, heads, bias=False)
-        self.g_proj = nn.Sequential(
-            nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=config.output_gate_bias)
-        )
+        if config.full_rank_gates:
+            self.g_proj = nn.Linear(hidden, heads * head_dim, bias=config.output_gate_bias)
+        else:
+            self.g_proj = nn.Sequential(
+                nn.Linear(hidden, rank, bias=False), nn.Linear(rank, heads * head_dim, bias=config.output_gate_bias)
+            )
         self.o_norm = RMSNorm(head_dim, norm_eps)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
@@ -130,6 +141,11 @@ class KDALayer(nn.Module):
         # dt in [1e-3, 1e-1] log-uniformly, stored as its softplus inverse.
         dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def decay(self, x_PD: torch.Tensor) -> torch.Tensor:
+        """fp32 [P, H, K] log-space decay gate of the rows (`kda_gate`, bounded with `gate_lower_bound`)."""
+        f_PHK = self.f_proj(x_PD).view(x_PD.shape[0], self.num_heads, self.head_dim)
+        return kda_gate(f_PHK, self.A_log, self.dt_bias, self.gate_lower_bound)
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:
         # Everything up to the output projection runs on the KDA calls' rows (the compact
@@ -147,7 +163,7 @@ class KDALayer(nn.Module):
             # own tensor lets the conv's q and k go after the call instead of living on as v's siblings in
             # one buffer (8 KB a row per kept KDA layer at 16 x 128 in bf16; the copy is 4 KB a row).
             v = v.clone()
-        g = kda_gate(self.f_proj(x_PD).view(shape), self.A_log, self.dt_bias)
+        g = self.decay(x_PD)
         beta = torch.sigmoid(self.b_proj(x_PD).float())
         o = layout.linear_attention(q, k, v, g, beta)
         o = norm_gate(o, self.g_proj(x_PD).view(shape), self.o_norm.weight, self.o_norm.eps)
@@ -161,21 +177,36 @@ class MLALayer(nn.Module):
         heads = config.num_heads
         self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         latent_eps = norm_eps if config.latent_norm_eps is None else config.latent_norm_eps
+        bias = config.attention_bias
         if config.q_lora_rank:
             self.q_proj = nn.Sequential(
-                nn.Linear(hidden, config.q_lora_rank, bias=False),
+                nn.Linear(hidden, config.q_lora_rank, bias=bias),
                 RMSNorm(config.q_lora_rank, latent_eps),
                 nn.Linear(config.q_lora_rank, heads * self.qk_head_dim, bias=False),
             )
         else:
             self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
         self.kv_norm = RMSNorm(config.kv_lora_rank, latent_eps)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=bias)
+        self.g_proj = nn.Linear(hidden, heads, bias=False) if config.output_gate else None
         self.scale = self.qk_head_dim ** -0.5
+
+    def rotate(self, x_RHE: torch.Tensor, positions_R: torch.Tensor) -> torch.Tensor:
+        """RoPE of the decoupled part at the given positions: the halves rotated, or with `rope_interleave` the
+        adjacent pairs (the halves' rotation of the de-interleaved x)."""
+        if self.config.rope_interleave:
+            x_RHE = torch.cat([x_RHE[..., 0::2], x_RHE[..., 1::2]], dim=-1)
+        return apply_rope(x_RHE, positions_R, self.config.rope_theta)
+
+    def gate_output(self, o_RHF: torch.Tensor, x_RD: torch.Tensor) -> torch.Tensor:
+        """o with each head scaled by sigmoid(x·g_h) (computed in fp32, rounded to o's dtype) when `output_gate`."""
+        if self.g_proj is None:
+            return o_RHF
+        return o_RHF * torch.sigmoid(self.g_proj(x_RD).float()).to(o_RHF.dtype).unsqueeze(-1)
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> torch.Tensor:
         config = self.config
@@ -188,10 +219,10 @@ class MLALayer(nn.Module):
             k_rope = k_rope.unsqueeze(1)
             if config.use_rope:
                 q_nope, q_rope = q.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-                q = torch.cat([q_nope, apply_rope(q_rope, layout.positions, config.rope_theta)], dim=-1)
-                k_rope = apply_rope(k_rope, layout.positions, config.rope_theta)
+                q = torch.cat([q_nope, self.rotate(q_rope, layout.positions)], dim=-1)
+                k_rope = self.rotate(k_rope, layout.positions)
             k = torch.cat([k_nope, k_rope.expand(-1, heads, -1)], dim=-1)
         else:
             k = k_nope
-        o = layout.attention(q, k, v, self.scale)
+        o = self.gate_output(layout.attention(q, k, v, self.scale), x_RD)
         return self.o_proj(o.reshape(rows, heads * config.v_head_dim))

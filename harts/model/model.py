@@ -17,6 +17,8 @@ keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). T
 the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py).
 With a layout's `keep_kda_intermediates` the recomputed blocks run inside harts.ops.kda.keep's context, where fla's
 KDA calls keep their intermediates for the backward instead of computing them again.
+With `config.mtp` the model also owns the multi-token-prediction layers (`self.mtp`, harts.model.mtp), which its
+forward runs after the final norm when given their layouts.
 Parallelism (TP/SP/PP/EP/DP) is applied from outside by harts.parallel.
 """
 
@@ -34,6 +36,7 @@ from harts.model.config import ModelConfig
 from harts.model.gdn import GatedAttentionLayer, GDNLayer
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
+from harts.model.mtp import MultiTokenPrediction
 from harts.ops.attention.groups import attention_kernel_ops
 from harts.ops.attention.keep import keeper_contexts, keeper_scope
 from harts.ops.kda.keep import keeping_kda_intermediates
@@ -47,9 +50,9 @@ ATTENTION_KINDS = ("mla", "gqa")
 class Block(nn.Module):
     """Pre-norm residual block: token mixer (KDA, GDN, MLA or gated GQA), then MLP (dense or MoE)."""
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, *, kind: str | None = None) -> None:
         super().__init__()
-        self.kind = config.layer_kind(index)
+        self.kind = config.layer_kind(index) if kind is None else kind
         centered = config.norm_zero_centered
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, zero_centered=centered)
         if self.kind == "kda":
@@ -63,7 +66,8 @@ class Block(nn.Module):
             self.mixer = MLALayer(config.hidden_size, config.mla, config.norm_eps)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, zero_centered=centered)
         self.is_moe = index >= config.num_dense_layers
-        self.mlp = MoE(config.moe) if self.is_moe else SwiGLU(config.hidden_size, config.dense_hidden_size)
+        self.mlp = MoE(config.moe_for_layer(index)) if self.is_moe else SwiGLU(config.hidden_size,
+                                                                                config.dense_hidden_size)
 
     def forward(self, x_RD: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, MoEAux | None]:
         x_RD = x_RD + self.mixer(self.mixer_norm(x_RD), layout)
@@ -111,49 +115,69 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.mtp = None
+        if config.mtp is not None:
+            # Numbered after the decoder's blocks, as the checkpoints store them (so they are MoE blocks).
+            self.mtp = MultiTokenPrediction(config, [
+                Block(config, config.num_layers + i, kind=config.mtp.layer_kind) for i in range(config.mtp.num_layers)
+            ])
 
     def set_experts_backend(self, backend: str) -> None:
         """Run every MoE layer's experts with `backend` from now on (`EXPERT_BACKENDS`; they share the
         parameters, so a benchmark can compare them on the same weights)."""
-        moe = replace(self.config.moe, experts_backend=backend)
-        self.config = replace(self.config, moe=moe)
+        self.config = replace(self.config, moe=replace(self.config.moe, experts_backend=backend))
         for module in self.modules():
-            if isinstance(module, MoE):
-                module.config = moe
+            if isinstance(module, MoE):  # each keeps its own layer's SwiGLU limits
+                module.config = replace(module.config, experts_backend=backend)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialisation in place on the model's device: normal(0, init_std) for matrices,
         layer-specific for KDA. Deterministic for a seed and a device type (the CPU and CUDA
-        generators draw different streams)."""
+        generators draw different streams). The MTP layers come last from the same generator, so the
+        decoder's weights are those of the model without them."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
-        for name, parameter in self.named_parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, self.config.init_std, generator=generator)
-            elif name.endswith(".bias"):
-                parameter.zero_()
-            elif name.endswith("norm.weight") or name.endswith(".weight"):
-                parameter.fill_(1.0)
-        for module in self.modules():
-            if isinstance(module, KDALayer):
-                module.reset_kda_parameters(generator)
-            if isinstance(module, GDNLayer):
-                module.reset_gdn_parameters(generator)
-            if isinstance(module, RMSNorm) and module.zero_centered:
-                module.weight.zero_()
-            if isinstance(module, MoE) and module.expert_bias is not None:
-                module.expert_bias.zero_()
+        # The decoder's parameters and modules, then the MTP layers' (the module "mtp").
+        parts = [([(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")],
+                  [m for n, m in self.named_modules() if n != "mtp" and not n.startswith("mtp.")])]
+        if self.mtp is not None:
+            parts.append((list(self.mtp.named_parameters()), list(self.mtp.modules())))
+        for parameters, modules in parts:
+            for name, parameter in parameters:
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, self.config.init_std, generator=generator)
+                elif name.endswith(".bias"):
+                    parameter.zero_()
+                elif name.endswith("norm.weight") or name.endswith(".weight"):
+                    parameter.fill_(1.0)
+            for module in modules:
+                if isinstance(module, KDALayer):
+                    module.reset_kda_parameters(generator)
+                if isinstance(module, GDNLayer):
+                    module.reset_gdn_parameters(generator)
+                if isinstance(module, RMSNorm) and module.zero_centered:
+                    module.weight.zero_()
+                if isinstance(module, MoE) and module.expert_bias is not None:
+                    module.expert_bias.zero_()
 
     def forward(
         self, input_ids_R: torch.Tensor, layout: Layout, *, recompute: bool = False,
-        recompute_blocks: int | None = None, keep_attention: bool = False,
-    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        recompute_blocks: int | None = None, keep_attention: bool = False, mtp_layouts: list | None = None,
+    ) -> tuple[torch.Tensor, list[MoEAux]] | tuple[torch.Tensor, list[MoEAux], list[torch.Tensor]]:
+        """(final hidden states [R, D], MoE aux of every MoE block); with `mtp_layouts` (harts.runtime.mtp, one per
+        MTP depth run) also the MTP layers' final hidden states, one [R_k, D] per depth, their MoE aux appended."""
         x_RD, auxes = self.run_blocks(
             self.embed(input_ids_R), layout, range(len(self.blocks)), recompute=recompute,
             recompute_blocks=recompute_blocks, keep_attention=keep_attention,
         )
-        return self.final_norm(x_RD), auxes
+        hidden_RD = self.final_norm(x_RD)
+        if mtp_layouts is None:
+            return hidden_RD, auxes
+        if self.mtp is None:
+            raise ValueError(f"model {self.config.name!r}: MTP layouts given, but the model has no MTP layers")
+        mtp_hidden, mtp_auxes = self.mtp(self.embed, hidden_RD, mtp_layouts, recompute=recompute)
+        return hidden_RD, auxes + mtp_auxes, mtp_hidden
 
     def run_blocks(
         self, x_RD: torch.Tensor, layout: Layout, indices: Iterable[int], *, recompute: bool = False,

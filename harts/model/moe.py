@@ -14,19 +14,26 @@ megatron-core 0.16's:
 - expert-bias counts  Σ_c q_c·[expert e selected for c]  over the routing actually used, and
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
-Routing (megatron's `topk_routing_with_score_function`, no group-limited top-k): router logits
+Routing (megatron's `topk_routing_with_score_function`): router logits
 in fp32 (fp64 for fp64 rows, the tests' exact mode; under bf16 autocast the product runs in bf16, as
 megatron-core's default `moe_router_dtype` leaves it), the rows kept in their own dtype for the
 backward; softmax scores: top-k of the logits then
 softmax over the k (or, with `softmax_before_topk`, softmax over all experts then top-k,
 unnormalised); sigmoid scores: top-k of sigmoid(logits) + expert bias (the bias picks the
 experts only), combine weights = the k unbiased sigmoid scores normalised to sum 1 (when k > 1);
-then × `topk_scaling_factor`.
+then × `topk_scaling_factor`. Group-limited routing (`num_groups` > 1, sigmoid scores: DeepSeek-V3's
+`noaux_tc`, BailingHybrid's n_group / topk_group; megatron's `group_limited_topk`): the experts form
+`num_groups` groups of consecutive experts, a group scores the sum of its two best selection scores
+(sigmoid + bias), and each row picks its k experts among those of its `topk_groups` best groups
+(`group_limited_selection`). The load-balancing loss's top-k stays over all experts (megatron's
+`compute_routing_scores_for_aux_loss`).
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
 row, with `shared_expert_gate` scaled per row by sigmoid(x·w_g) (Qwen3-Next / Qwen3.5's gated shared expert,
-w_g `shared_gate_weight` [1, D]). The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA).
+w_g `shared_gate_weight` [1, D]). The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA),
+clipped after the SiLU to `swiglu_limit` (routed experts) and `shared_swiglu_limit` (the shared expert) when set, on
+every path (BailingHybrid's per-layer limits: `ModelConfig.moe_for_layer`).
 Expert outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
 CUDA). Two expert paths compute the same function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
@@ -114,6 +121,16 @@ class MoEConfig:
     """"loop", "grouped", "lean" (grouped in one autograd node that keeps less) or "auto" (grouped on CUDA)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every weight."""
+    num_groups: int = 1
+    """Expert groups of group-limited routing (E/num_groups consecutive experts each; needs sigmoid scores and at
+    least two experts a group). 1: every expert is a candidate."""
+    topk_groups: int = 1
+    """The groups a row's experts may come from: its topk_groups best by the sum of their two best selection
+    scores (at most num_groups)."""
+    swiglu_limit: float | None = None
+    """Clip the routed experts' SwiGLU after the activation: min(silu(gate), L) ⊙ clamp(up, −L, L). None: none."""
+    shared_swiglu_limit: float | None = None
+    """The same for the shared expert."""
 
     def __post_init__(self) -> None:
         if min(self.hidden_size, self.num_experts, self.top_k, self.expert_hidden_size) < 1:
@@ -140,6 +157,21 @@ class MoEConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"MoEConfig: {name} must be a finite number >= 0, got {value!r}")
+        for name in ("swiglu_limit", "shared_swiglu_limit"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"MoEConfig: {name} must be a finite number > 0 (or null), got {value!r}")
+        groups, chosen = self.num_groups, self.topk_groups
+        if min(groups, chosen) < 1 or chosen > groups:
+            raise ValueError(f"MoEConfig: need 1 <= topk_groups <= num_groups, got {chosen} and {groups}")
+        if groups > 1:
+            if self.score_function != "sigmoid":
+                raise ValueError("MoEConfig: group-limited routing (num_groups > 1) needs score_function 'sigmoid'")
+            if self.num_experts % groups or self.num_experts // groups < 2:
+                raise ValueError(f"MoEConfig: num_groups {groups} must divide num_experts {self.num_experts} into "
+                                 "groups of at least two experts")
+            if self.top_k > chosen * (self.num_experts // groups):
+                raise ValueError(f"MoEConfig: top_k {self.top_k} exceeds the experts of topk_groups {chosen} groups")
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,6 +225,17 @@ class MoEAux:
         return total
 
 
+def group_limited_selection(selection_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """The selection scores with every expert outside the row's `topk_groups` best groups set to −inf; a group
+    (E/num_groups consecutive experts) scores the sum of its two best selection scores."""
+    rows, num_experts = selection_NE.shape
+    grouped = selection_NE.view(rows, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best = torch.topk(group_scores, k=topk_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(rows, num_experts)
+
+
 def topk_routing(
     logits_NE: torch.Tensor,
     *,
@@ -201,6 +244,8 @@ def topk_routing(
     softmax_before_topk: bool = False,
     topk_scaling_factor: float | None = None,
     expert_bias_E: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> Routing:
     """Selected experts and combine weights from fp32 router logits (module docstring)."""
     if score_function == "softmax":
@@ -214,6 +259,8 @@ def topk_routing(
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits_NE)
         selection = scores if expert_bias_E is None else scores + expert_bias_E
+        if num_groups > 1:
+            selection = group_limited_selection(selection, num_groups, topk_groups)
         experts = torch.topk(selection, k=top_k, dim=1).indices
         probs = scores.gather(1, experts)
         if top_k > 1:
@@ -406,12 +453,13 @@ class _LeanExperts(torch.autograd.Function):
     `weighted_swiglu_backward` gives d h, dw and w·a in one pass."""
 
     @staticmethod
-    def forward(ctx, x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E):
+    def forward(ctx, x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, limit):
         num_rows, top_k = probs_NK.shape
         h_R2F = torch._grouped_mm(x_ND.index_select(0, token_R), gate_up, offs=ends_E)
-        y_RD = torch._grouped_mm(swiglu(h_R2F), down, offs=ends_E)
+        y_RD = torch._grouped_mm(swiglu(h_R2F, limit), down, offs=ends_E)
         out = gather_combine(probs_NK, y_RD, inverse_R.view(num_rows, top_k))
         ctx.save_for_backward(x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, h_R2F)
+        ctx.limit = limit
         return out
 
     @staticmethod
@@ -422,7 +470,7 @@ class _LeanExperts(torch.autograd.Function):
         grad_RD = grad_ND.to(h_R2F.dtype).index_select(0, token_R)
         grad_a_RF = torch._grouped_mm(grad_RD, down.transpose(1, 2), offs=ends_E)
         weight_R = probs_NK.reshape(-1).index_select(0, order_R)
-        grad_h, grad_weight_R, weighted_a_RF = weighted_swiglu_backward(h_R2F, weight_R, grad_a_RF)
+        grad_h, grad_weight_R, weighted_a_RF = weighted_swiglu_backward(h_R2F, weight_R, grad_a_RF, ctx.limit)
         del grad_a_RF
         grad_down = torch._grouped_mm(weighted_a_RF.t(), grad_RD, offs=ends_E)
         del grad_RD, weighted_a_RF
@@ -430,11 +478,11 @@ class _LeanExperts(torch.autograd.Function):
                                 inverse_R.view(num_rows, top_k))
         grad_gate_up = torch._grouped_mm(x_ND.index_select(0, token_R).t(), grad_h, offs=ends_E)
         grad_probs = grad_weight_R.index_select(0, inverse_R).view(num_rows, top_k)
-        return grad_x, grad_probs, grad_gate_up, grad_down, None, None, None, None
+        return grad_x, grad_probs, grad_gate_up, grad_down, None, None, None, None, None
 
 
-def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return swiglu(x @ gate_up) @ down
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    return swiglu(x @ gate_up, limit) @ down
 
 
 class MoE(nn.Module):
@@ -480,6 +528,8 @@ class MoE(nn.Module):
             softmax_before_topk=c.softmax_before_topk,
             topk_scaling_factor=c.topk_scaling_factor,
             expert_bias_E=None if self.expert_bias is None else self.expert_bias.to(logits_NE.dtype),
+            num_groups=c.num_groups,
+            topk_groups=c.topk_groups,
         )
 
     def dispatch_plan(self, routing: Routing) -> DispatchPlan:
@@ -515,7 +565,8 @@ class MoE(nn.Module):
         """Expert MLPs on rows sorted by expert, two grouped GEMMs."""
         ends = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
         x_RD, gate_up, down = self._grouped_operands(x_RD)
-        return torch._grouped_mm(swiglu(torch._grouped_mm(x_RD, gate_up, offs=ends)), down, offs=ends)
+        return torch._grouped_mm(swiglu(torch._grouped_mm(x_RD, gate_up, offs=ends), self.config.swiglu_limit), down,
+                                 offs=ends)
 
     def lean_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """[N, D] in the combine dtype: the grouped path's function as one autograd node that keeps two
@@ -524,7 +575,8 @@ class MoE(nn.Module):
         ends = torch.cumsum(plan.tokens_per_expert_E, dim=0).to(torch.int32)
         x_ND, gate_up, down = self._grouped_operands(x_ND)
         return _LeanExperts.apply(
-            x_ND, routing.probs_NK, gate_up, down, plan.token_R, plan.order_R, plan.inverse_R, ends
+            x_ND, routing.probs_NK, gate_up, down, plan.token_R, plan.order_R, plan.inverse_R, ends,
+            self.config.swiglu_limit,
         )
 
     def combine(
@@ -535,20 +587,13 @@ class MoE(nn.Module):
         y_NKD = permute_rows(y_RD, plan.inverse_R, plan.order_R).view(num_rows, probs_NK.shape[1], y_RD.shape[-1])
         return weighted_sum(probs_NK, y_NKD)
 
-    def shared_expert(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """The shared expert's SwiGLU on every row, times sigmoid(x·w_g) per row when it is gated."""
-        y_ND = _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj)
-        if self.shared_gate_weight is not None:
-            y_ND = torch.sigmoid(x_ND @ self.shared_gate_weight.T) * y_ND
-        return y_ND
-
     def loop_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Reference path: [N, D] in the combine dtype, one gather / MLP / scatter-add per expert."""
         out = x_ND.new_zeros(x_ND.shape, dtype=routing.probs_NK.dtype)
         for expert in range(self.config.num_experts):
             token, slot = torch.nonzero(routing.experts_NK == expert, as_tuple=True)
             if len(token):
-                y = _swiglu(x_ND[token], self.gate_up_proj[expert], self.down_proj[expert])
+                y = _swiglu(x_ND[token], self.gate_up_proj[expert], self.down_proj[expert], self.config.swiglu_limit)
                 out.index_add_(0, token, y.to(out.dtype) * routing.probs_NK[token, slot][:, None])
         return out
 
@@ -561,6 +606,14 @@ class MoE(nn.Module):
         if backend == "lean":
             return self.lean_experts(x_ND, routing)
         return self.loop_experts(x_ND, routing)
+
+    def shared_expert(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The shared expert's SwiGLU MLP of every row (clipped to `shared_swiglu_limit` when set), times
+        sigmoid(x·w_g) per row when it is gated."""
+        y_ND = _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj, self.config.shared_swiglu_limit)
+        if self.shared_gate_weight is not None:
+            y_ND = torch.sigmoid(x_ND @ self.shared_gate_weight.T) * y_ND
+        return y_ND
 
     def _backend(self, x_ND: torch.Tensor) -> str:
         return resolve_experts_backend(self.config.experts_backend, x_ND.is_cuda)

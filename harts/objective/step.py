@@ -6,7 +6,8 @@ the log-probs λ of every semantic position through the compact LM head
 (`compact_logprobs`, never S × V; with an entropy bonus, the entropies from the same pass), applies
 the GRPO/PPO loss with the step-level normalisers (so microbatch losses add up to the step's loss
 whatever the microbatching) plus the MoE losses averaged over microbatches (megatron-core's
-convention), and accumulates gradients.
+convention) and, for a model with MTP layers, the MTP loss (harts.objective.mtp: each depth's rows
+built by harts.runtime.mtp in the same execution), and accumulates gradients.
 
 Both executions on the same microbatches compute the same function of the same weights: that
 is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of
@@ -15,6 +16,7 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -37,8 +39,10 @@ from harts.objective.losses import (
     grpo_loss,
     ppo_loss,
 )
+from harts.objective.mtp import MTPLoss, microbatch_mtp_loss, mtp_normalizers, mtp_scaling_factor
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.runtime.layout import Layout, baseline_layout, compact_layout
+from harts.runtime.mtp import MTPLayout, mtp_layouts
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
@@ -63,6 +67,9 @@ class StepConfig(ExecutionConfig):
     loss: str = "grpo"
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    mtp_loss_scaling_factor: float | None = None
+    """The MTP loss's factor (harts.objective.mtp) for a model with MTP layers; None: the model's
+    (`MTPConfig.loss_scaling_factor`); 0 runs no MTP layer (they get no gradient)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -73,8 +80,15 @@ class StepConfig(ExecutionConfig):
             if getattr(self, name) is None:
                 raise ValueError(f"{prefix}{name}: a StepConfig takes resolved knobs (ExecutionConfig.resolved), "
                                  "got None")
+        if self.recompute_blocks == execution_config.AUTO:
+            raise ValueError(f"{prefix}recompute_blocks: a StepConfig takes a number of blocks, got "
+                             f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
+        factor = self.mtp_loss_scaling_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not math.isfinite(factor) or factor < 0):
+            raise ValueError(f"{prefix}mtp_loss_scaling_factor must be a finite number >= 0 or None, got {factor!r}")
 
 
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
@@ -130,9 +144,37 @@ class StepResult:
     """layout, forward, backward (summed over microbatches)."""
     layout_info: list[dict]
     tokens_per_expert: list[torch.Tensor]
-    """Per MoE layer, q-weighted routed assignments summed over microbatches (bias update counts)."""
+    """Per MoE layer, q-weighted routed assignments summed over microbatches (bias update counts); the MTP
+    layers' after the decoder's."""
     logprobs: torch.Tensor | None = None
     """fp32 [S] λ in the step's batch order (when collected)."""
+    mtp_loss: float | None = None
+    """The MTP loss (part of `loss`), None when no MTP layer ran."""
+    mtp_depth_losses: list[float] | None = None
+    """Each MTP depth's cross-entropy term before the factor / D (summed over microbatches)."""
+    num_mtp_rows: list[int] | None = None
+    """Rows each MTP depth ran (summed over microbatches)."""
+    num_mtp_semantic_tokens: list[int] | None = None
+    """Semantic positions of each MTP depth: Σ over trajectories of max(length - k, 0)."""
+
+    def mtp_record(self) -> dict:
+        """The MTP figures of a result record: nothing when no MTP layer ran (the record is today's)."""
+        if self.mtp_loss is None:
+            return {}
+        return {"mtp_loss": self.mtp_loss, "mtp_depth_losses": self.mtp_depth_losses, "mtp_rows": self.num_mtp_rows,
+                "mtp_semantic_tokens": self.num_mtp_semantic_tokens}
+
+
+@dataclass
+class MicrobatchMTP:
+    """What a microbatch's MTP loss needs beside its layout (`run_step` makes one when the MTP loss is on)."""
+
+    layouts: list[MTPLayout]
+    """Its depths' rows (harts.runtime.mtp), on the device; fewer than the model's depths when its trajectories
+    are short."""
+    normalizers: list[float]
+    """The step's N_k, one per MTP layer of the model (`mtp_normalizers`)."""
+    scaling_factor: float
 
 
 def semantic_index(step: Step, members: np.ndarray) -> np.ndarray:
@@ -161,6 +203,19 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
     return layout
 
 
+def build_mtp_layouts(step: Step, members: np.ndarray, model: HybridModel, config: StepConfig,
+                      index: PrefixIndex | None) -> list[MTPLayout]:
+    """The MTP depths' layouts of `config.execution` for these members (harts.runtime.mtp; the model has MTP
+    layers)."""
+    model_config = unwrap_model(model).config
+    linear = model_config.linear_attention
+    return mtp_layouts(
+        step, members, model_config.mtp.num_layers, execution=config.execution, index=index,
+        conv_size=linear.conv_size, chunk_size=linear.chunk_size, replay=config.replay,
+        attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+    )
+
+
 def autocast_context(device: torch.device, config: StepConfig):
     dtype = DTYPES[config.dtype]
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
@@ -178,23 +233,38 @@ def microbatch_logprobs(
     """(λ, entropy or None, MoE loss, MoE aux) of one microbatch: the model over the layout's rows,
     then the compact LM head at `temperature` for the targets `targets_S` of its semantic positions
     (`layout.semantic_rows` order). `recompute_blocks` overrides the config's (`recompute_by_rows`)."""
+    return _microbatch_outputs(model, layout, targets_S, config, device, temperature=temperature,
+                               return_entropy=return_entropy, recompute_blocks=recompute_blocks)[:4]
+
+
+def _microbatch_outputs(
+    model: HybridModel, layout: Layout, targets_S: torch.Tensor, config: StepConfig, device: torch.device, *,
+    temperature: float = 1.0, return_entropy: bool = False, recompute_blocks: int | None = None,
+    mtp_layouts: list[MTPLayout] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list, list[torch.Tensor], torch.Tensor]:
+    """`microbatch_logprobs`' outputs, then the MTP depths' final hidden states (with `mtp_layouts`; MoE aux of
+    their blocks included) and the LM-head weight, both in the training dtype."""
+    mtp = {"mtp_layouts": mtp_layouts} if mtp_layouts else {}
     with autocast_context(device, config):
-        hidden, auxes = model(
+        outputs = model(
             layout.input_ids, layout, recompute=config.recompute,
             recompute_blocks=config.recompute_blocks if recompute_blocks is None else recompute_blocks,
-            keep_attention=config.keep_attention,
+            keep_attention=config.keep_attention, **mtp,
         )
+    hidden, auxes = outputs[:2]
+    mtp_hidden = outputs[2] if mtp else []
     weight = unwrap_model(model).lm_head.weight
     if DTYPES[config.dtype] is not None:
         # The LM head in the training dtype like every other matmul (log-probs stay fp32).
         hidden, weight = hidden.to(DTYPES[config.dtype]), weight.to(DTYPES[config.dtype])
+        mtp_hidden = [h.to(DTYPES[config.dtype]) for h in mtp_hidden]
     out = compact_logprobs(
         hidden, weight, layout.semantic_rows, targets_S, chunk_rows=config.logprob_chunk_rows,
         temperature=temperature, return_entropy=return_entropy, grad_precision=config.logprob_grad_precision,
     )
     logprobs, entropy = out if return_entropy else (out, None)
     moe = sum((aux.loss for aux in auxes), hidden.new_zeros((), dtype=torch.float32))
-    return logprobs, entropy, moe, auxes
+    return logprobs, entropy, moe, auxes, mtp_hidden, weight
 
 
 def policy_loss_of(
@@ -217,16 +287,24 @@ def policy_loss_of(
 
 def microbatch_loss(
     model: HybridModel, layout: Layout, targets: SemanticTargets, sem_index: np.ndarray, config: StepConfig,
-    normalizer: float, device: torch.device, *, recompute_blocks: int | None = None,
-) -> tuple[PolicyLoss, torch.Tensor, torch.Tensor, list]:
-    """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux) of one microbatch (`recompute_blocks`:
-    `microbatch_logprobs`)."""
+    normalizer: float, device: torch.device, *, recompute_blocks: int | None = None, mtp: MicrobatchMTP | None = None,
+) -> tuple[PolicyLoss, torch.Tensor, torch.Tensor, list, MTPLoss | None]:
+    """(policy loss, MoE loss, λ of the microbatch's positions, MoE aux, MTP loss) of one microbatch
+    (`recompute_blocks`: `microbatch_logprobs`); the MTP loss is None without `mtp`, and the MoE loss and aux then
+    include the MTP blocks'."""
     sem = torch.from_numpy(sem_index).to(device)
     loss_config = loss_config_of(config)
-    logprobs, entropy, moe, auxes = microbatch_logprobs(
+    logprobs, entropy, moe, auxes, mtp_hidden, weight = _microbatch_outputs(
         model, layout, torch.from_numpy(targets.targets).to(device)[sem], config, device,
         recompute_blocks=recompute_blocks, return_entropy=loss_config.entropy_coef > 0,
+        mtp_layouts=None if mtp is None else mtp.layouts,
     )
+    mtp_loss = None
+    if mtp is not None:
+        mtp_loss = microbatch_mtp_loss(
+            mtp_hidden, mtp.layouts, weight, targets, sem_index, mtp.normalizers, mtp.scaling_factor,
+            chunk_rows=config.logprob_chunk_rows, grad_precision=config.logprob_grad_precision,
+        )
 
     def pick(array):
         return None if array is None else torch.from_numpy(array).to(device)[sem]
@@ -237,7 +315,7 @@ def microbatch_loss(
         trajectory_index_S=pick(targets.trajectory_index), normalizer=normalizer, entropy_S=entropy,
         entropy_normalizer=aggregation_normalizer(loss_config.aggregation_of_entropy, targets),
     )
-    return policy, moe, logprobs, auxes
+    return policy, moe, logprobs, auxes, mtp_loss
 
 
 def loss_config_of(config: StepConfig) -> GRPOConfig | PPOConfig:
@@ -290,6 +368,12 @@ def run_step(
     seconds = {"layout": 0.0, "forward": 0.0, "backward": 0.0}
     total_policy = total_moe = 0.0
     rows = 0
+    model_config = unwrap_model(model).config
+    mtp_factor = mtp_scaling_factor(model_config, config.mtp_loss_scaling_factor)
+    num_mtp_layers = 0 if model_config.mtp is None else model_config.mtp.num_layers
+    num_mtp = num_mtp_layers if mtp_factor > 0 else 0
+    mtp_norms = mtp_normalizers(step, targets, num_mtp) if num_mtp else []
+    total_mtp, mtp_depth_losses, mtp_rows, mtp_semantic = 0.0, [0.0] * num_mtp, [0] * num_mtp, [0] * num_mtp
     infos, tokens_per_expert, clip_fractions = [], [], []
     logprobs_all = torch.full((step.num_semantic_tokens,), float("nan")) if collect_logprobs else None
     microbatches = [np.asarray(members, dtype=np.int64) for members in microbatches]
@@ -310,14 +394,21 @@ def run_step(
         start = time.perf_counter()
         layout = (build_layout(step, members, model, config, index) if layouts is None else layouts[j]).to(device)
         sem_index = semantic_index(step, members)
+        mtp = None
+        if num_mtp:
+            mtp = MicrobatchMTP(layouts=[m.to(device) for m in build_mtp_layouts(step, members, model, config, index)],
+                                normalizers=mtp_norms, scaling_factor=mtp_factor)
         _sync(device)
         seconds["layout"] += time.perf_counter() - start
 
         start = time.perf_counter()
         with torch.set_grad_enabled(backward):
-            policy, moe, logprobs, auxes = microbatch_loss(model, layout, targets, sem_index, config, normalizer,
-                                                           device, recompute_blocks=recompute_blocks[j])
+            policy, moe, logprobs, auxes, mtp_loss = microbatch_loss(
+                model, layout, targets, sem_index, config, normalizer, device, recompute_blocks=recompute_blocks[j],
+                mtp=mtp)
             loss = policy.loss + moe / num_microbatches
+            if mtp_loss is not None:
+                loss = loss + mtp_loss.loss
         _sync(device)
         seconds["forward"] += time.perf_counter() - start
         if backward:
@@ -330,14 +421,31 @@ def run_step(
         clip_fractions.append(float(policy.clip_fraction))
         total_moe += float(moe.detach()) / num_microbatches
         rows += layout.num_rows
-        infos.append(layout.info)
         counts = [aux.tokens_per_expert_E.detach() for aux in auxes]
+        # An MTP layer that did not run (MTP loss off, or a depth none of the microbatch's trajectories reaches)
+        # routed nothing: its counts are zeros, so there is one entry per MoE layer of the model.
+        counts += [torch.zeros(model_config.moe.num_experts, device=device)
+                   for _ in range(num_mtp_layers - (0 if mtp is None else len(mtp.layouts)))]
+        if mtp is None:
+            infos.append(layout.info)
+        else:
+            total_mtp += float(mtp_loss.loss.detach())
+            mtp_depth_losses = [a + b for a, b in zip(mtp_depth_losses, mtp_loss.depth_losses)]
+            depth_rows = [m.num_rows for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
+            depth_semantic = [len(m.semantic_positions) for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
+            mtp_rows = [a + b for a, b in zip(mtp_rows, depth_rows)]
+            mtp_semantic = [a + b for a, b in zip(mtp_semantic, depth_semantic)]
+            infos.append({**layout.info, "mtp_rows": depth_rows, "mtp_semantic_tokens": depth_semantic})
         tokens_per_expert = counts if not tokens_per_expert else [a + b for a, b in zip(tokens_per_expert, counts)]
         if collect_logprobs:
             logprobs_all[torch.from_numpy(sem_index)] = logprobs.detach().float().cpu()
+    mtp_fields = {}
+    if num_mtp:
+        mtp_fields = dict(mtp_loss=total_mtp, mtp_depth_losses=mtp_depth_losses, num_mtp_rows=mtp_rows,
+                          num_mtp_semantic_tokens=mtp_semantic)
     return StepResult(
-        loss=total_policy + total_moe, policy_loss=total_policy, moe_loss=total_moe,
+        loss=total_policy + total_moe + total_mtp, policy_loss=total_policy, moe_loss=total_moe,
         clip_fraction=float(np.mean(clip_fractions)), num_rows=rows,
         num_semantic_tokens=step.num_semantic_tokens, seconds=seconds, layout_info=infos,
-        tokens_per_expert=tokens_per_expert, logprobs=logprobs_all,
+        tokens_per_expert=tokens_per_expert, logprobs=logprobs_all, **mtp_fields,
     )

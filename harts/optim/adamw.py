@@ -70,6 +70,13 @@ class MasterWeightAdamW:
         """The fp32 masters that are copies (of non-fp32 parameters), by parameter name."""
         return {n: m for n, p, m in zip(self.names, self.params, self.masters) if m is not p}
 
+    def pending_state_bytes(self) -> int:
+        """Bytes of AdamW state not yet allocated: each master's first and second moments (its dtype and size),
+        which torch's AdamW allocates at the master's first step; so a step before the first optimizer step peaks
+        lower than the steps after it."""
+        allocated = {id(master) for master, state in self.optimizer.state.items() if state}
+        return sum(2 * master.numel() * master.element_size() for master in self.masters if id(master) not in allocated)
+
     def zero_grad(self) -> None:
         for param, master in zip(self.params, self.masters):
             param.grad = None

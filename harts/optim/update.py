@@ -33,8 +33,13 @@ def apply_update(model: HybridModel, optimizer, scheduler, max_grad_norm: float,
 
 
 def update_expert_biases(model: HybridModel, tokens_per_expert: list[torch.Tensor]) -> None:
-    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step."""
+    """The aux-loss-free update of each MoE layer with an expert bias, from its q-weighted counts of the step (the
+    decoder's layers, then the MTP layers'). Counts of the decoder's layers alone (a step that ran no MTP layer, as
+    the log-prob paths of harts.api and the trainers' integrations) leave the MTP layers' biases as they are, which
+    is what their zero counts would do."""
     layers = [block.mlp for block in model.blocks if block.is_moe]
+    if model.mtp is not None and len(tokens_per_expert) != len(layers):
+        layers += [layer.block.mlp for layer in model.mtp.layers]
     assert len(layers) == len(tokens_per_expert), (len(layers), len(tokens_per_expert))
     for layer, counts in zip(layers, tokens_per_expert):
         if layer.expert_bias is not None:

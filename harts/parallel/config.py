@@ -114,6 +114,9 @@ class ParallelConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{where}: {message}")
+        if model.mtp is not None:
+            raise ValueError(f"{where}: MTP layers (the model config's mtp) run in one process only "
+                             "(harts.objective.step.run_step); the parallel step does not split or run them")
         if model.tie_embeddings and self.pp > 1:
             raise NotImplementedError(
                 f"{where}: tie_embeddings with pp > 1 needs an embedding-gradient exchange between the first and "

@@ -23,7 +23,8 @@ MLPs and combine are the plain layer's methods; what changes is where rows and e
   received (grouped by expert), sends the outputs back by the reverse exchange and combines
   them locally with the plain `combine`. The shared expert stays whole on every rank.
   Expert gradients are complete on their owner (every row routed to an expert reaches it);
-  they are summed only over the expert-data-parallel group.
+  they are summed only over the expert-data-parallel group. Routing, group-limited too, runs on
+  each row's whole router logits before the exchange, so expert groups need not match EP ranks.
 
 Reference (tests/parallel/test_expert.py, test_step.py): outputs, MoE losses, counts and
 gradients against the plain `MoE` on the same rows in one process.
@@ -190,7 +191,8 @@ class ParallelMoE(MoE):
             return self.grouped_experts(x_RD, counts)
         pieces = torch.split(x_RD, tokens_per_expert)
         return torch.cat([
-            _swiglu(rows, self.gate_up_proj[e], self.down_proj[e]) for e, rows in enumerate(pieces)
+            _swiglu(rows, self.gate_up_proj[e], self.down_proj[e], self.config.swiglu_limit)
+            for e, rows in enumerate(pieces)
         ])
 
     def _expert_parallel_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -166,7 +166,7 @@ def run_parallel_step(
                 )
             moe = sum((aux.loss for aux in auxes), torch.zeros((), device=device))
             if last:
-                policy, _, logprobs, _ = microbatch_loss(
+                policy, _, logprobs, _, _ = microbatch_loss(
                     _FinalHidden(out, model.lm_head), layout, targets, sem_indices[j], config, normalizer, device
                 )
                 terms = [policy.loss + moe / num_microbatches]

@@ -13,12 +13,15 @@ the collectives of a tensor-parallel region, so the layer's own forward runs unc
 
 Splits (heads h of this rank, channels of those heads, or a column range c of an MLP):
 - KDA: q/k/v projections and their conv weights, the second linear of the decay gate f and of
-  the output gate g (with its bias), b_proj, A_log, dt_bias by heads; o_proj by input columns.
-  The first (low-rank) linears of f and g and the per-head-dim o_norm stay whole (partial).
+  the output gate g (with its bias; with `full_rank_gates` their only linear), b_proj, A_log, dt_bias by
+  heads; o_proj by input columns. The first (low-rank) linears of f and g and the per-head-dim o_norm stay
+  whole (partial).
   The layout and its KDA call schedule are per row, so every rank runs the same schedule on
   its heads.
-- MLA: the query projection's last linear and kv_b_proj by heads, o_proj by input columns;
-  kv_a_proj, kv_norm and the low-rank query's first linear and norm stay whole (partial).
+- MLA: the query projection's last linear, kv_b_proj and the output gate's g_proj (one row a head) by
+  heads, o_proj by input columns; kv_a_proj, kv_norm and the low-rank query's first linear and norm (and
+  their biases, with `attention_bias`) stay whole (partial). o_proj's bias would be added on every rank:
+  an MLA layer with `attention_bias` is refused under TP.
 - SwiGLU (dense MLP, shared expert, routed experts with ep = 1): gate and up columns c (the
   stacked [gate; up] is cut at both halves), down by rows c.
 - Routed experts with ep > 1: whole experts, E/ep per rank (harts.parallel.expert).
@@ -98,14 +101,20 @@ def _set_linear_sizes(linear: nn.Linear) -> None:
     linear.out_features, linear.in_features = linear.weight.shape
 
 
+def _last(projection: nn.Module) -> nn.Linear:
+    """The linear that writes a KDA gate's H·K channels: the second of a low-rank pair, or the full-rank one."""
+    return projection[-1] if isinstance(projection, nn.Sequential) else projection
+
+
 def shard_kda(sharder: Sharder, layer: KDALayer, rank: int, size: int) -> list[str]:
     heads = head_index(layer.num_heads, 1, rank, size)
     channels = head_index(layer.num_heads, layer.head_dim, rank, size)
-    for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_proj[1], layer.g_proj[1]):
+    f_out, g_out = _last(layer.f_proj), _last(layer.g_proj)
+    for linear in (layer.q_proj, layer.k_proj, layer.v_proj, f_out, g_out):
         sharder.cut(linear, "weight", 0, channels)
         _set_linear_sizes(linear)
-    if layer.g_proj[1].bias is not None:  # Kimi-Linear's output gate has none
-        sharder.cut(layer.g_proj[1], "bias", 0, channels)
+    if g_out.bias is not None:  # Kimi-Linear's and BailingHybrid's output gates have none
+        sharder.cut(g_out, "bias", 0, channels)
     for attribute in ("q_conv", "k_conv", "v_conv", "dt_bias"):
         sharder.cut(layer, attribute, 0, channels)
     sharder.cut(layer, "A_log", 0, heads)
@@ -114,22 +123,30 @@ def shard_kda(sharder: Sharder, layer: KDALayer, rank: int, size: int) -> list[s
     sharder.cut(layer.o_proj, "weight", 1, channels)
     _set_linear_sizes(layer.o_proj)
     layer.num_heads //= size
-    return [sharder.name(p) for p in (layer.f_proj[0].weight, layer.g_proj[0].weight, layer.o_norm.weight)]
+    low_rank = [p[0].weight for p in (layer.f_proj, layer.g_proj) if isinstance(p, nn.Sequential)]
+    return [sharder.name(p) for p in (*low_rank, layer.o_norm.weight)]
 
 
 def shard_mla(sharder: Sharder, layer: MLALayer, rank: int, size: int) -> list[str]:
     config = layer.config
     heads = config.num_heads
-    partial = [layer.kv_a_proj.weight, layer.kv_norm.weight]
+    if layer.o_proj.bias is not None and size > 1:
+        raise ValueError(f"tensor parallelism ({size}) of an MLA layer with mla.attention_bias is not supported: "
+                         "the row-parallel o_proj would add its bias on every rank")
+    partial = [p for p in (layer.kv_a_proj.weight, layer.kv_a_proj.bias, layer.kv_norm.weight) if p is not None]
     query = layer.q_proj
     if isinstance(query, nn.Sequential):
-        partial += [query[0].weight, query[1].weight]
+        partial += [p for p in (query[0].weight, query[0].bias, query[1].weight) if p is not None]
         query = query[2]
     sharder.cut(query, "weight", 0, head_index(heads, layer.qk_head_dim, rank, size))
     key_value_width = config.qk_nope_head_dim + config.v_head_dim
     sharder.cut(layer.kv_b_proj, "weight", 0, head_index(heads, key_value_width, rank, size))
     sharder.cut(layer.o_proj, "weight", 1, head_index(heads, config.v_head_dim, rank, size))
-    for linear in (query, layer.kv_b_proj, layer.o_proj):
+    linears = [query, layer.kv_b_proj, layer.o_proj]
+    if layer.g_proj is not None:  # the output gate's rows are per head
+        sharder.cut(layer.g_proj, "weight", 0, head_index(heads, 1, rank, size))
+        linears.append(layer.g_proj)
+    for linear in linears:
         _set_linear_sizes(linear)
     layer.config = replace(config, num_heads=heads // size)
     return [sharder.name(p) for p in partial]

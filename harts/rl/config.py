@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 from harts.config.execution import (
-    DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_planner, resolved_for_run,
+    AUTO, DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_planner, resolved_for_run,
 )
 from harts.model.config import load_model_config, with_experts_backend
 from harts.objective.losses import LossConfig
@@ -94,6 +94,9 @@ class RLConfig:
         if self.execution.execution is not None:
             raise ValueError(f"execution.execution: harts rl runs the executions of `executions` (got "
                              f"{self.execution.execution!r}); leave it out")
+        if self.execution.recompute_blocks == AUTO:
+            raise ValueError(f"execution.recompute_blocks: harts rl takes a number of blocks, not {AUTO!r} (harts "
+                             "train and harts bench speedup search it)")
         check_run_dtype(self.dtype, self.execution)
         if self.loss.name != "grpo":
             raise ValueError(f"loss.name must be 'grpo' (the RL loop computes GRPO advantages), got {self.loss.name!r}")

@@ -51,8 +51,6 @@ from harts.config.execution import ExecutionConfig
 from harts.engine import Engine
 from harts.model.model import HybridModel
 from harts.objective.losses import step_kl
-from harts.objective.step import run_step
-from harts.objective.step import step_config as step_config_of
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.config import OptimizerConfig
@@ -144,7 +142,7 @@ def warm_start(model: HybridModel, env: LookupEnv, config: RLConfig, seed: int) 
     optimizer = MasterWeightAdamW(model.named_parameters(), OptimizerConfig(lr=warm.lr, weight_decay=0.0))
     # GRPO's surrogate with advantage 1, on-policy, has the gradient of the mean negative log-likelihood.
     e = config.execution
-    step_config = step_config_of(ExecutionConfig(
+    engine = Engine.build(model, ExecutionConfig(
         attention_backend=e.attention_backend, kda_backend=e.kda_backend, dtype=e.dtype,
         logprob_grad_precision=e.logprob_grad_precision, logprob_chunk_rows=e.logprob_chunk_rows,
     ), config.device, execution="compact")
@@ -158,7 +156,7 @@ def warm_start(model: HybridModel, env: LookupEnv, config: RLConfig, seed: int) 
             step = make_step(names, names, list(tokens), list(loss_masks), list(episode_rewards),
                              np.ones(warm.episodes, dtype=np.float32))
             optimizer.zero_grad()
-            result = run_step(model, step, [np.arange(step.num_trajectories)], step_config, collect_logprobs=True)
+            result = engine.run_microbatches(step, [np.arange(step.num_trajectories)], collect_logprobs=True)
             optimizer.clip_grad_norm(1.0)
             optimizer.step()
             mask = semantic_targets_from_step(step).loss_mask
@@ -258,6 +256,7 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         "compact_tokens": compact_tokens,
         "compression": step.num_semantic_tokens / compact_tokens,
         "rows": result.num_rows,
+        **result.mtp_record(),
         "microbatches": planned.num_microbatches,
         "seconds": seconds,
     }

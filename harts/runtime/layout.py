@@ -296,7 +296,19 @@ def baseline_layout(
     queries into groups that start there, each attending to all of the member's earlier rows: the
     same attention, computed in other call shapes (the fidelity benchmark's tiling noise floor)."""
     members = np.asarray(members, dtype=np.int64)
-    lengths = step.lengths[members]
+    return packed_layout(
+        _member_tokens(step, members), step.lengths[members], members, conv_size=conv_size, chunk_size=chunk_size,
+        attention_backend=attention_backend, kda_backend=kda_backend, attention_splits=attention_splits,
+    )
+
+
+def packed_layout(
+    input_ids: np.ndarray, lengths: np.ndarray, members: np.ndarray, *, conv_size: int, chunk_size: int,
+    attention_backend: str = "sdpa", kda_backend: str = "torch", attention_splits: list[np.ndarray] | None = None,
+) -> Layout:
+    """`baseline_layout` of sequences given by their tokens `input_ids` (int64, concatenated) and `lengths` (each
+    >= 1; `members`: whose they are), so that a sequence need not be a whole trajectory of a step (harts.runtime.mtp's
+    per-trajectory MTP rows: a trajectory from its k-th token on)."""
     starts = np.zeros(len(members) + 1, dtype=np.int64)
     np.cumsum(lengths, out=starts[1:])
     num_rows = int(starts[-1])
@@ -318,7 +330,7 @@ def baseline_layout(
     return Layout(
         execution="baseline",
         members=members,
-        input_ids=torch.from_numpy(_member_tokens(step, members)),
+        input_ids=torch.from_numpy(input_ids),
         positions=torch.from_numpy(positions),
         predecessors=torch.from_numpy(_predecessors(parent_row, conv_size)),
         semantic_rows=torch.from_numpy(rows),
@@ -353,9 +365,22 @@ def compact_layout(
     members = np.asarray(members, dtype=np.int64)
     tree = index.segment_tree(members)
     compact_map = tree.compact_map()
-    num_rows = tree.num_compact_tokens
-    input_ids = np.empty(num_rows, dtype=np.int64)
+    input_ids = np.empty(tree.num_compact_tokens, dtype=np.int64)
     input_ids[compact_map] = _member_tokens(step, members)
+    return tree_layout(tree, input_ids, conv_size=conv_size, chunk_size=chunk_size, replay=replay,
+                       attention_backend=attention_backend, kda_backend=kda_backend, compact_map=compact_map)
+
+
+def tree_layout(
+    tree: SegmentTree, input_ids: np.ndarray, *, conv_size: int, chunk_size: int, replay: bool = True,
+    attention_backend: str = "sdpa", kda_backend: str = "torch", compact_map: np.ndarray | None = None,
+) -> Layout:
+    """`compact_layout` of a segment tree whose compact rows hold the tokens `input_ids` (int64 [C]), so that the
+    tree need not be a step's trie (harts.runtime.mtp: the trie below depth k); `compact_map`: the tree's, when
+    already computed."""
+    members = tree.members
+    compact_map = tree.compact_map() if compact_map is None else compact_map
+    num_rows = tree.num_compact_tokens
     parent_row = compact_parent_row(tree)
     schedule = plan_kda_calls(tree, chunk_size, replay=replay)
     kda_predecessors = _kda_predecessors(_predecessors(parent_row, conv_size), schedule)

@@ -69,8 +69,8 @@ class TrainConfig:
     model: str | None = None
     """A shipped model config NAME (configs/models) or a YAML path; or None with `init_from`."""
     init_from: str | None = None
-    """A Hugging Face checkpoint directory (Kimi-Linear, harts.model.hf) to start from instead of a random
-    initialisation; its config.json gives the model config, so `model` stays None."""
+    """A Hugging Face checkpoint directory (Kimi-Linear or BailingHybrid, harts.model.hf) to start from instead of a
+    random initialisation; its config.json gives the model config, so `model` stays None."""
     data: DataConfig
     num_steps: int | None = None
     """Optimizer steps; None = one pass over the data steps."""

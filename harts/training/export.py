@@ -4,7 +4,7 @@ The source is a checkpoint directory (RUN/checkpoints/step_NNNNNN, harts.trainin
 directory, whose last checkpoint is taken. The model config is the checkpoint's own (config.json's "model",
 resolved when the run started); the weights are its model.safetensors, each non-fp32 parameter of a bf16 run
 replaced by its fp32 master from master.safetensors (the parameter is that master rounded). They are written
-by `harts.model.hf.save_hf_state` in Kimi-Linear's Hub layout, in `dtype` (default the run's: "fp32" or
+by `harts.model.hf.save_hf_state` in the Hub layout of the config's hf_layout, in `dtype` (default the run's: "fp32" or
 "bf16"; the decay and router tensors stay fp32), one stored tensor read at a time: memory holds a shard and a
 tensor or two, never the model. Every name, shape and dtype of the checkpoint is checked against the model of
 its config before anything is written; a model config the layout cannot express (a KDA output-gate bias, RoPE
@@ -111,7 +111,7 @@ def _check(file: Path, name: str, stored: tuple[str, list[int]], expected: torch
 
 def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> tuple[Path, list[Path]]:
-    """Write the checkpoint `source` (or the last of the run `source`) as a Kimi-Linear HF checkpoint into the new
+    """Write the checkpoint `source` (or the last of the run `source`) as a Hugging Face checkpoint into the new
     directory `out`, its tensors in `dtype` ("fp32" or "bf16"; None: the run's); return (the checkpoint, the
     files written)."""
     checkpoint = find_checkpoint(source)

@@ -17,6 +17,10 @@ Step t (0-based; records and checkpoints count the steps done, t + 1):
    step's q-weighted routed counts (`StepResult.tokens_per_expert`, summed over microbatches);
 6. a record in RUN/train.jsonl, a checkpoint every `checkpoint.every` steps and after the last
    step (or the `max_steps` stop), then the `on_step_end(record)` hooks.
+With `execution.recompute_blocks: auto` (CUDA), each start first searches the fewest recomputed blocks with which
+its first step fits (`Engine.fit_recompute_blocks`: untimed steps, peaking at most the GPU's memory less
+`execution.memory_margin` of it and less the AdamW moments the optimizer has yet to allocate), before the step's
+gradients are zeroed, and trains with them.
 
 Exact resume: the checkpoint holds everything later steps read (weights, fp32 masters, AdamW
 moments and step counts, the scheduler's step, the RNG states, the epoch's order, the step
@@ -33,14 +37,17 @@ its first) starts again from step 0 and keeps the log. With `wandb`, each step r
 (harts.tracking.wandb_run).
 
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
-and combined sha256 of the data steps), "environment"};
-then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
-clip fraction, KL to the reference policy, S, C, rows, seconds) and {"event": "checkpoint", ...}
-per checkpoint. On resume the records of steps after the checkpoint (done before the stop, about
-to be redone) are removed from the log, and their number is printed.
+and combined sha256 of the data steps), "device_memory_bytes" (the GPU's total; null on CPU), "environment"};
+with recompute_blocks auto then {"event": "recompute_search", ...} (the blocks found, the margin, the limit and
+every probe); then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
+clip fraction, KL to the reference policy, S, C, rows, seconds, peak_memory_bytes: the CUDA allocator's peak
+over the step, optimizer included, null on CPU) and {"event": "checkpoint", ...} per checkpoint. On resume the
+records of steps after the checkpoint (done before the stop, about to be redone) are removed from the log, and
+their number is printed.
 Tested in tests/training/test_loop.py (resume exactness after a hook that raises and after
 max_steps, in fp32, bf16 and with two threads, and on CUDA under deterministic algorithms; the
-expert-bias update with the step's counts; non-finite steps; run-directory checks).
+expert-bias update with the step's counts; non-finite steps; run-directory checks; recompute_blocks auto against
+simulated memory: the steps those of the blocks found, the search's record; peak memory per step on CUDA).
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from harts.engine import Engine
     from harts.model.model import HybridModel
-    from harts.objective.step import StepConfig
+    from harts.trees.step import Step
 
 LOG_NAME = "train.jsonl"
 
@@ -133,7 +140,7 @@ def train(
             _restart(run_dir)
     records = []
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_record = _start_record(resolved, checkpoint, start, digests)
+    start_record = _start_record(resolved, checkpoint, start, digests, torch.device(config.device))
     tracker = WandbTracker.start(start_record, run_dir, wandb_options) if wandb else None
     failed = True
     try:
@@ -147,6 +154,9 @@ def train(
                 if position == 0:
                     order = epoch_order(source.num_steps, config.data.shuffle)
                 assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
+                if run.engine.search_pending:
+                    _write(log, {"event": "recompute_search", "step": t, "data_step": order[position],
+                                 **run.fit_recompute_blocks(order[position])})
                 record = {"event": "step", "step": t + 1, "epoch": epoch, **run.step(t + 1, order[position])}
                 _write(log, record)
                 records.append(record)
@@ -179,11 +189,12 @@ def model_config_of(config: TrainConfig):
     return with_experts_backend(model_config, config.execution.experts_backend)
 
 
-def step_config_of(config: TrainConfig) -> StepConfig:
-    """The step execution of a (resolved) training config."""
-    from harts.objective.step import step_config
+def engine_of(config: TrainConfig, model: torch.nn.Module) -> Engine:
+    """The engine of a (resolved) training config's steps (recompute_blocks auto: searched at a start's first step,
+    `_Run.fit_recompute_blocks`)."""
+    from harts.engine import Engine
 
-    return step_config(config.execution, config.device, loss_config=config.loss)
+    return Engine.build(model, config.execution, config.device, loss_config=config.loss)
 
 
 @dataclass
@@ -203,7 +214,6 @@ class _Run:
     @classmethod
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
               digests: list[str], run_dir: Path) -> _Run:
-        from harts.engine import Engine
         from harts.model.hf import load_hf_checkpoint
         from harts.model.model import HybridModel
 
@@ -222,7 +232,7 @@ class _Run:
         optimizer = MasterWeightAdamW(model.named_parameters(), config.optimizer)
         return cls(config=config, resolved=resolved, source=source, digests=digests, run_dir=run_dir, model=model,
                    optimizer=optimizer, scheduler=make_scheduler(optimizer, config.schedule, config.num_steps),
-                   engine=Engine(model, step_config_of(config)))
+                   engine=engine_of(config, model))
 
     def restore(self, checkpoint: Path) -> tuple[int, list[int]]:
         """Load `checkpoint` (after `build`: module construction draws from the global RNG, which
@@ -252,15 +262,36 @@ class _Run:
         return {"event": "checkpoint", "step": step, "path": str(path.relative_to(self.run_dir)),
                 "seconds": time.perf_counter() - started}
 
+    def data_step(self, data_index: int) -> Step:
+        """Data step `data_index` as the run trains on it (without old log-probs if `data.on_policy`)."""
+        step = self.source.step(data_index)
+        return replace(step, old_logprobs=None) if self.config.data.on_policy else step
+
+    def fit_recompute_blocks(self, data_index: int) -> dict[str, Any]:
+        """recompute_blocks auto: the engine's blocks searched on data step `data_index` (before any of its
+        gradients: the probes' are freed and the step zeroes the masters'), leaving the memory the optimizer's
+        moments will take once allocated; the search's record."""
+        step = self.data_step(data_index)
+        return self.engine.fit_recompute_blocks(step, self.engine.plan(step),
+                                                reserved_bytes=self.optimizer.pending_state_bytes())
+
     def step(self, number: int, data_index: int) -> dict[str, Any]:
-        """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements."""
+        """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements, with the CUDA
+        allocator's peak over the whole step (its optimizer too; None on the CPU, which has no device peak)."""
+        from harts.engine_memory import PeakMemory
+
+        if self.config.device != "cuda":
+            return {**self._step(number, data_index), "peak_memory_bytes": None}
+        with PeakMemory(torch.device(self.config.device)) as memory:
+            record = self._step(number, data_index)
+        return {**record, "peak_memory_bytes": memory.peak}
+
+    def _step(self, number: int, data_index: int) -> dict[str, Any]:
         from harts.objective.losses import step_kl
 
         config = self.config
         started = time.perf_counter()
-        step = self.source.step(data_index)
-        if config.data.on_policy:
-            step = replace(step, old_logprobs=None)
+        step = self.data_step(data_index)
         data_seconds = time.perf_counter() - started
         planned = self.engine.plan(step)
 
@@ -290,6 +321,7 @@ class _Run:
             "semantic_tokens": result.num_semantic_tokens,
             "compact_tokens": planned.index.segment_tree().num_compact_tokens,
             "rows": result.num_rows,
+            **result.mtp_record(),
             "microbatches": planned.num_microbatches,
             "seconds": {"data": data_seconds, "plan": planned.seconds, **result.seconds,
                         "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
@@ -378,15 +410,24 @@ def first_start_record(log: Path) -> dict[str, Any] | None:
 def _with_new_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
     """A checkpoint's (or start record's) resolved config with the training keys it lacks (added to HARTS after it was written)
     at their defaults: read back through the strict loader, which fills them, and resolved again (an execution
-    knob added since defaults by device as the others did); an unreadable one is compared as it is (and so
-    reported)."""
+    knob added since defaults by device as the others did), and likewise the model config's (e.g. `mtp`); an
+    unreadable one is compared as it is (and so reported)."""
+    from harts.config import from_dict
+    from harts.model.config import ModelConfig
+
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
         return saved
     try:
         train = config_to_dict(resolve(train_config_from_dict(saved["train"], str(where)), 1))
     except ValueError:
         return saved
-    return {**saved, "train": train}
+    filled = {**saved, "train": train}
+    if isinstance(saved.get("model"), dict):
+        try:
+            filled["model"] = config_to_dict(from_dict(ModelConfig, saved["model"], str(where)))
+        except ValueError:
+            pass
+    return filled
 
 
 def first_difference(then: Any, now: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
@@ -425,12 +466,15 @@ def _truncate_log(path: Path, step: int) -> tuple[int, int]:
     return dropped, damaged
 
 
-def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, digests: list[str]) -> dict[str, Any]:
+def _start_record(resolved: dict[str, Any], checkpoint: Path | None, step: int, digests: list[str],
+                  device: torch.device) -> dict[str, Any]:
+    from harts import engine_memory
     from harts.tracking.records import environment
 
     data = {"num_steps": len(digests), "sha256": hashlib.sha256("\n".join(digests).encode()).hexdigest()}
     return {"event": "start", "resumed_from": checkpoint.name if checkpoint else None, "step": step,
-            "torch_threads": torch.get_num_threads(), "config": resolved, "data": data, "environment": environment()}
+            "torch_threads": torch.get_num_threads(), "config": resolved, "data": data,
+            "device_memory_bytes": engine_memory.device_memory_bytes(device), "environment": environment()}
 
 
 def _write(log, record: dict[str, Any]) -> None:

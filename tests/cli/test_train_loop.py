@@ -110,3 +110,17 @@ def test_loss_flags_reach_the_train_config(tmp_path):
     assert ppo.entropy_coef == 0.02
     with pytest.raises(ValueError, match="harts train: --surrogate applies to the grpo loss, not 'ppo'"):
         build_config(build_parser().parse_args([*argv[:7], "--loss", "ppo", "--surrogate", "cispo"]))
+
+
+def test_recompute_blocks_auto_and_the_memory_margin_reach_the_train_config(tmp_path):
+    """`harts train` takes --recompute-blocks auto (the one command line besides bench speedup's that searches) and
+    --memory-margin into its execution section."""
+    from harts.cli.main import build_parser
+    from harts.cli.train_loop import build_config
+
+    argv = ["train", "--model", "tiny", "--trees", "tiny", "--out", str(tmp_path / "run"), "--device", "cuda",
+            "--recompute", "--recompute-blocks", "auto", "--memory-margin", "0.1"]
+    execution = build_config(build_parser().parse_args(argv)).execution
+    assert (execution.recompute_blocks, execution.memory_margin) == ("auto", 0.1)
+    given = build_config(build_parser().parse_args([*argv[:-4], "--recompute-blocks", "3"])).execution
+    assert (given.recompute_blocks, given.memory_margin) == (3, 0.05)

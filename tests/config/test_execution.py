@@ -33,7 +33,14 @@ def test_choice_lists_are_the_registries():
     (dict(capacity=True), "execution.capacity must be an int >= 1"),
     (dict(logprob_chunk_rows=2.5), "execution.logprob_chunk_rows must be an int >= 1"),
     (dict(recompute="yes"), "execution.recompute must be true or false"),
-    (dict(recompute=True, recompute_blocks=0), "execution.recompute_blocks must be an int >= 1"),
+    (dict(recompute=True, recompute_blocks=0), "execution.recompute_blocks must be an int >= 1 or 'auto'"),
+    (dict(recompute=True, recompute_blocks="all"), "execution.recompute_blocks must be an int >= 1 or 'auto'"),
+    (dict(memory_margin=1.0), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(memory_margin=-0.01), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(memory_margin=float("nan")), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(memory_margin=False), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(memory_margin="5%"), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(recompute_blocks="auto"), "execution.recompute_blocks needs execution.recompute"),
     (dict(recompute_blocks=2), "execution.recompute_blocks needs execution.recompute"),
     (dict(keep_attention=True), "execution.keep_attention needs execution.recompute"),
     (dict(keep_kda_intermediates=True), "execution.keep_kda_intermediates needs execution.recompute"),
@@ -41,7 +48,8 @@ def test_choice_lists_are_the_registries():
     (dict(recompute=True, keep_attention=True, attention_backend="flex"), "keep_attention needs an attention backend"),
     (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs execution.kda_backend 'fla'"),
 ], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "experts-backend", "grad-precision",
-        "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-alone",
+        "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-word",
+        "margin-one", "margin-negative", "margin-nan", "margin-bool", "margin-text", "auto-alone", "blocks-alone",
         "keep-attention-alone", "keep-kda-alone", "by-rows-without-blocks", "keep-attention-flex", "keep-kda-torch"])
 def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
     config = ExecutionConfig(**fields)
@@ -55,12 +63,31 @@ def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
 def test_every_knob_alone_passes_the_check():
     good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
                 kda_backend="fla", experts_backend="lean", logprob_grad_precision="input", capacity=7,
-                logprob_chunk_rows=3, recompute=True)
+                logprob_chunk_rows=3, recompute=True, memory_margin=0)
     assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
         execution.FIELDS)
     ExecutionConfig(**good).check()
     ExecutionConfig(recompute=True, recompute_blocks=2, recompute_by_rows=True, keep_attention=True,
                     keep_kda_intermediates=True).check()
+    ExecutionConfig(recompute=True, recompute_blocks="auto", recompute_by_rows=True, memory_margin=0.999).check()
+
+
+def test_recompute_blocks_auto_resolves_only_where_it_can_search(monkeypatch):
+    """auto probes for out-of-memory errors: resolved on CUDA, refused on the CPU naming the key (or the flag); a
+    StepConfig takes a number."""
+    from harts.objective.step import StepConfig
+
+    auto = ExecutionConfig(recompute=True, recompute_blocks="auto")
+    assert auto.resolved("cuda", "compact").recompute_blocks == "auto"
+    with pytest.raises(ValueError, match="^execution.recompute_blocks auto searches a GPU's memory .* it needs device "
+                                         "cuda, got 'cpu'$"):
+        execution.resolved_for_run(None, auto, "cpu", "compact")
+    with pytest.raises(ValueError, match="^--recompute-blocks auto searches"):
+        auto.resolved("cpu", as_flags=True)
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    assert auto.resolved("cpu", "compact").recompute_blocks == "auto"
+    with pytest.raises(ValueError, match="recompute_blocks: a StepConfig takes a number of blocks, got 'auto'"):
+        StepConfig(recompute=True, recompute_blocks="auto")
 
 
 @pytest.mark.parametrize("device, execution_name, expected", [
@@ -96,7 +123,7 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
     defaults = _parse(execution.add_arguments, [])
     assert ExecutionConfig(**execution.from_arguments(defaults)) == ExecutionConfig()
     config = ExecutionConfig(execution="baseline", planner="greedy-trie", capacity=99, dtype="bf16", recompute=True,
-                             recompute_blocks=3, recompute_by_rows=True, keep_attention=True,
+                             recompute_blocks=3, memory_margin=0.125, recompute_by_rows=True, keep_attention=True,
                              keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
                              experts_backend="lean", logprob_chunk_rows=17, logprob_grad_precision="input")
     argv = []
@@ -110,12 +137,12 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
 
 SURFACES = {
     # command: the knobs it does not take, and why.
-    "train-step": (),
-    "verify": ("execution",),  # runs both
+    "train-step": ("memory_margin",),  # no search of the recomputed blocks
+    "verify": ("execution", "memory_margin"),  # runs both; no search
     "train": (),  # --dtype is the run's: parameters and autocast
-    "rl": ("execution",),  # runs the config's executions
-    "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "recompute_by_rows", "keep_attention",
-                       "keep_kda_intermediates"),  # its paths fix these
+    "rl": ("execution", "memory_margin"),  # runs the config's executions; no search
+    "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "memory_margin", "recompute_by_rows",
+                       "keep_attention", "keep_kda_intermediates"),  # its paths fix these
 }
 
 
@@ -134,6 +161,13 @@ BAD = {
     "verify": ["verify", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz", "--keep-attention"],
     "train": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--recompute-by-rows"],
     "rl": ["rl", "--config", "tiny", "--out", "{tmp}/rl.json", "--recompute", "--keep-kda-intermediates"],
+    "train-auto-on-cpu": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--recompute",
+                          "--recompute-blocks", "auto"],
+    "train-margin": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--memory-margin", "1"],
+    "train-step-auto": ["train-step", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz", "--execution",
+                        "compact", "--recompute", "--recompute-blocks", "auto"],
+    "bench-speedup-margin": ["bench", "speedup", "--model", "tiny", "--trees", "tiny", "--memory-margin", "-0.1",
+                             "--out", "{tmp}/s.json"],
     "bench-fidelity": ["bench", "fidelity", "--model", "tiny", "--trees", "tiny", "--capacity", "0",
                        "--out", "{tmp}/f.json"],
 }

@@ -2,7 +2,9 @@
 (tests/data/records/*.json: written at 4782eda, before harts.config.execution existed, by `harts bench speedup`,
 `harts train-step --json` and `harts verify --json` on the tiny model and the sample step): the same config, the
 same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
-as fields only."""
+as fields only. Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin`
+(0.05, the default) and `results.device_memory_bytes` (null on the CPU); and the model config's `mtp` (null: no
+MTP layers)."""
 
 import json
 import math

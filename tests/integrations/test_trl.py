@@ -9,7 +9,8 @@ relative) and every parameter equal within 1e-4 of the largest parameter change 
 fp32 ulps of rounding per update); HARTS computes fewer rows than
 TRL's padded forwards (the group's prompt once). The cases cover gradient accumulation with TRL's per-step
 normalisers, reused generations (old log-probs from HARTS, off-policy ratios), the KL term (reference log-probs
-from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type.
+from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type, with TRL's default
+gradient checkpointing (HARTS's recomputation, whose backward runs blocks again from the bound model) and without.
 
 The HARTS reading of TRL's config (`grpo_config_from_trl`) equals the readings tests/objective/test_losses_readings
 checks against TRL's own loss function. Without trl (pip install 'harts[trl]') the module is skipped.
@@ -102,6 +103,7 @@ def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
 CASES = {
     # name: (GRPOConfig settings, steps); the loss types after the first four run a generation and its reuse.
     "dapo": ({}, STEPS),
+    "dapo-no-checkpointing": (dict(gradient_checkpointing=False), STEPS),
     "dapo-accumulate-reuse-kl": (dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04, temperature=0.8),
                                  STEPS),
     "grpo-accumulate-entropy": (dict(loss_type="grpo", gradient_accumulation_steps=2, entropy_coef=0.01), STEPS),
@@ -157,6 +159,17 @@ def test_config_reading_is_the_losses_reading(name):
     args = trl.GRPOConfig(output_dir="/tmp/harts-trl-unused", max_completion_length=MAX_COMPLETION_LENGTH,
                           report_to="none", use_cpu=True, bf16=False, **settings)
     assert grpo_config_from_trl(args) == reading.harts
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
+def test_gradient_checkpointing_is_harts_recompute(checkpoint, tmp_path, checkpointing):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=checkpointing, report_to="none",
+                          use_cpu=True, bf16=False)
+    trainer = HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                               reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                               processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                               train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+    assert trainer.harts_config.recompute is checkpointing
 
 
 def test_unsupported_settings_are_refused(checkpoint, tmp_path):

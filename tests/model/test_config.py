@@ -26,8 +26,9 @@ BAD = {
     "gqa-rotary-above-head": ("gated_attention", "rotary_dim", 18, "in [0, head_dim = 16], got 18"),
     "gdn-beside-kda": (None, "kda", {"num_heads": 2, "head_dim": 16}, "give exactly one linear-attention section"),
     "no-attention": (None, "gated_attention", None, "give exactly one attention section, mla or gated_attention"),
-    "unknown-hf-layout": (None, "hf_model_type", "llama", "model.hf_model_type must be one of"),
-    "gdn-in-kimi-layout": (None, "hf_model_type", "kimi_linear", "'kimi_linear' is not a layout of this model's"),
+    "unknown-hf-layout": (None, "hf_layout", "llama", "model.hf_layout must be one of"),
+    "gdn-in-kimi-layout": (None, "hf_layout", "kimi_linear", "'kimi_linear' is not a layout of this model's"),
+    "gdn-in-bailing-layout": (None, "hf_layout", "bailing_hybrid", "'bailing_hybrid' is not a layout of this"),
     "gate-without-shared-expert": ("moe", "shared_expert_hidden_size", 0, "shared_expert_gate needs a shared expert"),
 }
 
@@ -45,6 +46,39 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
     assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "gdn-tiny", "gdn-h200"])
+@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-shape", "kimi-tiny",
+                                  "bailing-tiny", "gdn-tiny", "gdn-h200"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
+
+
+BAD_MTP = {
+    "zero-depths": ({"num_layers": 0}, "mtp.num_layers must be a positive integer, got 0"),
+    "negative-factor": ({"num_layers": 1, "loss_scaling_factor": -0.1},
+                        "mtp.loss_scaling_factor must be a finite number >= 0, got -0.1"),
+    "unknown-kind": ({"num_layers": 1, "layer_kind": "gdn"}, "mtp.layer_kind must be one of ('mla', 'kda'), got 'gdn'"),
+    "unknown-key": ({"num_layers": 1, "depth": 2}, "unknown key 'mtp.depth'"),
+}
+
+
+def _with_mtp(tmp_path, mtp):
+    config = yaml.safe_load((REPO / "configs/models/tiny.yaml").read_text())
+    config["mtp"] = mtp
+    path = tmp_path / "mtp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_mtp_section_is_read_with_its_defaults(tmp_path):
+    config = load_model_config(str(_with_mtp(tmp_path, {"num_layers": 2})))
+    assert (config.mtp.num_layers, config.mtp.loss_scaling_factor, config.mtp.layer_kind) == (2, 0.1, "mla")
+    assert load_model_config("tiny").mtp is None
+
+
+@pytest.mark.parametrize("case", BAD_MTP)
+def test_a_bad_mtp_section_is_refused_by_file_and_key(tmp_path, case):
+    mtp, message = BAD_MTP[case]
+    path = _with_mtp(tmp_path, mtp)
+    with pytest.raises(ValueError) as error:
+        load_model_config(str(path))
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)

@@ -4,9 +4,10 @@ fp32 on the CPU: three rollouts decoded together (a batch row each), the logits 
 token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
-models with and without the MLA rope part and with NoPE, and for gdn-tiny (GDN with grouped values, gated GQA
-with partial rotary); a fork continues two rollouts from one prefix, each equal to its own full forward; a
-dropped row leaves the others intact.
+models with and without the MLA rope part and with NoPE, bailing-tiny (BailingHybrid's bounded gate, full-rank
+KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU) and gdn-tiny (GDN with grouped
+values, gated GQA with partial rotary); a fork continues two rollouts from one prefix, each equal to its own full
+forward; a dropped row leaves the others intact.
 """
 
 from dataclasses import replace
@@ -25,11 +26,13 @@ from tests.fixtures import one_thread  # noqa: F401
 TOLERANCE = 1e-5
 
 
-VARIANTS = ("rope", "nope", "no-rope-dim", "gdn")
+VARIANTS = ("rope", "nope", "no-rope-dim", "bailing", "gdn")
+SHIPPED = {"bailing": "bailing-tiny", "gdn": "gdn-tiny"}
+"""The variants that are a shipped model config; the others vary tiny."""
 
 
 def _model(variant: str) -> HybridModel:
-    config = load_model_config("gdn-tiny" if variant == "gdn" else "tiny")
+    config = load_model_config(SHIPPED.get(variant, "tiny"))
     if variant == "nope":
         config = replace(config, mla=replace(config.mla, use_rope=False))
     elif variant == "no-rope-dim":

@@ -86,6 +86,37 @@ def test_compact_equals_baseline(model, case, seed):
         assert torch.equal(compact_counts, baseline_counts), (compact_counts, baseline_counts)
 
 
+@pytest.fixture(scope="module")
+def bailing_model():
+    model = HybridModel(load_model_config("bailing-tiny"))
+    model.init_weights(seed=42)
+    return model
+
+
+@pytest.mark.parametrize("case", ["grpo-onpolicy-kl-recompute", "ppo-offpolicy-seq-mean"])
+def test_bailing_compact_equals_baseline(bailing_model, case):
+    """The same claim for BailingHybrid's features (bailing-tiny: the bounded KDA gate, full-rank KDA gates, gated
+    MLA with interleaved RoPE, group-limited routing, clipped SwiGLU)."""
+    model = bailing_model
+    rng = np.random.default_rng(7)
+    tree = random_tree_step(rng, num=8, max_len=80, vocab=3)
+    step = _near_policy(model, tree.step, rng, noise=0.3)
+    if case.startswith("grpo-onpolicy"):
+        step = replace(step, old_logprobs=None)
+    order = rng.permutation(step.num_trajectories)
+    settings = CASES[case]
+    report = compare_executions(
+        model, step, [order[:4], order[4:]], StepConfig(execution="baseline", **settings),
+        StepConfig(execution="compact", **settings),
+    )
+    assert report["candidate_rows"] < report["reference_rows"]
+    assert report["max_abs_logprob_diff"] <= 1e-5, report
+    assert report["loss_rel_diff"] <= 1e-6, report
+    assert report["moe_loss_abs_diff"] <= 1e-6 * max(1.0, abs(report["loss"])), report
+    assert report["grad_rel_diff"] <= 1e-4, report
+    assert report["logit_cosine_min"] >= 0.99999, report
+
+
 def test_policy_gradient_is_exercised(model):
     """Guard against a degenerate comparison: the policy term alone moves the LM head."""
     rng = np.random.default_rng(3)

@@ -25,7 +25,7 @@ def gdn_variant(**changes):
 
 
 def qwen35(**changes):
-    return gdn_variant(num_dense_layers=0, dense_hidden_size=0, hf_model_type="qwen3_5_moe_text", **changes)
+    return gdn_variant(num_dense_layers=0, dense_hidden_size=0, hf_layout="qwen3_5_moe_text", **changes)
 
 
 def _moe(**changes):
@@ -49,7 +49,7 @@ def test_round_trip_is_bitwise(tmp_path, case):
     files = save_hf_checkpoint(model, tmp_path / "ckpt", max_shard_bytes=budget or 10**9)
     assert (len([f for f in files if f.suffix == ".safetensors"]) > 1) == (budget is not None)
     hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert hf["model_type"] == (config.hf_model_type or "qwen3_next")
+    assert hf["model_type"] == config.hf_layout
     loaded, loaded_config = load_hf_checkpoint(tmp_path / "ckpt")
     assert loaded_config == config
     expected, actual = model.state_dict(), loaded.state_dict()
@@ -92,7 +92,7 @@ REFUSED_FEATURES = {
     "sigmoid-routing": (gdn_variant(moe=_moe(score_function="sigmoid", expert_bias=True)),
                         "moe.score_function: softmax"),
     "ungated-shared-expert": (gdn_variant(moe=_moe(shared_expert_gate=False)), "moe.shared_expert_gate: true"),
-    "qwen3.5-dense-layer": (gdn_variant(hf_model_type="qwen3_5_moe_text"), "num_dense_layers: 0"),
+    "qwen3.5-dense-layer": (gdn_variant(hf_layout="qwen3_5_moe_text"), "num_dense_layers: 0"),
     "qwen3.5-unnormalised": (qwen35(moe=_moe(softmax_before_topk=True)), "moe.softmax_before_topk: false"),
 }
 

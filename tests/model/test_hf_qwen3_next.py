@@ -124,7 +124,7 @@ def test_transformers_save_pretrained_both_ways(tmp_path, offline, case):
     assert min(float(e.std()) for e in expected[None]) > 0.5, "logits too flat to compare"
 
     loaded, loaded_config = load_hf_checkpoint(root)
-    assert loaded_config.hf_model_type == (None if model_type == "qwen3_next" else model_type)
+    assert loaded_config.hf_layout == model_type
     assert loaded_config.tie_embeddings == config.tie_word_embeddings
     actual = harts_logits(loaded, sequences)
     for side in PADDINGS:
@@ -144,7 +144,7 @@ def test_transformers_save_pretrained_both_ways(tmp_path, offline, case):
 def _gdn_tiny(model_type: str):
     config = load_model_config("gdn-tiny")
     if model_type == "qwen3_5_moe_text":
-        config = replace(config, num_dense_layers=0, dense_hidden_size=0, hf_model_type=model_type)
+        config = replace(config, num_dense_layers=0, dense_hidden_size=0, hf_layout=model_type)
     return config
 
 

@@ -42,6 +42,10 @@ ROUTINGS = {
     "sigmoid-bias-k4-scaled": dict(
         top_k=4, score_function="sigmoid", expert_bias_E=True, topk_scaling_factor=2.5
     ),
+    # group-limited (k = 2·topk_groups, where megatron's top-(k/topk_groups) group score is the top-2 sum)
+    "sigmoid-bias-groups-k2-scaled": dict(
+        top_k=2, score_function="sigmoid", expert_bias_E=True, topk_scaling_factor=2.5, num_groups=2, topk_groups=1
+    ),
 }
 
 
@@ -77,11 +81,15 @@ def test_routing_matches_megatron(name):
         scaling_factor=kwargs.get("topk_scaling_factor"),
         score_function=kwargs["score_function"],
         expert_bias=kwargs.get("expert_bias_E"),
+        num_groups=kwargs.get("num_groups"),
+        group_topk=kwargs.get("topk_groups"),
     )
     (reference_grad,) = torch.autograd.grad((reference_probs * upstream).sum(), reference_logits)
     if kwargs.get("expert_bias_E") is not None:
         # The bias must change the selection here, or the case would not test it.
         assert not torch.equal(selected, _dense(topk_routing(logits, **{**kwargs, "expert_bias_E": None}))[1])
+    if kwargs.get("num_groups", 1) > 1:  # and so must the group limit
+        assert not torch.equal(selected, _dense(topk_routing(logits, **{**kwargs, "num_groups": 1}))[1])
     assert torch.equal(selected, reference_map)
     assert torch.allclose(probs, reference_probs, rtol=1e-6, atol=1e-7)
     assert torch.allclose(grad, reference_grad, rtol=1e-5, atol=1e-7)
@@ -163,6 +171,11 @@ MODULES = {
     "softmax-pre-k1": dict(score_function="softmax", top_k=1, softmax_before_topk=True),
     "sigmoid-bias-scaled": dict(score_function="sigmoid", expert_bias=True, topk_scaling_factor=2.5),
     "softmax-gated-shared": dict(score_function="softmax", shared_expert_hidden_size=16, shared_expert_gate=True),
+    # BailingHybrid's MoE: group-limited routing, SwiGLU clipped in the routed and the shared experts
+    # (on these rows the limits clip 12% (routed) and 21% (shared) of the SiLU values, 39% and 54% of the up values)
+    "bailing-groups-clipped": dict(score_function="sigmoid", expert_bias=True, topk_scaling_factor=2.5, top_k=3,
+                                   num_groups=4, topk_groups=2, shared_expert_hidden_size=16, swiglu_limit=1.0,
+                                   shared_swiglu_limit=0.7),
 }
 
 
@@ -432,9 +445,18 @@ def test_disabled_losses_are_absent():
         dict(experts_backend="fast"),
         dict(z_loss_coeff=-1.0),
         dict(shared_expert_gate=True),
+        dict(num_groups=2, topk_groups=1),
+        dict(score_function="sigmoid", num_groups=3),
+        dict(score_function="sigmoid", num_groups=8),
+        dict(score_function="sigmoid", num_groups=2, topk_groups=3),
+        dict(score_function="sigmoid", top_k=5, num_groups=4, topk_groups=2),
+        dict(swiglu_limit=0.0),
+        dict(shared_swiglu_limit=float("inf")),
     ],
     ids=["topk-above-experts", "unknown-score", "bias-with-softmax", "softmax-after-top1", "unknown-backend",
-         "negative-coeff", "gate-without-shared-expert"],
+         "negative-coeff", "gate-without-shared-expert", "groups-with-softmax", "groups-not-dividing",
+         "groups-of-one", "topk-groups-above-groups", "topk-above-group-experts", "zero-limit",
+         "infinite-shared-limit"],
 )
 def test_bad_configs(overrides):
     base = dict(hidden_size=16, num_experts=8, top_k=2, expert_hidden_size=8)
@@ -540,3 +562,145 @@ def test_gated_shared_expert_and_routing_match_qwen3_next(norm_topk_prob):
     y, _ = module(x.reshape(18, 16))
     # transformers takes the softmax in fp32 (dtype=torch.float) whatever the rows' dtype: fp32 rounding.
     assert float((y - expected).abs().max()) <= 1e-6 * float(expected.abs().max())
+
+
+def _naive_group_limited(logits_NE, bias_E, *, top_k, num_groups, topk_groups, scaling):
+    """Row by row in Python: the groups ranked by the sum of their two best biased sigmoid scores, the k best
+    biased scores among the experts of the `topk_groups` best groups, their unbiased scores normalised and scaled.
+    Returns {row: {expert: weight}}."""
+    scores = torch.sigmoid(logits_NE.double())
+    selection = scores + bias_E.double()
+    size = logits_NE.shape[1] // num_groups
+    chosen = {}
+    for row in range(logits_NE.shape[0]):
+        values = selection[row].tolist()
+        group_score = [sum(sorted(values[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(num_groups)]
+        groups = sorted(range(num_groups), key=lambda g: -group_score[g])[:topk_groups]
+        candidates = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        experts = sorted(candidates, key=lambda e: -values[e])[:top_k]
+        total = sum(float(scores[row, e]) for e in experts)
+        chosen[row] = {e: float(scores[row, e]) / total * scaling for e in experts}
+    return chosen
+
+
+def _as_dict(experts_NK, probs_NK):
+    return {row: dict(zip(experts_NK[row].tolist(), probs_NK[row].double().tolist()))
+            for row in range(experts_NK.shape[0])}
+
+
+def test_group_limited_routing_matches_naive_reference():
+    """64 experts in 8 groups, top-8 among the 4 best groups (Ling-3's shape): the selected experts and their
+    weights are the row-by-row reference's, and the group limit changes the selection of most rows."""
+    generator = torch.Generator().manual_seed(42)
+    logits = torch.randn(50, 64, generator=generator) * 2
+    bias = torch.randn(64, generator=generator) * 0.3
+    routing = topk_routing(logits, top_k=8, score_function="sigmoid", expert_bias_E=bias, topk_scaling_factor=2.5,
+                           num_groups=8, topk_groups=4)
+    expected = _naive_group_limited(logits, bias, top_k=8, num_groups=8, topk_groups=4, scaling=2.5)
+    actual = _as_dict(routing.experts_NK, routing.probs_NK)
+    assert actual.keys() == expected.keys()
+    for row in expected:
+        assert actual[row].keys() == expected[row].keys(), row
+        for expert, weight in expected[row].items():
+            assert actual[row][expert] == pytest.approx(weight, rel=1e-6), (row, expert)
+    free = topk_routing(logits, top_k=8, score_function="sigmoid", expert_bias_E=bias, num_groups=1)
+    changed = sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(routing.experts_NK, free.experts_NK))
+    assert changed > 25
+
+
+def test_group_limited_routing_matches_transformers_bailing_router():
+    """transformers' `BailingHybridTopkRouter` (n_group, topk_group, routed_scaling_factor, norm_topk_prob, its
+    e_score_correction_bias) on the same rows and weights: the same experts and weights."""
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridTopkRouter
+
+    config = transformers_bailing_config(num_local_experts=32, num_experts_per_tok=6, n_group=4, topk_group=2,
+                                         routed_scaling_factor=2.5, hidden_size=24)
+    router = BailingHybridTopkRouter(config)
+    generator = torch.Generator().manual_seed(42)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 24, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(32, generator=generator) * 0.3)
+    x = torch.randn(40, 24, generator=generator)
+    with torch.no_grad():
+        logits, weights, indices = router(x)
+    routing = topk_routing(x @ router.weight.T, top_k=6, score_function="sigmoid",
+                           expert_bias_E=router.e_score_correction_bias, topk_scaling_factor=2.5, num_groups=4,
+                           topk_groups=2)
+    actual, expected = _as_dict(routing.experts_NK, routing.probs_NK), _as_dict(indices, weights)
+    for row in expected:
+        assert actual[row].keys() == expected[row].keys(), row
+        for expert, weight in expected[row].items():
+            assert actual[row][expert] == pytest.approx(weight, rel=1e-6), (row, expert)
+
+
+def transformers_bailing_config(**changes):
+    """A small transformers `BailingHybridConfig` (no MTP layers, no token ids)."""
+    import transformers
+
+    settings = dict(vocab_size=64, hidden_size=24, intermediate_size=32, moe_intermediate_size=8,
+                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=8, layer_group_size=2,
+                    first_k_dense_replace=0, num_mtp_layers=0, pad_token_id=None, eos_token_id=None)
+    settings.update(changes)
+    return transformers.BailingHybridConfig(**settings)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
+def test_clipped_experts_match_transformers_bailing_mlp(shared):
+    """One clipped expert against transformers' on the same weights (fp64): routed, `BailingHybridExperts` with its
+    layer's `swiglu_limits` (every row routed to expert 0 with weight 1) against the loop path; shared,
+    `BailingHybridMLP` with `swiglu_limits_shared` against `MoE.shared_expert`. Without the limits they differ."""
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridExperts, BailingHybridMLP
+
+    from harts.model.moe import Routing
+
+    config = transformers_bailing_config(num_local_experts=4, num_experts_per_tok=1, swiglu_limits=[0.0, 0.6],
+                                         swiglu_limits_shared=[0.0, 0.4])
+    ours = MoE(MoEConfig(hidden_size=24, num_experts=4, top_k=1, expert_hidden_size=8, score_function="sigmoid",
+                         shared_expert_hidden_size=8, swiglu_limit=0.6, shared_swiglu_limit=0.4)).double()
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(30, 24, generator=generator, dtype=torch.float64)
+    gate_up = torch.randn(24, 16, generator=generator, dtype=torch.float64)
+    down = torch.randn(8, 24, generator=generator, dtype=torch.float64)
+    routing = Routing(experts_NK=torch.zeros(30, 1, dtype=torch.long), probs_NK=torch.ones(30, 1, dtype=torch.float64))
+    with torch.no_grad():
+        if shared:
+            theirs = BailingHybridMLP(config, intermediate_size=8, layer_idx=1).double()
+            theirs.gate_proj.weight.copy_(gate_up[:, :8].T)
+            theirs.up_proj.weight.copy_(gate_up[:, 8:].T)
+            theirs.down_proj.weight.copy_(down.T)
+            ours.shared_gate_up_proj.copy_(gate_up)
+            ours.shared_down_proj.copy_(down)
+            expected = theirs(x)
+        else:
+            theirs = BailingHybridExperts(config, layer_idx=1).double()
+            theirs.gate_up_proj[0].copy_(gate_up.T)
+            theirs.down_proj[0].copy_(down.T)
+            ours.gate_up_proj[0].copy_(gate_up)
+            ours.down_proj[0].copy_(down)
+            expected = theirs(x, routing.experts_NK, routing.probs_NK)
+
+        def run(module):
+            return module.shared_expert(x) if shared else module.loop_experts(x, routing)
+
+        torch.testing.assert_close(run(ours), expected, rtol=1e-12, atol=1e-12)
+        ours.config = dataclasses.replace(ours.config, swiglu_limit=None, shared_swiglu_limit=None)
+        assert not torch.allclose(run(ours), expected)
+
+
+def test_model_layers_get_their_own_swiglu_limits():
+    """`ModelConfig.moe_for_layer`: each MoE layer carries its entry of the per-layer lists (0: none), also after
+    `set_experts_backend`; without lists every layer shares the model's MoE config."""
+    from harts.model.model import HybridModel
+    from harts.model.moe import MoE
+
+    config = load_model_config("tiny")
+    assert config.moe_for_layer(2) is config.moe
+    config = dataclasses.replace(config, expert_swiglu_limits=[0, 0, 3.0, 5.0],
+                                 shared_expert_swiglu_limits=[0, 0, 0, 7.0])
+    model = HybridModel(config)
+    model.set_experts_backend("loop")
+    limits = [(m.config.swiglu_limit, m.config.shared_swiglu_limit) for m in model.modules() if isinstance(m, MoE)]
+    assert limits == [(None, None), (3.0, None), (5.0, 7.0)]
+    with pytest.raises(ValueError, match="model.expert_swiglu_limits must list 4 finite numbers"):
+        dataclasses.replace(config, expert_swiglu_limits=[0, 1.0])

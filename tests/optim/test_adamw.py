@@ -53,6 +53,25 @@ def test_adamw_matches_torch_on_a_plain_model():
     assert 0 < clipped < 5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_pending_state_bytes_are_the_moments_not_yet_allocated(dtype):
+    """Before a master's first step its two fp32 moments are still to come (what a memory search before the first
+    step must leave room for); a master without a gradient at a step stays pending; after every one has stepped,
+    none."""
+    model = _plain_model(dtype=dtype)
+    optimizer = MasterWeightAdamW(model.named_parameters(), OptimizerConfig(lr=0.1))
+    assert optimizer.pending_state_bytes() == 2 * 4 * sum(p.numel() for p in model.parameters())
+    _backward(model, 0)
+    skipped = optimizer.masters[1]
+    skipped.grad = None  # torch's AdamW skips a master without a gradient: its moments stay unallocated
+    optimizer.step()
+    assert optimizer.pending_state_bytes() == 2 * 4 * skipped.numel()
+    optimizer.zero_grad()
+    _backward(model, 1)
+    optimizer.step()
+    assert optimizer.pending_state_bytes() == 0
+
+
 @pytest.mark.parametrize("decay_vectors", [False, True], ids=["matrices-only", "vectors-too"])
 def test_weight_decay_groups(decay_vectors):
     model = _plain_model()

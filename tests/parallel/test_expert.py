@@ -2,7 +2,9 @@
 
 Scenarios (the groups of a config): dp2-ep2 (each rank its own rows, experts split between the
 ranks), tp2 (replicated rows, expert and shared-expert columns split), tp2-sp (row shards,
-columns split), ep2 (row shards, experts split). With the loop, grouped and lean expert backends
+columns split), ep2 (row shards, experts split). For tiny's MoE and bailing-tiny's last MoE layer
+(group-limited routing, 2 of 4 groups of 2 experts a row, whichever EP rank holds them; routed and shared
+SwiGLU clipped), with the loop, grouped and lean expert backends
 (lean is refused under expert parallelism), random multiplicities and a non-zero expert bias, each rank checks
 in fp32: its output rows, the
 gradient of its input rows, the z- and load-balancing losses, the expert-bias counts (summed
@@ -27,16 +29,24 @@ from harts.parallel.tensor import Sharder
 
 SCENARIOS = ("dp2-ep2", "tp2", "tp2-sp", "ep2")
 BACKENDS = ("loop", "grouped", "lean")
+MOES = ("tiny", "bailing-tiny")
 # Under expert parallelism the lean experts are refused (test_lean_experts_are_refused_under_expert_parallelism).
-CASES = [(s, b) for s in SCENARIOS for b in BACKENDS if not ("ep" in s and b == "lean")]
+CASES = [(s, b, m) for s in SCENARIOS for b in BACKENDS for m in MOES if not ("ep" in s and b == "lean")]
 ROWS = 11
 QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "counts", "param_grads")
 
 
-def _plain_moe(backend: str) -> MoE:
+def _plain_moe(backend: str, model: str = "tiny") -> MoE:
+    """The MoE of `model`'s last layer (bailing-tiny's: its SwiGLU limits), weights scaled up so that its limits
+    clip."""
     torch.manual_seed(42)
-    moe = MoE(replace(load_model_config("tiny").moe, experts_backend=backend))
+    config = load_model_config(model)
+    moe = MoE(replace(config.moe_for_layer(config.num_layers - 1), experts_backend=backend))
     moe.expert_bias.copy_(torch.randn(moe.config.num_experts) * 0.05)
+    if model != "tiny":
+        with torch.no_grad():
+            for parameter in (moe.gate_up_proj, moe.shared_gate_up_proj):
+                parameter.mul_(10.0)
     return moe
 
 
@@ -59,12 +69,12 @@ def _error(actual, expected) -> float:
     return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
-def _case(groups, backend: str) -> list[float]:
+def _case(groups, backend: str, model: str) -> list[float]:
     config = groups.config
     me = dist.get_rank()
     sp = config.sequence_parallel
-    full = _plain_moe(backend)
-    moe = _plain_moe(backend)
+    full = _plain_moe(backend, model)
+    moe = _plain_moe(backend, model)
     sharder = Sharder(moe)
     parallelism = MoEParallelism(tp_group=groups.tp, ep_group=groups.ep, sequence_parallel=sp)
     partial = set(parallelize_moe(sharder, moe, parallelism, tp_rank=groups.layout.tp_rank,
@@ -131,17 +141,18 @@ def _lean_refused(groups) -> bool:
     return refusals == [True, True]
 
 
-def _all_cases(groups) -> dict[tuple[str, str], dict[str, float] | bool]:
+def _all_cases(groups) -> dict[tuple[str, str, str], dict[str, float] | bool]:
     results = {}
     for name in SCENARIOS:
         scenario_groups = build_groups(load_parallel_config(name), groups.device)
         for backend in BACKENDS:
-            if (name, backend) not in CASES:
-                results[name, backend] = _lean_refused(scenario_groups)
+            if (name, backend, "tiny") not in CASES:
+                results[name, backend, "tiny"] = _lean_refused(scenario_groups)
                 continue
-            errors = torch.tensor(_case(scenario_groups, backend), dtype=torch.float64)
-            all_reduce_(errors, dist.group.WORLD, op=dist.ReduceOp.MAX)
-            results[name, backend] = dict(zip(QUANTITIES, errors.tolist()))
+            for model in MOES:
+                errors = torch.tensor(_case(scenario_groups, backend, model), dtype=torch.float64)
+                all_reduce_(errors, dist.group.WORLD, op=dist.ReduceOp.MAX)
+                results[name, backend, model] = dict(zip(QUANTITIES, errors.tolist()))
     return results
 
 
@@ -150,9 +161,9 @@ def errors():
     return launch(_all_cases, ParallelConfig(name="two-ranks", dp=2))
 
 
-@pytest.mark.parametrize("scenario, backend", CASES, ids=[f"{s}-{b}" for s, b in CASES])
-def test_parallel_moe_equals_plain(errors, scenario, backend):
-    report = errors[scenario, backend]
+@pytest.mark.parametrize("scenario, backend, model", CASES, ids=[f"{s}-{b}-{m}" for s, b, m in CASES])
+def test_parallel_moe_equals_plain(errors, scenario, backend, model):
+    report = errors[scenario, backend, model]
     assert max(report.values()) <= 1e-5, report
 
 
@@ -160,4 +171,4 @@ def test_parallel_moe_equals_plain(errors, scenario, backend):
 def test_lean_experts_are_refused_under_expert_parallelism(errors, scenario):
     """Expert parallelism runs the grouped experts on the rows it receives: a lean configuration is an error,
     not a record that says lean while grouped ran."""
-    assert errors[scenario, "lean"] is True
+    assert errors[scenario, "lean", "tiny"] is True

@@ -42,8 +42,18 @@ def _layer(kind: str, generator: torch.Generator):
         kda = replace(CONFIG.kda, head_dim=16, chunk_size=16, output_gate_bias=kind == "kda")
         layer = KDALayer(hidden, kda, CONFIG.norm_eps)
         layer.reset_kda_parameters(generator)
+    elif kind == "kda-bailing":
+        # BailingHybrid's KDA: full-rank gates without bias, the bounded decay gate.
+        kda = replace(CONFIG.kda, head_dim=16, chunk_size=16, gate_rank=None, output_gate_bias=False,
+                      full_rank_gates=True, gate_lower_bound=-5.0)
+        layer = KDALayer(hidden, kda, CONFIG.norm_eps)
+        layer.reset_kda_parameters(generator)
     elif kind == "mla":
         layer = MLALayer(hidden, replace(CONFIG.mla, q_lora_rank=48), CONFIG.norm_eps)
+    elif kind == "mla-gated":
+        # BailingHybrid's gated MLA: a per-head output gate, interleaved RoPE.
+        layer = MLALayer(hidden, replace(CONFIG.mla, q_lora_rank=48, output_gate=True, rope_interleave=True),
+                         CONFIG.norm_eps)
     elif kind == "mla-full-query":
         layer = MLALayer(hidden, CONFIG.mla, CONFIG.norm_eps)
     elif kind == "gdn":
@@ -63,8 +73,9 @@ def _layer(kind: str, generator: torch.Generator):
     return layer.double()
 
 
-SHARD = {"kda": shard_kda, "kda-kimi": shard_kda, "mla": shard_mla, "mla-full-query": shard_mla, "swiglu": shard_swiglu,
-         "gdn": shard_gdn, "gqa": shard_gated_attention}
+SHARD = {"kda": shard_kda, "kda-kimi": shard_kda, "kda-bailing": shard_kda, "mla": shard_mla,
+         "mla-full-query": shard_mla, "mla-gated": shard_mla, "swiglu": shard_swiglu, "gdn": shard_gdn,
+         "gqa": shard_gated_attention}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -131,3 +142,10 @@ def test_specs_reassemble_every_cut_parameter(kind):
                 rebuilt[name].index_copy_(spec.dim, spec.index, p.detach())
     for name, p in layer.named_parameters():
         assert torch.equal(rebuilt[name], p.detach()), name
+
+
+def test_mla_with_attention_bias_is_refused():
+    """o_proj is row-parallel: its bias would be added once per rank, so the cut is refused by name."""
+    layer = MLALayer(CONFIG.hidden_size, replace(CONFIG.mla, q_lora_rank=48, attention_bias=True), CONFIG.norm_eps)
+    with pytest.raises(ValueError, match=r"tensor parallelism \(2\) of an MLA layer with mla.attention_bias"):
+        shard_mla(Sharder(layer), layer, 0, 2)

@@ -185,6 +185,22 @@ def test_kept_attention_under_parallelism():
                  KEPT_ATTENTION)
 
 
+BAILING = [StepConfig(execution=e) for e in ("baseline", "compact")]
+
+
+def _verify_bailing(groups, names, step, microbatches):
+    return {name: verify_on_rank(build_groups(load_parallel_config(name), groups.device),
+                                 load_model_config("bailing-tiny"), 0, step, microbatches, BAILING) for name in names}
+
+
+def test_bailing_model_under_parallelism():
+    """bailing-tiny (BailingHybrid's features: gated MLA cut by heads, full-rank KDA gates, the bounded gate,
+    group-limited routing with clipped SwiGLU) under tensor, sequence and expert parallelism: the same comparison."""
+    step, microbatches = tree_step_and_microbatches()
+    names = ("tp2", "tp2-sp", "ep2")
+    _check_every(launch(_verify_bailing, load_parallel_config(names[0]), names, step, microbatches), names, BAILING)
+
+
 GPU_CONFIGS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2", "dp2-tp2-sp", "tp2-sp-pp2", "dp2-pp2-ep2")
 
 

@@ -63,10 +63,12 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nexecution: {attention_backend: flash}\n", "execution.attention_backend must be one of"),
     ("name: x\nmodel: tiny\nexecution: {recompute: true, keep_attention: true, attention_backend: flex}\n",
      "execution.keep_attention needs an attention backend among"),
+    ("name: x\nmodel: tiny\ndevice: cuda\nexecution: {recompute: true, recompute_blocks: auto}\n",
+     "execution.recompute_blocks: harts rl takes a number of blocks, not 'auto'"),
 ], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "execution-given",
         "dtype-differs", "zero-capacity", "accuracy",
         "values", "top-p", "recompute-blocks-alone", "by-rows-without-blocks", "grad-precision", "kda-backend", "attention-backend",
-        "keep-attention-flex"])
+        "keep-attention-flex", "recompute-blocks-auto"])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "rl.yaml"
     path.write_text(text)

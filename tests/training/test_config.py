@@ -108,14 +108,21 @@ def test_resolve_makes_every_default_explicit(device, execution, expected):
 
 
 def test_execution_fields_reach_the_step_config():
-    from harts.training.loop import step_config_of
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.training.loop import engine_of
 
     config = load_train_config(None, {
         "model": "tiny", "data.trees": "tiny", "execution.recompute": True, "execution.recompute_blocks": 2,
         "execution.logprob_grad_precision": "input", "execution.logprob_chunk_rows": 64,
-        "execution.keep_attention": True, "execution.recompute_by_rows": True,
+        "execution.keep_attention": True, "execution.recompute_by_rows": True, "execution.memory_margin": 0.2,
     })
-    step = step_config_of(resolve(config, num_data_steps=1))
+    model = HybridModel(load_model_config("tiny"))
+    step = engine_of(resolve(config, num_data_steps=1), model).config
     assert (step.recompute, step.recompute_blocks, step.logprob_grad_precision, step.logprob_chunk_rows) == (
         True, 2, "input", 64)
-    assert step.keep_attention and step.recompute_by_rows
+    assert step.keep_attention and step.recompute_by_rows and step.memory_margin == 0.2
+    auto = load_train_config(None, {"model": "tiny", "data.trees": "tiny", "device": "cuda",
+                                    "execution.recompute": True, "execution.recompute_blocks": "auto"})
+    engine = engine_of(resolve(auto, num_data_steps=1), model)
+    assert engine.search_pending and engine.config.recompute_blocks == 4  # every block until the search

@@ -121,6 +121,86 @@ def test_expert_bias_follows_the_steps_counts(tmp_path, monkeypatch):
     assert any(moved)
 
 
+def _log(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / LOG_NAME).read_text().splitlines()]
+
+
+def test_cpu_records_hold_no_device_memory(reference):
+    """The CPU has no device peak or total: the records say null rather than a process-wide number."""
+    _, run_dir, records = reference
+    assert [r["peak_memory_bytes"] for r in records] == [None] * len(records)
+    starts = [r for r in _log(run_dir) if r["event"] == "start"]
+    assert starts and all(r["device_memory_bytes"] is None for r in starts)
+
+
+def test_recompute_blocks_auto_trains_with_the_fewest_blocks_that_fit(tmp_path, monkeypatch):
+    """With recompute_blocks auto (the CPU allowed to search a simulated device, where fewer than 3 of the tiny
+    model's 4 blocks run out of memory), each start searches on its first step before training it: the run is the
+    run with 3 blocks given, bit for bit, across a resume; the log holds each start's search, the first leaving room
+    for the AdamW moments not yet allocated (none once a checkpoint's are loaded)."""
+    from harts import engine_memory
+    from harts.config import execution
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+
+    run_step = engine_module.run_step
+    ran = []
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        ran.append(config.recompute_blocks)
+        if config.recompute_blocks < 3:
+            raise torch.OutOfMemoryError("simulated")
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
+    knobs = {"num_steps": 4, "execution.recompute": True, "execution.memory_margin": 0.125}
+    expected = train(_config(**knobs, **{"execution.recompute_blocks": 3}), tmp_path / "given")
+    assert set(ran) == {3}
+    ran.clear()
+    auto = _config(**knobs, **{"execution.recompute_blocks": "auto"})
+    first = train(auto, tmp_path / "auto", max_steps=2)
+    assert ran[:3] == [4, 2, 3] and set(ran[3:]) == {3}  # the search, then the steps
+    rest = train(auto, tmp_path / "auto", resume=True)
+    assert _curve(first + rest) == _curve(expected)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(tmp_path / "auto", 4).values(),
+                                                 _weights(tmp_path / "given", 4).values()))
+    searches = [r for r in _log(tmp_path / "auto") if r["event"] == "recompute_search"]
+    assert [(r["step"], r["recompute_blocks"]) for r in searches] == [(0, 3), (2, 3)]
+    parameters = sum(p.numel() for p in HybridModel(load_model_config("tiny")).parameters())
+    assert [r["reserved_bytes"] for r in searches] == [2 * 4 * parameters, 0]  # fp32 moments, then loaded
+    for search in searches:
+        assert [(p["recompute_blocks"], p["fits"]) for p in search["probes"]] == [(4, True), (2, False), (3, True)]
+        assert (search["memory_margin"], search["device_memory_bytes"]) == (0.125, 1 << 50)
+        assert search["memory_limit_bytes"] == (1 << 50) - (1 << 47) - search["reserved_bytes"]
+    starts = [r for r in _log(tmp_path / "auto") if r["event"] == "start"]
+    assert [r["device_memory_bytes"] for r in starts] == [1 << 50] * 2
+    assert starts[0]["config"]["train"]["execution"]["recompute_blocks"] == "auto"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_records_the_peak_memory_of_every_step_and_the_search(tmp_path):
+    """On CUDA each step record holds the allocator's peak over that step (reset per step: above the weights, below
+    the GPU's total) and recompute_blocks auto searches the GPU for real (the tiny model fits with 1 block)."""
+    config = _config(device="cuda", dtype="bf16", num_steps=3, **{
+        "execution.kda_backend": "torch", "execution.recompute": True, "execution.recompute_blocks": "auto"})
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+
+    records = train(config, tmp_path)
+    total = torch.cuda.get_device_properties(torch.device("cuda")).total_memory
+    weights = 2 * sum(p.numel() for p in HybridModel(load_model_config("tiny")).parameters())  # bf16
+    assert all(isinstance(r["peak_memory_bytes"], int) and weights < r["peak_memory_bytes"] < total for r in records)
+    log = _log(tmp_path)
+    (start,) = [r for r in log if r["event"] == "start"]
+    (search,) = [r for r in log if r["event"] == "recompute_search"]
+    assert start["device_memory_bytes"] == search["device_memory_bytes"] == total
+    assert search["recompute_blocks"] == 1 and search["memory_margin"] == 0.05
+    assert all(p["fits"] and p["peak_memory_bytes"] <= search["memory_limit_bytes"] for p in search["probes"])
+
+
 def test_a_non_finite_loss_stops_before_any_update(tmp_path):
     with pytest.raises(ValueError, match=r"step 1 \(.*minus-1000.jsonl\): the loss is inf; the step's old_logprobs "
                                          r"go down to -1000"):
@@ -152,6 +232,7 @@ def test_resume_fills_keys_an_older_checkpoint_lacks(tmp_path):
         # config (the dtype then defaults by device: fp32 here).
         for key in ("logprob_grad_precision", "dtype", "keep_kda_intermediates", "experts_backend"):
             del saved["train"]["execution"][key]
+        del saved["model"]["mtp"]  # the model config's MTP layers came later
         path.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"'train.execution.logprob_grad_precision' is 'fp32' in the checkpoint but "
                                          r"'input' now"):

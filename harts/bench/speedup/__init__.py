@@ -8,10 +8,10 @@ and the records' table beside it what every field means; docs/execution.md cover
 `--recompute-blocks auto` search.
 
 One job per module, each importing only those above it:
-- `memory`: peak memory of a region, device sync, freeing what a case left;
+- `recompute`: which executions `--recompute-blocks auto` searches (the search and peak memory are harts.engine's and
+  harts.engine_memory's);
 - `executions`: the two executions and what each runs (microbatches, StepConfig);
 - `metrics`: the record's figures from the measured seconds (speedups, FLOPs, MFU, timing flags);
-- `recompute`: the search for the fewest recomputed blocks that fit;
 - `breakdown`: op-level times and the terms of the compact time beyond the ideal;
 - `measure`: one step in one process;
 - `parallel`: one step on the ranks of `--parallel`;

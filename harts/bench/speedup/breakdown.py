@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from harts.bench.speedup.executions import EXECUTIONS
-from harts.bench.speedup.memory import sync
+from harts.engine_memory import sync
 
 BREAKDOWN_MICROBATCHES = 4
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.args import index_list, non_negative_int, positive_int
-from harts.bench.speedup.recompute import AUTO, SEARCHED
+from harts.args import index_list, non_negative_int, positive_int, positive_int_or
+from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
 from harts.bench.speedup.run import run, run_variants
 from harts.config import execution
@@ -71,9 +71,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         "planner": dict(default="harts", help="The compact execution's microbatch planner (the baseline's is "
                                               "per-trajectory; default: harts)."),
         "recompute_blocks": dict(
-            type=all_auto_or_positive_int if variant else auto_or_positive_int,
-            help=help_of["recompute_blocks"] + " auto: the fewest with which a whole step of each execution runs in "
-                                               "the GPU's memory (searched by untimed steps; one process on CUDA)"),
+            type=all_auto_or_positive_int if variant else execution.auto_or_positive_int,
+            help=help_of["recompute_blocks"] + " Here auto searches each execution for itself (untimed steps; one "
+                                               "process on CUDA)."),
     }
     for name in RUN_KNOBS:
         option, keywords = execution.argument(name, default=not variant)
@@ -105,23 +105,8 @@ def yes_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
 
 
-def positive_int_or(text: str, words: tuple[str, ...]) -> int | str:
-    """A positive int or one of `words` (kept as the text), the error naming both."""
-    if text in words:
-        return text
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError as error:
-        listed = f" or {words[0]}" if len(words) == 1 else f", {', '.join(words[:-1])} or {words[-1]}"
-        raise argparse.ArgumentTypeError(str(error).replace(", got", f"{listed}, got", 1)) from None
-
-
-def auto_or_positive_int(text: str) -> int | str:
-    return positive_int_or(text, (AUTO,))
-
-
 def all_auto_or_positive_int(text: str) -> int | str | None:
-    return None if text == "all" else auto_or_positive_int(text)
+    return None if text == "all" else execution.auto_or_positive_int(text)
 
 
 def compact_blocks(text: str) -> int | str:

@@ -1,9 +1,10 @@
 """One step measured in one process (`measure_step`): both executions planned (the baseline per-trajectory, the
-compact one by `--planner`) on the same weights, the recomputed blocks searched where asked, a warm-up of each (on
-CUDA a whole untimed step, since Triton autotunes per sequence length; on CPU the first microbatch), then
-`--repeats` interleaved timed steps; medians, peak memory, the breakdown and, with `--profile`, the top ops of each
-execution's largest microbatch (`profile_microbatch`). `progress` keeps the phase reached and every finished step's
-seconds for an error row, and logs each step live. Tested end to end in tests/bench/speedup/test_run.py.
+compact one by `--planner`) on the same weights, each run by its `harts.engine.Engine`: the recomputed blocks
+searched where asked, a warm-up of each (on CUDA a whole untimed step, since Triton autotunes per sequence length; on
+CPU the first microbatch), then `--repeats` interleaved timed steps (`Engine.run` inside a `PeakMemory`); medians,
+peak memory, the device's total, the breakdown and, with `--profile`, the top ops of each execution's largest
+microbatch (`profile_microbatch`). `progress` keeps the phase reached and every finished step's seconds for an error
+row, and logs each step live. Tested end to end in tests/bench/speedup/test_run.py.
 """
 
 from __future__ import annotations
@@ -12,33 +13,40 @@ from typing import Any
 
 from harts.bench.speedup.breakdown import breakdown
 from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs
-from harts.bench.speedup.memory import PeakMemory
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
-from harts.bench.speedup.recompute import SEARCHED, search_recompute_blocks
+from harts.bench.speedup.recompute import SEARCHED, search_executions
+from harts import engine_memory
+from harts.engine_memory import PeakMemory
+
 
 def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]) -> dict[str, Any]:
     """The single-process record of one step; `progress` holds the current phase and the seconds of
     every finished step (kept in the error row if the run fails or is terminated)."""
-    from harts.objective.step import DTYPES, run_step
+    from harts.engine import Engine, PlannedStep
+    from harts.objective.step import DTYPES
     from harts.planning.microbatch import plan
     from harts.trees.io import check_vocabulary
     from harts.trees.trie import PrefixIndex
 
     check_vocabulary(step, model.config.vocab_size)
+    # Planned without the shared index: each planner's time includes building its own (the Core speedup's).
     plans = {
         "baseline": plan(step, args.capacity, 1, planner="per-trajectory"),
         "compact": plan(step, args.capacity, 1, planner=args.planner),
     }
-    microbatches = {name: p.members(step) for name, p in plans.items()}
     index = PrefixIndex.from_step(step)
+    planned = {name: PlannedStep(plan=p, microbatches=p.members(step), index=index, seconds=p.plan_seconds)
+               for name, p in plans.items()}
+    microbatches = {name: p.microbatches for name, p in planned.items()}
     requested = requested_blocks(args)
     num_blocks = model.config.num_layers
     configs = step_configs(args, dtype_name, {k: num_blocks if v in SEARCHED else v for k, v in requested.items()})
-    blocks, search = search_recompute_blocks(model, step, microbatches, configs, index, device, requested, progress)
-    configs = step_configs(args, dtype_name, blocks)
-    for name in configs:
+    engines = {name: Engine(model, configs[name]) for name in EXECUTIONS}
+    search = search_executions(engines, step, planned, requested, progress)
+    configs = {name: engine.config for name, engine in engines.items()}
+    for name in EXECUTIONS:
         progress["phase"] = f"{name} warm-up"
-        _warm(model, step, microbatches[name], configs[name], index, progress)
+        _warm(engines[name], step, planned[name], progress)
 
     samples: dict[str, list] = {"baseline": [], "compact": []}
     peaks = {"baseline": 0, "compact": 0}
@@ -47,8 +55,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         for name in EXECUTIONS:
             progress["phase"] = f"{name} {repeat + 1}/{args.repeats}"
             with PeakMemory(device) as memory:
-                result = run_step(model, step, microbatches[name], configs[name], index=index,
-                                  progress=progress["phase"])
+                result = engines[name].run(step, planned[name], progress=progress["phase"])
             _phase_done(progress, name, repeat + 1, result.seconds)
             model.zero_grad(set_to_none=True)
             # One process: one rank, and no gradient reduction.
@@ -61,6 +68,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
         for name in EXECUTIONS
     }
     results = step_results(model.config, step, index, executions, infos["compact"])
+    results["device_memory_bytes"] = engine_memory.device_memory_bytes(device)
     if search:
         results["recompute_search"] = search
     if device.type == "cuda":
@@ -74,28 +82,26 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     if args.profile:
         progress["phase"] = "profile"
         results["profile"] = {
-            name: profile_microbatch(model, step, max(microbatches[name], key=lambda m: int(step.lengths[m].sum())),
-                                     configs[name])
+            name: profile_microbatch(engines[name], step,
+                                     max(microbatches[name], key=lambda m: int(step.lengths[m].sum())))
             for name in EXECUTIONS
         }
     return results
 
 
-def _warm(model, step, microbatches, config, index, progress: dict[str, Any]) -> None:
+def _warm(engine, step, planned, progress: dict[str, Any]) -> None:
     """Run the microbatches once so kernels compile and autotune outside the timings: every one on
     CUDA (Triton autotune keys include sequence lengths, so a new length tunes again inside a timed
     step), the first one (as a step of its own) on CPU."""
     import numpy as np
 
-    from harts.objective.step import run_step
-
-    if next(model.parameters()).device.type == "cuda":
-        result = run_step(model, step, microbatches, config, index=index, progress=progress["phase"])
+    if next(engine.model.parameters()).device.type == "cuda":
+        result = engine.run(step, planned, progress=progress["phase"])
     else:
-        first = next(m for m in microbatches if len(m))
-        result = run_step(model, step.subset(first), [np.arange(len(first))], config)
-    _phase_done(progress, config.execution, 0, result.seconds)
-    model.zero_grad(set_to_none=True)
+        first = next(m for m in planned.microbatches if len(m))
+        result = engine.run_microbatches(step.subset(first), [np.arange(len(first))])
+    _phase_done(progress, engine.config.execution, 0, result.seconds)
+    engine.model.zero_grad(set_to_none=True)
 
 
 def _phase_done(progress: dict[str, Any], execution: str, repeat: int, seconds: dict[str, float]) -> None:
@@ -112,21 +118,19 @@ def _phase_done(progress: dict[str, Any], execution: str, repeat: int, seconds: 
 PROFILE_TOP = 60
 
 
-def profile_microbatch(model, step, members, config) -> dict[str, Any]:
-    """Forward + backward of one microbatch under torch.profiler: its size (trajectories, semantic
-    tokens, the rows the execution ran) and the top `PROFILE_TOP` ops by self device time on CUDA
-    (self CPU time on CPU), with their calls."""
+def profile_microbatch(engine, step, members) -> dict[str, Any]:
+    """Forward + backward of one microbatch of `engine`'s execution under torch.profiler: its size (trajectories,
+    semantic tokens, the rows the execution ran) and the top `PROFILE_TOP` ops by self device time on CUDA (self
+    CPU time on CPU), with their calls."""
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from harts.objective.step import run_step
-
-    cuda = next(model.parameters()).device.type == "cuda"
+    cuda = next(engine.model.parameters()).device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     subset = step.subset(np.asarray(members))
     with profile(activities=activities) as prof:
-        result = run_step(model, subset, [np.arange(len(members))], config)
-    model.zero_grad(set_to_none=True)
+        result = engine.run_microbatches(subset, [np.arange(len(members))])
+    engine.model.zero_grad(set_to_none=True)
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:PROFILE_TOP]

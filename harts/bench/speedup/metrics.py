@@ -169,8 +169,17 @@ def execution_results(samples, plan_seconds: float, peak: int, infos: list[dict]
         "attention_kv_rows": int(sum(i["attention_kv_rows"] for i in infos)),
         "attention_pairs": int(sum(i["attention_pairs"] for i in infos)),
         "kda_calls": [i["kda_calls"] for i in infos],
+        **_mtp_sizes(infos),
         "samples": samples,
     }
+
+
+def _mtp_sizes(infos: list[dict]) -> dict[str, list[int]]:
+    """Each MTP depth's rows and semantic positions summed over the layouts (nothing without MTP layers)."""
+    if not infos or "mtp_rows" not in infos[0]:
+        return {}
+    return {key: [int(sum(depth)) for depth in zip(*(i[key] for i in infos))]
+            for key in ("mtp_rows", "mtp_semantic_tokens")}
 
 
 def step_results(model_config, step, index, executions, compact_infos) -> dict[str, Any]:

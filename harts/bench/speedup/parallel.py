@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 from harts.bench.speedup.executions import EXECUTIONS, step_configs
-from harts.bench.speedup.memory import PeakMemory, sync
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
+from harts import engine_memory
+from harts.engine_memory import PeakMemory, sync
 
 PARALLEL_BREAKDOWN_SKIPPED = (
     "--parallel: the op-level breakdown is single-process only (it subtracts single-device op times from the "
@@ -89,7 +90,8 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
         name: [build_layout(step, m, model, configs[name], index).info for m in microbatches[name]]
         for name in EXECUTIONS
     }
-    return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos}
+    return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos,
+            "device_memory_bytes": engine_memory.device_memory_bytes(device)}
 
 
 def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dict[str, Any] | None:
@@ -121,6 +123,7 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name) -> dic
     index = PrefixIndex.from_step(step)
     results = step_results(model_config, step, index, executions, measured["layout_info"]["compact"])
     results["world_size"] = parallel.world_size
+    results["device_memory_bytes"] = measured["device_memory_bytes"]
     if args.device == "cuda":
         results.update(mfu_metrics(model_config, step, executions["baseline"], parallel.world_size))
     results["breakdown_skipped"] = PARALLEL_BREAKDOWN_SKIPPED

@@ -19,10 +19,10 @@ from typing import Any
 from harts.args import print_error
 from harts.bench.speedup.executions import EXECUTIONS, compact_recompute_blocks, knobs_of, requested_blocks
 from harts.bench.speedup.measure import measure_step
-from harts.bench.speedup.memory import release_memory
 from harts.bench.speedup.parallel import measure_parallel_step
 from harts.bench.speedup.recompute import check_recompute_flags, found_blocks
 from harts.bench.speedup.records import error_row, format_table, headline
+from harts.engine_memory import release_memory
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                     "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
                     "recompute_blocks": run_args.recompute_blocks,
                     "compact_recompute_blocks": compact_recompute_blocks(run_args),
+                    "memory_margin": run_args.memory_margin,
                     "recompute_by_rows": run_args.recompute_by_rows, "keep_attention": run_args.keep_attention,
                     "keep_kda_intermediates": run_args.keep_kda_intermediates,
                     "repeats": run_args.repeats,

@@ -1,8 +1,10 @@
 """Hugging Face checkpoints of HARTS's models: `config.json` + safetensors, sharded or not, both ways.
 
-One module per architecture holds its layout (harts.model.hf.kimi: Kimi-Linear; harts.model.hf.qwen3_next and
-qwen3_5_moe: Qwen3-Next and Qwen3.5-MoE's text model, the Gated DeltaNet family); this package reads and writes
-any of them:
+One module per architecture holds its layout (harts.model.hf.kimi: Kimi-Linear; harts.model.hf.bailing:
+BailingHybrid, Ling-3; harts.model.hf.qwen3_next and qwen3_5_moe: Qwen3-Next and Qwen3.5-MoE's text model, the
+Gated DeltaNet family); this package reads and writes any of them. A model config names its layout
+(`ModelConfig.hf_layout`, set by loading and by the shipped configs: `architecture_for`); a config.json by its
+model_type:
 - `load_hf_checkpoint(path, dtype=None, device=None) -> (HybridModel, ModelConfig)`: a checkpoint
   directory (config.json and model.safetensors, or model-XXXXX-of-YYYYY.safetensors shards listed
   by model.safetensors.index.json) into a model built on the meta device, allocated once in `dtype`
@@ -35,8 +37,8 @@ import torch
 from torch import nn
 
 from harts.files import atomic_path, write_text
-from harts.model.config import ModelConfig
-from harts.model.hf import kimi, qwen3_5_moe, qwen3_next
+from harts.model.config import HF_LAYOUTS, ModelConfig
+from harts.model.hf import bailing, kimi, qwen3_5_moe, qwen3_next
 from harts.model.hf.files import (
     DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SAFETENSORS_FLOATS, SINGLE_FILE, check_dtype, cut_shards, headers,
     read_json,
@@ -51,17 +53,16 @@ __all__ = [
     "load_hf_config", "model_config_from_hf", "save_hf_checkpoint", "save_hf_state",
 ]
 
-ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi, qwen3_next.MODEL_TYPE: qwen3_next,
-                                        qwen3_5_moe.MODEL_TYPE: qwen3_5_moe}
+ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi, bailing.MODEL_TYPE: bailing,
+                                        qwen3_next.MODEL_TYPE: qwen3_next, qwen3_5_moe.MODEL_TYPE: qwen3_5_moe}
 """config.json's model_type -> the module of its layout."""
+assert set(ARCHITECTURES) == set(HF_LAYOUTS), (set(ARCHITECTURES), HF_LAYOUTS)
 
 
 def architecture_for(config: ModelConfig) -> ModuleType:
-    """The layout a model of `config` is saved in: Kimi-Linear's, the one HARTS's KDA/MLA model config maps to."""
-    if config.gdn is not None or config.gated_attention is not None:
-        # The Gated DeltaNet family: Qwen3-Next's layout, or Qwen3.5-MoE's when its hf_model_type names it.
-        return qwen3_5_moe if config.hf_model_type == qwen3_5_moe.MODEL_TYPE else qwen3_next
-    return kimi
+    """The layout a model of `config` is saved in: the one its `hf_layout` names (ModelConfig resolves None to its
+    family's default: Kimi-Linear's for KDA/MLA, Qwen3-Next's for GDN / gated GQA)."""
+    return ARCHITECTURES[config.hf_layout]
 
 
 def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
@@ -170,7 +171,7 @@ def load_hf_checkpoint(
     if missing:
         raise ValueError(f"{source}: missing tensor '{missing[0]}' ({len(missing)} missing in all)")
     if config.tie_embeddings and "lm_head.weight" in names:
-        _check_tied_head(stored, names, config_path)
+        _check_tied_head(stored, names, config_path, architecture_for(config))
 
     model = empty_model(config, dtype=dtype or torch.float32, device=device)
     _check_coverage(model, slots)
@@ -188,7 +189,7 @@ def load_hf_checkpoint(
     return model, config
 
 
-def _check_tied_head(stored: dict, names: dict[str, str], config_path: Path) -> None:
+def _check_tied_head(stored: dict, names: dict[str, str], config_path: Path, architecture: ModuleType) -> None:
     """ValueError unless the stored lm_head.weight equals the embedding that tie_word_embeddings says it is:
     transformers would compute with the one, tying readers with the other."""
     from safetensors import safe_open
@@ -197,9 +198,10 @@ def _check_tied_head(stored: dict, names: dict[str, str], config_path: Path) -> 
         with safe_open(stored[names[layout_name]][0], "pt") as handle:
             return handle.get_tensor(names[layout_name])
 
-    if not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
+    embedding = architecture.EMBEDDING
+    if not torch.equal(read("lm_head.weight"), read(embedding)):
         file = stored[names["lm_head.weight"]][0]
-        raise ValueError(f"{file}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but "
+        raise ValueError(f"{file}: tensor 'lm_head.weight' differs from '{names[embedding]}', but "
                          f"{config_path} sets tie_word_embeddings (set it false if lm_head.weight is the head)")
 
 

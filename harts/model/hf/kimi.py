@@ -48,7 +48,9 @@ default it to false), MTP layers, quantised checkpoints, activations other than 
 heads, Moonshot's and transformers' keys that disagree; on saving, every feature at once with the
 setting to train with instead (`check_exportable`): a KDA gate rank other than head_dim, an
 output-gate bias (HARTS's default and the shipped configs' but kimi-tiny), rotated MLA, latent eps
-other than 1e-6, softmax routing, no expert bias, a shared expert that is not a whole number of experts.
+other than 1e-6, softmax routing, no expert bias, a shared expert that is not a whole number of experts,
+and BailingHybrid's options (full-rank KDA gates, the bounded decay gate, a gated or biased MLA, group-limited
+routing, SwiGLU limits: harts.model.hf.bailing's layout holds them).
 config.json's token ids and tokenizer data are not model parameters and are not read; saving
 writes them null. The training-only fields of `ModelConfig` (name, KDA chunk size, MoE loss
 coefficients, bias update rate, expert backend, MoE init std) travel under config.json's "harts"
@@ -79,6 +81,7 @@ from harts.model.hf.schema import Fields, Slot, agree, columns_t, expert_columns
 MODEL_TYPE = "kimi_linear"
 KIMI_TINY = "kimi-tiny"
 """The shipped model config (configs/models) of Kimi-Linear's convention that error messages point to."""
+EMBEDDING = "model.embed_tokens.weight"
 LATENT_NORM_EPS = 1e-6
 """Kimi-Linear's kv_a_layernorm (and q_a_layernorm) keep KimiRMSNorm's default eps."""
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".gate.weight", ".gate.e_score_correction_bias")
@@ -334,10 +337,26 @@ def _export_problems(config: ModelConfig) -> list[tuple[str, str]]:
     if moe.score_function != "sigmoid" or not moe.expert_bias:
         problems.append(("MoE routing other than sigmoid with an expert bias",
                          "moe.score_function: sigmoid, moe.expert_bias: true"))
+    if kda.full_rank_gates:
+        problems.append(("kda.full_rank_gates: true (f_a/f_b_proj and g_a/g_b_proj are low-rank)",
+                         "kda.full_rank_gates: false"))
+    if kda.gate_lower_bound is not None:
+        problems.append((f"kda.gate_lower_bound: {kda.gate_lower_bound} (Kimi-Linear's decay gate is the softplus "
+                         "one)", "kda.gate_lower_bound: null"))
+    if mla.output_gate or mla.attention_bias:
+        problems.append(("mla.output_gate or mla.attention_bias: true (Kimi-Linear's MLA has neither)",
+                         "mla.output_gate: false, mla.attention_bias: false"))
+    if moe.num_groups > 1:
+        problems.append((f"moe.num_groups: {moe.num_groups} (group-limited routing)", "moe.num_groups: 1"))
+    if config.expert_swiglu_limits is not None or config.shared_expert_swiglu_limits is not None:
+        problems.append(("SwiGLU limits (Kimi-Linear's experts are not clipped)",
+                         "expert_swiglu_limits: null, shared_expert_swiglu_limits: null"))
     if moe.shared_expert_hidden_size % moe.expert_hidden_size:
         problems.append((f"moe.shared_expert_hidden_size {moe.shared_expert_hidden_size} (not a multiple of "
                          f"expert_hidden_size {moe.expert_hidden_size})",
                          "a multiple of moe.expert_hidden_size for moe.shared_expert_hidden_size"))
+    if config.mtp is not None:
+        problems.append(("mtp (Kimi-Linear checkpoints hold no MTP layers)", "no mtp section"))
     return problems
 
 

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE's text layout (`model_type` "qwen3_5_moe_text", `Qwen3_5MoeForCausalLM`, e.g. the language model
 of Qwen3.5-35B-A3B): Qwen3-Next's (harts.model.hf.qwen3_next) but for the GDN input projections and the config.
 
-An architecture module of harts.model.hf, chosen for a GDN model whose `hf_model_type` is "qwen3_5_moe_text"
+An architecture module of harts.model.hf, chosen for a GDN model whose `hf_layout` is "qwen3_5_moe_text"
 (loading such a checkpoint sets it, so that it saves back in its own layout). Differences from Qwen3-Next, read
 from transformers 5.25's `Qwen3_5MoeTextConfig` / modeling_qwen3_5_moe.py and its `save_pretrained`:
 - the GDN projections are separate, with plain head order: linear_attn.in_proj_qkv [2·H·K + HV·V, D] (q, k, v:

@@ -4,7 +4,7 @@ with Qwen3.5-MoE's text layout (harts.model.hf.qwen3_5_moe).
 An architecture module of harts.model.hf (as kimi.py): `layout(config)`, `layout_name(stored, config)`,
 `model_config_from_hf(hf, where)` / `hf_config_from_model(config, dtype)`, `check_exportable(config)` and
 `FP32_SUFFIXES`. `architecture_for` picks it for a Gated DeltaNet model (`ModelConfig.gdn`) unless the model's
-`hf_model_type` names Qwen3.5's.
+`hf_layout` names Qwen3.5's.
 
 Read: transformers 5.25's `Qwen3NextConfig` (its keys and defaults) and modeling_qwen3_next.py (the tensors),
 and what its `save_pretrained` writes: the Hub's per-expert names (mlp.experts.{e}.{gate,up,down}_proj; its
@@ -242,7 +242,7 @@ def read_config(hf: dict, where: str, *, model_type: str) -> ModelConfig:
         "init_std": float(f.get("initializer_range", (int, float), 0.02)),
         "tie_embeddings": f.get("tie_word_embeddings", bool, False),
         "norm_zero_centered": True,
-        "hf_model_type": None if next_layout else model_type,
+        "hf_layout": model_type,
         "gdn": {
             "num_key_heads": f.require("linear_num_key_heads", int),
             "num_value_heads": f.require("linear_num_value_heads", int),

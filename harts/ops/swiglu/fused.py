@@ -11,8 +11,11 @@ its activation: out = w · swiglu(gate_up)) reads the projection and the unweigh
 row and writes d[gate | up] for dy = w · grad, dw = Σ_f swiglu(gate_up) · grad in fp32, and
 w · swiglu(gate_up) (the down projection's weight-gradient operand): one pass where PyTorch made
 five.
+With a clipping limit L (`HAS_LIMIT`, a compile-time branch: without one the kernels are the unclipped ones)
+the activation is min(silu(gate), L) · clamp(up, −L, L) and each factor's gradient passes inside its bound
+(bounds included), as `naive_swiglu`'s autograd.
 Tested against the fp32 reference under the Triton interpreter on CPU and in bf16 on CUDA
-(tests/ops/swiglu/test_swiglu.py).
+(tests/ops/swiglu/test_swiglu.py), with and without a limit.
 
 Legend: R rows, F the expert (intermediate) size, BR/BF the tile's rows/columns.
 """
@@ -35,28 +38,39 @@ def _tile(R, F, BR: tl.constexpr, BF: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_forward_kernel(a, y, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_forward_kernel(a, y, R, F, limit, BR: tl.constexpr, BF: tl.constexpr, HAS_LIMIT: tl.constexpr):
     row, col, m = _tile(R, F, BR, BF)
     gate = tl.load(a + row * (2 * F) + col, mask=m, other=0.0).to(tl.float32)
     up = tl.load(a + row * (2 * F) + F + col, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + row * F + col, (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty), mask=m)
+    if HAS_LIMIT:
+        act = tl.minimum(gate * tl.sigmoid(gate), limit) * tl.minimum(tl.maximum(up, -limit), limit)
+        tl.store(y + row * F + col, act.to(y.dtype.element_ty), mask=m)
+    else:
+        tl.store(y + row * F + col, (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _swiglu_backward_kernel(a, dy, da, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_backward_kernel(a, dy, da, R, F, limit, BR: tl.constexpr, BF: tl.constexpr, HAS_LIMIT: tl.constexpr):
     row, col, m = _tile(R, F, BR, BF)
     gate = tl.load(a + row * (2 * F) + col, mask=m, other=0.0).to(tl.float32)
     up = tl.load(a + row * (2 * F) + F + col, mask=m, other=0.0).to(tl.float32)
     grad = tl.load(dy + row * F + col, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = grad * gate * sig
+    if HAS_LIMIT:
+        silu = gate * sig
+        d_gate = tl.where(silu <= limit, grad * tl.minimum(tl.maximum(up, -limit), limit) * sig *
+                          (1.0 + gate * (1.0 - sig)), 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), grad * tl.minimum(silu, limit), 0.0)
+    else:
+        d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = grad * gate * sig
     tl.store(da + row * (2 * F) + col, d_gate.to(da.dtype.element_ty), mask=m)
     tl.store(da + row * (2 * F) + F + col, d_up.to(da.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _weighted_backward_kernel(a, w, grad, da, dw, wy, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _weighted_backward_kernel(a, w, grad, da, dw, wy, R, F, limit, BR: tl.constexpr, BF: tl.constexpr,
+                              HAS_LIMIT: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     row = o_r[:, None].to(tl.int64)
@@ -69,12 +83,22 @@ def _weighted_backward_kernel(a, w, grad, da, dw, wy, R, F, BR: tl.constexpr, BF
         up = tl.load(a + row * (2 * F) + F + col, mask=m, other=0.0).to(tl.float32)
         b_g = tl.load(grad + row * F + col, mask=m, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
-        act = gate * sig * up
-        acc += tl.sum(act * b_g, axis=1)
         scaled = b_g * b_w[:, None]
-        tl.store(da + row * (2 * F) + col, (scaled * up * sig * (1.0 + gate * (1.0 - sig))).to(da.dtype.element_ty),
-                 mask=m)
-        tl.store(da + row * (2 * F) + F + col, (scaled * gate * sig).to(da.dtype.element_ty), mask=m)
+        if HAS_LIMIT:
+            silu = gate * sig
+            clipped_silu = tl.minimum(silu, limit)
+            clipped_up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = clipped_silu * clipped_up
+            d_gate = tl.where(silu <= limit, scaled * clipped_up * sig * (1.0 + gate * (1.0 - sig)), 0.0)
+            d_up = tl.where((up >= -limit) & (up <= limit), scaled * clipped_silu, 0.0)
+            tl.store(da + row * (2 * F) + col, d_gate.to(da.dtype.element_ty), mask=m)
+            tl.store(da + row * (2 * F) + F + col, d_up.to(da.dtype.element_ty), mask=m)
+        else:
+            act = gate * sig * up
+            tl.store(da + row * (2 * F) + col,
+                     (scaled * up * sig * (1.0 + gate * (1.0 - sig))).to(da.dtype.element_ty), mask=m)
+            tl.store(da + row * (2 * F) + F + col, (scaled * gate * sig).to(da.dtype.element_ty), mask=m)
+        acc += tl.sum(act * b_g, axis=1)
         tl.store(wy + row * F + col, (act * b_w[:, None]).to(wy.dtype.element_ty), mask=m)
     tl.store(dw + o_r, acc.to(dw.dtype.element_ty), mask=m_r)
 
@@ -85,15 +109,17 @@ def _grid(num_rows: int, columns: int) -> tuple[int, int]:
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up_RF2):
+    def forward(ctx, gate_up_RF2, limit):
         gate_up_RF2 = gate_up_RF2.contiguous()
         num_rows, columns = gate_up_RF2.shape[0], gate_up_RF2.shape[1] // 2
         y = gate_up_RF2.new_empty(num_rows, columns)
         if num_rows:
             _swiglu_forward_kernel[_grid(num_rows, columns)](
-                gate_up_RF2, y, num_rows, columns, BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+                gate_up_RF2, y, num_rows, columns, _limit_value(limit), BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+                HAS_LIMIT=limit is not None,
             )
         ctx.save_for_backward(gate_up_RF2)
+        ctx.limit = limit
         return y
 
     @staticmethod
@@ -103,29 +129,35 @@ class _SwiGLU(torch.autograd.Function):
         d_gate_up = torch.empty_like(gate_up_RF2)
         if num_rows:
             _swiglu_backward_kernel[_grid(num_rows, columns)](
-                gate_up_RF2, dy.contiguous(), d_gate_up, num_rows, columns, BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+                gate_up_RF2, dy.contiguous(), d_gate_up, num_rows, columns, _limit_value(ctx.limit), BR=BLOCK_ROWS,
+                BF=BLOCK_COLUMNS, HAS_LIMIT=ctx.limit is not None,
             )
-        return d_gate_up
+        return d_gate_up, None
 
 
-def fused_swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
-    """[R, F] = silu(gate) ⊙ up for rows [R, 2F] = [gate | up], fp32 inside and one rounding to the
-    input dtype; differentiable.
+def _limit_value(limit: float | None) -> float:
+    """The kernels' `limit` argument: unused (a placeholder) without a limit, whose branch is compiled out."""
+    return 0.0 if limit is None else float(limit)
+
+
+def fused_swiglu(gate_up_RF2: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[R, F] = silu(gate) ⊙ up for rows [R, 2F] = [gate | up] (each factor clipped to `limit` when one is
+    given), fp32 inside and one rounding to the input dtype; differentiable.
 
     Example:
         >>> y = fused_swiglu(torch._grouped_mm(x, gate_up_proj, offs=ends))  # [R, 2F] bf16 on CUDA
     """
     if gate_up_RF2.dim() != 2 or gate_up_RF2.shape[1] % 2:
         raise ValueError(f"fused_swiglu: expected rows [R, 2F], got {tuple(gate_up_RF2.shape)}")
-    return _SwiGLU.apply(gate_up_RF2)
+    return _SwiGLU.apply(gate_up_RF2, limit)
 
 
 def fused_weighted_swiglu_backward(
-    gate_up_RF2: torch.Tensor, weight_R: torch.Tensor, grad_RF: torch.Tensor
+    gate_up_RF2: torch.Tensor, weight_R: torch.Tensor, grad_RF: torch.Tensor, limit: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of out = weight[:, None] · swiglu(gate_up) from grad = d out, one Triton kernel, fp32 inside:
-    (d gate_up in its dtype, d weight in the weight's dtype, weight · swiglu(gate_up) in gate_up's dtype).
-    Tested against `naive_weighted_swiglu_backward`."""
+    """Backward of out = weight[:, None] · swiglu(gate_up, limit) from grad = d out, one Triton kernel, fp32
+    inside: (d gate_up in its dtype, d weight in the weight's dtype, weight · swiglu(gate_up, limit) in gate_up's
+    dtype). Tested against `naive_weighted_swiglu_backward`."""
     if gate_up_RF2.dim() != 2 or gate_up_RF2.shape[1] % 2:
         raise ValueError(f"fused_weighted_swiglu_backward: expected rows [R, 2F], got {tuple(gate_up_RF2.shape)}")
     num_rows, columns = gate_up_RF2.shape[0], gate_up_RF2.shape[1] // 2
@@ -138,7 +170,7 @@ def fused_weighted_swiglu_backward(
     weighted = gate_up_RF2.new_empty(num_rows, columns)
     if num_rows:
         _weighted_backward_kernel[(triton.cdiv(num_rows, BLOCK_ROWS),)](
-            gate_up_RF2, weight_R, grad_RF, d_gate_up, d_weight, weighted, num_rows, columns,
-            BR=BLOCK_ROWS, BF=BLOCK_COLUMNS,
+            gate_up_RF2, weight_R, grad_RF, d_gate_up, d_weight, weighted, num_rows, columns, _limit_value(limit),
+            BR=BLOCK_ROWS, BF=BLOCK_COLUMNS, HAS_LIMIT=limit is not None,
         )
     return d_gate_up, d_weight, weighted

@@ -1,7 +1,7 @@
-"""The search for the fewest recomputed blocks (harts.bench.speedup.recompute): bisection against every threshold, a
-probe's answer on out of memory, and `harts bench speedup --recompute-blocks auto` and
-`--compact-recompute-blocks within-baseline` against simulated memory on the CPU (`AUTO_DEVICES` widened), with
-their errors."""
+"""The search for the fewest recomputed blocks (harts.engine_memory, harts.engine): bisection against every threshold,
+a probe's answer on out of memory, and `harts bench speedup --recompute-blocks auto` and
+`--compact-recompute-blocks within-baseline` against simulated memory on the CPU (harts.config.execution's
+`SEARCH_DEVICES` widened, the device's total memory simulated), with the memory margin and their errors."""
 
 import json
 import math
@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from harts.bench.speedup import recompute as recompute_module
-from harts.bench.speedup.recompute import fewest_recomputed_blocks, step_fits
+from harts import engine as engine_module
+from harts import engine_memory
 from harts.cli.main import main
+from harts.config import execution
+from harts.engine import Engine
+from harts.engine_memory import fewest_recomputed_blocks
 from tests.bench.speedup.helpers import speedup
 
 
@@ -34,38 +37,42 @@ def test_fewest_recomputed_blocks_bisects_from_every_block(num_blocks):
         assert all(1 <= n <= num_blocks for n in tried)
 
 
-def test_step_fits_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step_path, monkeypatch):
+def test_a_probe_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step_path, monkeypatch):
     """An out-of-memory error in the step is the answer "does not fit" (the gradients it left freed); a step that
-    runs fits; another error is raised."""
+    runs fits, at the blocks asked and not the engine's; another error is raised."""
     from harts.model.config import load_model_config
     from harts.model.model import HybridModel
-    from harts.objective import step as step_module
     from harts.objective.step import StepConfig
 
     _, step = tree_step_path
     model = HybridModel(load_model_config("tiny"))
     model.init_weights(0)
-    config = StepConfig(execution="baseline", recompute=True, recompute_blocks=2)
-    microbatches = [np.arange(step.num_trajectories)]
-    run_step = step_module.run_step
+    engine = Engine(model, StepConfig(execution="baseline", planner="per-trajectory", recompute=True,
+                                      recompute_blocks=4))
+    planned = engine.plan(step)
+    run_step = engine_module.run_step
+    blocks = []
 
     def out_of_memory(model, step, microbatches, config, **kwargs):
         run_step(model, step, microbatches, config, **kwargs)  # leaves gradients, as a backward that failed late
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    answer = step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+    monkeypatch.setattr(engine_module, "run_step", lambda *a, **k: blocks.append(a[3].recompute_blocks) or run_step(
+        *a, **k))
+    answer = engine.probe(step, planned, 2)
     assert answer["fits"] is True and answer["recompute_blocks"] == 2 and answer["seconds"] > 0
-    monkeypatch.setattr(step_module, "run_step", out_of_memory)
-    answer = step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+    assert blocks == [2] and engine.config.recompute_blocks == 4
+    monkeypatch.setattr(engine_module, "run_step", out_of_memory)
+    answer = engine.probe(step, planned, 2)
     assert answer["fits"] is False and all(p.grad is None for p in model.parameters())
-    monkeypatch.setattr(step_module, "run_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(engine_module, "run_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="other"):
-        step_fits(model, step, microbatches, config, None, torch.device("cpu"))
+        engine.probe(step, planned, 2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory():
+def test_a_probe_on_cuda_recovers_from_a_real_out_of_memory():
     """With the GPU's memory taken but for less than a step needs beyond the weights, the step runs out of memory:
     the answer is no, nothing it allocated stays, and the same step fits again once the memory is given back."""
     from harts.model.config import load_model_config
@@ -78,11 +85,13 @@ def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory():
     with device:
         model = HybridModel(load_model_config("tiny"))
     model.init_weights(0)
-    config = StepConfig(execution="baseline", recompute=True, recompute_blocks=2, dtype="bf16", kda_backend="torch")
-    microbatches = [np.arange(step.num_trajectories)]
-    assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
+    config = StepConfig(execution="baseline", planner="per-trajectory", recompute=True, recompute_blocks=2,
+                        dtype="bf16", kda_backend="torch")
+    engine = Engine(model, config)
+    planned = engine.plan(step)
+    assert engine.probe(step, planned, 2)["fits"] is True
     weights = torch.cuda.memory_allocated(device)
-    answer = step_fits(model, step, microbatches, config, None, device)
+    answer = engine.probe(step, planned, 2)
     assert answer["fits"] is True and torch.cuda.memory_allocated(device) == weights
     assert answer["peak_memory_bytes"] - weights > 8 << 20, "the step must need more than the 2 MB pieces left"
     # Take every byte the allocator can get: one large piece, then 2 MB pieces until none is left.
@@ -92,21 +101,26 @@ def test_step_fits_on_cuda_recovers_from_a_real_out_of_memory():
             taken.append(torch.empty(2 << 20, dtype=torch.uint8, device=device))
     except torch.OutOfMemoryError:
         pass
-    answer = step_fits(model, step, microbatches, config, None, device)
+    answer = engine.probe(step, planned, 2)
     del taken
     torch.cuda.empty_cache()
     assert answer["fits"] is False and torch.cuda.memory_allocated(device) == weights
-    assert step_fits(model, step, microbatches, config, None, device)["fits"] is True
+    assert engine.probe(step, planned, 2)["fits"] is True
+
+
+def _simulated_device(monkeypatch, total: int = 1 << 50) -> None:
+    """Let the CPU search (`SEARCH_DEVICES` widened) a device of `total` bytes (default: more than any probe's RSS,
+    so that only the simulated out-of-memory errors bind)."""
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: total)
 
 
 def _simulated_memory(monkeypatch, fewest):
     """run_step raises out of memory when an execution recomputes fewer blocks than `fewest[execution]`; the
     (execution, blocks) of every step that ran, in order."""
-    from harts.objective import step as step_module
-
-    monkeypatch.setattr(recompute_module, "AUTO_DEVICES", ("cpu", "cuda"))
+    _simulated_device(monkeypatch)
     ran = []
-    run_step = step_module.run_step
+    run_step = engine_module.run_step
 
     def simulated(model, step, microbatches, config, **kwargs):
         if config.recompute_blocks < fewest[config.execution]:
@@ -114,7 +128,7 @@ def _simulated_memory(monkeypatch, fewest):
         ran.append((config.execution, config.recompute_blocks))
         return run_step(model, step, microbatches, config, **kwargs)
 
-    monkeypatch.setattr(step_module, "run_step", simulated)
+    monkeypatch.setattr(engine_module, "run_step", simulated)
     return ran
 
 
@@ -133,6 +147,9 @@ def test_recompute_blocks_auto_finds_each_executions_fewest(tree_step_path, tmp_
                                ("compact", 2, [(4, True), (2, True), (1, False)])):
         assert search[name]["recompute_blocks"] == found
         assert [(p["recompute_blocks"], p["fits"]) for p in search[name]["probes"]] == tries
+        assert (search[name]["memory_margin"], search[name]["device_memory_bytes"]) == (0.05, 1 << 50)
+        assert search[name]["memory_limit_bytes"] == (1 << 50) - math.ceil((1 << 50) / 20)
+    assert config["memory_margin"] == 0.05 and records[0]["results"]["device_memory_bytes"] == 1 << 50
     # After the search: one warm-up and two timed steps of each execution, with the blocks found.
     assert ran[-6:] == [("baseline", 3), ("compact", 2)] + [("baseline", 3), ("compact", 2)] * 2
 
@@ -155,22 +172,24 @@ def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_st
     code = main(["bench", "speedup", "--model", "tiny", *flags, "--out", str(tmp_path / "none.json")])
     (record,) = json.loads((tmp_path / "none.json").read_text())
     assert code != 0 and record["config"]["recompute_blocks"] == "auto"
-    assert "the baseline execution: the step does not fit in memory even with every block (4)" in record["error"]
+    assert ("--recompute-blocks auto: the baseline execution: the step does not fit in 1069604.91 GB (the device's "
+            "1125899.91 GB less memory_margin 0.05) even with every block (4) recomputed: with every block it ran out "
+            "of memory") in record["error"]
 
 
-def _simulated_probes(monkeypatch, fewest, peaks):
-    """step_fits answers from tables: an execution fits from `fewest[execution]` blocks on, with the peak
-    `peaks[execution][blocks]`; the (execution, blocks) of every probe, in order."""
-    monkeypatch.setattr(recompute_module, "AUTO_DEVICES", ("cpu", "cuda"))
+def _simulated_probes(monkeypatch, fewest, peaks, total: int = 1 << 50):
+    """Engine.probe answers from tables: an execution fits from `fewest[execution]` blocks on, with the peak
+    `peaks[execution][blocks]`, on a device of `total` bytes; the (execution, blocks) of every probe, in order."""
+    _simulated_device(monkeypatch, total)
     probed = []
 
-    def simulated(model, step, microbatches, config, index, device):
-        blocks = config.recompute_blocks
-        probed.append((config.execution, blocks))
-        return {"recompute_blocks": blocks, "fits": blocks >= fewest[config.execution],
-                "peak_memory_bytes": peaks[config.execution][blocks], "seconds": 0.0}
+    def simulated(engine, step, planned, blocks):
+        execution_name = engine.config.execution
+        probed.append((execution_name, blocks))
+        return {"recompute_blocks": blocks, "fits": blocks >= fewest[execution_name],
+                "peak_memory_bytes": peaks[execution_name][blocks], "seconds": 0.0}
 
-    monkeypatch.setattr(recompute_module, "step_fits", simulated)
+    monkeypatch.setattr(Engine, "probe", simulated)
     return probed
 
 
@@ -203,6 +222,31 @@ def test_compact_recompute_blocks_within_baseline(baseline_flag, fewest, peaks, 
         assert baseline_probe["recompute_blocks"] == 2 and config["recompute_blocks_auto"] == ["compact"]
 
 
+@pytest.mark.parametrize(("margin", "found", "limit"), [
+    ("0.1", 3, 900),  # 2 blocks peak at 901: one byte over
+    ("0.05", 2, 950),  # 1 block peaks at 960
+    ("0", 1, 1000),
+], ids=["margin-binds-at-3", "margin-binds-at-2", "no-margin"])
+def test_recompute_blocks_auto_leaves_the_memory_margin(margin, found, limit, tree_step_path, tmp_path, capsys,
+                                                        monkeypatch):
+    """auto takes the fewest blocks whose step peaks at most the device's total (1,000 bytes here) less
+    --memory-margin of it (a probe that ran is refused above that); the record holds the margin, the device's total
+    and the limit."""
+    peaks = {"compact": {4: 700, 2: 901, 3: 900, 1: 960}}
+    _simulated_probes(monkeypatch, {"compact": 1}, peaks, total=1000)
+    path, _ = tree_step_path
+    code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                 "--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "auto",
+                                 "--memory-margin", margin], tmp_path, capsys)
+    assert code == 0, records
+    config, results = records[0]["config"], records[0]["results"]
+    search = results["recompute_search"]["compact"]
+    assert config["compact_recompute_blocks"] == found and config["memory_margin"] == float(margin)
+    assert (search["memory_margin"], search["device_memory_bytes"], search["memory_limit_bytes"]) == (
+        float(margin), 1000, limit)
+    assert results["device_memory_bytes"] == 1000
+
+
 def test_compact_recompute_blocks_within_baseline_when_nothing_is(tree_step_path, tmp_path, capsys, monkeypatch):
     _simulated_probes(monkeypatch, {"baseline": 1, "compact": 1}, {"baseline": {2: 50}, "compact": {4: 60}})
     path, _ = tree_step_path
@@ -211,8 +255,9 @@ def test_compact_recompute_blocks_within_baseline_when_nothing_is(tree_step_path
                                  "--compact-recompute-blocks", "within-baseline"], tmp_path, capsys)
     (record,) = records
     assert code != 0 and record["config"]["compact_recompute_blocks"] == "within-baseline"
-    assert ("--compact-recompute-blocks within-baseline: the compact execution: the step does not fit within the "
-            "baseline's peak (0.00 GB) even with every block (4) recomputed") in record["error"]
+    assert ("--compact-recompute-blocks within-baseline: the compact execution: the step does not fit in "
+            "1069604.91 GB (the device's 1125899.91 GB less memory_margin 0.05) and within the baseline's peak "
+            "(0.00 GB) even with every block (4) recomputed: with every block it peaked at 0.00 GB") in record["error"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -243,7 +288,7 @@ def test_recompute_blocks_auto_errors(flags, message, tree_step_path, tmp_path, 
 
 
 def test_recompute_blocks_auto_needs_one_process(tree_step_path, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(recompute_module, "AUTO_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
     path, _ = tree_step_path
     code = main(["bench", "speedup", "--model", "tiny", "--trees", path, "--recompute", "--recompute-blocks",
                  "auto", "--parallel", "dp2", "--out", str(tmp_path / "bad.json")])

@@ -39,10 +39,10 @@ def test_sigterm_ends_the_run_with_an_error_row_keeping_the_finished_steps(tree_
                                                                           monkeypatch):
     import signal
 
-    import harts.objective.step as step_module
+    from harts import engine as engine_module  # the name the engine calls
 
     path, _ = tree_step_path
-    monkeypatch.setattr(step_module, "run_step", sigterm_on_call(step_module.run_step, 2))
+    monkeypatch.setattr(engine_module, "run_step", sigterm_on_call(engine_module.run_step, 2))
     before = signal.getsignal(signal.SIGTERM)
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1"], tmp_path, capsys)
     assert code == 128 + signal.SIGTERM and len(records) == 1
@@ -100,7 +100,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
                               kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
                               keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
                               compact_recompute_blocks=None, recompute_by_rows=False, planner="harts", capacity=80,
-                              experts_backend=None, dtype=None)
+                              experts_backend=None, dtype=None, memory_margin=0.05)
     configs = step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
@@ -128,11 +128,11 @@ def test_recompute_blocks(tree_step_path, tmp_path, capsys):
 def test_compact_recompute_blocks_and_recompute_by_rows(tree_step_path, tmp_path, capsys, monkeypatch):
     """--compact-recompute-blocks reaches the compact execution's StepConfig only and --recompute-by-rows both,
     and the record names both; each without what it needs is a one-line error, no record."""
-    from harts.objective import step as step_module
+    from harts import engine as engine_module  # the name the engine calls
 
     seen = []
-    run_step = step_module.run_step
-    monkeypatch.setattr(step_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
+    run_step = engine_module.run_step
+    monkeypatch.setattr(engine_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
         (config.execution, config.recompute_blocks, config.recompute_by_rows)) or run_step(
         model, step, microbatches, config, **k))
     path, _ = tree_step_path
@@ -195,9 +195,9 @@ def test_single_process_record(tree_step_path, tmp_path, capsys):
 
 
 def test_bf16_parameters_with_fp32_gradients(tree_step_path, tmp_path, capsys, monkeypatch):
-    import harts.objective.step as step_module
+    from harts import engine as engine_module  # the name the engine calls
 
-    run_step = step_module.run_step
+    run_step = engine_module.run_step
     seen = []
 
     def spy(model, *args, **kwargs):
@@ -206,7 +206,7 @@ def test_bf16_parameters_with_fp32_gradients(tree_step_path, tmp_path, capsys, m
         seen.append((matrices[0].dtype, any(p.grad is not None for p in matrices)))
         return result
 
-    monkeypatch.setattr(step_module, "run_step", spy)
+    monkeypatch.setattr(engine_module, "run_step", spy)
     path, step = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--dtype", "bf16",
                                  "--params", "bf16", "--no-breakdown"], tmp_path, capsys)
@@ -252,11 +252,11 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
     record with the settings its variant gave and its run steps with those settings; a variant that fails is its
     own error row."""
     import harts.model.model as model_module
-    import harts.objective.step as step_module
+    from harts import engine as engine_module  # the name the engine calls
 
     path, step = tree_step_path
     seen, builds, chunks = [], [], set()
-    run_step = step_module.run_step
+    run_step = engine_module.run_step
     init = model_module.HybridModel.__init__
 
     def recording_run_step(model, step, microbatches, config, **kwargs):
@@ -269,7 +269,7 @@ def test_variants_run_in_one_process_each_with_its_settings(tree_step_path, tmp_
         builds.append(1)
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(step_module, "run_step", recording_run_step)
+    monkeypatch.setattr(engine_module, "run_step", recording_run_step)
     monkeypatch.setattr(model_module.HybridModel, "__init__", counting_init)
     too_small = int(step.lengths.max()) - 1
     code, records, printed = speedup(
@@ -312,11 +312,11 @@ def test_a_variant_can_give_the_compact_execution_the_baseline_blocks_again(tree
                                                                            monkeypatch):
     """`compact-recompute-blocks=same` undoes the run's own --compact-recompute-blocks: the stricter reading (the
     same blocks in both executions) measured beside the run's in one process."""
-    from harts.objective import step as step_module
+    from harts import engine as engine_module  # the name the engine calls
 
     seen = []
-    run_step = step_module.run_step
-    monkeypatch.setattr(step_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
+    run_step = engine_module.run_step
+    monkeypatch.setattr(engine_module, "run_step", lambda model, step, microbatches, config, **k: seen.append(
         (config.execution, config.recompute_blocks)) or run_step(model, step, microbatches, config, **k))
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",

@@ -166,9 +166,11 @@ def case_compact() -> dict[str, float]:
     return errors
 
 
-def case_gate() -> dict[str, float]:
-    """fla's fused gate (`kda_gate`'s CUDA path) against `naive_kda_gate` in fp64: g and the
-    gradients of the input, A_log and dt_bias; rows not a multiple of its tile."""
+def case_gate(lower_bound: float | None = None) -> dict[str, float]:
+    """fla's fused gate (`kda_gate`'s CUDA path, the bounded branch with `lower_bound`) against `naive_kda_gate`
+    in fp64: g and the gradients of the input, A_log and dt_bias; rows not a multiple of its tile."""
+    from functools import partial
+
     import torch
     from fla.ops.kda.gate import fused_kda_gate
 
@@ -183,7 +185,8 @@ def case_gate() -> dict[str, float]:
     dt_bias = torch.randn(heads * head_dim, generator=gen)
     upstream = torch.randn(rows, heads, head_dim, generator=gen)
     results = []
-    for run, dtype in ((naive_kda_gate, torch.float64), (fused_kda_gate, torch.float32)):
+    for run, dtype in ((partial(naive_kda_gate, lower_bound=lower_bound), torch.float64),
+                       (partial(fused_kda_gate, lower_bound=lower_bound), torch.float32)):
         results.append(value_and_grads(run, [x.to(dtype).requires_grad_() for x in (f, A_log, dt_bias)], upstream))
     names = ("g", "df", "dA_log", "ddt_bias")
     return {name: relative_error(actual, expected) for name, actual, expected in zip(names, *results[::-1])}
@@ -249,5 +252,6 @@ def case_packed() -> dict[str, float]:
 
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"states": case_states, "compact": case_compact, "gate": case_gate, "packed": case_packed}[sys.argv[1]]
+    case = {"states": case_states, "compact": case_compact, "gate": case_gate, "packed": case_packed,
+            "gate-lower-bound": lambda: case_gate(lower_bound=-5.0)}[sys.argv[1]]
     print(json.dumps(case()))

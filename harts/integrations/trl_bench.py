@@ -1,0 +1,380 @@
+"""`harts bench trl`: the time of a GRPO update through TRL's `GRPOTrainer`, stock and with HARTS
+(`HARTSGRPOTrainer`), on the same batch of GRPO groups with long shared prompts.
+
+The model is a shipped model config (or a YAML path) in its Kimi-Linear form (`kimi_linear_form`: the KDA output
+gate and the NoPE MLA of Kimi-Linear, chunks of 64 as fla's `chunk_kda`), initialised from `--seed` and saved as a
+Hugging Face checkpoint that transformers loads as `KimiLinearForCausalLM`, as the trainer runs today. The batch
+(`grpo_batch`) is `--prompts` random prompts of `--prompt-length` tokens, each with `--generations` random
+completions of `--completion-length` tokens at most (lengths uniform in [half, all]; right-padded) and advantages
+normalised within each group as TRL's `scale_rewards="group"`: it is what TRL's generation and rewards would hand
+the update, so generation and rewards are not run (`_generate_and_score_completions` returns the batch).
+
+Each trainer runs `trainer.train()` for `--warmup` + `--repeats` steps of one micro-batch (the whole batch, TRL's
+dapo loss, on-policy); a callback times each step from `on_step_begin` to `on_step_end` (log-probs, loss, backward,
+gradient clipping at TRL's max_grad_norm, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the
+median of the steps after the warm-up is the figure. The trainers run one after the other, each on a fresh copy of
+the checkpoint. The parameters stay fp32; on CUDA both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype
+bf16: HARTS's grouped experts take bf16 only), on the CPU in fp32.
+
+Fidelity, HARTS against stock TRL from the same weights: the per-token log-probs and entropies of the batch's
+completions (`_get_per_token_logps_and_entropies`, before training), the first step's loss (on-policy dapo: the
+ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients after
+clipping (relative difference of the whole gradient vector) and the parameters after it (largest difference, beside
+the largest change the step made). One record per run (`harts.tracking.records`), written after each trainer; a
+trainer that fails leaves an `error` in its entry and the command exits 1.
+
+This lives beside the TRL integration rather than in harts.bench: the benchmarks must not import the
+integrations (tests/test_imports.py). Tested on the CPU in tests/integrations/test_trl_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from harts.args import non_negative_int, positive_float, positive_int
+
+logger = logging.getLogger(__name__)
+
+PAD, EOS, UNK = 0, 1, 2
+FIRST_TOKEN = 3
+"""The batch's tokens are drawn from [FIRST_TOKEN, vocabulary): never the tokenizer's pad, eos or unknown ids."""
+TRAINERS = ("trl", "harts")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd")
+"""TRL's optimizer names the command takes (the first is TRL's default)."""
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("trl", help="time a GRPO update through TRL's GRPOTrainer, stock and with HARTS")
+    parser.add_argument("--model", default="h200", help="configs/models NAME or a YAML path (run in its "
+                        "Kimi-Linear form)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--prompts", type=positive_int, default=4, help="GRPO groups (distinct prompts)")
+    parser.add_argument("--generations", type=positive_int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--prompt-length", type=positive_int, default=2048, help="tokens of every prompt")
+    parser.add_argument("--completion-length", type=positive_int, default=256,
+                        help="longest completion (each is uniform in [half, all] tokens)")
+    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps first (the first one is "
+                        "the fidelity step)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps")
+    parser.add_argument("--optim", choices=OPTIMIZERS, default=OPTIMIZERS[0], help="TRL's optimizer (default: TRL's)")
+    parser.add_argument("--lr", type=positive_float, default=1e-6, help="learning rate (TRL's default)")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="TRL's gradient_checkpointing (default on, as TRL's), HARTS's recompute")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model weights and batch")
+    parser.add_argument("--out", default=None, help="JSON records (default reports/raw/trl/MODEL-DEVICE.json)")
+    parser.set_defaults(run=run, files=lambda a: ([output_path(a)], []))
+
+
+def output_path(args: argparse.Namespace) -> str:
+    return args.out or f"reports/raw/trl/{Path(args.model).stem}-{args.device}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    """`harts bench trl`: 0 when both trainers were measured, 1 when one failed."""
+    import torch
+
+    from harts.config import config_to_dict
+    from harts.extras import require
+    from harts.model.config import load_model_config
+    from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    trl = require("trl", "harts bench trl")
+    import transformers  # a dependency of trl
+
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    config = kimi_linear_form(load_model_config(args.model))
+    if config.vocab_size <= FIRST_TOKEN:
+        raise ValueError(f"--model {args.model}: vocab_size {config.vocab_size} leaves no token besides the "
+                         f"tokenizer's {FIRST_TOKEN} special ones")
+    out = Path(output_path(args))
+    record_config = {
+        "model": config.name, "model_config": config_to_dict(config), "device": args.device, "dtype": dtype,
+        "params": "fp32", "prompts": args.prompts, "generations": args.generations,
+        "prompt_length": args.prompt_length, "completion_length": args.completion_length, "warmup": args.warmup,
+        "repeats": args.repeats, "optim": args.optim, "lr": args.lr, "gradient_checkpointing":
+        args.gradient_checkpointing, "loss_type": "dapo", "seed": args.seed, "trl": trl.__version__,
+        "transformers": transformers.__version__,
+    }
+    with sigterm_raises():
+        try:
+            results = measure(args, config, dtype, lambda partial: write_records(
+                [make_record("trl", record_config, partial)], out))
+            record = make_record("trl", record_config, results)
+        except Terminated as error:
+            record = make_record("trl", record_config, error=error_message(error))
+        write_records([record], out)
+    logger.info(f"wrote {out}")
+    return 0 if "results" in record and all("error" not in record["results"][name] for name in TRAINERS) else 1
+
+
+def kimi_linear_form(config):
+    """`config` with what the Kimi-Linear layout holds (`harts.model.hf.check_exportable`): the KDA output gate
+    of rank head_dim without bias, the NoPE MLA, the latent norm's eps; chunks of 64 as fla's `chunk_kda` (which
+    transformers' model calls on CUDA; HARTS's fla kernels take 32 or 64). ValueError for what it cannot change."""
+    from dataclasses import replace
+
+    from harts.model.hf import check_exportable
+    from harts.model.hf.kimi import LATENT_NORM_EPS
+
+    kda = replace(config.kda, gate_rank=config.kda.head_dim, output_gate_bias=False, chunk_size=64)
+    mla = replace(config.mla, use_rope=False, latent_norm_eps=LATENT_NORM_EPS)
+    form = replace(config, kda=kda, mla=mla)
+    check_exportable(form)
+    return form
+
+
+def grpo_batch(*, num_prompts: int, num_generations: int, prompt_length: int, completion_length: int,
+               vocab_size: int, seed: int) -> dict:
+    """TRL's generation batch (what `_generate_and_score_completions` returns) of random GRPO groups: each prompt
+    repeated for its `num_generations` completions (rows of a group adjacent), prompts unpadded, completions
+    right-padded with PAD, advantages (r - mean) / (std + 1e-4) of uniform rewards within each group."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    num_rows = num_prompts * num_generations
+    prompts = np.repeat(rng.integers(FIRST_TOKEN, vocab_size, (num_prompts, prompt_length)), num_generations, axis=0)
+    lengths = rng.integers((completion_length + 1) // 2, completion_length + 1, num_rows)
+    completion_mask = np.arange(completion_length)[None, :] < lengths[:, None]
+    completions = np.where(completion_mask, rng.integers(FIRST_TOKEN, vocab_size, (num_rows, completion_length)), PAD)
+    rewards = torch.from_numpy(rng.random((num_prompts, num_generations)))
+    # torch's std is TRL's (unbiased); a group of one has none.
+    std = rewards.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros(num_prompts, 1)
+    advantages = ((rewards - rewards.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten().float()
+    completion_mask_t = torch.from_numpy(completion_mask).long()
+    return {
+        "prompt_ids": torch.from_numpy(prompts),
+        "prompt_mask": torch.ones(num_rows, prompt_length, dtype=torch.long),
+        "completion_ids": torch.from_numpy(completions),
+        "completion_mask": completion_mask_t,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask_t.sum(),
+    }
+
+
+class FixedBatch:
+    """Mixed into a GRPOTrainer: every generation returns `bench_batch` (no generation, no reward)."""
+
+    bench_batch: dict
+
+    def _generate_and_score_completions(self, inputs):
+        return dict(self.bench_batch)
+
+
+class StepTimes:
+    """Mixed into a transformers `TrainerCallback`: each optimizer step's seconds (`on_step_begin` to `on_step_end`,
+    synchronised on CUDA), and the first step's gradients and parameters copied to the CPU outside the timing."""
+
+    def __init__(self, total_steps: int, label: str) -> None:
+        self.total_steps, self.label = total_steps, label
+        self.seconds: list[float] = []
+        self.first_gradients: dict | None = None
+        self.first_parameters: dict | None = None
+        self._start = 0.0
+
+    @staticmethod
+    def _synchronize() -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._synchronize()
+        self._start = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            self.first_gradients = {n: _cpu_copy(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._synchronize()
+        self.seconds.append(time.perf_counter() - self._start)
+        if state.global_step == 1:
+            self.first_parameters = {n: _cpu_copy(p) for n, p in model.named_parameters()}
+        logger.info(f"{self.label}: step {state.global_step}/{self.total_steps} {self.seconds[-1]:.3f} s")
+
+
+def _cpu_copy(tensor):
+    """An fp32 copy on the CPU (never a view of a CPU tensor that later steps update in place)."""
+    import torch
+
+    return tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def measure(args: argparse.Namespace, config, dtype: str, progress) -> dict:
+    """Both trainers on the batch (module docstring): {"rows", "trl", "harts", "speedup", "fidelity"}, a trainer
+    that failed holding {"error"}; `progress(results)` is called with the results so far after each trainer."""
+    import gc
+    import tempfile
+    import traceback
+
+    import torch
+
+    from harts.model.hf import save_hf_checkpoint
+    from harts.model.model import HybridModel
+    from harts.tracking.records import error_message
+
+    batch = grpo_batch(num_prompts=args.prompts, num_generations=args.generations, prompt_length=args.prompt_length,
+                       completion_length=args.completion_length, vocab_size=config.vocab_size, seed=args.seed)
+    num_rows = batch["prompt_ids"].size(0)
+    rows = {"padded": num_rows * (args.prompt_length + args.completion_length),
+            "tokens": num_rows * args.prompt_length + int(batch["num_items_in_batch"])}
+    results: dict[str, Any] = {"rows": rows}
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="harts-bench-trl-") as root:
+        logger.info(f"trl bench: {config.name} (Kimi-Linear form): initialising and saving a Hugging Face checkpoint")
+        model = HybridModel(config)
+        model.init_weights(args.seed)
+        checkpoint = Path(root) / "model"
+        save_hf_checkpoint(model, checkpoint)
+        del model
+        for name in TRAINERS:
+            try:
+                runs[name] = _train(name, args, dtype, checkpoint, batch, Path(root) / name)
+                results[name] = _summary(runs[name], args.warmup)
+            except Exception as error:  # noqa: BLE001 - a failing trainer is an error entry, the other still runs
+                logger.info(f"trl bench: {name} failed:\n{traceback.format_exc().rstrip()}")
+                results[name] = {"error": error_message(error)}
+            finally:
+                gc.collect()  # a failed trainer's frames and the trainer's reference cycles hold the GPU memory
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            progress(dict(results))
+    if all(name in runs for name in TRAINERS):
+        rows["compact"] = runs["harts"]["rows_per_step"]
+        results["speedup"] = results["trl"]["step_seconds"] / results["harts"]["step_seconds"]
+        results["fidelity"] = fidelity(runs["trl"], runs["harts"], batch["completion_mask"].bool())
+        logger.info(f"trl bench: TRL {results['trl']['step_seconds']:.4f} s, HARTS "
+                    f"{results['harts']['step_seconds']:.4f} s per step: {results['speedup']:.2f}x; rows padded "
+                    f"{rows['padded']:,}, tokens {rows['tokens']:,}, compact {rows['compact']:,}; "
+                    + ", ".join(f"{key} {value:.2e}" for key, value in results["fidelity"].items()))
+    return results
+
+
+def _tokenizer():
+    """A word-level tokenizer of the special tokens and one word (TRL's trainer needs a processing class; nothing
+    is tokenized or decoded, since generation is not run)."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, "a": FIRST_TOKEN}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                                pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _train(name: str, args: argparse.Namespace, dtype: str, checkpoint: Path, batch: dict, output_dir: Path) -> dict:
+    """One trainer's run: its step seconds and losses, first gradients and parameters (and the initial ones for
+    TRL), log-probs and entropies of the batch, what it ran, HARTS's rows per step, peak memory on CUDA."""
+    import dataclasses
+    import importlib.util
+
+    import datasets
+    import torch
+    import transformers
+
+    import trl
+    from harts.integrations.trl import HARTSGRPOTrainer
+
+    base = HARTSGRPOTrainer if name == "harts" else trl.GRPOTrainer
+    label = "HARTS GRPOTrainer" if name == "harts" else "TRL GRPOTrainer"
+    total_steps = args.warmup + args.repeats
+    logger.info(f"trl bench: {label}: loading the checkpoint")
+    device = torch.device(args.device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    initial = {n: _cpu_copy(p) for n, p in model.named_parameters()} if name == "trl" else None
+    # transformers >= 5.25 names TRL's gradient_checkpointing activation_checkpointing (the old name warns).
+    fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    grpo_args = trl.GRPOConfig(
+        output_dir=str(output_dir), num_generations=args.generations,
+        per_device_train_batch_size=batch["prompt_ids"].size(0), max_completion_length=args.completion_length,
+        max_steps=total_steps, learning_rate=args.lr, optim=args.optim, lr_scheduler_type="constant",
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=args.seed,
+        use_cpu=device.type == "cpu", bf16=dtype == "bf16", **{checkpointing: args.gradient_checkpointing},
+    )
+    timer = type("StepTimer", (StepTimes, transformers.TrainerCallback), {})(total_steps, label)
+    trainer = type(f"Bench{base.__name__}", (FixedBatch, base), {})(
+        model=model, reward_funcs=_no_reward, args=grpo_args, processing_class=_tokenizer(),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["a"] * args.prompts}), callbacks=[timer],
+    )
+    trainer.remove_callback(transformers.PrinterCallback)
+    trainer.bench_batch = {key: value.to(device) for key, value in batch.items()}
+    logger.info(f"trl bench: {label}: log-probs of the batch")
+    input_ids = torch.cat([trainer.bench_batch["prompt_ids"], trainer.bench_batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([trainer.bench_batch["prompt_mask"], trainer.bench_batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        log_probs, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, args.completion_length, compute_entropy=True)
+    rows_before = trainer.harts_counts["rows"] if name == "harts" else 0
+    logger.info(f"trl bench: {label}: {total_steps} steps ({args.warmup} warm-up)")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(timer.seconds) == total_steps == len(losses), (len(timer.seconds), len(losses), total_steps)
+    if name == "harts":
+        knobs = ("execution", "dtype", "recompute", "attention_backend", "kda_backend", "experts_backend")
+        ran = {knob: getattr(trainer.harts_config, knob) for knob in knobs}
+    else:  # what transformers' model runs: its KDA and conv fall back to PyTorch without these packages on CUDA
+        ran = {"attn_implementation": getattr(model.config, "_attn_implementation", None),
+               "experts_implementation": getattr(model.config, "_experts_implementation", None),
+               **{f"{package}_installed": importlib.util.find_spec(package) is not None
+                  for package in ("fla", "causal_conv1d")}}
+    run = {
+        "seconds": timer.seconds, "losses": losses, "gradients": timer.first_gradients,
+        "parameters": timer.first_parameters, "initial": initial, "log_probs": log_probs.float().cpu(),
+        "entropy": entropy.float().cpu(), "ran": ran,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
+    if name == "harts":
+        rows, remainder = divmod(trainer.harts_counts["rows"] - rows_before, total_steps)
+        assert remainder == 0, "every step computes the same batch"
+        run["rows_per_step"] = rows
+    return run
+
+
+def _no_reward(completions, **kwargs):
+    raise AssertionError("harts bench trl: the reward is never computed (the batch carries its advantages)")
+
+
+def _summary(run: dict, warmup: int) -> dict:
+    import statistics
+
+    timed = run["seconds"][warmup:]
+    summary = {"step_seconds": statistics.median(timed), "step_seconds_min": min(timed),
+               "step_seconds_max": max(timed), "step_seconds_all": run["seconds"], "first_loss": run["losses"][0],
+               "losses": run["losses"], "peak_memory_gib": run["peak_memory_gib"], "ran": run["ran"]}
+    if "rows_per_step" in run:
+        summary["rows_per_step"] = run["rows_per_step"]
+    return summary
+
+
+def fidelity(trl_run: dict, harts_run: dict, completion_mask) -> dict:
+    """HARTS against TRL: log-prob and entropy (completion tokens), first loss, first gradients (relative), and
+    parameters after the first step, beside the largest change that step made."""
+    import torch
+
+    def masked_max(a, b) -> float:
+        return float(torch.where(completion_mask, (a - b).abs(), 0.0).max())
+
+    assert set(harts_run["gradients"]) == set(trl_run["gradients"]), "the trainers' models differ"
+    gradient_error = sum(float((harts_run["gradients"][n] - g).square().sum()) for n, g in trl_run["gradients"].items())
+    gradient_norm = sum(float(g.square().sum()) for g in trl_run["gradients"].values())
+    return {
+        "log_prob_max_abs_difference": masked_max(harts_run["log_probs"], trl_run["log_probs"]),
+        "entropy_max_abs_difference": masked_max(harts_run["entropy"], trl_run["entropy"]),
+        "first_loss_abs_difference": abs(harts_run["losses"][0] - trl_run["losses"][0]),
+        "gradient_relative_difference": (gradient_error / gradient_norm) ** 0.5 if gradient_norm else gradient_error,
+        "parameter_max_abs_difference": max(float((harts_run["parameters"][n] - p).abs().max())
+                                            for n, p in trl_run["parameters"].items()),
+        "parameter_max_change": max(float((trl_run["parameters"][n] - p).abs().max())
+                                    for n, p in trl_run["initial"].items()),
+    }
