@@ -61,8 +61,14 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mla = load_model_config(args.model).mla
-    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    model = load_model_config(args.model)
+    if model.mla is not None:
+        mla = model.mla
+        heads, qk_dim, v_dim = mla.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    else:
+        # Gated GQA attends with its KV heads repeated to every query head (harts.model.gdn).
+        heads, qk_dim = model.gated_attention.num_heads, model.gated_attention.head_dim
+        v_dim = qk_dim
     backends = [b for b in args.backends.split(",") if b]
     (_, step, meta), = iter_steps(args.trees, args.seed, [args.step])
     layouts = _layouts(step, args.capacity, args.microbatches)
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(0)
 
     def inputs(rows):
-        shapes = ((rows, mla.num_heads, qk_dim), (rows, mla.num_heads, qk_dim), (rows, mla.num_heads, mla.v_head_dim))
+        shapes = ((rows, heads, qk_dim), (rows, heads, qk_dim), (rows, heads, v_dim))
         return [torch.randn(*s, generator=generator, device=device).to(dtype).requires_grad_() for s in shapes]
 
     def forward_backward(layout, backend: str):
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             config = {"model": args.model, **meta, "capacity": args.capacity, "execution": execution,
                       "backend": backend, "dtype": str(dtype), "repeats": args.repeats, "warm_seed": args.warm_seed}
             try:
-                error, worst = check_backend(backend, device, dtype, mla)
+                error, worst = check_backend(backend, device, dtype, heads, qk_dim, v_dim)
                 if not error <= 2e-2:
                     raise RuntimeError(f"{backend} disagrees with the dense reference: relative error {error:.3g} "
                                        f"in {worst}")
@@ -153,7 +159,7 @@ def _layouts(step, capacity: int, num_microbatches: int) -> dict:
     return layouts
 
 
-def check_backend(backend: str, device, dtype, mla) -> tuple[float, str]:
+def check_backend(backend: str, device, dtype, heads: int, qk_dim: int, v_dim: int) -> tuple[float, str]:
     """Largest relative error of `backend`'s output and q, k, v gradients against the fp64 dense-mask
     reference on the tiny synthetic tree (inf where a result is not finite), and which of the four it is."""
     import numpy as np
@@ -169,10 +175,9 @@ def check_backend(backend: str, device, dtype, mla) -> tuple[float, str]:
     layout = compact_layout(step, PrefixIndex.from_step(step), np.arange(step.num_trajectories), conv_size=4, chunk_size=64)
     groups = layout.groups.to(device)
     generator = torch.Generator(device=device).manual_seed(1)
-    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    q, k = (torch.randn(layout.num_rows, mla.num_heads, qk_dim, generator=generator, device=device) for _ in range(2))
-    v = torch.randn(layout.num_rows, mla.num_heads, mla.v_head_dim, generator=generator, device=device)
-    grad = torch.randn(layout.num_rows, mla.num_heads, mla.v_head_dim, generator=generator, device=device).to(dtype)
+    q, k = (torch.randn(layout.num_rows, heads, qk_dim, generator=generator, device=device) for _ in range(2))
+    v = torch.randn(layout.num_rows, heads, v_dim, generator=generator, device=device)
+    grad = torch.randn(layout.num_rows, heads, v_dim, generator=generator, device=device).to(dtype)
     inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     out = group_attention(*inputs, groups, qk_dim ** -0.5, backend)
     got = (out, *torch.autograd.grad(out, inputs, grad))

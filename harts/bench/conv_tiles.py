@@ -63,8 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("harts bench conv-tiles: needs a CUDA device (the kernels are Triton's)")
-    kda = load_model_config(args.model).kda
-    parts, channels, width = 3, 3 * kda.num_heads * kda.head_dim, kda.conv_size
+    model = load_model_config(args.model)
+    if model.kda is not None:
+        kda = model.kda
+        parts, channels, width = 3, 3 * kda.num_heads * kda.head_dim, kda.conv_size
+    else:
+        # GDN's conv runs over q, k and v's concatenated channels as one part (harts.model.gdn).
+        gdn = model.gdn
+        channels = 2 * gdn.num_key_heads * gdn.key_head_dim + gdn.num_value_heads * gdn.value_head_dim
+        parts, width = 1, gdn.conv_size
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.rows, channels, generator=generator, device="cuda").bfloat16()
     weight = (torch.randn(channels, width, generator=generator, device="cuda") * 0.5).bfloat16()

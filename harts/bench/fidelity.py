@@ -413,7 +413,8 @@ def single_process_results(args, model, step, knobs, device, store_dtype,
                                    blocks["replay"])
     hidden["no-replay"] = path_hidden(model, step, compact_mbs, configs["no-replay"], index, device, store_dtype,
                                       blocks["no-replay"])
-    depth = torch.from_numpy(position_handoff_depth(step, compact_mbs, index, model.config.kda.chunk_size))
+    chunk_size = model.config.linear_attention.chunk_size
+    depth = torch.from_numpy(position_handoff_depth(step, compact_mbs, index, chunk_size))
     del reference
     targets = semantic_targets_from_step(step)
     next_token = torch.from_numpy(targets.targets).to(device)

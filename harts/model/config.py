@@ -1,10 +1,14 @@
-"""Configuration of the hybrid KDA/MLA MoE model (configs/models/NAME.yaml).
+"""Configuration of the hybrid linear-attention/attention MoE model (configs/models/NAME.yaml).
 
-`ModelConfig` composes one small dataclass per component. Layer i is an MLA layer when
-(i + 1) is a multiple of `layers_per_group` (groups of `layers_per_group - 1` KDA layers then one
-MLA layer, as in Ling-3 / Kimi Linear), else a KDA layer; an explicit `mla_layers` list replaces
-that pattern (Kimi-Linear-48B ends on an extra MLA layer). The first `num_dense_layers` layers use
-a dense SwiGLU MLP, the rest the MoE MLP.
+`ModelConfig` composes one small dataclass per component. Layer i is a full-attention layer when
+(i + 1) is a multiple of `layers_per_group` (groups of `layers_per_group - 1` linear-attention layers then one
+attention layer, as in Ling-3 / Kimi Linear / Qwen3-Next), else a linear-attention layer; an explicit
+`mla_layers` list replaces that pattern (Kimi-Linear-48B ends on an extra MLA layer). The first
+`num_dense_layers` layers use a dense SwiGLU MLP, the rest the MoE MLP.
+
+Two families: KDA + MLA (the `kda` and `mla` sections: Ling-3, Kimi-Linear) and Gated DeltaNet + gated GQA
+(the `gdn` and `gated_attention` sections, with `norm_zero_centered`: Qwen3-Next, Qwen3.5), one linear-attention
+section and one attention section per model; the layer kinds are "kda"/"gdn" and "mla"/"gqa".
 
 `ModelConfig.mtp` (an `MTPConfig`) adds multi-token-prediction layers after the decoder (harts.model.mtp);
 None, the default, builds none.
@@ -14,8 +18,10 @@ checkpoints exactly (harts.model.hf): `KDAConfig.output_gate_bias`, `MLAConfig.u
 `MLAConfig.latent_norm_eps` and `ModelConfig.mla_layers`; BailingHybrid's (Ling-3's) likewise:
 `KDAConfig.full_rank_gates` and `gate_lower_bound`, `MLAConfig.rope_interleave`, `output_gate` and
 `attention_bias`, `MoEConfig.num_groups` and `topk_groups` (group-limited routing), and the per-layer
-SwiGLU limits `ModelConfig.expert_swiglu_limits` / `shared_expert_swiglu_limits`. `ModelConfig.hf_layout`
-names the Hugging Face layout a model is saved in.
+SwiGLU limits `ModelConfig.expert_swiglu_limits` / `shared_expert_swiglu_limits`; those that reproduce
+Qwen3-Next's / Qwen3.5's (harts.model.hf.qwen3_next): the `gdn` and `gated_attention` sections,
+`ModelConfig.norm_zero_centered` and `MoEConfig.shared_expert_gate`. `ModelConfig.hf_layout` names the Hugging
+Face layout a model is saved in.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from harts.config import load_config, shipped_config_path
 from harts.model.moe import MoEConfig
 
 
-HF_LAYOUTS = ("kimi_linear", "bailing_hybrid")
+HF_LAYOUTS = ("kimi_linear", "bailing_hybrid", "qwen3_next", "qwen3_5_moe_text")
 """The Hugging Face layouts a model config may name (`ModelConfig.hf_layout`; harts.model.hf.ARCHITECTURES)."""
+
+GDN_HF_LAYOUTS = ("qwen3_next", "qwen3_5_moe_text")
+"""The layouts of the Gated DeltaNet family (GDN / gated GQA); the others are the KDA/MLA family's. The first of
+each family's is its default."""
 
 
 def _check_positive(owner: str, **values) -> None:
@@ -147,6 +157,59 @@ class MTPConfig:
 
 
 @dataclass(kw_only=True)
+class GDNConfig:
+    """Gated DeltaNet layer (Qwen3-Next / Qwen3.5's linear attention): a per-head scalar decay, grouped values."""
+
+    num_key_heads: int
+    """H: query/key heads."""
+    num_value_heads: int
+    """HV: value heads, a multiple of H (value head j reads query/key head j // (HV / H))."""
+    key_head_dim: int
+    """K."""
+    value_head_dim: int
+    """V."""
+    conv_size: int = 4
+    """Width of the short causal convolution over the concatenated q, k and v channels."""
+    chunk_size: int = 64
+    """B: the chunked kernel's chunk length (chunks aligned at multiples of B)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("gdn", num_key_heads=self.num_key_heads, num_value_heads=self.num_value_heads,
+                        key_head_dim=self.key_head_dim, value_head_dim=self.value_head_dim,
+                        conv_size=self.conv_size, chunk_size=self.chunk_size)
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"gdn.num_value_heads ({self.num_value_heads}) must be a multiple of num_key_heads "
+                             f"({self.num_key_heads})")
+
+
+@dataclass(kw_only=True)
+class GatedAttentionConfig:
+    """Qwen3-Next / Qwen3.5's full attention: grouped-query attention with a sigmoid output gate (the query
+    projection doubled for it), q/k RMSNorm per head and rotary embedding on the first `rotary_dim` dimensions."""
+
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads, dividing num_heads."""
+    head_dim: int
+    rotary_dim: int
+    """Rotated dimensions of each query/key head (head_dim · partial_rotary_factor), even; 0 = NoPE."""
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        _check_positive("gated_attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"gated_attention.num_kv_heads ({self.num_kv_heads}) must divide num_heads "
+                             f"({self.num_heads})")
+        rotary = self.rotary_dim
+        if isinstance(rotary, bool) or not isinstance(rotary, int) or not 0 <= rotary <= self.head_dim or rotary % 2:
+            raise ValueError(f"gated_attention.rotary_dim must be an even integer in [0, head_dim = {self.head_dim}], "
+                             f"got {rotary!r}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"gated_attention.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """The whole model."""
 
@@ -159,32 +222,54 @@ class ModelConfig:
     num_dense_layers: int = 0
     dense_hidden_size: int = 0
     """Intermediate size of the dense SwiGLU MLP of the first num_dense_layers layers."""
-    kda: KDAConfig
-    mla: MLAConfig
+    kda: KDAConfig | None = None
+    """The linear-attention layers are KDA layers (exactly one of `kda` and `gdn`)."""
+    mla: MLAConfig | None = None
+    """The attention layers are MLA layers (exactly one of `mla` and `gated_attention`)."""
+    gdn: GDNConfig | None = None
+    """The linear-attention layers are Gated DeltaNet layers."""
+    gated_attention: GatedAttentionConfig | None = None
+    """The attention layers are gated GQA layers."""
     moe: MoEConfig
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
     mla_layers: list[int] | None = None
-    """0-based indices of the MLA layers, strictly increasing; replaces the layers_per_group pattern
-    (None: the pattern)."""
+    """0-based indices of the attention (MLA or gated GQA) layers, strictly increasing; replaces the
+    layers_per_group pattern (None: the pattern)."""
+    norm_zero_centered: bool = False
+    """The block, final and q/k RMSNorms scale by (1 + w) with w initialised to 0 (Qwen3-Next / Qwen3.5's
+    convention) instead of by w initialised to 1."""
     expert_swiglu_limits: list[float] | None = None
     """Per layer (num_layers entries), the routed experts' SwiGLU clipping limit L of that layer's MoE (0: none;
     the dense layers' entries are unused): min(silu(gate), L) ⊙ clamp(up, −L, L) (BailingHybrid's
     `expert_swiglu_limit_list`). None: no clipping anywhere."""
     shared_expert_swiglu_limits: list[float] | None = None
     """The same for the shared expert (BailingHybrid's `share_expert_swiglu_limit_list`)."""
-    hf_layout: str = "kimi_linear"
+    hf_layout: str | None = None
     """The Hugging Face layout (config.json's model_type, harts.model.hf.ARCHITECTURES) the model is saved in
-    and loaded from: "kimi_linear" (Kimi-Linear) or "bailing_hybrid" (BailingHybrid, Ling-3). Loading a
-    checkpoint sets it; a layout refuses the features it cannot express (`harts.model.hf.check_exportable`)."""
+    and loaded from, one of its family's: "kimi_linear" (Kimi-Linear) or "bailing_hybrid" (BailingHybrid, Ling-3)
+    for KDA/MLA, "qwen3_next" (Qwen3-Next) or "qwen3_5_moe_text" (Qwen3.5-MoE's text model) for GDN / gated GQA.
+    None resolves to the family's first. Loading a checkpoint sets it; a layout refuses the features it cannot
+    express (`harts.model.hf.check_exportable`)."""
     mtp: MTPConfig | None = None
     """Multi-token-prediction layers after the decoder (None: none)."""
 
     def __post_init__(self) -> None:
         _check_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size)
-        if self.hf_layout not in HF_LAYOUTS:
+        if (self.kda is None) == (self.gdn is None):
+            raise ValueError("model: give exactly one linear-attention section, kda or gdn")
+        if (self.mla is None) == (self.gated_attention is None):
+            raise ValueError("model: give exactly one attention section, mla or gated_attention")
+        if self.hf_layout is not None and self.hf_layout not in HF_LAYOUTS:
             raise ValueError(f"model.hf_layout must be one of {', '.join(HF_LAYOUTS)}, got {self.hf_layout!r}")
+        gdn_family = self.gdn is not None or self.gated_attention is not None
+        family_layouts = GDN_HF_LAYOUTS if gdn_family else tuple(x for x in HF_LAYOUTS if x not in GDN_HF_LAYOUTS)
+        if self.hf_layout is None:
+            self.hf_layout = family_layouts[0]
+        elif self.hf_layout not in family_layouts:
+            raise ValueError(f"model.hf_layout {self.hf_layout!r} is not a layout of this model's family "
+                             f"({' or '.join(family_layouts)})")
         _check_epsilon("model", "norm_eps", self.norm_eps)
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")
@@ -209,11 +294,32 @@ class ModelConfig:
                     for v in limits)):
                 raise ValueError(f"model.{name} must list {self.num_layers} finite numbers >= 0 (0: no clipping), "
                                  f"got {limits!r}")
+        if self.mtp is not None and getattr(self, self.mtp.layer_kind) is None:
+            # The MTP blocks are built from the model's own kda/mla sections (harts.model.mtp).
+            raise ValueError(f"model.mtp.layer_kind {self.mtp.layer_kind!r} needs the model's "
+                             f"{self.mtp.layer_kind} section")
+
+    @property
+    def linear_kind(self) -> str:
+        """The linear-attention layers' kind: "kda" or "gdn"."""
+        return "kda" if self.kda is not None else "gdn"
+
+    @property
+    def attention_kind(self) -> str:
+        """The attention layers' kind: "mla" or "gqa" (gated GQA)."""
+        return "mla" if self.mla is not None else "gqa"
+
+    @property
+    def linear_attention(self) -> KDAConfig | GDNConfig:
+        """The linear-attention section, whose conv_size and chunk_size the row layouts take."""
+        return self.kda if self.kda is not None else self.gdn
 
     def layer_kind(self, index: int) -> str:
         if self.mla_layers is not None:
-            return "mla" if index in self.mla_layers else "kda"
-        return "mla" if (index + 1) % self.layers_per_group == 0 else "kda"
+            attention = index in self.mla_layers
+        else:
+            attention = (index + 1) % self.layers_per_group == 0
+        return self.attention_kind if attention else self.linear_kind
 
     def layer_kinds(self) -> list[str]:
         return [self.layer_kind(i) for i in range(self.num_layers)]

@@ -16,6 +16,9 @@ Per-row work (norms, projections, gates, dense MLP, MoE routing and experts, LM 
 model's modules (and on CUDA the same gate kernel and the fused conv's fp32 arithmetic) on the B
 rows, so it is the training path's function of the same weights.
 
+The Gated DeltaNet family's layers keep their own caches (harts.model.gdn_decode: GDN's state and conv window,
+gated GQA's keys and values).
+
 Forking: `cache.select(rows)` returns a cache whose row i is a copy of row `rows[i]`: a row listed
 twice forks the rollout (both continuations start from the same state and caches), a row left out
 is dropped.
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harts.model.gdn import GatedAttentionLayer, GDNLayer
+from harts.model.gdn_decode import GDNCache, GQACache, gdn_step, gqa_step
 from harts.model.layers import KDALayer, MLALayer
 from harts.model.model import HybridModel
 from harts.ops import uses_fp32_kernels
@@ -66,7 +71,7 @@ class DecodeCache:
 
     lengths: torch.Tensor
     """int64 [B]: tokens consumed so far, i.e. the position of the next token."""
-    layers: list[KDACache | MLACache]
+    layers: list[KDACache | MLACache | GDNCache | GQACache]
     """One per block of the model, in order."""
     capacity: int
     """T: positions an MLA cache holds; a rollout cannot grow beyond it."""
@@ -83,7 +88,8 @@ class DecodeCache:
             return t.index_select(0, rows)
 
         layers = [KDACache(pick(c.state_BHKV), pick(c.window_BWC)) if isinstance(c, KDACache)
-                  else MLACache(pick(c.latent_BTR), pick(c.rope_BTE)) for c in self.layers]
+                  else MLACache(pick(c.latent_BTR), pick(c.rope_BTE)) if isinstance(c, MLACache)
+                  else c.select(rows) for c in self.layers]
         return DecodeCache(lengths=pick(self.lengths), layers=layers, capacity=self.capacity)
 
 
@@ -94,10 +100,14 @@ def empty_cache(model: HybridModel, batch_size: int, capacity: int) -> DecodeCac
     weight = model.embed.weight
     device, dtype = weight.device, weight.dtype
     state_dtype = compute_dtype(weight)
-    layers: list[KDACache | MLACache] = []
+    layers: list[KDACache | MLACache | GDNCache | GQACache] = []
     for block in model.blocks:
         mixer = block.mixer
-        if isinstance(mixer, KDALayer):
+        if isinstance(mixer, GDNLayer):
+            layers.append(GDNCache.empty(mixer, batch_size, state_dtype))
+        elif isinstance(mixer, GatedAttentionLayer):
+            layers.append(GQACache.empty(mixer, batch_size, capacity))
+        elif isinstance(mixer, KDALayer):
             heads, head_dim = mixer.num_heads, mixer.head_dim
             width = mixer.q_conv.shape[1]
             layers.append(KDACache(
@@ -188,6 +198,10 @@ def decode_step(model: HybridModel, cache: DecodeCache, tokens_B: torch.Tensor) 
         h = block.mixer_norm(x)
         if isinstance(layer_cache, KDACache):
             x = x + _kda_step(block.mixer, h, layer_cache)
+        elif isinstance(layer_cache, GDNCache):
+            x = x + gdn_step(block.mixer, h, layer_cache)
+        elif isinstance(layer_cache, GQACache):
+            x = x + gqa_step(block.mixer, h, layer_cache, positions, length)
         else:
             x = x + _mla_step(block.mixer, h, layer_cache, positions, length)
         h = block.mlp_norm(x)

@@ -62,12 +62,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool |
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) · w, or with `zero_centered` x / rms(x) · (1 + w) in fp32 with w starting at 0 (Qwen3-Next's
+    convention, `ModelConfig.norm_zero_centered`)."""
+
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return rms_norm(x, 1.0 + self.weight.float(), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

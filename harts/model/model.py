@@ -1,4 +1,5 @@
-"""The hybrid KDA/MLA MoE language model (plain PyTorch, no parallelism inside).
+"""The hybrid linear-attention/attention MoE language model (plain PyTorch, no parallelism inside): KDA + MLA
+(Ling-3, Kimi-Linear) or Gated DeltaNet + gated GQA (Qwen3-Next, Qwen3.5; harts.model.gdn).
 
 `HybridModel(config)` maps input ids of R rows and a `Layout` to final hidden states [R, D] and
 the MoE auxiliary outputs of every MoE layer. The LM head is applied by the objective
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from harts.model.config import ModelConfig
+from harts.model.gdn import GatedAttentionLayer, GDNLayer
 from harts.model.layers import KDALayer, MLALayer, RMSNorm, SwiGLU
 from harts.model.moe import MoE, MoEAux
 from harts.model.mtp import MultiTokenPrediction
@@ -41,18 +43,28 @@ from harts.ops.kda.keep import keeping_kda_intermediates
 from harts.runtime.layout import Layout
 
 
+ATTENTION_KINDS = ("mla", "gqa")
+"""The layer kinds that run the layout's attention (whose kernels a recomputation may keep)."""
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: token mixer (KDA or MLA), then MLP (dense or MoE)."""
+    """Pre-norm residual block: token mixer (KDA, GDN, MLA or gated GQA), then MLP (dense or MoE)."""
 
     def __init__(self, config: ModelConfig, index: int, *, kind: str | None = None) -> None:
         super().__init__()
         self.kind = config.layer_kind(index) if kind is None else kind
-        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        centered = config.norm_zero_centered
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, zero_centered=centered)
         if self.kind == "kda":
             self.mixer = KDALayer(config.hidden_size, config.kda, config.norm_eps)
+        elif self.kind == "gdn":
+            self.mixer = GDNLayer(config.hidden_size, config.gdn, config.norm_eps)
+        elif self.kind == "gqa":
+            self.mixer = GatedAttentionLayer(config.hidden_size, config.gated_attention, config.norm_eps,
+                                             zero_centered=centered)
         else:
             self.mixer = MLALayer(config.hidden_size, config.mla, config.norm_eps)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, zero_centered=centered)
         self.is_moe = index >= config.num_dense_layers
         self.mlp = MoE(config.moe_for_layer(index)) if self.is_moe else SwiGLU(config.hidden_size,
                                                                                 config.dense_hidden_size)
@@ -99,7 +111,7 @@ class HybridModel(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, zero_centered=config.norm_zero_centered)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -142,6 +154,10 @@ class HybridModel(nn.Module):
             for module in modules:
                 if isinstance(module, KDALayer):
                     module.reset_kda_parameters(generator)
+                if isinstance(module, GDNLayer):
+                    module.reset_gdn_parameters(generator)
+                if isinstance(module, RMSNorm) and module.zero_centered:
+                    module.weight.zero_()
                 if isinstance(module, MoE) and module.expert_bias is not None:
                     module.expert_bias.zero_()
 
@@ -176,7 +192,7 @@ class HybridModel(nn.Module):
             recomputed = recompute and (recompute_blocks is None or index < recompute_blocks)
             if recomputed and torch.is_grad_enabled():
                 kept = ({"context_fn": keep_attention_context(layout.attention_backend)}
-                        if keep_attention and block.kind == "mla" else {})
+                        if keep_attention and block.kind in ATTENTION_KINDS else {})
                 run = _keeping_kda_intermediates(block) if layout.keep_kda_intermediates else block
                 with keeper_scope():
                     x_RD, aux = checkpoint(run, x_RD, layout, use_reentrant=False, **kept)

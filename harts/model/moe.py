@@ -30,9 +30,10 @@ then × `topk_scaling_factor`. Group-limited routing (`num_groups` > 1, sigmoid 
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
-row. The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA), clipped after the
-SiLU to `swiglu_limit` (routed experts) and `shared_swiglu_limit` (the shared expert) when set, on every
-path (BailingHybrid's per-layer limits: `ModelConfig.moe_for_layer`).
+row, with `shared_expert_gate` scaled per row by sigmoid(x·w_g) (Qwen3-Next / Qwen3.5's gated shared expert,
+w_g `shared_gate_weight` [1, D]). The activation is `harts.ops.swiglu.swiglu` (one Triton kernel each way on CUDA),
+clipped after the SiLU to `swiglu_limit` (routed experts) and `shared_swiglu_limit` (the shared expert) when set, on
+every path (BailingHybrid's per-layer limits: `ModelConfig.moe_for_layer`).
 Expert outputs are combined in the router's precision (`harts.ops.combine`: one Triton kernel each way on
 CUDA). Two expert paths compute the same function:
 - "loop" (the reference): for each expert, gather its rows, run its MLP, scatter-add back;
@@ -106,6 +107,8 @@ class MoEConfig:
     """Multiplies the combine weights (e.g. 2.5 in DeepSeek-V3-style sigmoid routing)."""
     shared_expert_hidden_size: int = 0
     """Intermediate size of the shared expert applied to every row (0 = none)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output per row by sigmoid(x·w_g), w_g [1, D] (Qwen3-Next, Qwen3.5)."""
     expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to sigmoid scores for selection only."""
     bias_update_rate: float = 1e-3
@@ -142,6 +145,8 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig: experts_backend must be one of {EXPERT_BACKENDS}, got {self.experts_backend!r}"
             )
+        if self.shared_expert_gate and not self.shared_expert_hidden_size:
+            raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (shared_expert_hidden_size > 0)")
         if self.expert_bias and self.score_function != "sigmoid":
             raise ValueError("MoEConfig: expert_bias needs score_function 'sigmoid' (as in megatron-core)")
         if self.score_function == "softmax" and self.top_k == 1 and not self.softmax_before_topk:
@@ -496,6 +501,7 @@ class MoE(nn.Module):
             self.shared_down_proj = nn.Parameter(torch.empty(shared, c.hidden_size))
         else:
             self.shared_gate_up_proj = self.shared_down_proj = None
+        self.shared_gate_weight = nn.Parameter(torch.empty(1, c.hidden_size)) if c.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(c.num_experts) if c.expert_bias else None)
         for parameter in self.parameters():
             nn.init.normal_(parameter, std=c.init_std)
@@ -602,8 +608,12 @@ class MoE(nn.Module):
         return self.loop_experts(x_ND, routing)
 
     def shared_expert(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """The shared expert's SwiGLU MLP of every row (clipped to `shared_swiglu_limit` when set)."""
-        return _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj, self.config.shared_swiglu_limit)
+        """The shared expert's SwiGLU MLP of every row (clipped to `shared_swiglu_limit` when set), times
+        sigmoid(x·w_g) per row when it is gated."""
+        y_ND = _swiglu(x_ND, self.shared_gate_up_proj, self.shared_down_proj, self.config.shared_swiglu_limit)
+        if self.shared_gate_weight is not None:
+            y_ND = torch.sigmoid(x_ND @ self.shared_gate_weight.T) * y_ND
+        return y_ND
 
     def _backend(self, x_ND: torch.Tensor) -> str:
         return resolve_experts_backend(self.config.experts_backend, x_ND.is_cuda)

@@ -106,7 +106,8 @@ def reference_mtp_loss(model, tokens: np.ndarray, loss_mask: np.ndarray, *, scal
     scaling_factor = config.mtp.loss_scaling_factor if scaling_factor is None else scaling_factor
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=device)
     layout = packed_layout(ids.cpu().numpy(), np.array([len(ids)]), np.zeros(1, dtype=np.int64),
-                           conv_size=config.kda.conv_size, chunk_size=config.kda.chunk_size).to(device)
+                           conv_size=config.linear_attention.conv_size,
+                           chunk_size=config.linear_attention.chunk_size).to(device)
     hidden, _ = model(ids, layout)
     labels = _roll_left(ids)
     mask = _roll_left(torch.as_tensor(np.asarray(loss_mask, dtype=np.float32), device=device))

@@ -186,7 +186,7 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
                  index: PrefixIndex | None, *, attention_splits: list[np.ndarray] | None = None) -> Layout:
     """The layout of `config.execution` for these members; `attention_splits` (baseline only, one
     array per member) splits each member's MLA queries there (`baseline_layout`)."""
-    kda = unwrap_model(model).config.kda
+    kda = unwrap_model(model).config.linear_attention
     if config.execution == "compact":
         assert attention_splits is None, "attention splits belong to the baseline layout"
         layout = compact_layout(
@@ -208,9 +208,10 @@ def build_mtp_layouts(step: Step, members: np.ndarray, model: HybridModel, confi
     """The MTP depths' layouts of `config.execution` for these members (harts.runtime.mtp; the model has MTP
     layers)."""
     model_config = unwrap_model(model).config
+    linear = model_config.linear_attention
     return mtp_layouts(
         step, members, model_config.mtp.num_layers, execution=config.execution, index=index,
-        conv_size=model_config.kda.conv_size, chunk_size=model_config.kda.chunk_size, replay=config.replay,
+        conv_size=linear.conv_size, chunk_size=linear.chunk_size, replay=config.replay,
         attention_backend=config.attention_backend, kda_backend=config.kda_backend,
     )
 

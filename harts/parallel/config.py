@@ -89,9 +89,18 @@ class ParallelConfig:
         """ValueError if `model` (a ModelConfig) cannot be split by these degrees."""
         where = f"parallel config {self.name!r} on model {model.name!r}"
         tp, moe = self.tp, model.moe
+        heads = {}  # every head count the tensor-parallel cuts divide, by its config field
+        if model.kda is not None:
+            heads["kda.num_heads"] = model.kda.num_heads
+        if model.gdn is not None:
+            heads.update({"gdn.num_key_heads": model.gdn.num_key_heads,
+                          "gdn.num_value_heads": model.gdn.num_value_heads})
+        if model.mla is not None:
+            heads["mla.num_heads"] = model.mla.num_heads
+        if model.gated_attention is not None:
+            heads["gated_attention.num_kv_heads"] = model.gated_attention.num_kv_heads
         checks = [
-            (model.kda.num_heads % tp == 0, f"kda.num_heads ({model.kda.num_heads}) not divisible by tp ({tp})"),
-            (model.mla.num_heads % tp == 0, f"mla.num_heads ({model.mla.num_heads}) not divisible by tp ({tp})"),
+            *((count % tp == 0, f"{field} ({count}) not divisible by tp ({tp})") for field, count in heads.items()),
             (not model.num_dense_layers or model.dense_hidden_size % tp == 0,
              f"dense_hidden_size ({model.dense_hidden_size}) not divisible by tp ({tp})"),
             (moe.num_experts % self.ep == 0, f"moe.num_experts ({moe.num_experts}) not divisible by ep ({self.ep})"),

@@ -106,10 +106,14 @@ def parallelize_moe(
     moe.__class__ = ParallelMoE
     moe.parallelism = parallelism
     partial = []
+    gate = moe.shared_gate_weight
     if parallelism.sequence_parallel:
         partial.append(moe.router_weight)
         if shared and parallelism.ep > 1:
-            partial += [moe.shared_gate_up_proj, moe.shared_down_proj]
+            partial += [moe.shared_gate_up_proj, moe.shared_down_proj] + ([gate] if gate is not None else [])
+    if gate is not None and parallelism.ep == 1 and parallelism.tp > 1:
+        # The whole gate scales each rank's partial sum of the sharded shared expert: its gradient is partial too.
+        partial.append(gate)
     return [sharder.name(p) for p in partial]
 
 

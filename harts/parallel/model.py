@@ -32,11 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from harts.model.gdn import GatedAttentionLayer, GDNLayer
 from harts.model.layers import KDALayer, MLALayer
 from harts.model.model import HybridModel
 from harts.model.moe import MoE, MoEAux
 from harts.parallel.comm import all_reduce_, gather_rows, pad_rows, padded_rows, scatter_rows
 from harts.parallel.expert import ROUTED_EXPERT_PARAMETERS, MoEParallelism, parallelize_moe
+from harts.parallel.gdn import shard_gated_attention, shard_gdn
 from harts.parallel.groups import ParallelGroups
 from harts.parallel.tensor import (
     SEQUENCE_PARALLEL_PARTIAL,
@@ -168,6 +170,10 @@ def parallelize(model: HybridModel, groups: ParallelGroups) -> ParallelModel:
             mixer = block.mixer
             if isinstance(mixer, KDALayer):
                 partial += shard_kda(sharder, mixer, layout.tp_rank, config.tp)
+            elif isinstance(mixer, GDNLayer):
+                partial += shard_gdn(sharder, mixer, layout.tp_rank, config.tp)
+            elif isinstance(mixer, GatedAttentionLayer):
+                partial += shard_gated_attention(sharder, mixer, layout.tp_rank, config.tp)
             else:
                 assert isinstance(mixer, MLALayer)
                 partial += shard_mla(sharder, mixer, layout.tp_rank, config.tp)

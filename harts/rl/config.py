@@ -129,7 +129,7 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     if config.rollout.temperature != 1.0 or config.rollout.top_p != 1.0:
         raise ValueError(f"{where}: rollout.temperature and rollout.top_p must be 1 for harts rl (its GRPO step is "
                          f"on-policy at temperature 1), got {config.rollout.temperature} and {config.rollout.top_p}")
-    chunk = model.kda.chunk_size
+    chunk = model.linear_attention.chunk_size
     if execution.kda_backend == "fla" and chunk != 64:
         raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
                          f"{config.model} has {chunk}; set execution.kda_backend: torch")

@@ -201,6 +201,21 @@ class Layout:
             cu_seqlens_cpu=self.cu_seqlens_cpu,
         )
 
+    def gated_delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """Gated DeltaNet (harts.ops.gdn) over the linear-attention rows with L2-normalised q and k [P, H, K],
+        v [P, HV, V], per-head g and beta [P, HV]: the planned calls (compact: the KDA calls of its KDA form)
+        or one packed call (baseline: on the fla backend fla's `chunk_gated_delta_rule`); o [P, HV, V]."""
+        from harts.ops.gdn.compact import run_gdn_calls
+        from harts.ops.gdn.packed import packed_gdn
+
+        if self.kda_schedule is not None:
+            prepared = self.prepared_schedule()
+            return run_gdn_calls(*normalise_qk(q, k, prepared.backend), v, g, beta, prepared)
+        return packed_gdn(
+            q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend,
+            cu_seqlens_cpu=self.cu_seqlens_cpu,
+        )
+
     def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
         return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)
 

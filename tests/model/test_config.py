@@ -18,13 +18,26 @@ BAD = {
     "zero-vocabulary": (None, "vocab_size", 0, "model.vocab_size must be a positive integer, got 0"),
     "nan-aux-loss": ("moe", "aux_loss_coeff", float("nan"), "MoEConfig: aux_loss_coeff must be a finite number >= 0"),
     "zero-chunk": ("kda", "chunk_size", 0, "kda.chunk_size must be a positive integer, got 0"),
+    # the Gated DeltaNet family (gdn-tiny)
+    "gdn-value-heads": ("gdn", "num_value_heads", 3, "gdn.num_value_heads (3) must be a multiple of num_key_heads (2)"),
+    "gdn-zero-key-dim": ("gdn", "key_head_dim", 0, "gdn.key_head_dim must be a positive integer, got 0"),
+    "gqa-kv-heads": ("gated_attention", "num_kv_heads", 3, "gated_attention.num_kv_heads (3) must divide num_heads"),
+    "gqa-odd-rotary": ("gated_attention", "rotary_dim", 5, "gated_attention.rotary_dim must be an even integer"),
+    "gqa-rotary-above-head": ("gated_attention", "rotary_dim", 18, "in [0, head_dim = 16], got 18"),
+    "gdn-beside-kda": (None, "kda", {"num_heads": 2, "head_dim": 16}, "give exactly one linear-attention section"),
+    "no-attention": (None, "gated_attention", None, "give exactly one attention section, mla or gated_attention"),
+    "unknown-hf-layout": (None, "hf_layout", "llama", "model.hf_layout must be one of"),
+    "gdn-in-kimi-layout": (None, "hf_layout", "kimi_linear", "'kimi_linear' is not a layout of this model's"),
+    "gdn-in-bailing-layout": (None, "hf_layout", "bailing_hybrid", "'bailing_hybrid' is not a layout of this"),
+    "gate-without-shared-expert": ("moe", "shared_expert_hidden_size", 0, "shared_expert_gate needs a shared expert"),
 }
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
     section, key, value, message = BAD[case]
-    config = yaml.safe_load((REPO / "configs/models/tiny.yaml").read_text())
+    base = "gdn-tiny" if case.startswith(("gdn", "gqa", "no-attention", "unknown-hf", "gate-without")) else "tiny"
+    config = yaml.safe_load((REPO / f"configs/models/{base}.yaml").read_text())
     (config[section] if section else config)[key] = value
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -34,7 +47,7 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
 
 
 @pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-shape", "kimi-tiny",
-                                  "bailing-tiny"])
+                                  "bailing-tiny", "gdn-tiny", "gdn-h200"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
 

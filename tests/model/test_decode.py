@@ -4,9 +4,10 @@ fp32 on the CPU: three rollouts decoded together (a batch row each), the logits 
 token by token equal each rollout's own full forward (max
 |Δ| <= 1e-5; the training path's KDA is chunked, decoding runs the token recurrence, so equality
 is up to rounding), over lengths that cross the tiny model's KDA chunk boundaries (B = 16), for
-models with and without the MLA rope part and with NoPE, and bailing-tiny (BailingHybrid's bounded gate, full-rank
-KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU); a fork continues two rollouts
-from one prefix, each equal to its own full forward; a dropped row leaves the others intact.
+models with and without the MLA rope part and with NoPE, bailing-tiny (BailingHybrid's bounded gate, full-rank
+KDA gates, gated MLA with interleaved RoPE, group-limited routing, clipped SwiGLU) and gdn-tiny (GDN with grouped
+values, gated GQA with partial rotary); a fork continues two rollouts from one prefix, each equal to its own full
+forward; a dropped row leaves the others intact.
 """
 
 from dataclasses import replace
@@ -25,11 +26,13 @@ from tests.fixtures import one_thread  # noqa: F401
 TOLERANCE = 1e-5
 
 
-VARIANTS = ("rope", "nope", "no-rope-dim", "bailing")
+VARIANTS = ("rope", "nope", "no-rope-dim", "bailing", "gdn")
+SHIPPED = {"bailing": "bailing-tiny", "gdn": "gdn-tiny"}
+"""The variants that are a shipped model config; the others vary tiny."""
 
 
 def _model(variant: str) -> HybridModel:
-    config = load_model_config("bailing-tiny" if variant == "bailing" else "tiny")
+    config = load_model_config(SHIPPED.get(variant, "tiny"))
     if variant == "nope":
         config = replace(config, mla=replace(config.mla, use_rope=False))
     elif variant == "no-rope-dim":
@@ -56,8 +59,8 @@ def full_logits(model: HybridModel, tokens: list[int]) -> torch.Tensor:
         tokens=np.asarray(tokens, dtype=TOKEN_DTYPE), loss_mask=np.zeros(len(tokens), dtype=np.uint8),
         rewards=np.zeros(1, dtype=np.float32), advantage_per_trajectory=np.zeros(1, dtype=np.float32),
     )
-    kda = model.config.kda
-    layout = baseline_layout(step, np.array([0]), conv_size=kda.conv_size, chunk_size=kda.chunk_size)
+    linear = model.config.linear_attention
+    layout = baseline_layout(step, np.array([0]), conv_size=linear.conv_size, chunk_size=linear.chunk_size)
     with torch.no_grad():
         hidden, _ = model(layout.input_ids, layout)
     return (hidden @ model.lm_head.weight.T).detach()
@@ -84,9 +87,10 @@ def test_token_by_token_equals_full_forward(models, variant, length):
     assert cache.lengths.tolist() == [length] * 3
 
 
+@pytest.mark.parametrize("variant", ["rope", "gdn"])
 @pytest.mark.parametrize("fork_at", [3, 21])
-def test_fork_continues_each_branch_as_its_own_forward(models, fork_at):
-    model = models["rope"]
+def test_fork_continues_each_branch_as_its_own_forward(models, fork_at, variant):
+    model = models[variant]
     rng = np.random.default_rng(fork_at)
     prefix = rng.integers(0, 256, fork_at).tolist()
     branches = [rng.integers(0, 256, 14).tolist() for _ in range(2)]
@@ -104,8 +108,9 @@ def test_fork_continues_each_branch_as_its_own_forward(models, fork_at):
     assert (parent - full_logits(model, prefix + more)[fork_at:]).abs().max() <= TOLERANCE
 
 
-def test_dropping_a_row_keeps_the_others(models):
-    model = models["rope"]
+@pytest.mark.parametrize("variant", ["rope", "gdn"])
+def test_dropping_a_row_keeps_the_others(models, variant):
+    model = models[variant]
     rng = np.random.default_rng(3)
     sequences = rng.integers(0, 256, (3, 12)).tolist()
     cache = empty_cache(model, batch_size=3, capacity=32)

@@ -1,4 +1,5 @@
-"""The core claim: compact execution equals per-trajectory execution of the same weights.
+"""The core claim: compact execution equals per-trajectory execution of the same weights, for both model families
+(tiny: KDA + MLA; gdn-tiny: Gated DeltaNet + gated GQA, grouped values and KV heads, a gated shared expert).
 
 On CPU in fp32, on random trees whose shared rows carry different labels, advantages and masks:
 per-semantic-position log-probs (max |Δ| <= 1e-5), loss (<= 1e-6 relative), MoE losses, every
@@ -22,9 +23,9 @@ from harts.objective.verify import compare_executions
 from tests.objective.helpers import random_tree_step
 
 
-@pytest.fixture(scope="module")
-def model():
-    model = HybridModel(load_model_config("tiny"))
+@pytest.fixture(scope="module", params=["tiny", "gdn-tiny"])
+def model(request):
+    model = HybridModel(load_model_config(request.param))
     model.init_weights(seed=42)
     return model
 

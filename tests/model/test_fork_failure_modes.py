@@ -9,9 +9,9 @@ bug reports), as regression tests of HARTS's compact execution of the whole mode
   every other trajectory's log-probs where they were (to rounding: the MoE's per-expert row counts change); a
   leak moves them by O(1e-2).
 
-Each tree runs both executions on the tiny model (fp32, CPU: PyTorch KDA and conv; on CUDA, `-m gpu`: fla's KDA,
-the fused Triton conv and the varlen attention, in bf16) and must agree as tests/model/test_equivalence.py
-requires: log-probs, loss and every parameter gradient.
+Each tree runs both executions on the tiny and gdn-tiny models (fp32, CPU: PyTorch KDA and conv; on CUDA,
+`-m gpu`: fla's KDA, the fused Triton conv and the varlen attention, in bf16) and must agree as
+tests/model/test_equivalence.py requires: log-probs, loss and every parameter gradient.
 """
 
 from dataclasses import replace
@@ -71,9 +71,9 @@ def rl_step(sequences: list[list[int]], rng: np.random.Generator):
     return replace(step, advantage_per_trajectory=rng.standard_normal(step.num_trajectories).astype(np.float32))
 
 
-@pytest.fixture(scope="module")
-def model():
-    model = HybridModel(load_model_config("tiny"))
+@pytest.fixture(scope="module", params=["tiny", "gdn-tiny"])
+def model(request):
+    model = HybridModel(load_model_config(request.param))
     model.init_weights(seed=42)
     return model
 
@@ -118,14 +118,15 @@ def test_a_branch_never_sees_its_siblings(model, shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["tiny", "gdn-tiny"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gpu_compact_equals_per_trajectory_on_short_segments_after_forks(shape):
+def test_gpu_compact_equals_per_trajectory_on_short_segments_after_forks(shape, name):
     """The same trees on fla's KDA (chunks of 64: the chunk-edge tree's 16 becomes 64), the fused conv and the
     varlen attention, bf16 autocast: the two executions within bf16 rounding of each other."""
     parent, lengths = SHAPES[shape]
     lengths = [64 if n == 16 else 65 if n == 17 else 63 if n == 15 else n for n in lengths]
-    config = load_model_config("tiny")
-    config = replace(config, kda=replace(config.kda, chunk_size=64))
+    config = load_model_config(name)
+    config = replace(config, **{config.linear_kind: replace(config.linear_attention, chunk_size=64)})
     model = HybridModel(config).cuda()
     model.init_weights(seed=42)
     rng = np.random.default_rng(7)

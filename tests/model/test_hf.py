@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts.config import shipped_configs
-from harts.model.config import ModelConfig, load_model_config
+from harts.model.config import GDN_HF_LAYOUTS, ModelConfig, load_model_config
 from harts.model.hf import (
     FP32_SUFFIXES, hf_config_from_model, hf_state_dict, hf_tensor_shapes, hf_tensors, load_hf_checkpoint,
     model_config_from_hf, save_hf_checkpoint,
@@ -57,8 +57,8 @@ def random_model(config: ModelConfig, seed: int = 0) -> HybridModel:
 def logits(model: HybridModel) -> torch.Tensor:
     rng = np.random.default_rng(7)
     step = make_step([rng.integers(0, model.config.vocab_size, n).tolist() for n in (23, 9)])
-    layout = baseline_layout(step, np.arange(2), conv_size=model.config.kda.conv_size,
-                             chunk_size=model.config.kda.chunk_size)
+    linear = model.config.linear_attention
+    layout = baseline_layout(step, np.arange(2), conv_size=linear.conv_size, chunk_size=linear.chunk_size)
     with torch.no_grad():
         hidden, _ = model(layout.input_ids, layout)
         return model.lm_head(hidden)
@@ -379,16 +379,19 @@ def test_shipped_configs_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(name for name in shipped_configs("models")
-                                        if load_model_config(name).hf_layout == "kimi_linear"))
+                                        if load_model_config(name).hf_layout in ("kimi_linear", *GDN_HF_LAYOUTS)))
 def test_every_shipped_config_exports_or_names_its_fix(tmp_path, name):
-    """Each shipped model config of the Kimi-Linear layout either exports (kimi-tiny: round trip bitwise) or is
-    refused in one line naming every field the layout cannot express and the settings that would (the weights cannot
-    be converted). (The BailingHybrid layout's configs: tests/model/test_hf_bailing.py.)"""
+    """Each shipped model config of the Kimi-Linear layout or of the Gated DeltaNet family's either exports
+    (kimi-tiny, and the GDN configs in Qwen3-Next's / Qwen3.5's layout: round trip bitwise) or is refused in one
+    line naming every field the layout cannot express and the settings that would (the weights cannot be
+    converted). (The BailingHybrid layout's configs: tests/model/test_hf_bailing.py.)"""
     config = load_model_config(name)
     blockers = {"kda.output_gate_bias: true": "kda.output_gate_bias: false",
                 "mla.use_rope: true": "mla.use_rope: false"}
-    present = {field for field, flag in (("kda.output_gate_bias: true", config.kda.output_gate_bias),
-                                         ("mla.use_rope: true", config.mla.use_rope and config.mla.qk_rope_head_dim))
+    kda, mla = config.kda, config.mla
+    present = {field for field, flag in (("kda.output_gate_bias: true", kda is not None and kda.output_gate_bias),
+                                         ("mla.use_rope: true", mla is not None and mla.use_rope
+                                          and mla.qk_rope_head_dim))
                if flag}
     if not present:
         model = random_model(config)

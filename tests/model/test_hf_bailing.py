@@ -22,7 +22,7 @@ from harts.config import shipped_configs
 from harts.model.config import MTPConfig, load_model_config
 from harts.model.hf import (
     architecture_for, bailing, check_exportable, hf_config_from_model, kimi, load_hf_checkpoint, model_config_from_hf,
-    save_hf_checkpoint,
+    qwen3_5_moe, qwen3_next, save_hf_checkpoint,
 )
 from tests.model.test_hf import logits, random_model
 from tests.model.test_hf_bailing_reference import hub_config, transformers_config
@@ -115,7 +115,10 @@ def test_a_model_config_picks_its_layout():
     assert architecture_for(load_model_config("bailing-tiny")) is bailing
     assert architecture_for(load_model_config("kimi-tiny")) is kimi
     assert architecture_for(load_model_config("tiny")) is kimi
-    with pytest.raises(ValueError, match="model.hf_layout must be one of kimi_linear, bailing_hybrid, got 'llama'"):
+    assert architecture_for(load_model_config("gdn-tiny")) is qwen3_next
+    assert architecture_for(load_model_config("gdn-h200")) is qwen3_5_moe
+    with pytest.raises(ValueError, match="model.hf_layout must be one of kimi_linear, bailing_hybrid, qwen3_next, "
+                                         "qwen3_5_moe_text, got 'llama'"):
         replace(load_model_config("tiny"), hf_layout="llama")
 
 

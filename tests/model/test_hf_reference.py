@@ -207,8 +207,9 @@ def harts_logits(model, sequences) -> list[torch.Tensor]:
     config = model.config
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    layout = baseline_layout(step, np.arange(len(sequences)), conv_size=config.kda.conv_size,
-                             chunk_size=config.kda.chunk_size, attention_backend=default_attention_backend("cuda" if cuda else "cpu"),
+    linear = config.linear_attention
+    layout = baseline_layout(step, np.arange(len(sequences)), conv_size=linear.conv_size,
+                             chunk_size=linear.chunk_size, attention_backend=default_attention_backend("cuda" if cuda else "cpu"),
                              kda_backend=default_kda_backend("cuda" if cuda else "cpu"))
     with torch.no_grad():
         hidden, _ = model(layout.input_ids.to(device), layout.to(device))

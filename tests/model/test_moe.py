@@ -170,6 +170,7 @@ MODULES = {
     "softmax-shared": dict(score_function="softmax", shared_expert_hidden_size=16),
     "softmax-pre-k1": dict(score_function="softmax", top_k=1, softmax_before_topk=True),
     "sigmoid-bias-scaled": dict(score_function="sigmoid", expert_bias=True, topk_scaling_factor=2.5),
+    "softmax-gated-shared": dict(score_function="softmax", shared_expert_hidden_size=16, shared_expert_gate=True),
     # BailingHybrid's MoE: group-limited routing, SwiGLU clipped in the routed and the shared experts
     # (on these rows the limits clip 12% (routed) and 21% (shared) of the SiLU values, 39% and 54% of the up values)
     "bailing-groups-clipped": dict(score_function="sigmoid", expert_bias=True, topk_scaling_factor=2.5, top_k=3,
@@ -443,6 +444,7 @@ def test_disabled_losses_are_absent():
         dict(top_k=1),
         dict(experts_backend="fast"),
         dict(z_loss_coeff=-1.0),
+        dict(shared_expert_gate=True),
         dict(num_groups=2, topk_groups=1),
         dict(score_function="sigmoid", num_groups=3),
         dict(score_function="sigmoid", num_groups=8),
@@ -452,8 +454,9 @@ def test_disabled_losses_are_absent():
         dict(shared_swiglu_limit=float("inf")),
     ],
     ids=["topk-above-experts", "unknown-score", "bias-with-softmax", "softmax-after-top1", "unknown-backend",
-         "negative-coeff", "groups-with-softmax", "groups-not-dividing", "groups-of-one", "topk-groups-above-groups",
-         "topk-above-group-experts", "zero-limit", "infinite-shared-limit"],
+         "negative-coeff", "gate-without-shared-expert", "groups-with-softmax", "groups-not-dividing",
+         "groups-of-one", "topk-groups-above-groups", "topk-above-group-experts", "zero-limit",
+         "infinite-shared-limit"],
 )
 def test_bad_configs(overrides):
     base = dict(hidden_size=16, num_experts=8, top_k=2, expert_hidden_size=8)
@@ -526,6 +529,39 @@ def test_a_model_switches_its_experts_backend_on_the_same_weights():
     with pytest.raises(ValueError, match="experts_backend must be one of"):
         model.set_experts_backend("fast")
     assert {m.config.experts_backend for m in layers} == {"lean"} and model.config.moe.experts_backend == "lean"
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["normalised", "unnormalised"])
+def test_gated_shared_expert_and_routing_match_qwen3_next(norm_topk_prob):
+    """Qwen3-Next's sparse MoE block (transformers: softmax over all experts, top-k, renormalised when
+    norm_topk_prob, plus sigmoid(shared_expert_gate(x)) · shared_expert(x)) on the same weights: HARTS's softmax
+    routing after top-k (normalised), or with softmax_before_topk (not), and the gated shared expert."""
+    import transformers
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    hf_config = transformers.Qwen3NextConfig(hidden_size=16, num_experts=NUM_EXPERTS, num_experts_per_tok=3,
+                                             moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                                             norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(0)
+    block = Qwen3NextSparseMoeBlock(hf_config).double()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.copy_(torch.randn(parameter.shape, dtype=torch.float64) * 0.4)
+    module = _module(dict(score_function="softmax", top_k=3, shared_expert_hidden_size=12, shared_expert_gate=True,
+                          softmax_before_topk=not norm_topk_prob))
+    with torch.no_grad():
+        module.router_weight.copy_(block.gate.weight)
+        module.gate_up_proj.copy_(block.experts.gate_up_proj.transpose(1, 2))
+        module.down_proj.copy_(block.experts.down_proj.transpose(1, 2))
+        shared = block.shared_expert
+        module.shared_gate_up_proj.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).T)
+        module.shared_down_proj.copy_(shared.down_proj.weight.T)
+        module.shared_gate_weight.copy_(block.shared_expert_gate.weight)
+    x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = block(x).reshape(18, 16)
+    y, _ = module(x.reshape(18, 16))
+    # transformers takes the softmax in fp32 (dtype=torch.float) whatever the rows' dtype: fp32 rounding.
+    assert float((y - expected).abs().max()) <= 1e-6 * float(expected.abs().max())
 
 
 def _naive_group_limited(logits_NE, bias_E, *, top_k, num_groups, topk_groups, scaling):

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from harts.model.config import load_model_config
+from harts.model.config import GatedAttentionConfig, GDNConfig, load_model_config
+from harts.model.gdn import GatedAttentionLayer, GDNLayer
 from harts.model.layers import KDALayer, MLALayer, SwiGLU
+from harts.parallel.gdn import shard_gated_attention, shard_gdn
 from harts.parallel.tensor import Sharder, shard_kda, shard_mla, shard_swiglu
 from harts.runtime.layout import compact_layout
 from harts.trees.trie import PrefixIndex
@@ -54,6 +56,14 @@ def _layer(kind: str, generator: torch.Generator):
                          CONFIG.norm_eps)
     elif kind == "mla-full-query":
         layer = MLALayer(hidden, CONFIG.mla, CONFIG.norm_eps)
+    elif kind == "gdn":
+        # Grouped values (8 value heads over 4 key heads) and K != V, so a cut that mixes up the parts shows.
+        gdn = GDNConfig(num_key_heads=4, num_value_heads=8, key_head_dim=8, value_head_dim=6, chunk_size=16)
+        layer = GDNLayer(hidden, gdn, CONFIG.norm_eps)
+        layer.reset_gdn_parameters(generator)
+    elif kind == "gqa":
+        gqa = GatedAttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4)
+        layer = GatedAttentionLayer(hidden, gqa, CONFIG.norm_eps, zero_centered=True)
     else:
         layer = SwiGLU(hidden, CONFIG.dense_hidden_size)
     with torch.no_grad():
@@ -64,7 +74,8 @@ def _layer(kind: str, generator: torch.Generator):
 
 
 SHARD = {"kda": shard_kda, "kda-kimi": shard_kda, "kda-bailing": shard_kda, "mla": shard_mla,
-         "mla-full-query": shard_mla, "mla-gated": shard_mla, "swiglu": shard_swiglu}
+         "mla-full-query": shard_mla, "mla-gated": shard_mla, "swiglu": shard_swiglu, "gdn": shard_gdn,
+         "gqa": shard_gated_attention}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -113,14 +124,15 @@ def test_sharded_layers_add_up(kind, tp):
         _assert_close(total, full_grads[name], name)
 
 
-def test_specs_reassemble_every_cut_parameter():
-    layer = _layer("kda", torch.Generator().manual_seed(42))
+@pytest.mark.parametrize("kind", ["kda", "gdn", "gqa"])
+def test_specs_reassemble_every_cut_parameter(kind):
+    layer = _layer(kind, torch.Generator().manual_seed(42))
     tp = 2
     rebuilt = {name: torch.full_like(p, float("nan")) for name, p in layer.named_parameters()}
     for rank in range(tp):
         part = copy.deepcopy(layer)
         sharder = Sharder(part)
-        shard_kda(sharder, part, rank, tp)
+        SHARD[kind](sharder, part, rank, tp)
         for name, p in part.named_parameters():
             spec = sharder.specs.get(name)
             if spec is None:

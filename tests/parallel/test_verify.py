@@ -1,7 +1,8 @@
 """Every parallel configuration equals the single-process baseline, in both executions, ± recomputation.
 
 One launch of 2 gloo ranks runs dp2, tp2, tp2-sp, pp2, ep2 and dp2-ep2 (groups for each built over
-the same world); a slow launch of 4 ranks runs the 4-rank combinations. For each configuration,
+the same world), another the same on gdn-tiny (the Gated DeltaNet family: GDN and gated GQA cut by heads, the
+gated shared expert); slow launches of 4 ranks run the 4-rank combinations on both models. For each configuration,
 execution (baseline, compact) and recomputation flag (not for dp2, whose blocks hold no
 collective), the parallel step on the tiny model in fp32 (a tree step with shared prefixes,
 4 microbatches, off-policy GRPO with clipping active) is compared by `verify_on_rank` with
@@ -48,25 +49,35 @@ def _candidates(name: str) -> list[StepConfig]:
     return executions + (list(LOSSES.values()) if name in WITH_LOSSES else [])
 
 
-def _verify_all(groups, names, step, microbatches):
+def _verify_all(groups, names, step, microbatches, model="tiny"):
     reports = {}
     for name in names:
         config = load_parallel_config(name)
-        reports[name] = verify_on_rank(build_groups(config, groups.device), load_model_config("tiny"), 0, step,
+        reports[name] = verify_on_rank(build_groups(config, groups.device), load_model_config(model), 0, step,
                                        microbatches, _candidates(name))
     return reports
 
 
-def _launch(names):
+def _launch(names, model="tiny"):
     step, microbatches = tree_step_and_microbatches()
     world = load_parallel_config(names[0])
     assert all(load_parallel_config(n).world_size == world.world_size for n in names)
-    return launch(_verify_all, world, names, step, microbatches)
+    return launch(_verify_all, world, names, step, microbatches, model)
 
 
 @pytest.fixture(scope="module")
 def two_rank_reports():
     return _launch(TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def gdn_two_rank_reports():
+    return _launch(TWO_RANKS, "gdn-tiny")
+
+
+@pytest.fixture(scope="module")
+def gdn_four_rank_reports():
+    return _launch(FOUR_RANKS, "gdn-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +114,21 @@ def test_two_rank_config_equals_single_process(two_rank_reports, name, k):
     _check(two_rank_reports[name][k])
 
 
+@pytest.mark.parametrize(("name", "k"), _cases(TWO_RANKS))
+def test_two_rank_config_equals_single_process_gdn(gdn_two_rank_reports, name, k):
+    _check(gdn_two_rank_reports[name][k])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "k"), _cases(FOUR_RANKS))
 def test_four_rank_config_equals_single_process(four_rank_reports, name, k):
     _check(four_rank_reports[name][k])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "k"), _cases(FOUR_RANKS))
+def test_four_rank_config_equals_single_process_gdn(gdn_four_rank_reports, name, k):
+    _check(gdn_four_rank_reports[name][k])
 
 
 def test_comparison_is_not_degenerate(two_rank_reports):

@@ -489,3 +489,37 @@ def test_tiny_profile_end_to_end(workdir):
     assert sorted(results) == sorted(path for files in categories.values() for path in files)
     for path, result in results.items():
         assert base64.b64decode(result["data_uri"].split("base64,", 1)[1]) == (workdir / path).read_bytes(), path
+
+
+def _gdn_pipeline(workdir: Path) -> Path:
+    """The tiny profile's config with the Gated DeltaNet family's tiny model beside `tiny` (speedup, fidelity) and
+    its RL config."""
+    config = yaml.safe_load((REPO / "configs" / "pipeline-tiny.yaml").read_text(encoding="utf-8"))
+    config["speedup"]["models"], config["fidelity"]["models"] = ["tiny", "gdn-tiny"], ["tiny", "gdn-tiny"]
+    config["rl"]["config"] = "gdn-tiny"
+    path = workdir / "gdn.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_dry_run_takes_the_gdn_models(workdir):
+    """Model names are configs/models files: gdn-tiny's speedup, fidelity and RL jobs are planned beside tiny's."""
+    config = _gdn_pipeline(workdir)
+    result = snakemake(workdir, *TARGETS, "reports/rl.pdf", "-n", "-p", "--workflow-profile", "tiny",
+                       "--configfile", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = job_counts(result.stdout)
+    assert counts["speedup_step"] == 2 * 2 and counts["fidelity"] == 2 * 2, counts
+    assert "--model configs/models/gdn-tiny.yaml" in result.stdout or "--model gdn-tiny" in result.stdout
+    assert "configs/rl/gdn-tiny.yaml" in result.stdout
+
+
+@pytest.mark.slow  # one speedup configuration of gdn-tiny through the pipeline: about 30 s
+def test_gdn_tiny_speedup_record_through_the_pipeline(workdir):
+    config = _gdn_pipeline(workdir)
+    target = "reports/raw/speedup/gdn-tiny/single.json"
+    result = snakemake(workdir, target, "--workflow-profile", "tiny", "--configfile", str(config), "--cores", "2",
+                       timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = json.loads((workdir / target).read_text())
+    assert record["config"]["model"] == "gdn-tiny" and record["results"]["compression"] > 1

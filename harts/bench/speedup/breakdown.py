@@ -1,5 +1,6 @@
 """The op-level breakdown of the compact time beyond the ideal (C / S) × baseline (`breakdown`): op times
-(`op_times`: KDA as planned, as one call with and without the replay rows, MLA, the LM head; forward + backward
+(`op_times`: KDA as planned, as one call with and without the replay rows, MLA, the LM head — for a Gated
+DeltaNet model its GDN and gated GQA under the same keys ("kda", "mla"); forward + backward
 on real microbatch layouts with random inputs of the model's shapes) on up to `BREAKDOWN_MICROBATCHES` evenly
 spaced microbatches of each execution, each op scaled to the step by its own work (`OP_WORK`), then split into
 terms (`breakdown_terms`: replay, boundary handoff and call launches, other KDA, ancestor KV, LM head, the remaining
@@ -40,6 +41,7 @@ def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict
     import torch
 
     from harts.objective.logprobs import compact_logprobs
+    from harts.ops.gdn.packed import packed_gdn
     from harts.ops.kda.packed import packed_kda
 
     config = model.config
@@ -50,16 +52,26 @@ def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator, device=device) * scale).to(act_dtype).requires_grad_()
 
-    # KDA runs on the layout's KDA rows (the compact execution's calls' rows, replay rows included).
-    heads, head_dim, kda_rows = config.kda.num_heads, config.kda.head_dim, layout.num_kda_rows
-    q, k, v = (rand(kda_rows, heads, head_dim) for _ in range(3))
-    g = (-torch.rand(kda_rows, heads, head_dim, generator=generator, device=device) * 0.1).requires_grad_()
-    beta = torch.rand(kda_rows, heads, generator=generator, device=device).requires_grad_()
+    # KDA (or GDN) runs on the layout's KDA rows (the compact execution's calls' rows, replay rows included).
+    kda_rows = layout.num_kda_rows
+    if config.kda is not None:
+        heads = value_heads = config.kda.num_heads
+        key_dim = value_dim = config.kda.head_dim
+        gate_shape, mix, packed = (kda_rows, heads, key_dim), layout.linear_attention, packed_kda
+    else:
+        gdn = config.gdn
+        heads, value_heads, key_dim, value_dim = (gdn.num_key_heads, gdn.num_value_heads, gdn.key_head_dim,
+                                                  gdn.value_head_dim)
+        gate_shape, mix, packed = (kda_rows, value_heads), layout.gated_delta_rule, packed_gdn
+    q, k = (rand(kda_rows, heads, key_dim) for _ in range(2))
+    v = rand(kda_rows, value_heads, value_dim)
+    g = (-torch.rand(*gate_shape, generator=generator, device=device) * 0.1).requires_grad_()
+    beta = torch.rand(kda_rows, value_heads, generator=generator, device=device).requires_grad_()
 
     def backward(out):
         out.float().square().mean().backward()
 
-    times = {"kda": _time_op(lambda: backward(layout.linear_attention(q, k, v, g, beta)), device)}
+    times = {"kda": _time_op(lambda: backward(mix(q, k, v, g, beta)), device)}
     schedule = layout.kda_schedule
     if schedule is not None:
         # The same rows as one call: with the replay rows, and without them (computed rows only,
@@ -76,15 +88,20 @@ def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict
             cu = cu_cpu.to(device)
 
             def one_call(inputs=inputs, cu=cu, cu_cpu=cu_cpu):
-                out = packed_kda(*inputs, cu, chunk_size=layout.chunk_size, use_qk_l2norm=True,
-                                 backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu)
+                out = packed(*inputs, cu, chunk_size=layout.chunk_size, use_qk_l2norm=True,
+                             backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu)
                 backward(out)
 
             times[name] = _time_op(one_call, device)
-    mla = config.mla
-    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    qa, ka = rand(rows, mla.num_heads, qk_dim), rand(rows, mla.num_heads, qk_dim)
-    va = rand(rows, mla.num_heads, mla.v_head_dim)
+    if config.mla is not None:
+        mla = config.mla
+        attention_heads, qk_dim, v_dim = mla.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    else:
+        # Gated GQA attends with its KV heads repeated to every query head (as `GatedAttentionLayer`).
+        attention_heads, qk_dim = config.gated_attention.num_heads, config.gated_attention.head_dim
+        v_dim = qk_dim
+    qa, ka = rand(rows, attention_heads, qk_dim), rand(rows, attention_heads, qk_dim)
+    va = rand(rows, attention_heads, v_dim)
     times["mla"] = _time_op(lambda: backward(layout.attention(qa, ka, va, qk_dim ** -0.5)), device)
     hidden = rand(rows, config.hidden_size)
     weight = rand(config.vocab_size, config.hidden_size, scale=0.02)
@@ -114,7 +131,7 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
     from harts.objective.step import build_layout
 
     config = model.config
-    num_kda = sum(kind == "kda" for kind in config.layer_kinds())
+    num_kda = sum(kind == config.linear_kind for kind in config.layer_kinds())
     num_mla = config.num_layers - num_kda
     totals: dict[str, dict[str, float]] = {}
     sampled: dict[str, float] = {}

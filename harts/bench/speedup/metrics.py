@@ -34,36 +34,67 @@ def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) 
     - "matmul": the products with the per-token weights (projections, the MLP or the k routed experts
       + shared expert + router, the LM head), 2 × in × out per token each: the model-FLOPs count of
       the parameters alone;
-    - "attention": what the field adds for sequence mixing: MLA's scores and values over the causal
-      pairs of each trajectory (2 × heads × (qk + v) per pair), and KDA's chunked form (the
-      intra-chunk key/query products and the per-token state update).
+    - "attention": what the field adds for sequence mixing: MLA's (or gated GQA's) scores and values over the
+      causal pairs of each trajectory (2 × heads × (qk + v) per pair), and KDA's (or GDN's, per value head)
+      chunked form (the intra-chunk key/query products and the per-token state update).
     MFU is reported both ways (`mfu_metrics`): over "matmul" alone, and over the sum."""
     c = model_config
     matmul = 2 * c.hidden_size * c.vocab_size  # LM head
-    kda, mla, moe = c.kda, c.mla, c.moe
-    kda_width = kda.num_heads * kda.head_dim
-    rank = kda.gate_rank or kda.head_dim
-    kda_params = 4 * c.hidden_size * kda_width + 2 * (c.hidden_size * rank + rank * kda_width) + c.hidden_size * kda.num_heads
-    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    q_params = (c.hidden_size * mla.q_lora_rank + mla.q_lora_rank * mla.num_heads * qk) if mla.q_lora_rank else c.hidden_size * mla.num_heads * qk
-    mla_params = (q_params + c.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-                  + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-                  + mla.num_heads * mla.v_head_dim * c.hidden_size)
+    moe = c.moe
+    linear_params, linear_per_token = _linear_attention_work(c)
+    attention_params, pair_work = _attention_work(c)
     moe_params = (c.hidden_size * moe.num_experts + moe.top_k * 3 * c.hidden_size * moe.expert_hidden_size
-                  + 3 * c.hidden_size * moe.shared_expert_hidden_size)
+                  + 3 * c.hidden_size * moe.shared_expert_hidden_size
+                  + (c.hidden_size if moe.shared_expert_gate else 0))
     dense_params = 3 * c.hidden_size * c.dense_hidden_size
     attention_per_token = 0
     attention_pairs = 0
-    kda_per_token = 2 * kda.num_heads * (kda.chunk_size * (2 * kda.head_dim + kda.head_dim) + 4 * kda.head_dim * kda.head_dim)
     for i, kind in enumerate(c.layer_kinds()):
-        matmul += 2 * (kda_params if kind == "kda" else mla_params)
+        linear = kind in ("kda", "gdn")
+        matmul += 2 * (linear_params if linear else attention_params)
         matmul += 2 * (dense_params if i < c.num_dense_layers else moe_params)
-        if kind == "kda":
-            attention_per_token += kda_per_token
+        if linear:
+            attention_per_token += linear_per_token
         else:
-            attention_pairs += 2 * mla.num_heads * (qk + mla.v_head_dim)
+            attention_pairs += pair_work
     return {"matmul": 3.0 * matmul * semantic_tokens,
             "attention": 3.0 * (attention_per_token * semantic_tokens + attention_pairs * causal_pairs)}
+
+
+def _linear_attention_work(c) -> tuple[int, int]:
+    """(weights of one linear-attention layer, its chunked form's FLOPs per token)."""
+    if c.kda is not None:
+        kda = c.kda
+        width = kda.num_heads * kda.head_dim
+        rank = kda.gate_rank or kda.head_dim
+        params = 4 * c.hidden_size * width + 2 * (c.hidden_size * rank + rank * width) + c.hidden_size * kda.num_heads
+        per_token = 2 * kda.num_heads * (kda.chunk_size * (2 * kda.head_dim + kda.head_dim)
+                                         + 4 * kda.head_dim * kda.head_dim)
+        return params, per_token
+    gdn = c.gdn
+    value_width = gdn.num_value_heads * gdn.value_head_dim
+    projections = 2 * gdn.num_key_heads * gdn.key_head_dim + 2 * value_width + 2 * gdn.num_value_heads
+    params = c.hidden_size * projections + value_width * c.hidden_size
+    per_token = 2 * gdn.num_value_heads * (gdn.chunk_size * (2 * gdn.key_head_dim + gdn.value_head_dim)
+                                           + 4 * gdn.key_head_dim * gdn.value_head_dim)
+    return params, per_token
+
+
+def _attention_work(c) -> tuple[int, int]:
+    """(weights of one attention layer, its FLOPs per causal pair)."""
+    if c.mla is not None:
+        mla = c.mla
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        q_params = ((c.hidden_size * mla.q_lora_rank + mla.q_lora_rank * mla.num_heads * qk) if mla.q_lora_rank
+                    else c.hidden_size * mla.num_heads * qk)
+        params = (q_params + c.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+                  + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+                  + mla.num_heads * mla.v_head_dim * c.hidden_size)
+        return params, 2 * mla.num_heads * (qk + mla.v_head_dim)
+    gqa = c.gated_attention
+    width = gqa.num_heads * gqa.head_dim
+    params = c.hidden_size * (2 * width + 2 * gqa.num_kv_heads * gqa.head_dim) + width * c.hidden_size
+    return params, 2 * gqa.num_heads * 2 * gqa.head_dim
 
 
 def flops_metrics(model_config, base: dict[str, Any], comp: dict[str, Any]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints of HARTS's models: `config.json` + safetensors, sharded or not, both ways.
 
 One module per architecture holds its layout (harts.model.hf.kimi: Kimi-Linear; harts.model.hf.bailing:
-BailingHybrid, Ling-3); this package reads and writes any of them. A model config names its layout
+BailingHybrid, Ling-3; harts.model.hf.qwen3_next and qwen3_5_moe: Qwen3-Next and Qwen3.5-MoE's text model, the
+Gated DeltaNet family); this package reads and writes any of them. A model config names its layout
 (`ModelConfig.hf_layout`, set by loading and by the shipped configs: `architecture_for`); a config.json by its
 model_type:
 - `load_hf_checkpoint(path, dtype=None, device=None) -> (HybridModel, ModelConfig)`: a checkpoint
@@ -18,7 +19,7 @@ model_type:
   `ModelConfig` (the architecture chosen by config.json's model_type, or for a model by `architecture_for`);
   `check_exportable(config)`; `hf_tensor_shapes(config)`: every tensor of the layout.
 
-Invariant: every tensor of a layout fills exactly one region of one model tensor (`Slot`), so loading then saving
+Invariant: every tensor of a layout fills its own regions of one model tensor (`Slot`), so loading then saving
 (or the reverse) reproduces every parameter bitwise. Tested in tests/model/test_hf.py (round trips, bf16 loading
 without an fp32 copy, the weight-sync stream against the files, one check per refused or malformed input) and
 against transformers' own classes in tests/model/test_hf_reference.py.
@@ -36,15 +37,14 @@ import torch
 from torch import nn
 
 from harts.files import atomic_path, write_text
-from harts.model.config import ModelConfig
-from harts.model.config import HF_LAYOUTS
-from harts.model.hf import bailing, kimi
+from harts.model.config import HF_LAYOUTS, ModelConfig
+from harts.model.hf import bailing, kimi, qwen3_5_moe, qwen3_next
 from harts.model.hf.files import (
     DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SAFETENSORS_FLOATS, SINGLE_FILE, check_dtype, cut_shards, headers,
     read_json,
 )
 from harts.model.hf.kimi import FP32_SUFFIXES, KIMI_TINY
-from harts.model.hf.schema import Slot
+from harts.model.hf.schema import Slot, read_slot, write_slot
 from harts.model.model import HybridModel, unwrap_model
 
 __all__ = [
@@ -53,13 +53,15 @@ __all__ = [
     "load_hf_config", "model_config_from_hf", "save_hf_checkpoint", "save_hf_state",
 ]
 
-ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi, bailing.MODEL_TYPE: bailing}
+ARCHITECTURES: dict[str, ModuleType] = {kimi.MODEL_TYPE: kimi, bailing.MODEL_TYPE: bailing,
+                                        qwen3_next.MODEL_TYPE: qwen3_next, qwen3_5_moe.MODEL_TYPE: qwen3_5_moe}
 """config.json's model_type -> the module of its layout."""
 assert set(ARCHITECTURES) == set(HF_LAYOUTS), (set(ARCHITECTURES), HF_LAYOUTS)
 
 
 def architecture_for(config: ModelConfig) -> ModuleType:
-    """The layout a model of `config` is saved in: the one its `hf_layout` names (Kimi-Linear's by default)."""
+    """The layout a model of `config` is saved in: the one its `hf_layout` names (ModelConfig resolves None to its
+    family's default: Kimi-Linear's for KDA/MLA, Qwen3-Next's for GDN / gated GQA)."""
     return ARCHITECTURES[config.hf_layout]
 
 
@@ -183,7 +185,7 @@ def load_hf_checkpoint(
             with safe_open(file, "pt") as handle:
                 for layout_name in layout_names:
                     slot = slots[layout_name]
-                    slot.view(targets[slot.target]).copy_(handle.get_tensor(names[layout_name]))
+                    write_slot(slot, targets[slot.target], handle.get_tensor(names[layout_name]))
     return model, config
 
 
@@ -231,7 +233,7 @@ def _hf_items(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: tor
     for name in slots if names is None else names:
         slot = slots[name]
         source = state[slot.target].detach()
-        region = slot.view(source)
+        region = read_slot(slot, source)
         assert tuple(region.shape) == slot.shape, (name, tuple(region.shape), slot.shape)
         stored = _stored_dtype(config, name, source.dtype, dtype)
         yield name, torch.empty(slot.shape, dtype=stored, device=source.device).copy_(region)

@@ -1,8 +1,9 @@
 """Pieces every Hugging Face layout of harts.model.hf is written with.
 
 - `Slot`: where one checkpoint tensor lives in the model (a region of one model tensor, in the checkpoint's
-  shape and orientation), and the views that cut the usual regions (`rows`, `columns_t`, `expert_columns_t`,
-  `expert_t`);
+  shape and orientation, or several regions of it stacked along the checkpoint tensor's first dim), the views
+  that cut the usual regions (`rows`, `columns_t`, `expert_columns_t`, `expert_t`, `row_blocks`), and
+  `read_slot` / `write_slot`, which read and fill a slot's regions;
 - `Fields`: typed reads of a config.json's fields, every error naming the file and the field; `type_list`
   (transformers' per-layer lists) and `agree` (two keys of one config that must describe one model).
 Tested through every layout (tests/model/test_hf.py).
@@ -19,12 +20,29 @@ import torch
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one checkpoint tensor lives in the model: `view(model tensor target)` is the region,
-    in the checkpoint's shape and orientation."""
+    """Where one checkpoint tensor lives in the model: `view(model tensor target)` is the region, in the
+    checkpoint's shape and orientation, or a tuple of regions whose concatenation along dim 0 is the checkpoint
+    tensor (Qwen3-Next's in_proj_qkvz interleaves q, k, v and z rows per key head)."""
 
     target: str
     shape: tuple[int, ...]
-    view: Callable[[torch.Tensor], torch.Tensor]
+    view: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+def read_slot(slot: Slot, target: torch.Tensor) -> torch.Tensor:
+    """The checkpoint tensor of `slot` in model tensor `target` (a view, or a new tensor for several regions)."""
+    region = slot.view(target)
+    return torch.cat(region) if isinstance(region, tuple) else region
+
+
+def write_slot(slot: Slot, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the checkpoint tensor `value` of `slot` into its regions of model tensor `target`."""
+    region = slot.view(target)
+    if not isinstance(region, tuple):
+        region.copy_(value)
+        return
+    for part, piece in zip(region, value.split([part.shape[0] for part in region]), strict=True):
+        part.copy_(piece)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -45,6 +63,11 @@ def expert_columns_t(expert: int, lo: int, hi: int) -> Callable[[torch.Tensor], 
 
 def expert_t(expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t[expert].T
+
+
+def row_blocks(blocks: list[tuple[int, int]]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The rows [lo, hi) of each block, stacked in this order along the checkpoint tensor's first dim."""
+    return lambda t: tuple(t[lo:hi] for lo, hi in blocks)
 
 
 class Fields:

@@ -117,3 +117,25 @@ def test_model_flops_both_ways_on_the_tiny_config():
     flops = estimate_model_flops(config, tokens, pairs)
     assert flops["matmul"] == 3 * matmul * tokens
     assert flops["attention"] == 3 * (3 * kda_chunk * tokens + 2 * 2 * (24 + 16) * pairs)
+
+
+def test_model_flops_both_ways_on_the_gdn_tiny_config():
+    """Each term written out for configs/models/gdn-tiny.yaml (hidden 64, vocabulary 256, layers GDN, GDN, GDN,
+    gated GQA, the first dense): GDN's projection to q, k (2 × 2 heads × 16), v, z (2 × 4 heads × 8), b, a (2 × 4)
+    and its output projection; GQA's doubled query (4 heads × 16 × 2), k and v (2 KV heads × 16) and output; the
+    MoE's router, 2 routed experts, shared expert and its gate; attention: GDN's chunk terms per value head and
+    token, GQA's scores and values per causal pair."""
+    from harts.bench.speedup.metrics import estimate_model_flops
+    from harts.model.config import load_model_config
+
+    config = load_model_config("gdn-tiny")
+    lm_head = 64 * 256
+    gdn = 64 * (2 * 2 * 16 + 2 * 4 * 8 + 2 * 4) + 4 * 8 * 64
+    gqa = 64 * (4 * 16 * 2 + 2 * 2 * 16) + 4 * 16 * 64
+    dense, moe = 3 * 64 * 128, 64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 32 + 64
+    matmul = 2 * (lm_head + 3 * gdn + gqa + dense + 3 * moe)
+    gdn_chunk = 2 * 4 * (16 * (2 * 16 + 8) + 4 * 16 * 8)
+    tokens, pairs = 100, 3000
+    flops = estimate_model_flops(config, tokens, pairs)
+    assert flops["matmul"] == 3 * matmul * tokens
+    assert flops["attention"] == 3 * (3 * gdn_chunk * tokens + 2 * 4 * (16 + 16) * pairs)
