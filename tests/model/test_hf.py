@@ -382,9 +382,10 @@ def test_shipped_configs_are_refused_by_name(tmp_path):
                                         if load_model_config(name).hf_layout in ("kimi_linear", *GDN_HF_LAYOUTS)))
 def test_every_shipped_config_exports_or_names_its_fix(tmp_path, name):
     """Each shipped model config of the Kimi-Linear layout or of the Gated DeltaNet family's either exports
-    (kimi-tiny, and the GDN configs in Qwen3-Next's / Qwen3.5's layout: round trip bitwise) or is refused in one
-    line naming every field the layout cannot express and the settings that would (the weights cannot be
-    converted). (The BailingHybrid layout's configs: tests/model/test_hf_bailing.py.)"""
+    (kimi-tiny and gdn-tiny: round trip bitwise; gdn-h200, 11B parameters, not allocated: its config.json reads back
+    to its config and its layout covers every parameter) or is refused in one line naming every field the layout
+    cannot express and the settings that would (the weights cannot be converted). (The BailingHybrid layout's
+    configs: tests/model/test_hf_bailing.py.)"""
     config = load_model_config(name)
     blockers = {"kda.output_gate_bias: true": "kda.output_gate_bias: false",
                 "mla.use_rope: true": "mla.use_rope: false"}
@@ -394,6 +395,12 @@ def test_every_shipped_config_exports_or_names_its_fix(tmp_path, name):
                                           and mla.qk_rope_head_dim))
                if flag}
     if not present:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in HybridModel(config).parameters())
+        if size > 10**8:
+            assert model_config_from_hf(hf_config_from_model(config), f"{name}/config.json") == config
+            assert sum(int(np.prod(shape)) for shape in hf_tensor_shapes(config).values()) == size
+            return
         model = random_model(config)
         save_hf_checkpoint(model, tmp_path / name)
         loaded, loaded_config = load_hf_checkpoint(tmp_path / name)
