@@ -120,8 +120,11 @@ def kimi_linear_form(config):
     from dataclasses import replace
 
     from harts.model.hf import check_exportable
-    from harts.model.hf.kimi import LATENT_NORM_EPS
+    from harts.model.hf.kimi import LATENT_NORM_EPS, MODEL_TYPE
 
+    if config.hf_layout != MODEL_TYPE:
+        raise ValueError(f"model config {config.name!r}: its Hugging Face layout is {config.hf_layout}, not "
+                         f"{MODEL_TYPE}; harts bench trl runs the models TRL drives as KimiLinearForCausalLM")
     kda = replace(config.kda, gate_rank=config.kda.head_dim, output_gate_bias=False, chunk_size=64)
     mla = replace(config.mla, use_rope=False, latent_norm_eps=LATENT_NORM_EPS)
     form = replace(config, kda=kda, mla=mla)

@@ -124,7 +124,17 @@ def test_grpo_batch_is_groups_sharing_their_prompt():
     assert torch.allclose(advantages.std(dim=1), torch.ones(3), atol=1e-3)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in shipped_config_path("tiny", "models").parent.glob("*.yaml")))
+SHIPPED_MODELS = sorted(p.stem for p in shipped_config_path("tiny", "models").parent.glob("*.yaml"))
+KIMI_LAYOUT_MODELS = [name for name in SHIPPED_MODELS if load_model_config(name).hf_layout == "kimi_linear"]
+
+
+@pytest.mark.parametrize("name", sorted(set(SHIPPED_MODELS) - set(KIMI_LAYOUT_MODELS)))
+def test_kimi_linear_form_refuses_the_other_layouts(name):
+    with pytest.raises(ValueError, match=f"model config '{name}': its Hugging Face layout is .*, not kimi_linear"):
+        kimi_linear_form(load_model_config(name))
+
+
+@pytest.mark.parametrize("name", KIMI_LAYOUT_MODELS)
 def test_kimi_linear_form_exports_and_changes_only_what_kimi_linear_fixes(name):
     config = load_model_config(name)
     form = kimi_linear_form(config)
