@@ -26,6 +26,7 @@ from harts.model.hf.schema import Slot
 
 MODEL_TYPE = "qwen3_5_moe_text"
 FP32_SUFFIXES = qwen3_next.FP32_SUFFIXES
+EMBEDDING = qwen3_next.EMBEDDING
 _TEXT_PREFIX = "model.language_model."
 
 

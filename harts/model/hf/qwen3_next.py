@@ -54,6 +54,7 @@ from harts.model.hf.schema import (
 )
 
 MODEL_TYPE = "qwen3_next"
+EMBEDDING = "model.embed_tokens.weight"
 GDN_TINY = "gdn-tiny"
 """The shipped model config (configs/models) of this family that error messages point to."""
 FP32_SUFFIXES = (".A_log", ".dt_bias")
