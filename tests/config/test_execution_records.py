@@ -2,8 +2,8 @@
 (tests/data/records/*.json: written at 4782eda, before harts.config.execution existed, by `harts bench speedup`,
 `harts train-step --json` and `harts verify --json` on the tiny model and the sample step): the same config, the
 same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
-as fields only; the differences between two executions (verify's `*_diff`, the logit cosines) are float noise that
-depends on the CPU's kernels, and are compared within an absolute 1e-5 (a wrong execution puts them near 1e-2). Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin`
+as fields only; the differences between two executions (verify's `*_diff`, the logit cosines) are float noise
+that depends on the CPU's kernels, compared within an absolute 1e-5 (a wrong execution puts them near 1e-2). Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin`
 (0.05, the default) and `results.device_memory_bytes` (null on the CPU); and the model config's `mtp` (null: no
 MTP layers)."""
 
@@ -19,8 +19,8 @@ from tests.fixtures import one_thread  # noqa: F401
 GOLDEN = Path(__file__).parents[1] / "data" / "records"
 STEP = "data/samples/tiny-step.jsonl.gz"
 TIMINGS = {"plan_seconds", "seconds"}
-NOISE = {"grad_rel_diff", "loss_rel_diff", "max_abs_logprob_diff", "moe_loss_abs_diff", "tokens_per_expert_max_abs_diff",
-         "logit_cosine_mean", "logit_cosine_min"}
+NOISE = {"grad_rel_diff", "loss_rel_diff", "max_abs_logprob_diff", "moe_loss_abs_diff",
+         "tokens_per_expert_max_abs_diff", "logit_cosine_mean", "logit_cosine_min"}
 
 
 def _fields(value):
