@@ -16,7 +16,6 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -67,9 +66,6 @@ class StepConfig(ExecutionConfig):
     loss: str = "grpo"
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    mtp_loss_scaling_factor: float | None = None
-    """The MTP loss's factor (harts.objective.mtp) for a model with MTP layers; None: the model's
-    (`MTPConfig.loss_scaling_factor`); 0 runs no MTP layer (they get no gradient)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -85,10 +81,6 @@ class StepConfig(ExecutionConfig):
                              f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
-        factor = self.mtp_loss_scaling_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                   or not math.isfinite(factor) or factor < 0):
-            raise ValueError(f"{prefix}mtp_loss_scaling_factor must be a finite number >= 0 or None, got {factor!r}")
 
 
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,

@@ -3,8 +3,8 @@
 `harts train-step --json` and `harts verify --json` on the tiny model and the sample step): the same config, the
 same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
 as fields only. Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin`
-(0.05, the default) and `results.device_memory_bytes` (null on the CPU); and the model config's `mtp` (null: no
-MTP layers)."""
+(0.05, the default) and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (null: no
+MTP layers); `config.mtp_loss_scaling_factor` (null: the model's)."""
 
 import json
 import math
