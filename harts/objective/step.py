@@ -427,7 +427,9 @@ def run_step(
             depth_semantic = [len(m.semantic_positions) for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
             mtp_rows = [a + b for a, b in zip(mtp_rows, depth_rows)]
             mtp_semantic = [a + b for a, b in zip(mtp_semantic, depth_semantic)]
-            infos.append({**layout.info, "mtp_rows": depth_rows, "mtp_semantic_tokens": depth_semantic})
+            depth_pairs = [m.layout.info["attention_pairs"] for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
+            infos.append({**layout.info, "mtp_rows": depth_rows, "mtp_semantic_tokens": depth_semantic,
+                          "mtp_attention_pairs": depth_pairs})
         tokens_per_expert = counts if not tokens_per_expert else [a + b for a, b in zip(tokens_per_expert, counts)]
         if collect_logprobs:
             logprobs_all[torch.from_numpy(sem_index)] = logprobs.detach().float().cpu()

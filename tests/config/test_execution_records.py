@@ -4,7 +4,9 @@
 same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
 as fields only. Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin`
 (0.05, the default) and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (null: no
-MTP layers); `config.mtp_loss_scaling_factor` (null: the model's)."""
+MTP layers); `config.mtp_loss_scaling_factor` (null: the model's). Changed on purpose: `results.flops_compression`
+2.10496 -> 2.10556, the model FLOPs recounted (harts.model.flops: the chunked KDA's products as the kernel forms them
+and the short convs, docs/flops.md)."""
 
 import json
 import math
