@@ -18,8 +18,8 @@ W conv width, E/F MLA query-key/value head dims.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 TRAINING_FACTOR = 3
 """Forward + backward = 3 × forward: each weight product has two more of its size in the backward (the input's and
@@ -95,6 +95,7 @@ def _gqa_work(c) -> ForwardWork:
 
 
 MIXERS = {"kda": _kda_work, "gdn": _gdn_work, "mla": _mla_work, "gqa": _gqa_work}
+"""The forward work of one token mixer by layer kind (`ModelConfig.layer_kind`), from the model config."""
 
 
 def _mlp_work(c, dense: bool) -> ForwardWork:
