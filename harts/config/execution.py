@@ -2,14 +2,14 @@
 
 `ExecutionConfig` holds every execution knob (the microbatch planner and capacity, the dtype, the recomputation and
 what it keeps, the memory margin of the search for the recomputed blocks, the attention, KDA and experts backends,
-the LM head's chunk and gradient precision), their choices and their rules (`check`), and `resolved(device,
-execution)`, the one place that fills the defaults depending on the device and the execution. `StepConfig`
-(harts.objective.step) extends it with the loss; `harts train` and `harts rl` read it from their YAML's `execution`
-section, the benchmarks and the pipeline from their flags and keys, which are the field names. `add_arguments` makes
-every surface's flags from the fields, their types, choices and docstrings (`field_help`), so that a new knob is one
-field here, its consumer and a test. Torch-free: the command lines build and refuse a bad value before torch is
-imported; the lower layers take their choice lists from here (tests/config/test_execution.py checks them against the
-registries they name).
+the LM head's chunk and gradient precision, the MTP loss's factor, which decides whether the MTP layers run), their
+choices and their rules (`check`), and `resolved(device, execution)`, the one place that fills the defaults
+depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with the loss; `harts
+train` and `harts rl` read it from their YAML's `execution` section, the benchmarks and the pipeline from their
+flags and keys, which are the field names. `add_arguments` makes every surface's flags from the fields, their types,
+choices and docstrings (`field_help`), so that a new knob is one field here, its consumer and a test. Torch-free:
+the command lines build and refuse a bad value before torch is imported; the lower layers take their choice lists
+from here (tests/config/test_execution.py checks them against the registries they name).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,9 @@ class ExecutionConfig:
     logprob_grad_precision: str = "fp32"
     """The LM head's logit gradients: fp32 (TF32 gradient matmuls for bf16 on CUDA) or input (rounded once to
     bf16, bf16 tensor-core matmuls)."""
+    mtp_loss_scaling_factor: float | None = None
+    """For a model with MTP layers: the MTP loss's factor (default: the model config's mtp.loss_scaling_factor;
+    a Hugging Face checkpoint's, 0 for Ling-3.0's, which trains no MTP layer); 0 runs no MTP layer."""
 
     def check(self, prefix: str = "", *, as_flags: bool = False) -> None:
         """ValueError naming the field (`prefix` + its name, or with `as_flags` its flag) unless every field has an
@@ -163,6 +167,11 @@ class ExecutionConfig:
                 raise ValueError(f"{key(name)} must be true or false, got {getattr(self, name)!r}")
         if self.recompute_blocks is not None and self.recompute_blocks != AUTO:
             _check_count(key("recompute_blocks"), self.recompute_blocks, f" or {AUTO!r}")
+        factor = self.mtp_loss_scaling_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not math.isfinite(factor) or factor < 0):
+            raise ValueError(f"{key('mtp_loss_scaling_factor')} must be a finite number >= 0 (or null: the model's), "
+                             f"got {factor!r}")
         margin = self.memory_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"{key('memory_margin')} must be a number >= 0 and < 1, got {margin!r}")
@@ -278,6 +287,12 @@ def _fraction(text: str) -> float:
     return fraction(text)
 
 
+def _non_negative_float(text: str) -> float:
+    from harts.args import non_negative_float
+
+    return non_negative_float(text)
+
+
 def argument(name: str, *, default: bool = True, negatable: bool = False) -> tuple[str, dict[str, Any]]:
     """The flag of field `name` and its argparse keywords: its type or choices, its help (the field's docstring)
     and, with `default`, the field's default (a boolean is a store_true flag, or with `negatable` a
@@ -293,6 +308,8 @@ def argument(name: str, *, default: bool = True, negatable: bool = False) -> tup
         keywords.update(type=_positive_int, metavar="N")
     elif field.type == "float":
         keywords.update(type=_fraction, metavar="F")
+    elif field.type == "float | None":
+        keywords.update(type=_non_negative_float, metavar="F")
     if default and field.type != "bool":
         keywords["default"] = field.default
     return flag(name), keywords
@@ -352,6 +369,8 @@ def markdown_table() -> str:
             values = "`true`, `false`"
         elif field.type == "float":
             values = "a number >= 0 and < 1"
+        elif field.type == "float | None":
+            values = "a number >= 0"
         elif field.name == "recompute_blocks":
             values = f"an integer >= 1, `{AUTO}`"
         else:

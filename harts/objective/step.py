@@ -16,7 +16,6 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -67,9 +66,6 @@ class StepConfig(ExecutionConfig):
     loss: str = "grpo"
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    mtp_loss_scaling_factor: float | None = None
-    """The MTP loss's factor (harts.objective.mtp) for a model with MTP layers; None: the model's
-    (`MTPConfig.loss_scaling_factor`); 0 runs no MTP layer (they get no gradient)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -85,10 +81,6 @@ class StepConfig(ExecutionConfig):
                              f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
-        factor = self.mtp_loss_scaling_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                   or not math.isfinite(factor) or factor < 0):
-            raise ValueError(f"{prefix}mtp_loss_scaling_factor must be a finite number >= 0 or None, got {factor!r}")
 
 
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
@@ -435,7 +427,9 @@ def run_step(
             depth_semantic = [len(m.semantic_positions) for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
             mtp_rows = [a + b for a, b in zip(mtp_rows, depth_rows)]
             mtp_semantic = [a + b for a, b in zip(mtp_semantic, depth_semantic)]
-            infos.append({**layout.info, "mtp_rows": depth_rows, "mtp_semantic_tokens": depth_semantic})
+            depth_pairs = [m.layout.info["attention_pairs"] for m in mtp.layouts] + [0] * (num_mtp - len(mtp.layouts))
+            infos.append({**layout.info, "mtp_rows": depth_rows, "mtp_semantic_tokens": depth_semantic,
+                          "mtp_attention_pairs": depth_pairs})
         tokens_per_expert = counts if not tokens_per_expert else [a + b for a, b in zip(tokens_per_expert, counts)]
         if collect_logprobs:
             logprobs_all[torch.from_numpy(sem_index)] = logprobs.detach().float().cpu()

@@ -1,5 +1,5 @@
-"""`harts model`: the parameter counts of a shipped config, of a YAML path and of a Hugging Face checkpoint's
-config.json; a bad name is a one-line error with exit status 2."""
+"""`harts model`: the parameter counts of a shipped config (with and without its MTP layers), of a YAML path and of a
+Hugging Face checkpoint's config.json; a bad name is a one-line error with exit status 2."""
 
 import json
 
@@ -15,9 +15,23 @@ def test_prints_the_counts(capsys):
     counts = parameter_counts(load_model_config("ling3-tiny"))
     assert summary == {"model": "ling3-tiny", "hf_layout": "bailing_hybrid", "total": counts.total,
                        "active": counts.active, "active_non_embedding": counts.active_non_embedding,
-                       "embedding": counts.embedding, "head": counts.head}
+                       "embedding": counts.embedding, "head": counts.head, "mtp": 0, "mtp_active": 0}
     assert main(["model", "--model", "ling3-tiny"]) == 0
-    assert "7,893,389,856 parameters (7.89B), 1,381,732,896 active per token (1.38B" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "7,893,389,856 parameters (7.89B), 1,381,732,896 active per token (1.38B" in printed
+    assert "MTP" not in printed
+
+
+def test_prints_the_counts_with_and_without_the_mtp_layers(capsys):
+    """ling3-tiny-mtp: the counts with its MTP layer, then without it (the card's convention): ling3-tiny's."""
+    assert main(["model", "--model", "ling3-tiny-mtp"]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert "8,209,994,528 parameters (8.21B), 1,415,222,048 active per token (1.42B" in first
+    assert second == ("without its 1 MTP layer (316,604,672 parameters, 33,489,152 active), as model cards count: "
+                      "7,893,389,856 parameters (7.89B), 1,381,732,896 active per token (1.38B)")
+    assert main(["model", "--model", "ling3-tiny-mtp", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["total"] - summary["mtp"], summary["mtp_active"]) == (7_893_389_856, 33_489_152)
 
 
 def test_reads_a_checkpoint_config(tmp_path, capsys):

@@ -40,6 +40,9 @@ def test_choice_lists_are_the_registries():
     (dict(memory_margin=float("nan")), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(memory_margin=False), "execution.memory_margin must be a number >= 0 and < 1"),
     (dict(memory_margin="5%"), "execution.memory_margin must be a number >= 0 and < 1"),
+    (dict(mtp_loss_scaling_factor=-0.1), "execution.mtp_loss_scaling_factor must be a finite number >= 0"),
+    (dict(mtp_loss_scaling_factor=float("inf")), "execution.mtp_loss_scaling_factor must be a finite number >= 0"),
+    (dict(mtp_loss_scaling_factor=True), "execution.mtp_loss_scaling_factor must be a finite number >= 0"),
     (dict(recompute_blocks="auto"), "execution.recompute_blocks needs execution.recompute"),
     (dict(recompute_blocks=2), "execution.recompute_blocks needs execution.recompute"),
     (dict(keep_attention=True), "execution.keep_attention needs execution.recompute"),
@@ -49,7 +52,8 @@ def test_choice_lists_are_the_registries():
     (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs execution.kda_backend 'fla'"),
 ], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "experts-backend", "grad-precision",
         "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-word",
-        "margin-one", "margin-negative", "margin-nan", "margin-bool", "margin-text", "auto-alone", "blocks-alone",
+        "margin-one", "margin-negative", "margin-nan", "margin-bool", "margin-text", "mtp-factor-negative",
+        "mtp-factor-inf", "mtp-factor-bool", "auto-alone", "blocks-alone",
         "keep-attention-alone", "keep-kda-alone", "by-rows-without-blocks", "keep-attention-flex", "keep-kda-torch"])
 def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
     config = ExecutionConfig(**fields)
@@ -63,7 +67,7 @@ def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
 def test_every_knob_alone_passes_the_check():
     good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
                 kda_backend="fla", experts_backend="lean", logprob_grad_precision="input", capacity=7,
-                logprob_chunk_rows=3, recompute=True, memory_margin=0)
+                logprob_chunk_rows=3, recompute=True, memory_margin=0, mtp_loss_scaling_factor=0)
     assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
         execution.FIELDS)
     ExecutionConfig(**good).check()
@@ -125,7 +129,8 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
     config = ExecutionConfig(execution="baseline", planner="greedy-trie", capacity=99, dtype="bf16", recompute=True,
                              recompute_blocks=3, memory_margin=0.125, recompute_by_rows=True, keep_attention=True,
                              keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
-                             experts_backend="lean", logprob_chunk_rows=17, logprob_grad_precision="input")
+                             experts_backend="lean", logprob_chunk_rows=17, logprob_grad_precision="input",
+                             mtp_loss_scaling_factor=0.25)
     argv = []
     for name in execution.FIELDS:
         value = getattr(config, name)
@@ -142,7 +147,8 @@ SURFACES = {
     "train": (),  # --dtype is the run's: parameters and autocast
     "rl": ("execution", "memory_margin"),  # runs the config's executions; no search
     "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "memory_margin", "recompute_by_rows",
-                       "keep_attention", "keep_kda_intermediates"),  # its paths fix these
+                       "keep_attention", "keep_kda_intermediates",  # its paths fix these
+                       "mtp_loss_scaling_factor"),  # it compares the decoder's logits; MTP runs at the model's factor
 }
 
 

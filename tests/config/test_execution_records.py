@@ -4,8 +4,11 @@
 same result fields, the same sizes, and the same losses and differences within float noise. Timings are compared
 as fields only; the differences between two executions (verify's `*_diff`, the logit cosines) are float noise
 that depends on the CPU's kernels, compared within an absolute 1e-5 (a wrong execution puts them near 1e-2).
-Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin` (0.05, the default) and
-`results.device_memory_bytes` (null on the CPU); and the model config's `mtp` (null: no MTP layers)."""
+Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin` (0.05, the default)
+and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (null: no MTP layers);
+`config.mtp_loss_scaling_factor` (null: the model's). Changed on purpose: `results.flops_compression` 2.10496 ->
+2.10556, the model FLOPs recounted (harts.model.flops: the chunked KDA's products as the kernel forms them and the
+short convs, docs/flops.md)."""
 
 import json
 import math

@@ -1,11 +1,12 @@
 """harts.model.config: a model config with a size of zero, a NaN or a negative epsilon is refused by file and key."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from harts.model.config import load_model_config
+from harts.model.config import MTPConfig, load_model_config
 
 REPO = Path(__file__).resolve().parents[2]
 BAD = {
@@ -46,10 +47,18 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
     assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-shape", "kimi-tiny",
-                                  "bailing-tiny", "gdn-tiny", "gdn-h200"])
+@pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-mtp", "ling3-tiny-shape",
+                                  "kimi-tiny", "bailing-tiny", "gdn-tiny", "gdn-h200"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
+
+
+def test_ling3_tiny_mtp_is_ling3_tiny_with_its_mtp_layer():
+    """ling3-tiny-mtp is ling3-tiny but for its name and Ling-3.0-tiny's one MLA MTP layer, with the MTP loss on."""
+    with_mtp = load_model_config("ling3-tiny-mtp")
+    assert with_mtp.mtp == MTPConfig(num_layers=1, loss_scaling_factor=0.1, layer_kind="mla")
+    assert load_model_config("ling3-tiny").mtp is None
+    assert replace(with_mtp, name="ling3-tiny", mtp=None) == load_model_config("ling3-tiny")
 
 
 BAD_MTP = {

@@ -4,8 +4,8 @@ The closed form is written here from the layer definitions (harts.model.layers, 
 3·D·HK (q, k, v) + the gates' projections (full-rank: 2·D·HK; low-rank: 2·(D·r + r·HK) + the g bias) + D·H (β) +
 HK·D (o) + 3·HK·W (convs) + HK + H + K (dt_bias, A_log, o_norm); per MLA layer the query (D·H·E or D·r + r + r·H·E),
 kv_a D·(c + E_r) + c (norm) + c·H·(E_n + F) + H·F·D (o) (+ H·D with the output gate, + biases); per MoE layer
-E·3·F·D + 3·S·D + E·D (router); dense MLP 3·D·I; 2·D norms a layer, the final norm, embedding and head. Active:
-k of the E routed experts.
+E·3·F·D + 3·S·D + E·D (router); dense MLP 3·D·I; 2·D norms a layer, the final norm, embedding and head; per MTP
+depth 3·D norms, eh_proj 2·D·D and a block (its mixer, the MoE, 2·D norms). Active: k of the E routed experts.
 """
 
 import pytest
@@ -38,10 +38,16 @@ def closed_form(config: ModelConfig) -> tuple[int, int]:
     common = V * D * (1 if config.tie_embeddings else 2) + D + 2 * D * config.num_layers \
         + kinds.count("kda") * kda_layer + kinds.count("mla") * mla_layer \
         + config.num_dense_layers * 3 * D * config.dense_hidden_size + num_moe * moe_rest
+    if config.mtp is not None:
+        # Per depth: enorm, hnorm, eh_proj [D, 2D], final_layernorm, and a block (2 norms, the mixer, the MoE).
+        mixer = kda_layer if config.mtp.layer_kind == "kda" else mla_layer
+        common += config.mtp.num_layers * (3 * D + 2 * D * D + 2 * D + mixer + moe_rest)
+        num_moe += config.mtp.num_layers
     return common + num_moe * routed, common + num_moe * routed * moe.top_k // moe.num_experts
 
 
-@pytest.mark.parametrize("name", ["tiny", "bailing-tiny", "ling3-tiny", "ling3-tiny-shape", "kimi-tiny", "cpu-small"])
+@pytest.mark.parametrize("name", ["tiny", "bailing-tiny", "ling3-tiny", "ling3-tiny-mtp", "ling3-tiny-shape",
+                                  "kimi-tiny", "cpu-small"])
 def test_counts_are_the_closed_form(name):
     config = load_model_config(name)
     counts = parameter_counts(config)
@@ -59,6 +65,16 @@ def test_ling3_tiny_has_the_published_counts():
     assert (counts.total, counts.active) == (7_893_389_856, 1_381_732_896)
     shape = parameter_counts(load_model_config("ling3-tiny-shape"))
     assert round(shape.total / 1e9, 2) == 10.43  # the shape this project ran as ling3-tiny before
+
+
+def test_the_mtp_layer_is_counted_apart():
+    """ling3-tiny-mtp: the MTP layer in the total and the active count, and apart (`mtp`, `mtp_active`); without it,
+    ling3-tiny's counts, the card's."""
+    with_mtp = parameter_counts(load_model_config("ling3-tiny-mtp"))
+    assert (with_mtp.total, with_mtp.active) == (8_209_994_528, 1_415_222_048)
+    assert (with_mtp.mtp, with_mtp.mtp_active) == (316_604_672, 33_489_152)
+    assert with_mtp.without_mtp == parameter_counts(load_model_config("ling3-tiny"))
+    assert parameter_counts(load_model_config("ling3-tiny")).mtp == 0
 
 
 def test_a_tied_head_counts_once():

@@ -80,15 +80,18 @@ LING3_TINY_HUB = {
 
 
 def test_ling3_tiny_is_the_hub_config():
-    """The Hub's Ling-3.0-tiny config.json reads to the shipped ling3-tiny config (up to HARTS's training fields,
-    which config.json does not carry) with its one MTP layer: MLA, MTP loss factor 0 (the Hub's)."""
+    """The Hub's Ling-3.0-tiny config.json reads to the shipped ling3-tiny-mtp config (up to HARTS's training fields,
+    which config.json does not carry, and the MTP loss factor: the Hub's 0, the shipped config's 0.1), with its one
+    MTP layer (MLA); ling3-tiny is the same without it."""
     read = model_config_from_hf(LING3_TINY_HUB, "Ling-3.0-tiny/config.json")
     assert read.mtp == MTPConfig(num_layers=1, loss_scaling_factor=0.0, layer_kind="mla")
-    shipped = load_model_config("ling3-tiny")
-    training = dict(name=shipped.name, kda=replace(read.kda, chunk_size=shipped.kda.chunk_size),
-                    moe=replace(read.moe, aux_loss_coeff=shipped.moe.aux_loss_coeff,
-                                z_loss_coeff=shipped.moe.z_loss_coeff), mtp=shipped.mtp)
-    assert replace(read, **training) == shipped
+    for name in ("ling3-tiny-mtp", "ling3-tiny"):
+        shipped = load_model_config(name)
+        mtp = None if shipped.mtp is None else replace(read.mtp, loss_scaling_factor=shipped.mtp.loss_scaling_factor)
+        training = dict(name=shipped.name, kda=replace(read.kda, chunk_size=shipped.kda.chunk_size),
+                        moe=replace(read.moe, aux_loss_coeff=shipped.moe.aux_loss_coeff,
+                                    z_loss_coeff=shipped.moe.z_loss_coeff), mtp=mtp)
+        assert replace(read, **training) == shipped, name
     no_mtp = model_config_from_hf({**LING3_TINY_HUB, "num_nextn_predict_layers": 0}, "Ling-3.0-tiny/config.json")
     assert no_mtp.mtp is None
 

@@ -230,7 +230,9 @@ def test_resume_fills_keys_an_older_checkpoint_lacks(tmp_path):
         saved = json.loads(path.read_text())
         # logprob_grad_precision came first; dtype, keep_kda_intermediates and experts_backend with the one execution
         # config (the dtype then defaults by device: fp32 here).
-        for key in ("logprob_grad_precision", "dtype", "keep_kda_intermediates", "experts_backend"):
+        # mtp_loss_scaling_factor came with MTP layers.
+        for key in ("logprob_grad_precision", "dtype", "keep_kda_intermediates", "experts_backend",
+                    "mtp_loss_scaling_factor"):
             del saved["train"]["execution"][key]
         del saved["model"]["mtp"]  # the model config's MTP layers came later
         path.write_text(json.dumps(saved))
@@ -238,6 +240,25 @@ def test_resume_fills_keys_an_older_checkpoint_lacks(tmp_path):
                                          r"'input' now"):
         train(_config(**one_step, **{"execution.logprob_grad_precision": "input"}), tmp_path, resume=True)
     train(_config(**one_step), tmp_path, resume=True)
+
+
+def test_the_mtp_loss_factor_is_an_execution_key(tmp_path):
+    """A model whose MTP layers' factor is 0 (as a Ling-3.0 checkpoint loads) trains no MTP layer; the execution
+    section's mtp_loss_scaling_factor trains them (the step records carry the MTP loss and rows)."""
+    import yaml
+
+    from harts.config import config_to_dict
+    from harts.model.config import MTPConfig, load_model_config
+
+    model = tmp_path / "tiny-mtp.yaml"
+    model.write_text(yaml.safe_dump({**config_to_dict(load_model_config("tiny")), "name": "tiny-mtp",
+                                     "mtp": config_to_dict(MTPConfig(num_layers=1, loss_scaling_factor=0.0))}))
+    one_step = {"model": str(model), "num_steps": 1, "schedule.warmup_steps": 0}
+    (off,) = train(_config(**one_step), tmp_path / "off")
+    assert "mtp_loss" not in off
+    (on,) = train(_config(**one_step, **{"execution.mtp_loss_scaling_factor": 0.3}), tmp_path / "on")
+    assert on["mtp_loss"] > 0 and on["mtp_rows"][0] > 0 and on["policy_loss"] == off["policy_loss"]
+    assert on["loss"] == pytest.approx(on["policy_loss"] + on["moe_loss"] + on["mtp_loss"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -329,11 +329,12 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
                        "--config", "speedup={recompute: true, attention_backend: varlen, "
                        "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true, "
                        "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048, "
-                       "kda_backend: fla, keep_kda_intermediates: true}")
+                       "kda_backend: fla, keep_kda_intermediates: true, mtp_loss_scaling_factor: 0.25}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("--recompute --recompute-blocks 2 --recompute-by-rows --keep-attention --keep-kda-intermediates "
             "--attention-backend varlen --kda-backend fla --experts-backend lean --logprob-chunk-rows 2048 "
-            "--logprob-grad-precision input --compact-recompute-blocks 1") in result.stdout
+            "--logprob-grad-precision input --mtp-loss-scaling-factor 0.25 --compact-recompute-blocks 1"
+            ) in result.stdout
 
 
 def test_auto_recompute_blocks_reach_the_gpu_jobs(workdir):

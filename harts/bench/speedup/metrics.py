@@ -1,8 +1,8 @@
 """The speedup record's figures from what was measured: medians over repeats (`execution_times`: per phase, the
 slowest rank; F+B+G the step's critical path), each execution's results (`execution_results`), the speedups,
-compression and efficiency (`speedup_metrics`), the same counted in model FLOPs (`estimate_model_flops`,
-`flops_metrics`, `mfu_metrics`) and why the timings should not be trusted (`timing_flags`). Arithmetic only (no
-torch): tests/bench/speedup/test_metrics.py checks every figure against values worked out by hand.
+compression and efficiency (`speedup_metrics`), the same counted in model FLOPs (`flops_metrics`, `mfu_metrics`:
+harts.model.flops's count, docs/flops.md) and why the timings should not be trusted (`timing_flags`). Arithmetic
+only (no torch): tests/bench/speedup/test_metrics.py checks every figure against values worked out by hand.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import statistics
 from typing import Any
 
 from harts.bench.speedup.executions import EXECUTIONS
+from harts.model.flops import estimate_model_flops
 
 # Timings are flagged (`timing_flags`) above this efficiency or this relative F+B+G range over repeats.
 EFFICIENCY_LIMIT = 1.05
@@ -29,95 +30,36 @@ def speedup_metrics(base: dict[str, float], comp: dict[str, float], semantic_tok
             "efficiency": fbg_speedup / compression}
 
 
-def estimate_model_flops(model_config, semantic_tokens: int, causal_pairs: int) -> dict[str, float]:
-    """Training FLOPs (forward + backward = 3 × forward, no recomputation) of the baseline, in two parts:
-    - "matmul": the products with the per-token weights (projections, the MLP or the k routed experts
-      + shared expert + router, the LM head), 2 × in × out per token each: the model-FLOPs count of
-      the parameters alone;
-    - "attention": what the field adds for sequence mixing: MLA's (or gated GQA's) scores and values over the
-      causal pairs of each trajectory (2 × heads × (qk + v) per pair), and KDA's (or GDN's, per value head)
-      chunked form (the intra-chunk key/query products and the per-token state update).
-    MFU is reported both ways (`mfu_metrics`): over "matmul" alone, and over the sum."""
-    c = model_config
-    matmul = 2 * c.hidden_size * c.vocab_size  # LM head
-    moe = c.moe
-    linear_params, linear_per_token = _linear_attention_work(c)
-    attention_params, pair_work = _attention_work(c)
-    moe_params = (c.hidden_size * moe.num_experts + moe.top_k * 3 * c.hidden_size * moe.expert_hidden_size
-                  + 3 * c.hidden_size * moe.shared_expert_hidden_size
-                  + (c.hidden_size if moe.shared_expert_gate else 0))
-    dense_params = 3 * c.hidden_size * c.dense_hidden_size
-    attention_per_token = 0
-    attention_pairs = 0
-    for i, kind in enumerate(c.layer_kinds()):
-        linear = kind in ("kda", "gdn")
-        matmul += 2 * (linear_params if linear else attention_params)
-        matmul += 2 * (dense_params if i < c.num_dense_layers else moe_params)
-        if linear:
-            attention_per_token += linear_per_token
-        else:
-            attention_pairs += pair_work
-    return {"matmul": 3.0 * matmul * semantic_tokens,
-            "attention": 3.0 * (attention_per_token * semantic_tokens + attention_pairs * causal_pairs)}
-
-
-def _linear_attention_work(c) -> tuple[int, int]:
-    """(weights of one linear-attention layer, its chunked form's FLOPs per token)."""
-    if c.kda is not None:
-        kda = c.kda
-        width = kda.num_heads * kda.head_dim
-        rank = kda.gate_rank or kda.head_dim
-        params = 4 * c.hidden_size * width + 2 * (c.hidden_size * rank + rank * width) + c.hidden_size * kda.num_heads
-        per_token = 2 * kda.num_heads * (kda.chunk_size * (2 * kda.head_dim + kda.head_dim)
-                                         + 4 * kda.head_dim * kda.head_dim)
-        return params, per_token
-    gdn = c.gdn
-    value_width = gdn.num_value_heads * gdn.value_head_dim
-    projections = 2 * gdn.num_key_heads * gdn.key_head_dim + 2 * value_width + 2 * gdn.num_value_heads
-    params = c.hidden_size * projections + value_width * c.hidden_size
-    per_token = 2 * gdn.num_value_heads * (gdn.chunk_size * (2 * gdn.key_head_dim + gdn.value_head_dim)
-                                           + 4 * gdn.key_head_dim * gdn.value_head_dim)
-    return params, per_token
-
-
-def _attention_work(c) -> tuple[int, int]:
-    """(weights of one attention layer, its FLOPs per causal pair)."""
-    if c.mla is not None:
-        mla = c.mla
-        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        q_params = ((c.hidden_size * mla.q_lora_rank + mla.q_lora_rank * mla.num_heads * qk) if mla.q_lora_rank
-                    else c.hidden_size * mla.num_heads * qk)
-        params = (q_params + c.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-                  + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-                  + mla.num_heads * mla.v_head_dim * c.hidden_size)
-        return params, 2 * mla.num_heads * (qk + mla.v_head_dim)
-    gqa = c.gated_attention
-    width = gqa.num_heads * gqa.head_dim
-    params = c.hidden_size * (2 * width + 2 * gqa.num_kv_heads * gqa.head_dim) + width * c.hidden_size
-    return params, 2 * gqa.num_heads * 2 * gqa.head_dim
+def execution_flops(model_config, execution: dict[str, Any]) -> dict[str, float]:
+    """An execution's model FLOPs (`estimate_model_flops`) over its own rows and attention pairs, and its MTP
+    depths' (`mtp_rows`, `mtp_attention_pairs`) when MTP layers ran."""
+    return estimate_model_flops(model_config, execution["rows"], execution["attention_pairs"],
+                                execution.get("mtp_rows", ()), execution.get("mtp_attention_pairs", ()))
 
 
 def flops_metrics(model_config, base: dict[str, Any], comp: dict[str, Any]) -> dict[str, float]:
-    """Compression and efficiency counted in model FLOPs instead of rows (`estimate_model_flops` with attention, each
-    execution's own rows and (query, key) pairs): `flops_compression` = baseline FLOPs / compact FLOPs, below S / C
-    when the compact's attention pairs shrink less than its rows (`attention_pair_ratio` above C / S), and
-    `flops_efficiency` = F/B/Grad speedup / flops_compression, the compact's speed per FLOP relative to the
-    baseline's. Replay rows and recomputation are overheads, not model FLOPs, on both sides."""
-    def total(rows: int, pairs: int) -> float:
-        flops = estimate_model_flops(model_config, rows, pairs)
+    """Compression and efficiency counted in model FLOPs instead of rows (`execution_flops` with attention, each
+    execution's own rows and (query, key) pairs, MTP rows included): `flops_compression` = baseline FLOPs / compact
+    FLOPs, below S / C when the compact's attention pairs shrink less than its rows (`attention_pair_ratio` above
+    C / S), and `flops_efficiency` = F/B/Grad speedup / flops_compression, the compact's speed per FLOP relative
+    to the baseline's. Replay rows and recomputation are overheads, not model FLOPs, on both sides."""
+    def total(execution: dict[str, Any]) -> float:
+        flops = execution_flops(model_config, execution)
         return flops["matmul"] + flops["attention"]
 
-    flops_compression = total(base["rows"], base["attention_pairs"]) / total(comp["rows"], comp["attention_pairs"])
+    flops_compression = total(base) / total(comp)
     return {"flops_compression": flops_compression,
             "flops_efficiency": base["fbg_s"] / comp["fbg_s"] / flops_compression}
 
 
 def mfu_metrics(model_config, step, base, num_devices: int) -> dict[str, float]:
-    """The baseline's model-FLOPs utilisation of the bf16 dense peak, both ways (`estimate_model_flops`):
-    `baseline_mfu` with attention (MLA and KDA sequence mixing) as the field counts it,
+    """The baseline's model-FLOPs utilisation of the bf16 dense peak, both ways (`estimate_model_flops` over the
+    step's semantic tokens and every trajectory's causal pairs, and the baseline's MTP rows and pairs when MTP
+    layers ran): `baseline_mfu` with the sequence mixing (attention, linear-attention chunk work and convolutions),
     `baseline_mfu_matmul` over the per-token weight products alone."""
     pairs = int(sum(int(n) * (int(n) + 1) // 2 for n in step.lengths))
-    flops = estimate_model_flops(model_config, step.num_semantic_tokens, pairs)
+    flops = estimate_model_flops(model_config, step.num_semantic_tokens, pairs, base.get("mtp_rows", ()),
+                                 base.get("mtp_attention_pairs", ()))
     peak = base["fbg_s"] * num_devices * H200_BF16_PEAK_FLOPS
     total = flops["matmul"] + flops["attention"]
     return {"baseline_model_flops": total, "baseline_matmul_flops": flops["matmul"],
@@ -175,11 +117,12 @@ def execution_results(samples, plan_seconds: float, peak: int, infos: list[dict]
 
 
 def _mtp_sizes(infos: list[dict]) -> dict[str, list[int]]:
-    """Each MTP depth's rows and semantic positions summed over the layouts (nothing without MTP layers)."""
+    """Each MTP depth's rows, semantic positions and attention pairs summed over the layouts (nothing without MTP
+    layers)."""
     if not infos or "mtp_rows" not in infos[0]:
         return {}
     return {key: [int(sum(depth)) for depth in zip(*(i[key] for i in infos))]
-            for key in ("mtp_rows", "mtp_semantic_tokens")}
+            for key in ("mtp_rows", "mtp_semantic_tokens", "mtp_attention_pairs")}
 
 
 def step_results(model_config, step, index, executions, compact_infos) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                     "compact_attention_backend": run_args.compact_attention_backend,
                     "kda_backend": run_args.kda_backend,
                     "logprob_grad_precision": run_args.logprob_grad_precision,
-                    "logprob_chunk_rows": run_args.logprob_chunk_rows, "variant": run_args.variant,
+                    "logprob_chunk_rows": run_args.logprob_chunk_rows,
+                    "mtp_loss_scaling_factor": run_args.mtp_loss_scaling_factor, "variant": run_args.variant,
                 }
                 variant = f" (--variant {run_args.variant})" if run_args.variant else ""
                 logger.info(f"step {index}{variant}: {step.num_trajectories} trajectories, "

@@ -1,10 +1,18 @@
 """The speedup record's figures from known timings (harts.bench.speedup.metrics), against values worked out by
-hand: speedups, compression and efficiency, the same counted in model FLOPs, per-rank aggregation (the critical path,
-medians over repeats) and the timing flags."""
+hand: speedups, compression and efficiency, the same counted in model FLOPs (MTP rows included; the FLOP formula
+itself: tests/model/test_flops.py), per-rank aggregation (the critical path, medians over repeats) and the timing
+flags."""
 
 import pytest
 
-from harts.bench.speedup.metrics import execution_times, flops_metrics, speedup_metrics, timing_flags
+from harts.bench.speedup.metrics import (
+    H200_BF16_PEAK_FLOPS,
+    execution_times,
+    flops_metrics,
+    mfu_metrics,
+    speedup_metrics,
+    timing_flags,
+)
 
 
 @pytest.mark.parametrize(
@@ -99,43 +107,36 @@ def test_execution_times_single_process_is_forward_plus_backward():
     assert times["forward_s"] == 1.5 and times["backward_s"] == 2.5
 
 
-def test_model_flops_both_ways_on_the_tiny_config():
-    """Each term written out for configs/models/tiny.yaml (hidden 64, vocabulary 256, layers KDA, KDA,
-    KDA, MLA, the first dense): per token, 2 × in × out of every weight product, 3 × for forward +
-    backward; attention: the KDA chunk terms per token and MLA's per causal pair."""
-    from harts.bench.speedup.metrics import estimate_model_flops
-    from harts.model.config import load_model_config
+def test_flops_and_mfu_count_the_mtp_rows():
+    """With MTP layers that ran, each execution's model FLOPs add its MTP depths' rows and pairs (the record's
+    `mtp_rows`, `mtp_attention_pairs`): the FLOPs compression and the baseline's MFU move with them."""
+    import types
+    from dataclasses import replace
 
-    config = load_model_config("tiny")
-    lm_head = 64 * 256
-    kda = 4 * 64 * 32 + 2 * (64 * 16 + 16 * 32) + 64 * 2  # q, k, v, o; two low-rank gates; beta
-    mla = (64 * 24 + 24 * 2 * 24) + 64 * (32 + 8) + 32 * 2 * (16 + 16) + 2 * 16 * 64
-    dense, moe = 3 * 64 * 128, 64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 32  # router, 2 routed experts, shared
-    matmul = 2 * (lm_head + 3 * kda + mla + dense + 3 * moe)  # layer 0 dense, layers 1-3 MoE
-    kda_chunk = 2 * 2 * (16 * 3 * 16 + 4 * 16 * 16)
-    tokens, pairs = 100, 3000
-    flops = estimate_model_flops(config, tokens, pairs)
-    assert flops["matmul"] == 3 * matmul * tokens
-    assert flops["attention"] == 3 * (3 * kda_chunk * tokens + 2 * 2 * (24 + 16) * pairs)
+    import numpy as np
 
+    from harts.model.config import MTPConfig, load_model_config
+    from harts.model.flops import estimate_model_flops
 
-def test_model_flops_both_ways_on_the_gdn_tiny_config():
-    """Each term written out for configs/models/gdn-tiny.yaml (hidden 64, vocabulary 256, layers GDN, GDN, GDN,
-    gated GQA, the first dense): GDN's projection to q, k (2 × 2 heads × 16), v, z (2 × 4 heads × 8), b, a (2 × 4)
-    and its output projection; GQA's doubled query (4 heads × 16 × 2), k and v (2 KV heads × 16) and output; the
-    MoE's router, 2 routed experts, shared expert and its gate; attention: GDN's chunk terms per value head and
-    token, GQA's scores and values per causal pair."""
-    from harts.bench.speedup.metrics import estimate_model_flops
-    from harts.model.config import load_model_config
+    config = replace(load_model_config("tiny"), mtp=MTPConfig(num_layers=1))
+    # Six trajectories of 1,000 tokens: the baseline's pairs 6 x 1000 x 1001 / 2, its MTP depth's 6 x 999 x 1000 / 2.
+    base = {"rows": 6000, "attention_pairs": 3_003_000, "fbg_s": 8.0, "mtp_rows": [5994],
+            "mtp_attention_pairs": [2_997_000]}
+    comp = {"rows": 1500, "attention_pairs": 1_200_000, "fbg_s": 2.5, "mtp_rows": [1495],
+            "mtp_attention_pairs": [1_195_000]}
 
-    config = load_model_config("gdn-tiny")
-    lm_head = 64 * 256
-    gdn = 64 * (2 * 2 * 16 + 2 * 4 * 8 + 2 * 4) + 4 * 8 * 64
-    gqa = 64 * (4 * 16 * 2 + 2 * 2 * 16) + 4 * 16 * 64
-    dense, moe = 3 * 64 * 128, 64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 32 + 64
-    matmul = 2 * (lm_head + 3 * gdn + gqa + dense + 3 * moe)
-    gdn_chunk = 2 * 4 * (16 * (2 * 16 + 8) + 4 * 16 * 8)
-    tokens, pairs = 100, 3000
-    flops = estimate_model_flops(config, tokens, pairs)
-    assert flops["matmul"] == 3 * matmul * tokens
-    assert flops["attention"] == 3 * (3 * gdn_chunk * tokens + 2 * 4 * (16 + 16) * pairs)
+    def total(execution, mtp):
+        flops = estimate_model_flops(config, execution["rows"], execution["attention_pairs"],
+                                     *((execution["mtp_rows"], execution["mtp_attention_pairs"]) if mtp else ()))
+        return flops["matmul"] + flops["attention"]
+
+    metrics = flops_metrics(config, base, comp)
+    assert metrics["flops_compression"] == pytest.approx(total(base, True) / total(comp, True), rel=1e-12)
+    assert metrics["flops_compression"] != pytest.approx(total(base, False) / total(comp, False), rel=1e-6)
+
+    step = types.SimpleNamespace(lengths=np.array([1000] * 6), num_semantic_tokens=6000)
+    mfu = mfu_metrics(config, step, base, num_devices=1)
+    assert mfu["baseline_model_flops"] == pytest.approx(total(base, True), rel=1e-12)
+    assert mfu["baseline_mfu"] == pytest.approx(total(base, True) / (8.0 * H200_BF16_PEAK_FLOPS), rel=1e-12)
+    without = mfu_metrics(config, step, {k: v for k, v in base.items() if not k.startswith("mtp")}, num_devices=1)
+    assert without["baseline_model_flops"] == pytest.approx(total(base, False), rel=1e-12)

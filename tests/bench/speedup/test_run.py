@@ -4,6 +4,7 @@ S / C, the breakdown's terms sum to the excess), a failing case as an error row 
 trajectory, a vocabulary smaller than the tokens), SIGTERM, the profile, each execution flag reaching the executions
 it names, and `--variant`."""
 
+import json
 from collections import Counter
 
 import pytest
@@ -100,7 +101,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
                               kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
                               keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
                               compact_recompute_blocks=None, recompute_by_rows=False, planner="harts", capacity=80,
-                              experts_backend=None, dtype=None, memory_margin=0.05)
+                              experts_backend=None, dtype=None, memory_margin=0.05, mtp_loss_scaling_factor=None)
     configs = step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():
@@ -361,3 +362,38 @@ def test_a_bad_variant_is_one_error_line_before_any_model(variant, message, tree
     err = capsys.readouterr().err
     assert code != 0 and message in err and variant in err, err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_model_with_mtp_layers_counts_their_rows_and_the_factor_turns_them_off(tree_step_path, tmp_path,
+                                                                                  monkeypatch):
+    """A model with an MTP layer (tiny's in BailingHybrid's convention with Ling-3.0's one MLA MTP layer): each
+    execution's MTP rows and attention pairs are in the record (the baseline's: every trajectory less its first
+    token) and in its model FLOPs; --mtp-loss-scaling-factor 0 (a variant here, on the same weights) runs no MTP
+    layer, and the record is one without MTP rows."""
+    import yaml
+
+    from harts.config import config_to_dict
+    from harts.model.config import MTPConfig, load_model_config
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    path, step = tree_step_path
+    config = load_model_config("bailing-tiny")
+    model = tmp_path / "bailing-tiny-mtp.yaml"
+    model.write_text(yaml.safe_dump({**config_to_dict(config), "name": "bailing-tiny-mtp",
+                                     "mtp": config_to_dict(MTPConfig(num_layers=1, loss_scaling_factor=0.1))}))
+    out = tmp_path / "mtp.json"
+    code = main(["bench", "speedup", "--model", str(model), "--trees", path, "--capacity", "80", "--repeats", "1",
+                 "--no-breakdown", "--variant", "mtp-loss-scaling-factor=0", "--out", str(out)])
+    assert code == 0
+    with_mtp, without = json.loads(out.read_text())
+    check_record(with_mtp, step, "single", 1)
+    base, comp = with_mtp["results"]["baseline"], with_mtp["results"]["compact"]
+    lengths = step.lengths.astype(int)
+    assert base["mtp_rows"] == base["mtp_semantic_tokens"] == [int((lengths - 1).sum())]
+    assert base["mtp_attention_pairs"] == [int(((lengths - 1) * lengths // 2).sum())]
+    assert comp["mtp_semantic_tokens"] == base["mtp_semantic_tokens"]
+    assert comp["mtp_rows"][0] < base["mtp_rows"][0]
+    assert comp["mtp_attention_pairs"][0] < base["mtp_attention_pairs"][0]
+    assert without["config"]["mtp_loss_scaling_factor"] == 0
+    check_record(without, step, "single", 1)
+    assert not any(key.startswith("mtp") for key in without["results"]["baseline"])
