@@ -17,9 +17,11 @@ rank program of `harts train-step --parallel`). It answers at three grains:
 - memory: `fit_recompute_blocks` is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed
   blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
   auto recomputes every block until it has searched (`search_pending`).
-`harts train-step` and `harts verify`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`,
-`harts.api` and the verl engine run through it (tests/test_engine_bypass.py fails on a module that calls the
-step's building blocks around it); what stays in training/ and rl/ is the optimizer, the schedule and the logging.
+`harts train-step`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`, `harts.api` and
+the verl engine run through it, `harts verify` plans through it (its comparisons are harts.objective.verify's and
+harts.parallel.verify's, the layers' checks of their steps); tests/test_engine_bypass.py fails on a module that
+calls a step's building blocks around it. What stays in training/ and rl/ is the optimizer, the schedule and the
+logging.
 Tested in tests/test_engine.py: a planned and run step equals `run_step` over the same members, the plan honours the
 config's planner and capacity, a microbatch's outputs are `microbatch_logprobs`' on `build_layout`'s rows, and the
 search sets the blocks it finds (against fake probes; tests/test_engine_memory.py tests the search itself); on

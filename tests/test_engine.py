@@ -191,3 +191,19 @@ def test_a_layout_is_build_layouts_with_the_index_built_when_not_given(step):
         engine = Engine.build(model, ExecutionConfig(), "cpu", execution=execution)
         expected = build_layout(step, members, model, engine.config, PrefixIndex.from_step(step))
         assert engine.layout(step, members).info == expected.info
+
+
+def test_the_library_pages_example_runs(capsys):
+    """docs/library.md's "The engine" example: a planned step, then one microbatch's log-probs."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/library.md").read_text(encoding="utf-8")
+    section = text.split("\n## The engine\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(code, "docs/library.md (The engine)", "exec"), {})
+    printed = capsys.readouterr().out
+    rows, tokens, count = map(int, re.search(r"(\d+) rows for (\d+) tokens in (\d+) microbatches", printed).groups())
+    assert rows < tokens and count > 1
+    first, logprobs = map(int, re.search(r"first microbatch: (\d+) rows, (\d+) log-probs", printed).groups())
+    assert first < logprobs

@@ -80,8 +80,8 @@ import torch
 
 from harts.api.batches import RLBatch, as_batch, packed_batch, padded_batch, trajectory_batch
 from harts.config.execution import DEVICES, ExecutionConfig
-from harts.model.model import HybridModel, unwrap_model
 from harts.engine import Engine, MicrobatchOutputs, OverCapacity
+from harts.model.model import HybridModel, unwrap_model
 from harts.model.moe import step_share
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
