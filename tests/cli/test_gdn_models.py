@@ -1,6 +1,6 @@
 """Every entry point takes the Gated DeltaNet family's tiny model where it takes `tiny`: `harts verify --model
 gdn-tiny` (compact = per-trajectory), `bench speedup` (a record with the model's FLOPs and the op breakdown),
-`bench fidelity` (the replay ablation by hand-off depth: replay at the rerun's zero, no-replay above it),
+`bench fidelity` (the replay ablation by hand-off depth: replay at the rerun's float noise, no-replay far above it),
 `train` (steps logged) and `rl --config gdn-tiny` (both executions' records), on the sample step, on the CPU."""
 
 import json
@@ -39,8 +39,9 @@ def test_bench_fidelity_replay_ablation(tmp_path, monkeypatch):
     layers = record["results"]["block_distance"]
     assert {layer["kind"] for layer in layers.values()} == {"gdn", "gqa"}
     handed = [paths for layer in layers.values() for depth, paths in layer.items() if depth not in ("kind", "0")]
-    assert handed and all(paths["replay"] == 0 for paths in handed)
-    assert all(paths["no-replay"] > 0 for paths in handed)
+    # Replay is exact up to float noise (the attention layers' differently packed calls round differently, by CPU).
+    assert handed and all(paths["replay"] <= 1e-5 for paths in handed)
+    assert all(paths["no-replay"] > 1e-4 for paths in handed)
 
 
 def test_train(tmp_path, monkeypatch):
