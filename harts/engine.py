@@ -25,7 +25,8 @@ logging.
 Tested in tests/test_engine.py: a planned and run step equals `run_step` over the same members, the plan honours the
 config's planner and capacity, a microbatch's outputs are `microbatch_logprobs`' on `build_layout`'s rows, and the
 search sets the blocks it finds (against fake probes; tests/test_engine_memory.py tests the search itself); on
-gloo ranks (tests/parallel/test_engine.py) a run is `run_parallel_step`'s.
+gloo ranks (tests/parallel/test_engine.py) a run is `run_parallel_step`'s. Legend: S the step's semantic positions,
+S_mb a microbatch's, R a layout's rows, D the hidden size.
 """
 
 from __future__ import annotations
