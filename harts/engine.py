@@ -1,18 +1,32 @@
-"""The execution engine under the command lines and trainers: a model and how it runs a step.
+"""The execution engine under the command lines, trainers and the library: a model and how it runs a step.
 
 `Engine(model, config)` holds a model and its `StepConfig` (harts.config.execution's knobs resolved for a device,
-and the loss; `Engine.build` makes one from an `ExecutionConfig`). `plan(step)` plans the step's microbatches
-with the config's planner and capacity (`PlannedStep`: the plan, each microbatch's members in the step's batch
-order, the prefix index and the planning seconds; `plan_step` without a model); `run(step, planned)` runs one
-training step over them (layouts, forward, loss, backward: gradients accumulate in the model) and returns its
-`StepResult` (`run_microbatches`: over members given by hand, e.g. one microbatch alone). `fit_recompute_blocks`
-is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed blocks whose untimed step peaks
-at most the device's memory less the config's memory_margin); an engine built with auto recomputes every block
-until it has searched (`search_pending`). `harts train-step` and `harts verify`, `harts train`, `harts rl`,
-`harts bench speedup` and `harts bench fidelity` run through it; what stays in training/ and rl/ is the
-optimizer, the schedule and the logging. Tested in tests/test_engine.py: a planned and run step equals `run_step`
-over the same members, the plan honours the config's planner and capacity, and the search sets the blocks it
-finds (against fake probes; tests/test_engine_memory.py tests the search itself).
+and the loss; `Engine.build` makes one from an `ExecutionConfig`), and on the ranks of a parallel configuration the
+model's cut for this rank (`parallel`: harts.parallel.parallelize's `ParallelModel`; `parallel_train_step` is the
+rank program of `harts train-step --parallel`). It answers at three grains:
+- a step: `plan(step)` plans the microbatches with the config's planner and capacity, for the parallel config's DP
+  degree (`PlannedStep`: the plan, each microbatch's members in the step's batch order, the prefix index and the
+  planning seconds; `plan_step` without a model); `run(step, planned)` runs one training step over them (layouts,
+  forward, loss, backward: gradients accumulate in the model): `run_step` in one process (`StepResult`),
+  `run_parallel_step` on the ranks (`ParallelStepResult`, gradients reduced); `run_microbatches` over members
+  given by hand (a benchmark's one microbatch, a slot alone);
+- a microbatch: `layout(step, members)` its rows; `forward_microbatch` its log-probs (and entropy) through the
+  compact LM head with its MoE losses, for a caller that owns the loss (harts.api, verl's engine), refusing a
+  layout over a given capacity (`OverCapacity`); `forward(layout)` the model alone (final hidden states, MoE
+  auxes); `balance_counts` the routing of a forward without gradients of each microbatch;
+- memory: `fit_recompute_blocks` is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed
+  blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
+  auto recomputes every block until it has searched (`search_pending`).
+`harts train-step`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`, `harts.api` and
+the verl engine run through it, `harts verify` plans through it (its comparisons are harts.objective.verify's and
+harts.parallel.verify's, the layers' checks of their steps); tests/test_engine_bypass.py fails on a module that
+calls a step's building blocks around it. What stays in training/ and rl/ is the optimizer, the schedule and the
+logging.
+Tested in tests/test_engine.py: a planned and run step equals `run_step` over the same members, the plan honours the
+config's planner and capacity, a microbatch's outputs are `microbatch_logprobs`' on `build_layout`'s rows, and the
+search sets the blocks it finds (against fake probes; tests/test_engine_memory.py tests the search itself); on
+gloo ranks (tests/parallel/test_engine.py) a run is `run_parallel_step`'s. Legend: S the step's semantic positions,
+S_mb a microbatch's, R a layout's rows, D the hidden size.
 """
 
 from __future__ import annotations
@@ -27,11 +41,26 @@ import torch
 
 from harts import engine_memory
 from harts.config.execution import AUTO, ExecutionConfig
-from harts.model.model import unwrap_model
+from harts.model.config import ModelConfig
+from harts.model.model import HybridModel, unwrap_model
 from harts.objective.losses import LossConfig
-from harts.objective.step import StepConfig, StepResult, run_step, step_config
+from harts.objective.step import (
+    StepConfig,
+    StepResult,
+    autocast_context,
+    build_layout,
+    microbatch_logprobs,
+    run_step,
+    semantic_index,
+    step_config,
+)
+from harts.objective.targets import semantic_targets_from_step
+from harts.parallel.groups import ParallelGroups
+from harts.parallel.model import ParallelModel, parallelize
+from harts.parallel.step import ParallelStepResult, run_parallel_step
 from harts.planning.microbatch import plan
 from harts.planning.plans import Plan
+from harts.runtime.layout import Layout
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
@@ -53,6 +82,38 @@ class PlannedStep:
         return len([m for m in self.microbatches if len(m)])
 
 
+@dataclass(eq=False)
+class MicrobatchOutputs:
+    """One microbatch through the model and the compact LM head (`Engine.forward_microbatch`); S_mb: its semantic
+    positions, in `semantic_index` order (its members' positions, member by member)."""
+
+    layout: Layout
+    """Its rows, on the model's device."""
+    semantic_index: np.ndarray
+    """int64 [S_mb]: the step's semantic positions of the microbatch."""
+    logprobs_S: torch.Tensor
+    """fp32 [S_mb] λ at the temperature asked for."""
+    entropy_S: torch.Tensor | None
+    """fp32 [S_mb]: the entropy of each predicting distribution (when asked for)."""
+    moe_loss: torch.Tensor
+    """The model's MoE losses of this forward, summed over its MoE layers (each its rows' mean)."""
+    auxes: list
+    """Per MoE layer, its `harts.model.moe.MoEAux` (losses, q-weighted routed counts, load-balancing counts)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.layout.num_rows
+
+
+class OverCapacity(ValueError):
+    """A microbatch with more rows than the capacity it was to run under (`Engine.forward_microbatch`)."""
+
+    def __init__(self, step: Step, num_rows: int, capacity: int, execution: str) -> None:
+        super().__init__(f"{step.source}: {num_rows:,} rows ({execution} execution) in one microbatch, more than the "
+                         f"capacity {capacity:,}")
+        self.num_rows, self.capacity = num_rows, capacity
+
+
 def plan_step(step: Step, config: ExecutionConfig, *, index: PrefixIndex | None = None, dp: int = 1) -> PlannedStep:
     """The step planned with the config's planner (resolved: not None) and capacity for `dp` replicas (`index`: the
     step's prefix index, built here when not given). Needs no model: a parallel run plans in the launching process."""
@@ -65,11 +126,18 @@ def plan_step(step: Step, config: ExecutionConfig, *, index: PrefixIndex | None 
 
 
 class Engine:
-    """A model and its step config: plans and runs training steps (module docstring)."""
+    """A model and its step config, in one process or on one rank of a parallel configuration: plans and runs
+    training steps and microbatches (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, config: StepConfig, *, search_pending: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, config: StepConfig, *, parallel: ParallelModel | None = None,
+                 search_pending: bool = False) -> None:
+        assert parallel is None or parallel.model is model, "a parallel engine holds its ParallelModel's model"
         self.model = model
+        """The model as given: a HybridModel, or a wrapper of one (DistributedDataParallel, fully_shard,
+        torch.compile) for the microbatch methods."""
         self.config = config
+        self.parallel = parallel
+        """This rank's cut of the model (harts.parallel.parallelize); None in one process."""
         self.search_pending = search_pending
         """recompute_blocks auto, not yet searched: `fit_recompute_blocks` finds them (until then every block)."""
 
@@ -84,35 +152,114 @@ class Engine:
             fields = {**fields, "recompute_blocks": len(unwrap_model(model).blocks)}
         return cls(model, step_config(knobs, device, loss_config=loss_config, **fields), search_pending=pending)
 
-    def plan(self, step: Step, *, index: PrefixIndex | None = None, dp: int = 1) -> PlannedStep:
-        """`plan_step` with this engine's config."""
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (and where it runs)."""
+        return next(self.model.parameters()).device
+
+    # Steps
+
+    def plan(self, step: Step, *, index: PrefixIndex | None = None, dp: int | None = None) -> PlannedStep:
+        """`plan_step` with this engine's config, for `dp` replicas (default: the parallel config's DP degree, 1 in
+        one process)."""
+        if dp is None:
+            dp = 1 if self.parallel is None else self.parallel.groups.config.dp
         return plan_step(step, self.config, index=index, dp=dp)
 
     def run(self, step: Step, planned: PlannedStep | None = None, *, backward: bool = True,
-            collect_logprobs: bool = False, progress: str | None = None) -> StepResult:
+            collect_logprobs: bool = False, progress: str | None = None) -> StepResult | ParallelStepResult:
         """One training step over `planned` (default: `plan(step)`): gradients accumulate in the model's
-        parameters (zero them before, step the optimizer after); without `backward`, the forward and the loss
-        only (a reference model's log-probs, with `collect_logprobs`); with `progress`, a progress bar of that name
-        over the microbatches."""
+        parameters (zero them before, step the optimizer after; on the ranks, reduced over them); without
+        `backward`, the forward and the loss only (a reference model's log-probs, with `collect_logprobs`: on global
+        rank 0 under a parallel config); with `progress`, a progress bar of that name over the microbatches (one
+        process). Call it on every rank with the same arguments under a parallel config."""
         planned = self.plan(step) if planned is None else planned
         return self.run_microbatches(step, planned.microbatches, index=planned.index, backward=backward,
                                      collect_logprobs=collect_logprobs, progress=progress)
 
     def run_microbatches(self, step: Step, microbatches: list[np.ndarray], *, index: PrefixIndex | None = None,
                          backward: bool = True, collect_logprobs: bool = False,
-                         progress: str | None = None) -> StepResult:
+                         progress: str | None = None) -> StepResult | ParallelStepResult:
         """`run` over microbatches given by hand (each an int64 array of trajectories in the step's batch order,
-        together covering the step once): a benchmark's one microbatch alone, or its warm-up."""
+        together covering the step once; under a parallel config K = S·D of them in (slot, replica) order, none
+        empty): a benchmark's one microbatch alone, or its warm-up."""
+        if self.parallel is not None:
+            return run_parallel_step(self.parallel, step, microbatches, self.config, index=index, backward=backward,
+                                     collect=collect_logprobs)
         return run_step(self.model, step, microbatches, self.config, index=index, backward=backward,
                         collect_logprobs=collect_logprobs, progress=progress)
+
+    # Microbatches
+
+    def layout(self, step: Step, members: np.ndarray, index: PrefixIndex | None = None, *,
+               attention_splits: list[np.ndarray] | None = None) -> Layout:
+        """The rows of the config's execution for the trajectories `members` of the step, on the host (`index`: the
+        step's prefix index, built here for the compact execution when not given; `attention_splits`, baseline
+        only: `harts.objective.step.build_layout`)."""
+        if index is None and self.config.execution == "compact":
+            index = PrefixIndex.from_step(step)
+        return build_layout(step, np.asarray(members, dtype=np.int64), self.model, self.config, index,
+                            attention_splits=attention_splits)
+
+    def forward(self, layout: Layout) -> tuple[torch.Tensor, list]:
+        """The model alone over a layout's rows (on the model's device) in the config's dtype, without recomputation
+        and without the LM head: (final hidden states [R, D], per MoE layer its aux). Gradients flow unless called
+        under `torch.no_grad()`."""
+        with autocast_context(self.device, self.config):
+            return self.model(layout.input_ids, layout)
+
+    def forward_microbatch(self, step: Step, members: np.ndarray, targets_S: torch.Tensor | np.ndarray | None = None,
+                           *, index: PrefixIndex | None = None, temperature: float = 1.0,
+                           return_entropy: bool = False, capacity: int | None = None) -> MicrobatchOutputs:
+        """One microbatch (`members`: its trajectories) through the model and the compact LM head
+        (`harts.objective.step.microbatch_logprobs`): the log-probs of the targets at `temperature` (and the
+        entropies), with the MoE losses and auxes; differentiable unless called under `torch.no_grad()`.
+
+        `targets_S`: int64 [S] the next token of every semantic position of the step in batch order, a tensor on any
+        device or an array (default: the step's own, `semantic_targets_from_step`); `capacity`: `OverCapacity` for a
+        layout of more rows, before the model runs."""
+        members = np.asarray(members, dtype=np.int64)
+        layout = self.layout(step, members, index)
+        if capacity is not None and layout.num_rows > capacity:
+            raise OverCapacity(step, layout.num_rows, capacity, self.config.execution)
+        device = self.device
+        layout = layout.to(device)
+        sem_index = semantic_index(step, members)
+        if targets_S is None:
+            targets_S = semantic_targets_from_step(step).targets
+        if isinstance(targets_S, np.ndarray):
+            targets = torch.from_numpy(targets_S[sem_index]).to(device)
+        else:
+            targets = targets_S[torch.from_numpy(sem_index).to(targets_S.device)].to(device)
+        logprobs_S, entropy_S, moe, auxes = microbatch_logprobs(
+            self.model, layout, targets, self.config, device, temperature=temperature, return_entropy=return_entropy,
+        )
+        return MicrobatchOutputs(layout=layout, semantic_index=sem_index, logprobs_S=logprobs_S, entropy_S=entropy_S,
+                                 moe_loss=moe, auxes=auxes)
+
+    @torch.no_grad()
+    def balance_counts(self, step: Step, microbatches: list[np.ndarray], *,
+                       index: PrefixIndex | None = None) -> list[torch.Tensor]:
+        """Per MoE layer of the model, the load-balancing assignment counts of a forward without gradients of each
+        microbatch (`forward`: the routing of a training forward of the same rows and weights), summed, in the
+        parameters' dtype promoted to fp32 at least; zeros without microbatches."""
+        parameter = next(self.model.parameters())
+        counts = [torch.zeros(block.mlp.config.num_experts, dtype=torch.promote_types(parameter.dtype, torch.float32),
+                              device=parameter.device) for block in unwrap_model(self.model).blocks if block.is_moe]
+        for members in microbatches:
+            _, auxes = self.forward(self.layout(step, members, index).to(parameter.device))
+            counts = [total + aux.balance_counts_E.to(total.dtype) for total, aux in zip(counts, auxes, strict=True)]
+        return counts
+
+    # Memory
 
     def probe(self, step: Step, planned: PlannedStep, recompute_blocks: int | None) -> dict[str, Any]:
         """One untimed step of `planned` with `recompute_blocks` recomputed (`engine_memory.probe_step`: whether
         it ran in the device's memory, its peak and seconds); the model's gradients are freed after it."""
         config = replace(self.config, recompute_blocks=recompute_blocks)
-        device = next(self.model.parameters()).device
         answer = engine_memory.probe_step(
-            lambda: run_step(self.model, step, planned.microbatches, config, index=planned.index), device, self.model)
+            lambda: run_step(self.model, step, planned.microbatches, config, index=planned.index), self.device,
+            self.model)
         return {"recompute_blocks": recompute_blocks, **answer}
 
     def fit_recompute_blocks(self, step: Step, planned: PlannedStep | None = None, *, reserved_bytes: int = 0,
@@ -123,9 +270,12 @@ class Engine:
         less `reserved_bytes` (what the caller will hold that a probe does not: an optimizer's state not yet
         allocated), and at most `within_bytes` where given (`within` names it in the error); return the search's
         record (`engine_memory.fit_recompute_blocks`: the blocks, the limit's terms, every `probe`).
-        `on_probe(n)` runs before the probe of n blocks. ValueError on a device without a total (the CPU's)."""
+        `on_probe(n)` runs before the probe of n blocks. ValueError on a device without a total (the CPU's) and
+        under a parallel config (one process searches)."""
+        if self.parallel is not None:
+            raise ValueError(f"recompute_blocks {AUTO} is searched in one process, not under a parallel config")
         planned = self.plan(step) if planned is None else planned
-        device = next(self.model.parameters()).device
+        device = self.device
         total = engine_memory.device_memory_bytes(device)
         if total is None:
             raise ValueError(f"recompute_blocks {AUTO} searches a GPU's memory: the model is on {device}")
@@ -142,3 +292,18 @@ class Engine:
         self.config = replace(self.config, recompute_blocks=search["recompute_blocks"])
         self.search_pending = False
         return search
+
+
+def parallel_engine(groups: ParallelGroups, model_config: ModelConfig, seed: int, config: StepConfig) -> Engine:
+    """On one rank of `groups`: the model of `model_config` initialised with `seed` (alike on every rank), cut for
+    this rank (harts.parallel.parallelize), and its engine."""
+    model = HybridModel(model_config).to(groups.device)
+    model.init_weights(seed)
+    return Engine(model, config, parallel=parallelize(model, groups))
+
+
+def parallel_train_step(groups: ParallelGroups, model_config: ModelConfig, seed: int, step: Step,
+                        microbatches: list[np.ndarray], config: StepConfig) -> ParallelStepResult:
+    """The rank program of `harts train-step --parallel` (harts.parallel.launch runs it on every rank): one step of
+    the planned microbatches through `parallel_engine`."""
+    return parallel_engine(groups, model_config, seed, config).run_microbatches(step, microbatches)

@@ -1,17 +1,21 @@
 """The engine: a planned step's members are the plan's trajectories in the step's batch order, the plan follows the
 config's planner and capacity, and a step run through the engine is `run_step` over the same members (the same
-loss and gradients, bitwise: the same calls in the same order)."""
+loss and gradients, bitwise: the same calls in the same order); a microbatch through the engine is
+`microbatch_logprobs` on `build_layout`'s rows (a layout over a capacity refused before the model runs), and its
+load-balancing counts are each microbatch's routing summed."""
 
 import numpy as np
 import pytest
 import torch
 
 from harts.config.execution import ExecutionConfig
-from harts.engine import Engine, plan_step
+from harts.engine import Engine, OverCapacity, plan_step
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
-from harts.objective.step import run_step
+from harts.objective.step import build_layout, microbatch_logprobs, run_step, semantic_index
+from harts.objective.targets import semantic_targets_from_step
 from harts.trees.io import read_step
+from harts.trees.trie import PrefixIndex
 from tests.fixtures import one_thread  # noqa: F401
 
 STEP = "data/samples/tiny-step.jsonl.gz"
@@ -107,3 +111,99 @@ def test_an_engine_built_with_given_blocks_does_not_search():
     assert not engine.search_pending and engine.config.recompute_blocks == 2
     engine = Engine.build(model, ExecutionConfig(recompute=True, recompute_blocks=1), "cpu", execution="compact")
     assert not engine.search_pending and engine.config.recompute_blocks == 1
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    return model
+
+
+TARGETS = {"step's": lambda step: None, "array": lambda step: semantic_targets_from_step(step).targets,
+           "tensor": lambda step: torch.from_numpy(semantic_targets_from_step(step).targets)}
+
+
+@pytest.mark.parametrize("targets", TARGETS)
+@pytest.mark.parametrize("execution", ["compact", "baseline"])
+def test_a_microbatch_is_microbatch_logprobs_on_its_layout(step, execution, targets):
+    """`forward_microbatch` gives `microbatch_logprobs` of `build_layout`'s rows and the step's targets, whichever
+    way they are given: the same log-probs, entropies, MoE losses and routing, and bitwise the same gradients."""
+    model = _tiny_model()
+    engine = Engine.build(model, ExecutionConfig(), "cpu", execution=execution)
+    members = np.array([1, 4, 5, 8])
+    out = engine.forward_microbatch(step, members, TARGETS[targets](step), temperature=0.7, return_entropy=True)
+    (out.logprobs_S.sum() + out.entropy_S.sum() + out.moe_loss).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    index = PrefixIndex.from_step(step) if execution == "compact" else None
+    layout = build_layout(step, members, model, engine.config, index)
+    sem = semantic_index(step, members)
+    logprobs, entropy, moe, auxes = microbatch_logprobs(
+        model, layout, torch.from_numpy(semantic_targets_from_step(step).targets[sem]), engine.config,
+        torch.device("cpu"), temperature=0.7, return_entropy=True)
+    (logprobs.sum() + entropy.sum() + moe).backward()
+    assert np.array_equal(out.semantic_index, sem) and out.num_rows == layout.num_rows
+    assert torch.equal(out.logprobs_S, logprobs) and torch.equal(out.entropy_S, entropy)
+    assert torch.equal(out.moe_loss, moe) and len(out.auxes) == len(auxes) > 0
+    for a, b in zip(out.auxes, auxes):
+        assert torch.equal(a.tokens_per_expert_E, b.tokens_per_expert_E)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_a_microbatch_over_the_capacity_is_refused_before_the_model_runs(step):
+    model = _tiny_model()
+    engine = Engine.build(model, ExecutionConfig(), "cpu", execution="compact")
+    members = np.arange(step.num_trajectories)
+    rows = engine.layout(step, members).num_rows
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(OverCapacity, match=rf"{rows:,} rows \(compact execution\) in one microbatch, more than the "
+                                           rf"capacity {rows - 1:,}$"):
+        engine.forward_microbatch(step, members, capacity=rows - 1)
+    assert not calls
+    assert engine.forward_microbatch(step, members, capacity=rows).num_rows == rows and calls
+
+
+def test_balance_counts_are_each_microbatch_routing_summed(step):
+    """The load-balancing counts of a forward without gradients of each microbatch, summed per MoE layer."""
+    model = _tiny_model()
+    engine = Engine.build(model, ExecutionConfig(capacity=300), "cpu", execution="compact")
+    planned = engine.plan(step)
+    assert planned.num_microbatches > 1
+    counts = engine.balance_counts(step, planned.microbatches, index=planned.index)
+    expected = None
+    for members in planned.microbatches:
+        layout = build_layout(step, members, model, engine.config, planned.index)
+        _, auxes = model(layout.input_ids, layout)
+        each = [aux.balance_counts_E.detach() for aux in auxes]
+        expected = each if expected is None else [a + b for a, b in zip(expected, each)]
+    num_moe = sum(block.is_moe for block in model.blocks)
+    assert len(counts) == len(expected) == num_moe and not any(c.requires_grad for c in counts)
+    assert all(torch.equal(a, b) for a, b in zip(counts, expected))
+    assert all(float(c.sum()) == 0 for c in engine.balance_counts(step, []))
+
+
+def test_a_layout_is_build_layouts_with_the_index_built_when_not_given(step):
+    model = _tiny_model()
+    members = np.array([0, 2, 3])
+    for execution in ("compact", "baseline"):
+        engine = Engine.build(model, ExecutionConfig(), "cpu", execution=execution)
+        expected = build_layout(step, members, model, engine.config, PrefixIndex.from_step(step))
+        assert engine.layout(step, members).info == expected.info
+
+
+def test_the_library_pages_example_runs(capsys):
+    """docs/library.md's "The engine" example: a planned step, then one microbatch's log-probs."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/library.md").read_text(encoding="utf-8")
+    section = text.split("\n## The engine\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(code, "docs/library.md (The engine)", "exec"), {})
+    printed = capsys.readouterr().out
+    rows, tokens, count = map(int, re.search(r"(\d+) rows for (\d+) tokens in (\d+) microbatches", printed).groups())
+    assert rows < tokens and count > 1
+    first, logprobs = map(int, re.search(r"first microbatch: (\d+) rows, (\d+) log-probs", printed).groups())
+    assert first < logprobs

@@ -8,7 +8,8 @@ step (`harts.trees.step.Step`) and remember the way back; `logprobs(model, batch
 the batch, so identical prefixes, such as a prompt shared by a GRPO group, are computed once) and
 return every per-token output in the batch's own layout and shape. Both also take the raw batch (a
 mapping or a list) and convert it. Nothing here knows about layers: the model runs through
-`harts.objective.step` exactly as `harts train-step` runs it.
+`harts.engine.Engine` (its microbatch grain: `forward_microbatch`, `balance_counts`) exactly as `harts train-step`
+runs it; each call builds the engine of its model and config.
 
 Layouts (per-token fields are indexed by the token they describe: the value at position t belongs
 to token t *as a target*, predicted from the tokens before it, DESIGN §5):
@@ -79,12 +80,12 @@ import torch
 
 from harts.api.batches import RLBatch, as_batch, packed_batch, padded_batch, trajectory_batch
 from harts.config.execution import DEVICES, ExecutionConfig
+from harts.engine import Engine, MicrobatchOutputs, OverCapacity
 from harts.model.model import HybridModel, unwrap_model
 from harts.model.moe import step_share
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
-    StepConfig, aggregation_normalizer, autocast_context, build_layout, loss_config_of, microbatch_logprobs,
-    policy_loss_of, semantic_index, step_config, step_normalizer,
+    StepConfig, aggregation_normalizer, loss_config_of, policy_loss_of, step_config, step_normalizer,
 )
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.planning import Plan
@@ -165,51 +166,29 @@ def _check_vocabulary(model: torch.nn.Module, batch: RLBatch) -> None:
                          f"{batch.locate(k)} is outside the model's vocabulary [0, {vocab})")
 
 
-@dataclass(frozen=True, eq=False)
-class _Microbatch:
-    """One forward over some of a batch's sequences (their semantic positions in `semantic_index` order)."""
-
-    num_rows: int
-    sem_index: np.ndarray
-    """int64 [S_mb]: the step's semantic positions of the microbatch."""
-    logprobs_S: torch.Tensor
-    entropy_S: torch.Tensor | None
-    moe: torch.Tensor
-    """The model's MoE losses of this forward alone (its rows' means)."""
-    auxes: list
-
-
 def _index(batch: RLBatch, config: StepConfig) -> PrefixIndex | None:
     return PrefixIndex.from_step(batch.step) if config.execution == "compact" else None
 
 
-def _forward(model: torch.nn.Module, batch: RLBatch, members: np.ndarray, config: StepConfig,
-             index: PrefixIndex | None, targets: SemanticTargets, temperature: float, entropy: bool,
-             capacity: int | None = None) -> _Microbatch:
+def _forward(engine: Engine, batch: RLBatch, members: np.ndarray, index: PrefixIndex | None,
+             targets: SemanticTargets, temperature: float, entropy: bool,
+             capacity: int | None = None) -> MicrobatchOutputs:
     """The model over the sequences `members` of the batch, one microbatch (a batch over `capacity` rows refused)."""
-    device = next(model.parameters()).device
-    layout = build_layout(batch.step, members, model, config, index)
-    if capacity is not None and layout.num_rows > capacity:
-        raise ValueError(f"{batch.step.source}: {layout.num_rows:,} rows ({config.execution} execution) in one "
-                         f"microbatch, more than the capacity {capacity:,}: plan the batch into microbatches "
-                         "(harts.api.plan) and run them with harts.api.policy_step")
-    layout = layout.to(device)
-    sem_index = semantic_index(batch.step, members)
-    targets_S = torch.from_numpy(targets.targets[sem_index]).to(device)
-    logprobs_S, entropy_S, moe, auxes = microbatch_logprobs(
-        model, layout, targets_S, config, device, temperature=temperature, return_entropy=entropy,
-    )
-    return _Microbatch(num_rows=layout.num_rows, sem_index=sem_index, logprobs_S=logprobs_S, entropy_S=entropy_S,
-                       moe=moe, auxes=auxes)
+    try:
+        return engine.forward_microbatch(batch.step, members, targets.targets, index=index, temperature=temperature,
+                                         return_entropy=entropy, capacity=capacity)
+    except OverCapacity as error:
+        raise ValueError(f"{error}: plan the batch into microbatches (harts.api.plan) and run them with "
+                         "harts.api.policy_step") from None
 
 
 def _run(model: torch.nn.Module, batch: RLBatch, config: StepConfig, temperature: float, entropy: bool,
-         capacity: int | None) -> tuple[_Microbatch, SemanticTargets]:
+         capacity: int | None) -> tuple[MicrobatchOutputs, SemanticTargets]:
     """The whole batch as one microbatch."""
     _check_vocabulary(model, batch)
     targets = semantic_targets_from_step(batch.step)
     members = np.arange(batch.num_sequences)
-    return _forward(model, batch, members, config, _index(batch, config), targets, temperature, entropy,
+    return _forward(Engine(model, config), batch, members, _index(batch, config), targets, temperature, entropy,
                     capacity), targets
 
 
@@ -263,15 +242,16 @@ def logprobs(
         _check_vocabulary(model, batch)
         targets = semantic_targets_from_step(batch.step)
         index = _index(batch, config)
-        device = next(model.parameters()).device
+        engine = Engine(model, config)
+        device = engine.device
         logprobs_S = torch.zeros(batch.step.num_semantic_tokens, device=device)
         entropy_S = torch.zeros_like(logprobs_S) if entropy else None
         num_rows = 0
         for members in plan.microbatches:
             if not len(members):
                 continue
-            part = _forward(model, batch, members, config, index, targets, temperature, entropy)
-            sem = torch.from_numpy(part.sem_index).to(device)
+            part = _forward(engine, batch, members, index, targets, temperature, entropy)
+            sem = torch.from_numpy(part.semantic_index).to(device)
             logprobs_S = logprobs_S.index_put((sem,), part.logprobs_S)
             if entropy:
                 entropy_S = entropy_S.index_put((sem,), part.entropy_S)
@@ -291,11 +271,11 @@ def _check_policy_inputs(batch: RLBatch, config: StepConfig) -> None:
         raise ValueError(f"{batch.step.source}: GRPO with kl_coef > 0 needs field 'ref_log_probs'")
 
 
-def _policy(part: _Microbatch, targets: SemanticTargets, config: StepConfig, normalizer: float,
+def _policy(part: MicrobatchOutputs, targets: SemanticTargets, config: StepConfig, normalizer: float,
             entropy_normalizer: float | None) -> PolicyLoss:
     """The policy loss of a microbatch's positions with the given normalisers."""
     device = part.logprobs_S.device
-    sem = part.sem_index
+    sem = part.semantic_index
 
     def pick(array):
         return None if array is None else torch.from_numpy(array[sem]).to(device)
@@ -363,7 +343,7 @@ def policy_loss(
             else aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
         ),
     )
-    moe = part.moe / (num_microbatches or 1)
+    moe = part.moe_loss / (num_microbatches or 1)
     return BatchLoss(
         **_outputs(batch, part.logprobs_S, part.entropy_S if entropy else None, part.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
@@ -483,22 +463,12 @@ def _gradient_sync(model: torch.nn.Module, last: bool):
     return nullcontext()
 
 
-def _balance_counts(model: torch.nn.Module, batch: RLBatch, microbatches: list[np.ndarray], config: StepConfig,
-                    index: PrefixIndex | None, dp: int, group) -> list[torch.Tensor]:
+def _balance_counts(engine: Engine, batch: RLBatch, microbatches: list[np.ndarray], index: PrefixIndex | None,
+                    dp: int, group) -> list[torch.Tensor]:
     """Per MoE layer, the load-balancing assignments of the whole step: a forward without gradients of each
-    of this replica's microbatches (its routing is the training forward's: same rows, same weights), summed,
-    and over the replicas with D > 1."""
-    parameter = next(model.parameters())
-    device = parameter.device
-    # A replica without sequences (fewer than D) still joins the sum.
-    counts = [torch.zeros(block.mlp.config.num_experts, dtype=torch.promote_types(parameter.dtype, torch.float32),
-                          device=device) for block in _model(model).blocks if block.is_moe]
-    with torch.no_grad():
-        for members in microbatches:
-            layout = build_layout(batch.step, members, model, config, index).to(device)
-            with autocast_context(device, config):
-                _, auxes = model(layout.input_ids, layout)
-            counts = [total + aux.balance_counts_E.to(total.dtype) for total, aux in zip(counts, auxes, strict=True)]
+    of this replica's microbatches (`Engine.balance_counts`: its routing is the training forward's), summed, and
+    over the replicas with D > 1 (a replica without sequences, fewer than D, still joins the sum)."""
+    counts = engine.balance_counts(batch.step, microbatches, index=index)
     if dp > 1:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
@@ -565,12 +535,13 @@ def policy_step(
     normalizer = step_normalizer(targets, config)
     entropy_normalizer = aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
     index = _index(batch, config)
-    device = next(model.parameters()).device
+    engine = Engine(model, config)
+    device = engine.device
     moe_config = _model(model).config.moe
     num_tokens = float(step.num_semantic_tokens)
     counts = None
     if moe_config.aux_loss_coeff > 0 and sum(1 for m in plan.microbatches if len(m)) > 1:
-        counts = _balance_counts(model, batch, microbatches, config, index, plan.dp, group)
+        counts = _balance_counts(engine, batch, microbatches, index, plan.dp, group)
     # DDP and FSDP2 average the replicas' gradients; the step's are their sum.
     scale = float(plan.dp) if averaging else 1.0
     logprobs_S = torch.zeros(step.num_semantic_tokens)
@@ -581,7 +552,7 @@ def policy_step(
     num_rows = 0
     for j, members in enumerate(microbatches):
         with torch.set_grad_enabled(backward), _gradient_sync(model, last=j == len(microbatches) - 1):
-            part = _forward(model, batch, members, config, index, targets, temperature,
+            part = _forward(engine, batch, members, index, targets, temperature,
                             entropy or loss_config.entropy_coef > 0)
             assert part.num_rows <= plan.capacity, (part.num_rows, plan.capacity)  # the planner bounded it
             policy = _policy(part, targets, config, normalizer, entropy_normalizer)
@@ -592,16 +563,16 @@ def policy_step(
                 ((policy.loss + moe) * scale).backward()
         total_policy += float(policy.loss.detach())
         total_moe += float(moe.detach())
-        count = float(targets.loss_mask[part.sem_index].sum())
+        count = float(targets.loss_mask[part.semantic_index].sum())
         masked += count
         clipped += float(policy.clip_fraction) * count
         if policy.kl is not None:
             has_kl, kl_sum = True, kl_sum + float(policy.kl) * count
-        sem = torch.from_numpy(part.sem_index)
+        sem = torch.from_numpy(part.semantic_index)
         logprobs_S[sem] = part.logprobs_S.detach().float().cpu()
         if entropy:
             entropy_S[sem] = part.entropy_S.detach().float().cpu()
-        mine[part.sem_index] = True
+        mine[part.semantic_index] = True
         num_rows += part.num_rows
     outputs = _outputs(batch, logprobs_S.to(device), None if entropy_S is None else entropy_S.to(device), num_rows)
     outputs.update(mask=batch.prediction_mask(mine).to(device) if batch.kind != "trajectories"

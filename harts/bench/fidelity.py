@@ -1,7 +1,8 @@
 """`harts bench fidelity`: replay ablation and logit fidelity (DESIGN §6).
 
 Fixed weights (seeded) and inputs (one step, or its first `--max-trees` task trees), forward in
-`--dtype` (bf16 by default). Five paths compute the final hidden state of every semantic position:
+`--dtype` (bf16 by default), each path's layouts, forwards and steps through its `harts.engine.Engine`. Five paths
+compute the final hidden state of every semantic position:
 - baseline: each trajectory its own sequence, packed to capacity (per-trajectory planner);
 - rerun: the same, with the trajectories packed in reverse order (same math, other packing): a
   noise floor. On varlen kernels every sequence keeps its call shape, so this floor holds only
@@ -172,11 +173,12 @@ def compact_attention_splits(step, microbatches, model, config, index) -> list:
     groups (`config`'s layouts of `microbatches`) start along its path."""
     import numpy as np
 
-    from harts.objective.step import build_layout
+    from harts.engine import Engine
 
+    engine = Engine(model, config)
     splits: list = [None] * step.num_trajectories
     for members in microbatches:
-        layout = build_layout(step, members, model, config, index)
+        layout = engine.layout(step, members, index)
         groups = layout.groups
         group_of_row = np.empty(layout.num_rows, dtype=np.int64)
         group_of_row[groups.q_index.numpy()] = np.repeat(np.arange(groups.num_groups), np.diff(groups.q_ptr.numpy()))
@@ -197,20 +199,21 @@ def path_hidden(model, step, microbatches, config, index, device, dtype, blocks:
     import torch
     from tqdm import tqdm
 
-    from harts.objective.step import autocast_context, build_layout, semantic_index
+    from harts.engine import Engine
+    from harts.objective.step import semantic_index
 
+    engine = Engine(model, config)
     hidden = torch.empty(step.num_semantic_tokens, model.config.hidden_size, device=device, dtype=dtype)
     hooks = blocks.hooks() if blocks is not None else []
     try:
         with torch.no_grad():
             for members in tqdm(microbatches, desc=f"{config.execution} forward", file=sys.stderr, leave=False):
                 splits = None if attention_splits is None else [attention_splits[k] for k in members.tolist()]
-                layout = build_layout(step, members, model, config, index, attention_splits=splits).to(device)
+                layout = engine.layout(step, members, index, attention_splits=splits).to(device)
                 sem_device = torch.from_numpy(semantic_index(step, members)).to(device)
                 if blocks is not None:
                     blocks.microbatch(sem_device, layout.semantic_rows)
-                with autocast_context(device, config):
-                    h, _ = model(layout.input_ids, layout)
+                h, _ = engine.forward(layout)
                 hidden[sem_device] = h[layout.semantic_rows].to(dtype)
     finally:
         for hook in hooks:
@@ -326,7 +329,7 @@ def excess_over_floor(value: float | None, noise: float | None) -> float | None:
 def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, Any]:
     import torch
 
-    from harts.objective.step import run_step
+    from harts.engine import Engine
 
     rows = {}
     for recompute in (False, True):
@@ -334,7 +337,7 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
         for name in ("baseline", "compact"):
             model.zero_grad(set_to_none=True)
             config = replace(configs[name], recompute=recompute, recompute_blocks=None, recompute_by_rows=False)
-            result = run_step(model, step, microbatches[name], config, index=index)
+            result = Engine(model, config).run_microbatches(step, microbatches[name], index=index)
             losses[name] = result.loss
             grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)

@@ -206,11 +206,11 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     torchrun every rank runs this, and the others print nothing)."""
     import torch
 
-    from harts.engine import plan_step
+    from harts.engine import parallel_train_step, plan_step
     from harts.model.config import load_model_config_with
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, launch
-    from harts.parallel.verify import train_step_on_rank, verify_on_rank
+    from harts.parallel.verify import verify_on_rank
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
 
@@ -235,7 +235,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
             candidates = [_step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)]
             result = launch(verify_on_rank, parallel, *common, candidates, device=args.device)
         else:
-            result = launch(train_step_on_rank, parallel, *common, _step_config(args, args.execution),
+            result = launch(parallel_train_step, parallel, *common, _step_config(args, args.execution),
                             device=args.device)
     except RankFailed as error:
         print_error(str(error))

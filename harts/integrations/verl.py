@@ -26,10 +26,10 @@ micro-batches; after the optimizer step the aux-loss-free expert biases move by 
 HARTS's part: the local batch becomes one `Step` (sequence b = trajectory b); micro-batches are HARTS's planner's
 (`use_dynamic_bsz`: `max_token_len_per_gpu` bounds a micro-batch's compact rows C, not its S tokens, so a GRPO group
 shares its prompt inside one micro-batch) or verl's fixed-size chunks of `micro_batch_size_per_gpu` sequences; each
-runs as its trie (`harts.objective.step.microbatch_logprobs`: every shared prefix computed once, log-probs through
-the compact LM head, never S × V). Data parallel: every rank holds the whole model; the gradients (fp32 masters of
-`harts.optim.MasterWeightAdamW`, AdamW with verl's hyper-parameters and verl's warm-up/cosine schedule) and the
-routed counts are averaged/summed over verl's data-parallel group before clipping.
+runs as its trie through a `harts.engine.Engine` of the model (`Engine.forward_microbatch`: every shared prefix
+computed once, log-probs through the compact LM head, never S × V). Data parallel: every rank holds the whole
+model; the gradients (fp32 masters of `harts.optim.MasterWeightAdamW`, AdamW with verl's hyper-parameters and verl's
+warm-up/cosine schedule) and the routed counts are averaged/summed over verl's data-parallel group before clipping.
 
 Tested (tests/integrations/test_verl.py, in the verl environment of .ci/setup) against verl's own computation on
 batches built by verl's code: `FSDPEngineWithLMHead`'s forward over each sequence alone (its packing, rolled
@@ -51,10 +51,11 @@ import torch
 
 from harts.api import packed_batch
 from harts.config.execution import ExecutionConfig
+from harts.engine import Engine
 from harts.extras import MissingExtra
 from harts.model.hf import hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from harts.model.model import HybridModel
-from harts.objective.step import build_layout, microbatch_logprobs, semantic_index, step_config
+from harts.objective.step import step_config
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.adamw import MasterWeightAdamW
 from harts.optim.config import OptimizerConfig
@@ -134,6 +135,8 @@ class HartsEngine(BaseEngine):
         ), "cuda" if cuda else "cpu", execution="compact")
         self.forward_only = bool(getattr(engine_config, "forward_only", False))
         self.module: HybridModel | None = None
+        self.harts_engine: Engine | None = None
+        """The module's HARTS engine (built with it, `initialize`)."""
         self.optimizer: MasterWeightAdamW | None = None
         self.lr_scheduler = None
         self._tokens_per_expert: list[torch.Tensor] = []
@@ -146,6 +149,7 @@ class HartsEngine(BaseEngine):
         """Load the model (`model_config.local_path`, a Kimi-Linear checkpoint) and, unless forward-only, the
         optimizer and the learning-rate schedule."""
         self.module, _ = load_hf_checkpoint(self.model_config.local_path, dtype=self.param_dtype, device=self.device)
+        self.harts_engine = Engine(self.module, self.step_config)
         if self.forward_only:
             self.module.requires_grad_(False)
             return
@@ -286,14 +290,9 @@ class HartsEngine(BaseEngine):
 
     def _microbatch(self, step, index, members, targets_S, micro, loss_function, temperature, calculate_entropy,
                     forward_only, num_microbatches):
-        model = self.module
-        config = self.step_config
-        layout = build_layout(step, members, model, config, index).to(self.device)
-        sem = torch.from_numpy(semantic_index(step, members)).to(self.device)
-        logprobs_S, entropy_S, moe, auxes = microbatch_logprobs(
-            model, layout, targets_S[sem], config, self.device, temperature=temperature,
-            return_entropy=calculate_entropy,
-        )
+        out = self.harts_engine.forward_microbatch(step, members, targets_S, index=index, temperature=temperature,
+                                                   return_entropy=calculate_entropy)
+        logprobs_S, entropy_S, moe, auxes = out.logprobs_S, out.entropy_S, out.moe_loss, out.auxes
         lengths = step.lengths[members]
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(self.device)
         # Semantic position k predicts token k + 1 (verl's alignment); a sequence's last position predicts nothing.
@@ -313,7 +312,7 @@ class HartsEngine(BaseEngine):
             self._tokens_per_expert = counts if not self._tokens_per_expert else [
                 a + b for a, b in zip(self._tokens_per_expert, counts)]
         metrics = dict(metrics)
-        metrics["harts/compact_rows"] = layout.num_rows
+        metrics["harts/compact_rows"] = out.num_rows
         metrics["harts/tokens"] = int(lengths.sum())
         metrics["harts/moe_loss"] = float(moe.detach()) / num_microbatches
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}

@@ -16,7 +16,9 @@ recomputation). For each candidate it reports, beside the figures of harts.objec
 - replica_grad_max_rel_diff: ranks holding the same parameter part (DP replicas, TP ranks of
   a whole parameter) must hold the same reduced gradient: the largest relative difference
   (0 when every copy agrees).
-`train_step_on_rank` is the rank program of `harts train-step --parallel`.
+This is the parallel layer checking itself (its step against the single-process one); `harts verify --parallel` and
+`harts bench fidelity --parallel` run it as their rank program. `harts train-step --parallel` runs the step through
+`harts.engine.Engine` (`harts.engine.parallel_train_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from harts.objective.step import StepConfig, autocast_context, build_layout, run
 from harts.objective.verify import agreement, logit_cosines
 from harts.parallel.groups import ParallelGroups
 from harts.parallel.model import ParallelModel, parallelize
-from harts.parallel.step import ParallelStepResult, run_parallel_step
+from harts.parallel.step import run_parallel_step
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex
 
@@ -81,14 +83,6 @@ def _parallel_model(groups: ParallelGroups, model_config: ModelConfig, seed: int
     model = HybridModel(model_config).to(groups.device)
     model.init_weights(seed)
     return parallelize(model, groups)
-
-
-def train_step_on_rank(
-    groups: ParallelGroups, model_config: ModelConfig, seed: int, step: Step, microbatches: list[np.ndarray],
-    config: StepConfig,
-) -> ParallelStepResult:
-    pmodel = _parallel_model(groups, model_config, seed)
-    return run_parallel_step(pmodel, step, microbatches, config)
 
 
 @torch.no_grad()

@@ -2,11 +2,11 @@
 (`op_times`: KDA as planned, as one call with and without the replay rows, MLA, the LM head — for a Gated
 DeltaNet model its GDN and gated GQA under the same keys ("kda", "mla"); forward + backward
 on real microbatch layouts with random inputs of the model's shapes) on up to `BREAKDOWN_MICROBATCHES` evenly
-spaced microbatches of each execution, each op scaled to the step by its own work (`OP_WORK`), then split into
-terms (`breakdown_terms`: replay, boundary handoff and call launches, other KDA, ancestor KV, LM head, the remaining
-per-row work) that sum to the excess. Single-process only: under `--parallel` the measured F + B also holds
-communication. Tested in tests/bench/speedup/test_breakdown.py (the terms from known op times, the sample scaled to
-the whole step, the one-call rows).
+spaced microbatches of each execution (their layouts from `harts.engine.Engine.layout`), each op scaled to the step
+by its own work (`OP_WORK`), then split into terms (`breakdown_terms`: replay, boundary handoff and call launches,
+other KDA, ancestor KV, LM head, the remaining per-row work) that sum to the excess. Single-process only: under
+`--parallel` the measured F + B also holds communication. Tested in tests/bench/speedup/test_breakdown.py (the
+terms from known op times, the sample scaled to the whole step, the one-call rows).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def op_work(layout) -> dict[str, int]:
 
 def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression) -> dict[str, Any]:
     """Where the compact time goes beyond (C/S) × baseline, from op-level times on the real layouts."""
-    from harts.objective.step import build_layout
+    from harts.engine import Engine
 
     config = model.config
     num_kda = sum(kind == config.linear_kind for kind in config.layer_kinds())
@@ -136,6 +136,7 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
     totals: dict[str, dict[str, float]] = {}
     sampled: dict[str, float] = {}
     for name in EXECUTIONS:
+        engine = Engine(model, configs[name])
         sums: dict[str, float] = {}
         nonempty = [m for m in microbatches[name] if len(m)]
         # Op times are measured on evenly spaced microbatches and scaled to the whole step by each op's own
@@ -145,7 +146,7 @@ def breakdown(model, step, microbatches, configs, index, device, dtype, base, co
         work_all: dict[str, int] = {}
         work_picked: dict[str, int] = {}
         for k, members in enumerate(nonempty):
-            layout = build_layout(step, members, model, configs[name], index)
+            layout = engine.layout(step, members, index)
             for key, value in op_work(layout).items():
                 work_all[key] = work_all.get(key, 0) + value
                 if k in picks:

@@ -1,7 +1,8 @@
 """One step measured on the ranks of a parallel configuration (`measure_parallel_step`, `--parallel NAME`): both
 executions planned for dp = the config's DP degree, then on every rank (`speedup_on_rank`, through
-harts.parallel.launch: gloo on CPU, NCCL on CUDA) a warm-up (a whole step on CUDA, the first slot on CPU:
-`first_slot`) and `--repeats` interleaved steps of `run_parallel_step`, each rank's seconds gathered on rank 0.
+harts.parallel.launch: gloo on CPU, NCCL on CUDA) each execution's `harts.engine.Engine` on the rank's cut of one
+model, a warm-up (a whole step on CUDA, the first slot on CPU: `first_slot`) and `--repeats` interleaved steps
+(`Engine.run_microbatches`: the parallel step), each rank's seconds gathered on rank 0.
 The record's times are medians over repeats of the slowest rank (`metrics.execution_times`); no op-level breakdown.
 docs/benchmarks.md "How `speedup` measures a step" says how each figure is aggregated; tested in
 tests/bench/speedup/test_parallel.py (dp2, tp2-sp, pp2, ep2 on CPU).
@@ -42,10 +43,9 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
     import torch
     import torch.distributed as dist
 
+    from harts.engine import Engine
     from harts.model.model import HybridModel
-    from harts.objective.step import build_layout
     from harts.parallel.model import parallelize
-    from harts.parallel.step import run_parallel_step
     from harts.trees.trie import PrefixIndex
 
     device = groups.device
@@ -53,14 +53,15 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
         model = HybridModel(model_config)
     model.init_weights(model_seed)
     pmodel = parallelize(model, groups)
+    engines = {name: Engine(model, configs[name], parallel=pmodel) for name in EXECUTIONS}
     index = PrefixIndex.from_step(step)
     dp = groups.config.dp
     for name in EXECUTIONS:
         # On CUDA a whole step (Triton autotunes per sequence length); on CPU the first slot.
         if device.type == "cuda":
-            run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+            engines[name].run_microbatches(step, microbatches[name], index=index)
         else:
-            run_parallel_step(pmodel, *first_slot(step, microbatches[name], dp), configs[name])
+            engines[name].run_microbatches(*first_slot(step, microbatches[name], dp))
         model.zero_grad(set_to_none=True)
     samples: dict[str, list] = {name: [] for name in EXECUTIONS}
     peaks = dict.fromkeys(EXECUTIONS, 0)
@@ -68,7 +69,7 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
         for name in EXECUTIONS:
             dist.barrier()
             with PeakMemory(device) as memory:
-                result = run_parallel_step(pmodel, step, microbatches[name], configs[name], index=index)
+                result = engines[name].run_microbatches(step, microbatches[name], index=index)
             seconds = dict(result.rank_seconds)
             # The reduction again, alone: the same collectives on gradients of the same sizes.
             dist.barrier()
@@ -86,10 +87,7 @@ def speedup_on_rank(groups, model_config, model_seed: int, step, microbatches: d
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:
         return None
-    infos = {
-        name: [build_layout(step, m, model, configs[name], index).info for m in microbatches[name]]
-        for name in EXECUTIONS
-    }
+    infos = {name: [engines[name].layout(step, m, index).info for m in microbatches[name]] for name in EXECUTIONS}
     return {"samples": samples, "peak_memory_bytes": dict(zip(EXECUTIONS, peak.tolist())), "layout_info": infos,
             "device_memory_bytes": engine_memory.device_memory_bytes(device)}
 
