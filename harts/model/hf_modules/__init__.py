@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from harts.model.config import ModelConfig
+from harts.model.config import HF_LAYOUTS, ModelConfig
 from harts.model.hf_modules import bailing, kimi, qwen3_5_moe, qwen3_next
 from harts.model.hf_modules.sources import Source
 from harts.model.model import HybridModel
@@ -44,6 +44,7 @@ from harts.model.model import HybridModel
 ARCHITECTURES: dict[str, ModuleType] = {module.MODEL_TYPE: module for module in (kimi, bailing, qwen3_next,
                                                                                  qwen3_5_moe)}
 """A transformers config's model_type -> the module of its in-memory layout."""
+assert set(ARCHITECTURES) == set(HF_LAYOUTS), (set(ARCHITECTURES), HF_LAYOUTS)
 
 
 def architecture_of(hf_model: nn.Module) -> ModuleType:
