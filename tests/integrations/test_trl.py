@@ -240,27 +240,28 @@ def test_a_model_of_another_architecture_is_refused_at_construction(checkpoint, 
 
 
 def main() -> None:
-    """Print each case's losses, parameter differences and rows: python -m tests.integrations.test_trl."""
+    """Print each model's and case's losses, parameter differences and rows: python -m tests.integrations.test_trl."""
     import tempfile
     from pathlib import Path
 
     root = Path(tempfile.mkdtemp(prefix="harts-trl-"))
-    path = make_checkpoint(root / "kimi-tiny")
     torch.set_num_threads(1)
-    print("| case | steps | losses TRL | losses HARTS | max abs param diff | max param change | rows TRL (padded) "
-          "| real tokens | rows HARTS |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case in CASES:
-        runs = run_case(path, root / case, case)
-        (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
-        (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
-        assert harts_completions == stock_completions
-        initial = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
-        change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.items())
-        difference = max(float((harts_parameters[n] - p).abs().max()) for n, p in stock_parameters.items())
-        print(f"| {case} | {CASES[case][1]} | {', '.join(f'{x:.6f}' for x in losses(stock))} | "
-              f"{', '.join(f'{x:.6f}' for x in losses(harts))} | {difference:.1e} | {change:.1e} | {stock_rows} | "
-              f"{harts.harts_counts['tokens']} | {harts_rows} |")
+    print("| model | case | steps | losses TRL | losses HARTS | max abs param diff | max param change | rows TRL "
+          "(padded) | real tokens | rows HARTS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in MODELS:
+        path = make_checkpoint(root / model, model)
+        for case in CASES:
+            runs = run_case(path, root / model / case, case, MODEL_SETTINGS.get(model, {}))
+            (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
+            (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
+            assert harts_completions == stock_completions
+            initial = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+            change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.items())
+            difference = max(float((harts_parameters[n] - p).abs().max()) for n, p in stock_parameters.items())
+            print(f"| {model} | {case} | {CASES[case][1]} | {', '.join(f'{x:.6f}' for x in losses(stock))} | "
+                  f"{', '.join(f'{x:.6f}' for x in losses(harts))} | {difference:.1e} | {change:.1e} | "
+                  f"{stock_rows} | {harts.harts_counts['tokens']} | {harts_rows} |", flush=True)
 
 
 if __name__ == "__main__":
