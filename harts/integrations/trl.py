@@ -25,7 +25,8 @@ turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance
 entropy, the router auxiliary loss (transformers' load-balancing loss over all layers' router logits at once, which
 TRL adds by default for models whose config declares router_aux_loss_coef, Qwen3-Next's and Qwen3.5's 0.001: set
 `router_aux_loss_coef=0.0`), PEFT models, multimodal inputs, more than one process (the model's forward is
-not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (TRL adds none: its router auxiliary loss is refused).
+not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (nor does TRL, its router
+auxiliary loss refused).
 
 Invariant (tests/integrations/test_trl.py): from the same seed, N steps of `trl.GRPOTrainer` and of
 `HARTSGRPOTrainer` generate the same completions and give the same losses and parameters (fp32 rounding), with
