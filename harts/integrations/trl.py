@@ -2,10 +2,13 @@
 entropies and loss run through HARTS's compact execution (`harts.api`), so that the prompt a GRPO group shares
 is computed once per micro-batch instead of once per completion.
 
-The model is a transformers `KimiLinearForCausalLM` (e.g. `harts export` of a kimi-tiny training, or any
-Kimi-Linear checkpoint): TRL keeps driving it (generation, the optimizer, `save_pretrained`, the reference model)
-and HARTS runs its parameters in place (`harts.model.hf_modules.HFParameterView`: gradients land in the Hugging
-Face parameters). What the trainer replaces, and nothing else:
+The model is a transformers model of an architecture HARTS carries (`KimiLinearForCausalLM`,
+`BailingHybridForCausalLM` (Ling-3), `Qwen3NextForCausalLM`, `Qwen3_5MoeForCausalLM`: e.g. `harts export` of a
+kimi-tiny, bailing-tiny or gdn-tiny training, or a checkpoint of the Hub): TRL keeps driving it (generation, the
+optimizer, `save_pretrained`, the reference model) and HARTS runs its parameters in place
+(`harts.model.hf_modules.HFParameterView`: gradients land in the Hugging Face parameters; another model is refused
+by name at construction). transformers' models hold no MTP layers, and TRL's loss has no MTP term: HARTS
+runs the decoder, as TRL does. What the trainer replaces, and nothing else:
 - `_get_per_token_logps_and_entropies` (old and reference log-probs, in TRL's `batch_size` chunks): `api.logprobs`
   of the padded prompt + completion rows at TRL's temperature;
 - `_compute_loss`: `api.policy_loss` of the micro-batch with TRL's loss read as a HARTS `GRPOConfig`
@@ -19,8 +22,11 @@ Face parameters). What the trainer replaces, and nothing else:
   HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
 turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
-entropy, the router auxiliary loss, PEFT models, multimodal inputs, more than one process (the model's forward is
-not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (TRL adds none for this model).
+entropy, the router auxiliary loss (transformers' load-balancing loss over all layers' router logits at once, which
+TRL adds by default for models whose config declares router_aux_loss_coef, Qwen3-Next's and Qwen3.5's 0.001: set
+`router_aux_loss_coef=0.0`), PEFT models, multimodal inputs, more than one process (the model's forward is
+not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (nor does TRL, its router
+auxiliary loss refused).
 
 Invariant (tests/integrations/test_trl.py): from the same seed, N steps of `trl.GRPOTrainer` and of
 `HARTSGRPOTrainer` generate the same completions and give the same losses and parameters (fp32 rounding), with
@@ -36,8 +42,7 @@ import torch
 
 from harts import api
 from harts.extras import require
-from harts.model.hf import model_config_from_hf
-from harts.model.hf_modules import HFParameterView, without_moe_losses
+from harts.model.hf_modules import HFParameterView, hf_model_config, without_moe_losses
 from harts.objective.losses import GRPOConfig
 from harts.objective.step import StepConfig
 
@@ -116,7 +121,10 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         problems = unsupported_options(self.args)
         if self.aux_loss_enabled:
-            problems.append("router_aux_loss_coef != 0 with a model returning router logits (set 0.0)")
+            # TRL 1.16 takes the coefficient from the model's config when the GRPOConfig leaves it None: Qwen3-Next's
+            # and Qwen3.5's declare 0.001.
+            problems.append(f"router_aux_loss_coef={self.router_aux_loss_coef} (TRL's load-balancing loss of "
+                            f"{type(self.model).__name__}'s router logits; set 0.0)")
         if trl.trainer.grpo_trainer.is_peft_model(self.model):
             problems.append("a PEFT model (train the full model)")
         if self.accelerator.num_processes > 1:
@@ -133,6 +141,7 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
                                           "dtype": "bf16" if self.args.bf16 else base.dtype})
         self._views: dict[int, HFParameterView] = {}
+        self._view(self.model)  # refuses a model of another architecture now, by name
         self.harts_counts = {"rows": 0, "tokens": 0, "padded_rows": 0}
         """Totals over the run: rows HARTS computed, real tokens, and rows TRL's padded forwards would compute."""
 
@@ -141,8 +150,8 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         hf_model = self.accelerator.unwrap_model(model)
         view = self._views.get(id(hf_model))
         if view is None or view.hf_model is not hf_model:
-            config = model_config_from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__} config")
-            view = self._views[id(hf_model)] = HFParameterView(hf_model, config=without_moe_losses(config))
+            config = without_moe_losses(hf_model_config(hf_model))
+            view = self._views[id(hf_model)] = HFParameterView(hf_model, config=config)
         return view
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -1,9 +1,14 @@
 """`harts bench trl`: the time of a GRPO update through TRL's `GRPOTrainer`, stock and with HARTS
 (`HARTSGRPOTrainer`), on the same batch of GRPO groups with long shared prompts.
 
-The model is a shipped model config (or a YAML path) in its Kimi-Linear form (`kimi_linear_form`: the KDA output
-gate and the NoPE MLA of Kimi-Linear, chunks of 64 as fla's `chunk_kda`), initialised from `--seed` and saved as a
-Hugging Face checkpoint that transformers loads as `KimiLinearForCausalLM`, as the trainer runs today. The batch
+The model is a shipped model config (or a YAML path) in the form its Hugging Face layout holds (`trl_form`: for the
+Kimi-Linear layout the KDA output gate and the NoPE MLA of Kimi-Linear; no MTP layers, which transformers' models do
+not hold; chunks of 64 as fla's `chunk_kda` and `chunk_gated_delta_rule`), initialised from `--seed` and saved as a
+Hugging Face checkpoint that transformers loads as the class of its layout (`KimiLinearForCausalLM`,
+`BailingHybridForCausalLM`, `Qwen3NextForCausalLM` or `Qwen3_5MoeForCausalLM`), which both trainers run. A
+config its layout cannot express is refused by name (`harts.model.hf.check_exportable`). Both trainers run with
+`router_aux_loss_coef=0.0` (TRL would add the load-balancing loss that Qwen3-Next's and Qwen3.5's configs declare,
+which HARTSGRPOTrainer refuses). The batch
 (`grpo_batch`) is `--prompts` random prompts of `--prompt-length` tokens, each with `--generations` random
 completions of `--completion-length` tokens at most (lengths uniform in [half, all]; right-padded) and advantages
 normalised within each group as TRL's `scale_rewards="group"`: it is what TRL's generation and rewards would hand
@@ -49,8 +54,8 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd")
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("trl", help="time a GRPO update through TRL's GRPOTrainer, stock and with HARTS")
-    parser.add_argument("--model", default="h200", help="configs/models NAME or a YAML path (run in its "
-                        "Kimi-Linear form)")
+    parser.add_argument("--model", default="h200", help="configs/models NAME or a YAML path (run in the form "
+                        "its Hugging Face layout holds)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--prompts", type=positive_int, default=4, help="GRPO groups (distinct prompts)")
     parser.add_argument("--generations", type=positive_int, default=8, help="completions per prompt (G)")
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import transformers  # a dependency of trl
 
     dtype = "bf16" if args.device == "cuda" else "fp32"
-    config = kimi_linear_form(load_model_config(args.model))
+    config = trl_form(load_model_config(args.model))
     if config.vocab_size <= FIRST_TOKEN:
         raise ValueError(f"--model {args.model}: vocab_size {config.vocab_size} leaves no token besides the "
                          f"tokenizer's {FIRST_TOKEN} special ones")
@@ -98,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         "params": "fp32", "prompts": args.prompts, "generations": args.generations,
         "prompt_length": args.prompt_length, "completion_length": args.completion_length, "warmup": args.warmup,
         "repeats": args.repeats, "optim": args.optim, "lr": args.lr, "gradient_checkpointing":
-        args.gradient_checkpointing, "loss_type": "dapo", "seed": args.seed, "trl": trl.__version__,
+        args.gradient_checkpointing, "loss_type": "dapo", "router_aux_loss_coef": 0.0, "seed": args.seed,
+        "hf_class": hf_class(config), "trl": trl.__version__,
         "transformers": transformers.__version__,
     }
     with sigterm_raises():
@@ -113,23 +119,33 @@ def run(args: argparse.Namespace) -> int:
     return 0 if "results" in record and all("error" not in record["results"][name] for name in TRAINERS) else 1
 
 
-def kimi_linear_form(config):
-    """`config` with what the Kimi-Linear layout holds (`harts.model.hf.check_exportable`): the KDA output gate
-    of rank head_dim without bias, the NoPE MLA, the latent norm's eps; chunks of 64 as fla's `chunk_kda` (which
-    transformers' model calls on CUDA; HARTS's fla kernels take 32 or 64). ValueError for what it cannot change."""
+def trl_form(config):
+    """`config` as the transformers model of its Hugging Face layout holds it (`harts.model.hf.check_exportable`):
+    for the Kimi-Linear layout the KDA output gate of rank head_dim without bias, the NoPE MLA and the latent norm's
+    eps; no MTP layers (transformers' models hold none, and TRL's loss has no MTP term); chunks of 64 as fla's
+    `chunk_kda` and `chunk_gated_delta_rule` (which transformers' models call on CUDA; HARTS's fla kernels take 32 or
+    64). ValueError naming what the layout cannot express."""
     from dataclasses import replace
 
-    from harts.model.hf import check_exportable
-    from harts.model.hf.kimi import LATENT_NORM_EPS, MODEL_TYPE
+    from harts.model.hf import check_exportable, kimi
 
-    if config.hf_layout != MODEL_TYPE:
-        raise ValueError(f"model config {config.name!r}: its Hugging Face layout is {config.hf_layout}, not "
-                         f"{MODEL_TYPE}; harts bench trl runs the models TRL drives as KimiLinearForCausalLM")
-    kda = replace(config.kda, gate_rank=config.kda.head_dim, output_gate_bias=False, chunk_size=64)
-    mla = replace(config.mla, use_rope=False, latent_norm_eps=LATENT_NORM_EPS)
-    form = replace(config, kda=kda, mla=mla)
+    form = replace(config, mtp=None)
+    if config.hf_layout == kimi.MODEL_TYPE:
+        form = replace(form, kda=replace(config.kda, gate_rank=config.kda.head_dim, output_gate_bias=False),
+                       mla=replace(config.mla, use_rope=False, latent_norm_eps=kimi.LATENT_NORM_EPS))
+    if form.kda is not None:
+        form = replace(form, kda=replace(form.kda, chunk_size=64))
+    if form.gdn is not None:
+        form = replace(form, gdn=replace(form.gdn, chunk_size=64))
     check_exportable(form)
     return form
+
+
+def hf_class(config) -> str:
+    """The transformers class that loads a checkpoint of `config`'s Hugging Face layout."""
+    from harts.model.hf_modules import ARCHITECTURES
+
+    return ARCHITECTURES[config.hf_layout].CLASS
 
 
 def grpo_batch(*, num_prompts: int, num_generations: int, prompt_length: int, completion_length: int,
@@ -232,7 +248,8 @@ def measure(args: argparse.Namespace, config, dtype: str, progress) -> dict:
     results: dict[str, Any] = {"rows": rows}
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="harts-bench-trl-") as root:
-        logger.info(f"trl bench: {config.name} (Kimi-Linear form): initialising and saving a Hugging Face checkpoint")
+        logger.info(f"trl bench: {config.name} ({hf_class(config)}): initialising and saving a Hugging Face "
+                    "checkpoint")
         model = HybridModel(config)
         model.init_weights(args.seed)
         checkpoint = Path(root) / "model"
@@ -300,7 +317,8 @@ def _train(name: str, args: argparse.Namespace, dtype: str, checkpoint: Path, ba
         per_device_train_batch_size=batch["prompt_ids"].size(0), max_completion_length=args.completion_length,
         max_steps=total_steps, learning_rate=args.lr, optim=args.optim, lr_scheduler_type="constant",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=args.seed,
-        use_cpu=device.type == "cpu", bf16=dtype == "bf16", **{checkpointing: args.gradient_checkpointing},
+        use_cpu=device.type == "cpu", bf16=dtype == "bf16", router_aux_loss_coef=0.0,
+        **{checkpointing: args.gradient_checkpointing},
     )
     timer = type("StepTimer", (StepTimes, transformers.TrainerCallback), {})(total_steps, label)
     trainer = type(f"Bench{base.__name__}", (FixedBatch, base), {})(

@@ -39,14 +39,40 @@ FIRST_CHARACTER = 0x4E00
 """Token t >= 3 is the character FIRST_CHARACTER + t - 3: one character, one token, all 256 ids decodable."""
 
 
+MODELS = ("kimi-tiny", "bailing-tiny", "gdn-tiny")
+"""Shipped model configs of each Hugging Face architecture the trainer runs: Kimi-Linear, BailingHybrid (Ling-3),
+Qwen3-Next (the GDN family: Qwen3.5-MoE's module tree differs only in its GDN input projections,
+tests/model/test_hf_modules.py)."""
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("trl") / "kimi-tiny")
+def checkpoints(tmp_path_factory):
+    """The checkpoint of a model of MODELS, made once."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = make_checkpoint(tmp_path_factory.mktemp("trl") / name, name)
+        return made[name]
+
+    return get
 
 
-def make_checkpoint(path):
-    """A kimi-tiny Kimi-Linear checkpoint at `path` (a new directory) with a character tokenizer beside it."""
-    model = HybridModel(load_model_config("kimi-tiny"))
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    return checkpoints("kimi-tiny")
+
+
+MODEL_SETTINGS = {"gdn-tiny": {"router_aux_loss_coef": 0.0}}
+"""GRPOConfig settings a model needs in both trainers: Qwen3-Next's config declares router_aux_loss_coef 0.001,
+which TRL adds as transformers' load-balancing loss and HARTSGRPOTrainer refuses
+(test_trl_aux_loss_of_the_model_config_is_refused)."""
+
+
+def make_checkpoint(path, name="kimi-tiny"):
+    """The checkpoint of the shipped model config `name` (HARTS's init, exported in its Hugging Face layout) at
+    `path` (a new directory) with a character tokenizer beside it."""
+    model = HybridModel(load_model_config(name))
     model.init_weights(seed=3)
     save_hf_checkpoint(model, path)
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(FIRST_CHARACTER + i): 3 + i for i in range(253)}
@@ -121,16 +147,20 @@ def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def run_case(checkpoint, output_dir, case):
-    """Both trainers on one case: {trainer name: (trainer, parameters, completions, rows)}."""
+def run_case(checkpoint, output_dir, case, model_settings=None):
+    """Both trainers on one case (with the model's `model_settings`): {trainer name: (trainer, parameters,
+    completions, rows)}."""
     settings, steps = CASES[case]
+    settings = settings | (model_settings or {})
     return {name: train(trainer_class, checkpoint, output_dir / name, settings, steps)
             for name, trainer_class in (("trl", trl.GRPOTrainer), ("harts", HARTSGRPOTrainer))}
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("case", CASES)
-def test_harts_trainer_trains_as_trl(checkpoint, tmp_path, case):
-    runs = run_case(checkpoint, tmp_path, case)
+def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
+    checkpoint = checkpoints(model)
+    runs = run_case(checkpoint, tmp_path, case, MODEL_SETTINGS.get(model, {}))
     (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
     (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
     settings, steps = CASES[case]
@@ -184,28 +214,54 @@ def test_unsupported_settings_are_refused(checkpoint, tmp_path):
                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
 
 
+def test_trl_aux_loss_of_the_model_config_is_refused(checkpoints, tmp_path):
+    """TRL adds the load-balancing loss that Qwen3-Next's config declares (router_aux_loss_coef 0.001) unless the
+    GRPOConfig sets 0.0: refused by name, with the setting."""
+    checkpoint = checkpoints("gdn-tiny")
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"HARTSGRPOTrainer: TRL settings without a HARTS reading: "
+                                         r"router_aux_loss_coef=0.001 \(TRL's load-balancing loss of "
+                                         r"Qwen3NextForCausalLM's router logits; set 0.0\)"):
+        HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                         processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                         train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+
+
+def test_a_model_of_another_architecture_is_refused_at_construction(checkpoint, tmp_path):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="LlamaForCausalLM: model_type 'llama' has no HARTS module layout"):
+        HARTSGRPOTrainer(model=transformers.LlamaForCausalLM(config),
+                         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                         processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                         train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+
+
 def main() -> None:
-    """Print each case's losses, parameter differences and rows: python -m tests.integrations.test_trl."""
+    """Print each model's and case's losses, parameter differences and rows: python -m tests.integrations.test_trl."""
     import tempfile
     from pathlib import Path
 
     root = Path(tempfile.mkdtemp(prefix="harts-trl-"))
-    path = make_checkpoint(root / "kimi-tiny")
     torch.set_num_threads(1)
-    print("| case | steps | losses TRL | losses HARTS | max abs param diff | max param change | rows TRL (padded) "
-          "| real tokens | rows HARTS |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case in CASES:
-        runs = run_case(path, root / case, case)
-        (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
-        (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
-        assert harts_completions == stock_completions
-        initial = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
-        change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.items())
-        difference = max(float((harts_parameters[n] - p).abs().max()) for n, p in stock_parameters.items())
-        print(f"| {case} | {CASES[case][1]} | {', '.join(f'{x:.6f}' for x in losses(stock))} | "
-              f"{', '.join(f'{x:.6f}' for x in losses(harts))} | {difference:.1e} | {change:.1e} | {stock_rows} | "
-              f"{harts.harts_counts['tokens']} | {harts_rows} |")
+    print("| model | case | steps | losses TRL | losses HARTS | max abs param diff | max param change | rows TRL "
+          "(padded) | real tokens | rows HARTS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in MODELS:
+        path = make_checkpoint(root / model, model)
+        for case in CASES:
+            runs = run_case(path, root / model / case, case, MODEL_SETTINGS.get(model, {}))
+            (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
+            (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
+            assert harts_completions == stock_completions
+            initial = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+            change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.items())
+            difference = max(float((harts_parameters[n] - p).abs().max()) for n, p in stock_parameters.items())
+            print(f"| {model} | {case} | {CASES[case][1]} | {', '.join(f'{x:.6f}' for x in losses(stock))} | "
+                  f"{', '.join(f'{x:.6f}' for x in losses(harts))} | {difference:.1e} | {change:.1e} | "
+                  f"{stock_rows} | {harts.harts_counts['tokens']} | {harts_rows} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""`harts bench trl` (harts.integrations.trl_bench): end to end on the CPU (the tiny model in its Kimi-Linear form,
-2 prompts of 40 tokens x 4 completions of at most 12, SGD so that the parameters compare as in test_trl), the record
-holds both trainers' times, the rows and the fidelity figures, and HARTS's losses, log-probs, gradients and
-parameters agree with stock TRL's within tests/integrations/test_trl.py's tolerances; the batch is GRPO groups
-sharing their prompt; the Kimi-Linear form of every shipped model exports and changes only what Kimi-Linear
-fixes; `fidelity` measures what it names. On CUDA (`-m gpu`) the same run in bf16 completes.
+"""`harts bench trl` (harts.integrations.trl_bench): end to end on the CPU (a tiny model of each Hugging Face
+architecture in the form its layout holds: tiny as Kimi-Linear, bailing-tiny as BailingHybrid, gdn-tiny as
+Qwen3-Next; 2 prompts of 40 tokens x 4 completions of at most 12, SGD so that the parameters compare as in
+test_trl), the record holds both trainers' times, the rows and the fidelity figures, and HARTS's losses, log-probs,
+gradients and parameters agree with stock TRL's within tests/integrations/test_trl.py's tolerances; the batch is
+GRPO groups sharing their prompt; the form of every shipped model exports and changes only what its layout fixes,
+and a config its layout cannot express is refused by name; `fidelity` measures what it names. On CUDA (`-m gpu`)
+the same run in bf16 completes.
 """
 
 import dataclasses
@@ -21,16 +23,16 @@ pytest.importorskip("datasets", reason="datasets (a dependency of trl) is not in
 
 from harts.cli.main import main  # noqa: E402
 from harts.config import shipped_config_path  # noqa: E402
-from harts.integrations.trl_bench import FIRST_TOKEN, PAD, fidelity, grpo_batch, kimi_linear_form  # noqa: E402
-from harts.model.config import load_model_config  # noqa: E402
+from harts.integrations.trl_bench import FIRST_TOKEN, PAD, fidelity, grpo_batch, trl_form  # noqa: E402
+from harts.model.config import MTPConfig, load_model_config  # noqa: E402
 from harts.model.hf import hf_config_from_model  # noqa: E402
 
 PROMPTS, GENERATIONS, PROMPT_LENGTH, COMPLETION_LENGTH, WARMUP, REPEATS = 2, 4, 40, 12, 1, 2
 
 
-def bench(tmp_path, device: str, *extra: str) -> tuple[int, dict]:
+def bench(tmp_path, device: str, *extra: str, model: str = "tiny") -> tuple[int, dict]:
     out = tmp_path / "trl.json"
-    status = main(["bench", "trl", "--model", "tiny", "--device", device, "--prompts", str(PROMPTS),
+    status = main(["bench", "trl", "--model", model, "--device", device, "--prompts", str(PROMPTS),
                    "--generations", str(GENERATIONS), "--prompt-length", str(PROMPT_LENGTH), "--completion-length",
                    str(COMPLETION_LENGTH), "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--out", str(out),
                    *extra])
@@ -38,17 +40,27 @@ def bench(tmp_path, device: str, *extra: str) -> tuple[int, dict]:
     return status, record
 
 
-def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys):
-    status, record = bench(tmp_path, "cpu", "--optim", "sgd", "--lr", "0.05")
+CPU_MODELS = {"tiny": "KimiLinearForCausalLM", "bailing-tiny": "BailingHybridForCausalLM",
+              "gdn-tiny": "Qwen3NextForCausalLM"}
+
+
+@pytest.mark.parametrize("model", CPU_MODELS)
+def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys, model):
+    status, record = bench(tmp_path, "cpu", "--optim", "sgd", "--lr", "0.05", model=model)
     assert status == 0, record
     assert record["benchmark"] == "trl"
     config, results = record["config"], record["results"]
     assert {k: config[k] for k in ("model", "device", "dtype", "prompts", "generations", "prompt_length",
-                                   "completion_length", "warmup", "repeats", "optim", "gradient_checkpointing")} == {
-        "model": "tiny", "device": "cpu", "dtype": "fp32", "prompts": PROMPTS, "generations": GENERATIONS,
+                                   "completion_length", "warmup", "repeats", "optim", "gradient_checkpointing",
+                                   "hf_class", "router_aux_loss_coef")} == {
+        "model": model, "device": "cpu", "dtype": "fp32", "prompts": PROMPTS, "generations": GENERATIONS,
         "prompt_length": PROMPT_LENGTH, "completion_length": COMPLETION_LENGTH, "warmup": WARMUP,
-        "repeats": REPEATS, "optim": "sgd", "gradient_checkpointing": True}
-    assert config["model_config"]["kda"]["chunk_size"] == 64 and not config["model_config"]["mla"]["use_rope"]
+        "repeats": REPEATS, "optim": "sgd", "gradient_checkpointing": True, "hf_class": CPU_MODELS[model],
+        "router_aux_loss_coef": 0.0}
+    linear = config["model_config"]["kda"] or config["model_config"]["gdn"]
+    assert linear["chunk_size"] == 64
+    if model == "tiny":
+        assert not config["model_config"]["mla"]["use_rope"]
     assert {"git", "hardware", "versions", "env"} <= set(record["environment"])
 
     batch = grpo_batch(num_prompts=PROMPTS, num_generations=GENERATIONS, prompt_length=PROMPT_LENGTH,
@@ -80,7 +92,8 @@ def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys):
     assert figures["parameter_max_change"] > 1e-3
     assert figures["parameter_max_abs_difference"] <= 1e-4 * figures["parameter_max_change"] + 1e-6
     progress = capsys.readouterr().err
-    for line in ("initialising and saving", "TRL GRPOTrainer: 3 steps (1 warm-up)", "HARTS GRPOTrainer: step 3/3",
+    for line in (f"({CPU_MODELS[model]}): initialising and saving", "TRL GRPOTrainer: 3 steps (1 warm-up)",
+                 "HARTS GRPOTrainer: step 3/3",
                  "per step:", "wrote"):
         assert line in progress
 
@@ -125,25 +138,39 @@ def test_grpo_batch_is_groups_sharing_their_prompt():
 
 
 SHIPPED_MODELS = sorted(p.stem for p in shipped_config_path("tiny", "models").parent.glob("*.yaml"))
-KIMI_LAYOUT_MODELS = [name for name in SHIPPED_MODELS if load_model_config(name).hf_layout == "kimi_linear"]
 
 
-@pytest.mark.parametrize("name", sorted(set(SHIPPED_MODELS) - set(KIMI_LAYOUT_MODELS)))
-def test_kimi_linear_form_refuses_the_other_layouts(name):
-    with pytest.raises(ValueError, match=f"model config '{name}': its Hugging Face layout is .*, not kimi_linear"):
-        kimi_linear_form(load_model_config(name))
-
-
-@pytest.mark.parametrize("name", KIMI_LAYOUT_MODELS)
-def test_kimi_linear_form_exports_and_changes_only_what_kimi_linear_fixes(name):
+@pytest.mark.parametrize("name", SHIPPED_MODELS)
+def test_trl_form_exports_and_changes_only_what_its_layout_fixes(name):
     config = load_model_config(name)
-    form = kimi_linear_form(config)
+    form = trl_form(config)
     hf_config_from_model(form)  # exportable
-    if name == "kimi-tiny":
-        assert form == dataclasses.replace(config, kda=dataclasses.replace(config.kda, chunk_size=64))
-    assert dataclasses.replace(form, kda=config.kda, mla=config.mla) == config
-    assert (form.kda.num_heads, form.kda.head_dim, form.mla.kv_lora_rank, form.mla.q_lora_rank) == (
-        config.kda.num_heads, config.kda.head_dim, config.mla.kv_lora_rank, config.mla.q_lora_rank)
+    linear = "kda" if config.kda is not None else "gdn"
+    chunked = dataclasses.replace(getattr(config, linear), chunk_size=64)
+    if config.hf_layout != "kimi_linear" or name == "kimi-tiny":  # the others export as they are
+        assert form == dataclasses.replace(config, mtp=None, **{linear: chunked})
+    assert dataclasses.replace(form, kda=config.kda, mla=config.mla, gdn=config.gdn, mtp=config.mtp) == config
+    if config.hf_layout == "kimi_linear":
+        assert (form.kda.num_heads, form.kda.head_dim, form.mla.kv_lora_rank, form.mla.q_lora_rank) == (
+            config.kda.num_heads, config.kda.head_dim, config.mla.kv_lora_rank, config.mla.q_lora_rank)
+
+
+def test_trl_form_drops_the_mtp_layers():
+    config = load_model_config("bailing-tiny")
+    with_mtp = dataclasses.replace(config, mtp=MTPConfig(num_layers=1))
+    assert trl_form(with_mtp) == trl_form(config)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("bailing-tiny", {"kda": {"full_rank_gates": False}}, "low-rank KDA gates .* no BailingHybrid equivalent"),
+    ("gdn-tiny", {"norm_zero_centered": False}, r"RMSNorms scaling by w .* no qwen3_next equivalent"),
+], ids=["bailing-low-rank-gates", "gdn-norms-not-centered"])
+def test_trl_form_refuses_what_the_layout_cannot_express(name, change, message):
+    config = load_model_config(name)
+    fields = {key: dataclasses.replace(getattr(config, key), **value) if isinstance(value, dict) else value
+              for key, value in change.items()}
+    with pytest.raises(ValueError, match=f"model config '{name}': {message}"):
+        trl_form(dataclasses.replace(config, **fields))
 
 
 def test_fidelity_measures_what_it_names():
