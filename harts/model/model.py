@@ -85,8 +85,8 @@ class Block(nn.Module):
 @cache
 def keep_attention_context(backend: str | None = None):
     """The `context_fn` of a checkpoint whose recomputation keeps the attention kernels' outputs and runs every
-    other op again: for `KEEPER_BACKENDS`, their own keeper (harts.ops.attention.keep: no dispatch mode over the block's
-    other ops); for the other backends, torch's selective checkpointing of `attention_kernel_ops`."""
+    other op again: for `KEEPER_BACKENDS`, their own keeper (harts.ops.attention.keep: no dispatch mode over the
+    block's other ops); for the other backends, torch's selective checkpointing of `attention_kernel_ops`."""
     if backend in KEEPER_BACKENDS:
         return keeper_contexts
     kept = attention_kernel_ops()

@@ -81,8 +81,8 @@ TREES = {
     "fork-inside": ([-1, 0, 0, 1, 1, -1], [20, 13, 5, 17, 1, 9], ()),  # forks mid-tile, a 1-row leaf, 2 trees
     "fork-at-boundary": ([-1, 0, 0, 1, 1], [16, 16, 32, 16, 16], ()),  # every segment starts a tile
     "one-row-segments": ([-1, 0, 0, 0, 1, 1, 2, 4, 0, 8, 9, 9], [1] * 8 + [19, 1, 1, 1], (4,)),
-    "deep-chain": (list(range(-1, 9)) + list(range(10)), [5, 7, 1, 3, 9, 2, 6, 1, 8, 4] + [1, 2, 1, 3, 1, 17, 1, 2, 5, 1],
-                   ()),
+    "deep-chain": (list(range(-1, 9)) + list(range(10)),
+                   [5, 7, 1, 3, 9, 2, 6, 1, 8, 4] + [1, 2, 1, 3, 1, 17, 1, 2, 5, 1], ()),
     "forest": ([-1, 0, 0, -1, 3, -1, 5, 5, 6], [10, 7, 12, 3, 30, 18, 2, 9, 1], ()),
 }
 """Tiny trees for the tree-mask tiles and kernels: forks inside tiles and at tile boundaries, 1-row segments, a

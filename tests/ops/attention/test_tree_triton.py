@@ -73,7 +73,8 @@ def _compile_for_hopper(kernel, dtype, constants: dict, num_warps: int):
     from triton.compiler import ASTSource
 
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    pointers = {"LSE": "*fp32", "DELTA": "*fp32", **dict.fromkeys(("ENDS", "ORDER", "PTR", "NUM_FULL", "TILES"), "*i32")}
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32",
+                **dict.fromkeys(("ENDS", "ORDER", "PTR", "NUM_FULL", "TILES"), "*i32")}
     signature = {}
     for param in kernel.params:
         name = param.name
