@@ -4,13 +4,16 @@ For a step (generated from a trees config or read), plans the compact microbatch
 the baseline's (per-trajectory packing) at capacity T, builds their layouts, and times forward +
 backward of the group attention with each backend (`varlen`: ancestor-KV views through
 `varlen_attn`; `flex`: the DFS tree mask over the rows in place; `cudnn`: dense pieces merged by
-log-sum-exp; `flash4`: FlashAttention-4's varlen call; `sdpa`: the CPU loop) on random
+log-sum-exp; `flash4`: FlashAttention-4's varlen call; `triton_tree`: Triton kernels over the rows in
+place, walking each query tile's list of the key tiles it sees; `sdpa`: the CPU loop) on random
 bf16 (CUDA) or fp32 inputs of the model's MLA shapes. Each backend is first checked against the
 fp64 dense-mask reference, output and gradients, on the tiny synthetic tree (a backend that
 disagrees is not timed). One record
 per (execution, backend) with median seconds, rows, KV rows and the tree mask's density, and the
-first call's seconds: with plan-building kernels (cuDNN builds one per new shape) the cost of a
-step's new shapes. `--warm-seed N` first runs every backend on the trees of seed N, so that the
+first call's seconds: with plan-building kernels (cuDNN builds one per new shape; triton_tree compiles its
+kernels once per head dims and dtype and builds its tile lists once per layout) the cost of a step's new shapes.
+triton_tree's records also hold its tile lists' size: `tile_pairs` (the (query, key) tiles computed) and
+`full_tile_share` (those needing no mask). `--warm-seed N` first runs every backend on the trees of seed N, so that the
 first call measures a new step after another one (shapes seen before are not rebuilt).
 """
 
@@ -39,7 +42,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="first run every backend on the trees of this seed (a step before the measured one)")
     parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--microbatches", type=positive_int, default=2, help="microbatches of each execution to time")
-    parser.add_argument("--backends", default="varlen,flex", help="comma-separated")
+    parser.add_argument("--backends", default="varlen,flex,triton_tree",
+                        help="comma-separated (flash4 needs the optional flash-attn-4 package)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/attention/backends.json")
@@ -130,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 results = {"check_relative_error": error, "seconds": sum(times), "per_microbatch_seconds": times,
                            "first_call_seconds": sum(first), "per_microbatch_first_call_seconds": first,
                            "rows": rows, "kv_rows": kv_rows, "tree_mask_density": float(np.mean(density))}
+                if backend == "triton_tree":
+                    results.update(_tile_counts(items, dtype))
                 records.append(make_record("attention", config, results))
                 logger.info(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms "
                             f"(first call {sum(first) * 1e3:.1f} ms)  rows {rows:,}  kv rows {kv_rows:,}")
@@ -140,6 +146,18 @@ def run(args: argparse.Namespace) -> int:
             write_records(records, Path(args.out))
     log_records(records, options(args))
     return 0 if all("error" not in r for r in records) else 1
+
+
+def _tile_counts(layouts, dtype) -> dict:
+    """triton_tree's tiles over the layouts: the (query, key) tile pairs its kernels compute and the share of them
+    that needs no mask."""
+    from harts.ops.attention.tree_blocks import tile_lists
+    from harts.ops.attention.tree_triton import TILE_ROWS
+
+    rows = TILE_ROWS[dtype]
+    lists = [tile_lists(layout.groups.row_subtree_end.numpy(), rows, rows) for layout in layouts]
+    pairs = sum(x.num_pairs for x in lists)
+    return {"tile_rows": rows, "tile_pairs": pairs, "full_tile_share": sum(x.num_full for x in lists) / pairs}
 
 
 def _layouts(step, capacity: int, num_microbatches: int) -> dict:

@@ -30,9 +30,12 @@ PLANNERS = ("harts", "treetrain-ortools", "greedy-trie", "per-trajectory")
 """The microbatch planners (harts.planning.microbatch)."""
 DTYPES = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4")
+ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree")
 """The MLA backends (harts.ops.attention.groups.BACKENDS)."""
-KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4")
+CUDA_ATTENTION_BACKENDS = ("triton_tree",)
+"""The MLA backends that a config resolved for another device than CUDA refuses, before a model is built (the other
+GPU backends refuse CPU tensors at their first call)."""
+KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree")
 """The MLA backends whose outputs a recomputation can keep (harts.ops.attention.groups.KEEPABLE_BACKENDS)."""
 KDA_BACKENDS = ("torch", "fla")
 """The KDA backends (harts.ops.kda.compact)."""
@@ -132,7 +135,8 @@ class ExecutionConfig:
     q/k, chunk states) from the recomputation for the backward instead of computing them a third time (a transient
     of one block's intermediates)."""
     attention_backend: str | None = None
-    """The MLA backend (default: sdpa on CPU, varlen on CUDA)."""
+    """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree, CUDA only: Triton kernels reading the
+    ancestors' keys and values in place through the tree mask, not yet timed on a GPU)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
     experts_backend: str | None = None
@@ -194,8 +198,8 @@ class ExecutionConfig:
         """This config (of its own class) with the device's and the execution's defaults filled in: `execution`
         (when this config names none), the planner, the dtype and the attention and KDA backends; checked before
         and after (a rule that holds of the device's default, e.g. fla's KDA for keep_kda_intermediates; recompute
-        blocks auto only on a `SEARCH_DEVICES` device), the errors naming `prefix` + the key, or with `as_flags`
-        the flag."""
+        blocks auto only on a `SEARCH_DEVICES` device; a `CUDA_ATTENTION_BACKENDS` backend only on CUDA), the
+        errors naming `prefix` + the key, or with `as_flags` the flag."""
         self.check(prefix, as_flags=as_flags)
         if device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
@@ -203,6 +207,10 @@ class ExecutionConfig:
             name = flag("recompute_blocks") if as_flags else prefix + "recompute_blocks"
             raise ValueError(f"{name} {AUTO} searches a GPU's memory (it probes for out-of-memory errors): it needs "
                              f"device {' or '.join(SEARCH_DEVICES)}, got {device!r}")
+        if self.attention_backend in CUDA_ATTENTION_BACKENDS and device != "cuda":
+            name = flag("attention_backend") if as_flags else prefix + "attention_backend"
+            raise ValueError(f"{name} {self.attention_backend} runs Triton kernels on CUDA: it needs device cuda, got "
+                             f"{device!r} (on the CPU use sdpa)")
         execution = self.execution or execution
         if execution is not None and execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")

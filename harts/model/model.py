@@ -12,9 +12,10 @@ trading memory for the recomputation's time; the values are the same either way.
 `keep_attention=True` the recomputed MLA blocks keep their attention kernels' outputs (output and
 log-sum-exp, about 4-6 KB a row for the paper's shape) from the forward and the recomputation skips those
 kernels, the costliest part of a block per byte kept (torchtitan's op-level selective recomputation,
-through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`; `flash4` through its own
-keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). The kernels are deterministic, so
-the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py).
+through torch's `create_selective_checkpoint_contexts`; backends `KEEPABLE_BACKENDS`; `flash4` and `triton_tree`
+through their own keeper, harts.ops.attention.keep, which puts no dispatch mode over the block). The kernels are
+deterministic, so the values are the same again (tests/model/test_recompute.py, tests/ops/attention/test_flash4.py,
+tests/ops/attention/test_tree_triton.py).
 With a layout's `keep_kda_intermediates` the recomputed blocks run inside harts.ops.kda.keep's context, where fla's
 KDA calls keep their intermediates for the backward instead of computing them again.
 With `config.mtp` the model also owns the multi-token-prediction layers (`self.mtp`, harts.model.mtp), which its
@@ -43,6 +44,8 @@ from harts.ops.kda.keep import keeping_kda_intermediates
 from harts.runtime.layout import Layout
 
 
+KEEPER_BACKENDS = ("flash4", "triton_tree")
+"""The attention backends kept through harts.ops.attention.keep's keeper instead of torch's selective policy."""
 ATTENTION_KINDS = ("mla", "gqa")
 """The layer kinds that run the layout's attention (whose kernels a recomputation may keep)."""
 
@@ -82,9 +85,9 @@ class Block(nn.Module):
 @cache
 def keep_attention_context(backend: str | None = None):
     """The `context_fn` of a checkpoint whose recomputation keeps the attention kernels' outputs and runs every
-    other op again: for `flash4`, its own keeper (harts.ops.attention.keep: no dispatch mode over the block's
-    other ops); for the other backends, torch's selective checkpointing of `attention_kernel_ops`."""
-    if backend == "flash4":
+    other op again: for `KEEPER_BACKENDS`, their own keeper (harts.ops.attention.keep: no dispatch mode over the
+    block's other ops); for the other backends, torch's selective checkpointing of `attention_kernel_ops`."""
+    if backend in KEEPER_BACKENDS:
         return keeper_contexts
     kept = attention_kernel_ops()
 

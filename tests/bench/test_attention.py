@@ -83,3 +83,19 @@ def test_a_backend_with_a_wrong_gradient_is_refused_not_timed(tmp_path, monkeypa
         assert "wrong-backward disagrees with the dense reference" in by_backend[(execution, "wrong-backward")]["error"]
         assert by_backend[(execution, "wrong-backward")]["error"].endswith("in dk")
         assert "in dq" in by_backend[(execution, "nan-backward")]["error"]
+
+
+def test_triton_tree_records_its_tiles_and_is_refused_on_the_cpu(tmp_path, monkeypatch):
+    """On the CPU the backend is an error record (its kernels run on CUDA); a run of it (here the sdpa loop standing
+    in for its kernels) records its tile lists' size: pairs and the share needing no mask."""
+    out = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--model", "tiny", "--trees", "tiny", "--device", "cpu", "--backends", "triton_tree",
+            "--microbatches", "1", "--repeats", "1", "--out", str(out), "--wandb-mode", "disabled"]
+    assert main(argv) == 1
+    records = json.loads(out.read_text())
+    assert len(records) == 2 and all("runs Triton kernels on CUDA" in r["error"] for r in records)
+    monkeypatch.setitem(BACKENDS, "triton_tree", sdpa_group_attention)
+    assert main(argv) == 0
+    for record in json.loads(out.read_text()):
+        results = record["results"]
+        assert results["tile_rows"] == 32 and results["tile_pairs"] > 0 and 0 < results["full_tile_share"] < 1

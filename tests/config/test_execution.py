@@ -94,6 +94,18 @@ def test_recompute_blocks_auto_resolves_only_where_it_can_search(monkeypatch):
         StepConfig(recompute=True, recompute_blocks="auto")
 
 
+def test_cuda_attention_backends_resolve_only_on_cuda():
+    """triton_tree's kernels run on CUDA: resolved for the CPU it is refused before any model is built, naming the
+    key (or the flag); on CUDA it resolves, keeping the attention too."""
+    config = ExecutionConfig(attention_backend="triton_tree", recompute=True, keep_attention=True)
+    assert config.resolved("cuda", "compact").attention_backend == "triton_tree"
+    with pytest.raises(ValueError, match="^execution.attention_backend triton_tree runs Triton kernels on CUDA: it "
+                                         "needs device cuda, got 'cpu' \\(on the CPU use sdpa\\)$"):
+        execution.resolved_for_run(None, config, "cpu", "compact")
+    with pytest.raises(ValueError, match="^--attention-backend triton_tree runs Triton kernels on CUDA"):
+        config.resolved("cpu", as_flags=True)
+
+
 @pytest.mark.parametrize("device, execution_name, expected", [
     ("cpu", "compact", ("compact", "harts", "fp32", "sdpa", "torch")),
     ("cpu", "baseline", ("baseline", "per-trajectory", "fp32", "sdpa", "torch")),
@@ -176,6 +188,12 @@ BAD = {
                              "--out", "{tmp}/s.json"],
     "bench-fidelity": ["bench", "fidelity", "--model", "tiny", "--trees", "tiny", "--capacity", "0",
                        "--out", "{tmp}/f.json"],
+    "train-step-triton-tree-on-cpu": ["train-step", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz",
+                                      "--execution", "compact", "--attention-backend", "triton_tree"],
+    "train-triton-tree-on-cpu": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run",
+                                 "--attention-backend", "triton_tree"],
+    "bench-speedup-triton-tree-on-cpu": ["bench", "speedup", "--model", "tiny", "--trees", "tiny", "--out",
+                                         "{tmp}/s.json", "--compact-attention-backend", "triton_tree"],
 }
 
 

@@ -17,6 +17,9 @@ Backends (all compute the same function, tested against `naive_group_attention`)
 - `flash4`: FlashAttention-4's CuTe kernels (the optional `flash-attn-4` package; Hopper and
   Blackwell) through the operator `harts.ops.attention.flash4.flash4_varlen`, the varlen backend's single
   packed call without padding v and without per-shape plans.
+- `triton_tree`: Triton kernels over the rows in place with the DFS tree mask, walking precomputed lists of the
+  key tiles each query tile sees (harts.ops.attention.tree_triton, .tree_blocks; CUDA; no ancestor KV copies,
+  no per-call mask build).
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -214,6 +217,21 @@ def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: flo
     return out.squeeze(0).transpose(0, 1)
 
 
+def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
+    if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16,
+                                                                               torch.float32):
+        raise ValueError(f"attention backend 'triton_tree' runs Triton kernels on CUDA over q, k and v of one dtype "
+                         f"of bf16, fp16 or fp32 (got {', '.join(sorted(str(d) for d in dtypes))} on "
+                         f"{q_RHE.device.type}); on the CPU use sdpa")
+    try:
+        from harts.ops.attention.tree_triton import triton_tree_attention
+    except ImportError as error:
+        raise ValueError(f"attention backend 'triton_tree' needs Triton (installed with torch's CUDA wheels): "
+                         f"{error}") from None
+    return triton_tree_attention(q_RHE, k_RHE, v_RHF, groups, scale)
+
+
 def cudnn_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
     from harts.ops.attention.split import cudnn_group_attention
 
@@ -227,6 +245,7 @@ BACKENDS = {
     "flex": flex_tree_attention,
     "cudnn": cudnn_group_attention,
     "flash4": flash4_group_attention,
+    "triton_tree": triton_tree_group_attention,
 }
 
 
@@ -237,7 +256,7 @@ log-sum-exp as outputs: an activation recomputation can keep those instead of ru
 (`HybridModel.run_blocks(keep_attention=True)`; varlen's output has v padded to the q/k head dim). Not cudnn: its
 pieces' outputs are padded to bucketed shapes and chunked over ancestors, several times the attention's output,
 and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy. flash4
-keeps its output through its own keeper instead of the policy (harts.ops.attention.keep)."""
+and triton_tree keep their outputs through their own keeper instead of the policy (harts.ops.attention.keep)."""
 
 
 def attention_kernel_ops() -> frozenset:

@@ -3,11 +3,11 @@
 `keeper_contexts()` is a `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it makes
 one `AttentionKeeper` per checkpointed call and returns its two contexts, entered around the forward and around
 each recomputation. While one is entered, `active_keeper()` returns the keeper, and an attention that supports it
-(the `flash4` backend, harts.ops.attention.flash4) records its output and log-sum-exp in the forward
-(`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order (`replay`) instead of
-running its kernel again. Its autograd node saves only its inputs through the checkpoint, which recomputes
-those, and reads the kept values from the keeper, which lives exactly as long as the checkpoint's saved tensors
-(it is freed with them after the backward, or kept with them by `retain_graph`).
+(the `flash4` and `triton_tree` backends, harts.ops.attention.flash4 and .tree_triton) records its output and
+log-sum-exp in the forward (`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order
+(`replay`) instead of running its kernel again. Its autograd node saves only its inputs through the checkpoint,
+which recomputes those, and reads the kept values from the keeper, which lives exactly as long as the checkpoint's
+saved tensors (it is freed with them after the backward, or kept with them by `retain_graph`).
 
 Why not torch's selective checkpointing (`create_selective_checkpoint_contexts`, which the other backends use):
 its contexts are dispatch modes, so every op of the checkpointed block, not only the attention, goes through

@@ -74,3 +74,39 @@ def flash_backward_standin(q, k, v, out, dout, lse, scale, causal, softcap, *, c
         dk[rows_k] = (scale * ds.transpose(1, 2) @ qs).transpose(0, 1)
         dv[rows_k] = (p.transpose(1, 2) @ dos).transpose(0, 1)
     return dq, dk, dv
+
+
+TREES = {
+    # (parents, segment lengths, trajectories ending inside): with tiles of 16 rows, compact rows in preorder
+    "fork-inside": ([-1, 0, 0, 1, 1, -1], [20, 13, 5, 17, 1, 9], ()),  # forks mid-tile, a 1-row leaf, 2 trees
+    "fork-at-boundary": ([-1, 0, 0, 1, 1], [16, 16, 32, 16, 16], ()),  # every segment starts a tile
+    "one-row-segments": ([-1, 0, 0, 0, 1, 1, 2, 4, 0, 8, 9, 9], [1] * 8 + [19, 1, 1, 1], (4,)),
+    "deep-chain": (list(range(-1, 9)) + list(range(10)),
+                   [5, 7, 1, 3, 9, 2, 6, 1, 8, 4] + [1, 2, 1, 3, 1, 17, 1, 2, 5, 1], ()),
+    "forest": ([-1, 0, 0, -1, 3, -1, 5, 5, 6], [10, 7, 12, 3, 30, 18, 2, 9, 1], ()),
+}
+"""Tiny trees for the tree-mask tiles and kernels: forks inside tiles and at tile boundaries, 1-row segments, a
+deep chain (10 segments, each with a side leaf: groups whose ancestors span 1 to 10 segments), several trees."""
+
+
+def named_layout(name: str):
+    """The layout of a named case: a `TREES` tree (compact rows), or a random step's compact, baseline or
+    baseline-split layout (`random-compact`, `random-baseline`, `random-split`)."""
+    from harts.runtime.layout import baseline_layout, compact_layout, tree_layout
+    from harts.trees.trie import PrefixIndex
+
+    from ..kda.helpers import tree_from_shape
+
+    if name in TREES:
+        parent, lengths, ends = TREES[name]
+        tree = tree_from_shape(parent, lengths, frozenset(ends))
+        return tree_layout(tree, np.zeros(tree.num_compact_tokens, dtype=np.int64), conv_size=4, chunk_size=16)
+    step = random_step(5, num=10, max_len=60, vocab=3)
+    members = np.arange(step.num_trajectories)
+    if name == "random-compact":
+        return compact_layout(step, PrefixIndex.from_step(step), members, conv_size=4, chunk_size=16)
+    splits = random_splits(step, members, 5) if name == "random-split" else None
+    return baseline_layout(step, members, conv_size=4, chunk_size=16, attention_splits=splits)
+
+
+LAYOUTS = (*TREES, "random-compact", "random-baseline", "random-split")

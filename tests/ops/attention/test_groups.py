@@ -102,7 +102,7 @@ def test_unknown_backend():
     x = torch.zeros(layout.num_rows, 1, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         group_attention(x, x, x, layout.groups, 1.0, "fast")
-    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn", "flash4"}
+    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree"}
 
 
 def test_flash4_refuses_cpu_tensors():
@@ -233,8 +233,9 @@ def test_flash4_unsupported_head_dims_are_a_value_error():
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
 @pytest.mark.parametrize(
     "backend, dims",
-    [("varlen", (64, 32)), ("flex", (64, 32)), ("cudnn", (64, 32)), ("flash4", (64, 64)), ("flash4", (192, 128))],
-    ids=["varlen", "flex", "cudnn", "flash4-64", "flash4-mla"],
+    [("varlen", (64, 32)), ("flex", (64, 32)), ("cudnn", (64, 32)), ("flash4", (64, 64)), ("flash4", (192, 128)),
+     ("triton_tree", (64, 32)), ("triton_tree", (192, 128))],
+    ids=["varlen", "flex", "cudnn", "flash4-64", "flash4-mla", "triton-tree-64", "triton-tree-mla"],
 )
 def test_gpu_backends_match_naive(backend, dims, execution):
     # FA4 on Hopper does not compile v head dim 32 (a CuTe layout error), so it runs at equal dims and at MLA's.

@@ -1,0 +1,424 @@
+"""Tree attention over rows in place, in Triton: the `triton_tree` MLA backend's kernels.
+
+`tree_attention(q, k, v, plan, scale)` computes softmax attention under the DFS tree mask (query row r sees key
+row c iff c <= r < subtree_end[c]; harts.ops.attention.tree_blocks) reading K and V where they are, with no copy of
+a group's ancestor rows: each query tile walks the key tiles of its list (`TreePlan`: the ancestors' tiles and its
+own causal part), full tiles unmasked and partial ones masked by subtree_end, with an online softmax in fp32,
+and writes O and the log-sum-exp. The backward is deterministic (no atomics): a preprocessing kernel forms
+delta = rowsum(dO ∘ O), a dK/dV kernel walks each key tile's transposed list (the query tiles that see it) and a
+dQ kernel the query tiles' lists again (FlashAttention-2's split of the backward, with P recomputed from lse).
+Inside an activation checkpoint with harts.ops.attention.keep's keeper (keep_attention), the recomputation
+replays the forward's O and lse instead of running the forward kernel again, as the flash4 backend does.
+Inputs bf16, fp16 or fp32 (one dtype), products accumulated in fp32 (fp32 inputs multiply in full fp32, not
+TF32); P and dS are rounded to the inputs' dtype for their matmuls, as FlashAttention does. Head dims: any E for
+q/k, split in two power-of-two parts for the tensor cores (MLA's 192 = 128 + 64, no padding; others pad the
+second part), any F for v (padded to a power of two). K and V have q's heads (GQA repeats its KV heads first).
+The tile sizes are untuned: no GPU has timed these kernels yet.
+Tested against `naive_group_attention` (output, lse, dq, dk, dv) under the Triton interpreter on the CPU
+(tests/ops/attention/interpreter.py) and on CUDA (tests/ops/attention/test_tree_triton.py).
+Legend: R rows, H heads, E query/key head dim, F value head dim; tiles of BLOCK_M query and BLOCK_N key rows.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from harts.ops.attention.keep import active_keeper
+from harts.ops.attention.query_groups import AttentionGroups
+from harts.ops.attention.tree_blocks import TreePlan, tree_plan
+
+TILE_ROWS = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+"""Rows of a query tile and of a key tile in all three kernels (one `TreePlan` serves them), by input dtype: fp32's
+tiles at MLA's head dims take 128 KB of shared memory at 32 rows and would take 263 KB (more than a Hopper SM's
+227 KB) at 64 (compiled for sm_90 in tests/ops/attention/test_tree_triton.py). Untuned."""
+LOG2E = 1.0 / math.log(2.0)
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
+"""log2(e) in the kernels: they take exponents base 2, and the log-sum-exp is stored in natural units."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def head_parts(dim: int) -> tuple[int, int]:
+    """(first, second) power-of-two parts, each >= 16 (tl.dot's least), covering a head dim: the largest power
+    of two <= dim, then the rest rounded up (0: none)."""
+    first = max(16, 1 << (dim.bit_length() - 1))
+    rest = dim - first
+    return first, (0 if rest <= 0 else max(16, 1 << (rest - 1).bit_length()))
+
+
+@triton.jit
+def _load_rows(base, rows, row_ok, stride_r, cols, num_cols, TRANSPOSED: tl.constexpr):
+    """x[rows, cols] ([rows, cols], or with TRANSPOSED [cols, rows]) of a [R, ·] matrix, zeros outside."""
+    offsets = rows.to(tl.int64) * stride_r
+    if TRANSPOSED:
+        x = tl.load(base + offsets[None, :] + cols[:, None], mask=row_ok[None, :] & (cols[:, None] < num_cols),
+                    other=0.0)
+    else:
+        x = tl.load(base + offsets[:, None] + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < num_cols),
+                    other=0.0)
+    return x
+
+
+@triton.jit
+def _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ends_ptr, key_tile, rows, num_rows, stride_kr, stride_vr,
+                  qk_scale, E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
+                  BLOCK_F: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    cols = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_rows
+    e0 = tl.arange(0, BLOCK_E0)
+    s = tl.dot(q0, _load_rows(k_base, cols, col_ok, stride_kr, e0, E, True), input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
+        s = tl.dot(q1, _load_rows(k_base, cols, col_ok, stride_kr, e1, E, True), s, input_precision=PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        ends = tl.load(ends_ptr + cols, mask=col_ok, other=0)
+        s = tl.where((cols[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet (all -inf) subtracts 0: its p and its rescale factor are then 0, not NaN.
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - base[:, None])
+    alpha = tl.math.exp2(m_i - base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_base, cols, col_ok, stride_vr, tl.arange(0, BLOCK_F), F, False)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _tree_forward(Q, K, V, O, LSE, ENDS, ORDER, PTR, NUM_FULL, TILES, stride_qr, stride_qh, stride_kr, stride_kh,
+                  stride_vr, stride_vh, stride_or, stride_oh, num_rows, qk_scale, E: tl.constexpr, F: tl.constexpr,
+                  BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.load(ORDER + tl.program_id(0))
+    head = tl.program_id(1).to(tl.int64)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    q_base, k_base, v_base = Q + head * stride_qh, K + head * stride_kh, V + head * stride_vh
+    q0 = _load_rows(q_base, rows, row_ok, stride_qr, tl.arange(0, BLOCK_E0), E, False)
+    q1 = q0
+    if BLOCK_E1 > 0:
+        q1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
+    split = start + tl.load(NUM_FULL + tile)
+    for index in range(start, split):
+        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ENDS, tl.load(TILES + index), rows,
+                                      num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0, BLOCK_E1, BLOCK_F,
+                                      BLOCK_N, False, PRECISION)
+    for index in range(split, stop):
+        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ENDS, tl.load(TILES + index), rows,
+                                      num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0, BLOCK_E1, BLOCK_F,
+                                      BLOCK_N, True, PRECISION)
+    # Every real row sees itself (l >= 1); rows past R, never stored, divide by 1.
+    l_i = tl.where(row_ok, l_i, 1.0)
+    f = tl.arange(0, BLOCK_F)
+    out = acc / l_i[:, None]
+    offsets = rows.to(tl.int64) * stride_or
+    tl.store(O + head * stride_oh + offsets[:, None] + f[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (f[None, :] < F))
+    tl.store(LSE + head * num_rows + rows, (m_i + tl.math.log2(l_i)) / LOG2E_C, mask=row_ok)
+
+
+@triton.jit
+def _tree_delta(O, DO, DELTA, stride_or, stride_oh, stride_dr, stride_dh, num_rows, F: tl.constexpr,
+                BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1).to(tl.int64)
+    row_ok = rows < num_rows
+    f = tl.arange(0, BLOCK_F)
+    out = _load_rows(O + head * stride_oh, rows, row_ok, stride_or, f, F, False).to(tl.float32)
+    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, f, F, False).to(tl.float32)
+    tl.store(DELTA + head * num_rows + rows, tl.sum(out * dout, 1), mask=row_ok)
+
+
+@triton.jit
+def _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_base, delta_base, query_tile,
+                      num_rows, stride_qr, stride_dr, qk_scale, E: tl.constexpr, F: tl.constexpr,
+                      BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                      MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile's share of a key tile's dK and dV, transposed ([keys, queries]) so the key tile stays."""
+    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    qt0 = _load_rows(q_base, rows, row_ok, stride_qr, tl.arange(0, BLOCK_E0), E, True)
+    st = tl.dot(k0, qt0, input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        qt1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, True)
+        st = tl.dot(k1, qt1, st, input_precision=PRECISION)
+    st = st * qk_scale
+    if MASKED:
+        st = tl.where((cols[:, None] <= rows[None, :]) & (rows[None, :] < ends[:, None]), st, float("-inf"))
+    # Rows past R read lse +inf: their probabilities are 0.
+    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf")) * LOG2E_C
+    pt = tl.math.exp2(st - lse[None, :])
+    dout = _load_rows(do_base, rows, row_ok, stride_dr, tl.arange(0, BLOCK_F), F, False)
+    dv = tl.dot(pt.to(dout.dtype), dout, dv, input_precision=PRECISION)
+    dpt = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+    dst = (pt * (dpt - delta[None, :])).to(qt0.dtype)
+    dk0 = tl.dot(dst, tl.trans(qt0), dk0, input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        dk1 = tl.dot(dst, tl.trans(qt1), dk1, input_precision=PRECISION)
+    return dk0, dk1, dv
+
+
+@triton.jit
+def _tree_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, ENDS, ORDER, PTR, NUM_FULL, TILES, stride_qr, stride_qh,
+                      stride_kr, stride_kh, stride_vr, stride_vh, stride_dr, stride_dh, num_rows, qk_scale, scale,
+                      E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
+                      BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.load(ORDER + tl.program_id(0))
+    head = tl.program_id(1).to(tl.int64)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_rows
+    e0, f = tl.arange(0, BLOCK_E0), tl.arange(0, BLOCK_F)
+    k_base, v_base = K + head * stride_kh, V + head * stride_vh
+    k0 = _load_rows(k_base, cols, col_ok, stride_kr, e0, E, False)
+    k1 = k0
+    if BLOCK_E1 > 0:
+        k1 = _load_rows(k_base, cols, col_ok, stride_kr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
+    v = _load_rows(v_base, cols, col_ok, stride_vr, f, F, False)
+    # Keys past R end at 0: no query sees them.
+    ends = tl.load(ENDS + cols, mask=col_ok, other=0)
+    dk0 = tl.zeros([BLOCK_N, BLOCK_E0], tl.float32)
+    dk1 = dk0
+    if BLOCK_E1 > 0:
+        dk1 = tl.zeros([BLOCK_N, BLOCK_E1], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_F], tl.float32)
+    q_base, do_base = Q + head * stride_qh, DO + head * stride_dh
+    lse_base, delta_base = LSE + head * num_rows, DELTA + head * num_rows
+    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
+    split = start + tl.load(NUM_FULL + tile)
+    for index in range(start, split):
+        dk0, dk1, dv = _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_base, delta_base,
+                                         tl.load(TILES + index), num_rows, stride_qr, stride_dr, qk_scale, E, F,
+                                         BLOCK_E0, BLOCK_E1, BLOCK_F, BLOCK_M, False, PRECISION)
+    for index in range(split, stop):
+        dk0, dk1, dv = _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_base, delta_base,
+                                         tl.load(TILES + index), num_rows, stride_qr, stride_dr, qk_scale, E, F,
+                                         BLOCK_E0, BLOCK_E1, BLOCK_F, BLOCK_M, True, PRECISION)
+    # dK and dV are written contiguous [R, H, ·], like K's and V's gradients would be.
+    num_heads = tl.num_programs(1)
+    offsets = cols.to(tl.int64) * num_heads
+    dk_base = DK + (offsets + head)[:, None] * E
+    tl.store(dk_base + e0[None, :], (dk0 * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (e0[None, :] < E))
+    if BLOCK_E1 > 0:
+        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
+        tl.store(dk_base + e1[None, :], (dk1 * scale).to(DK.dtype.element_ty),
+                 mask=col_ok[:, None] & (e1[None, :] < E))
+    tl.store(DV + (offsets + head)[:, None] * F + f[None, :], dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None] & (f[None, :] < F))
+
+
+@triton.jit
+def _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ends_ptr, key_tile, num_rows,
+                     stride_kr, stride_vr, qk_scale, E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr,
+                     BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    cols = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_rows
+    kt0 = _load_rows(k_base, cols, col_ok, stride_kr, tl.arange(0, BLOCK_E0), E, True)
+    s = tl.dot(q0, kt0, input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        kt1 = _load_rows(k_base, cols, col_ok, stride_kr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, True)
+        s = tl.dot(q1, kt1, s, input_precision=PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        ends = tl.load(ends_ptr + cols, mask=col_ok, other=0)
+        s = tl.where((cols[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :]), s, float("-inf"))
+    p = tl.math.exp2(s - lse[:, None])
+    vt = _load_rows(v_base, cols, col_ok, stride_vr, tl.arange(0, BLOCK_F), F, True)
+    dp = tl.dot(dout, vt, input_precision=PRECISION)
+    ds = (p * (dp - delta[:, None])).to(kt0.dtype)
+    dq0 = tl.dot(ds, tl.trans(kt0), dq0, input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        dq1 = tl.dot(ds, tl.trans(kt1), dq1, input_precision=PRECISION)
+    return dq0, dq1
+
+
+@triton.jit
+def _tree_backward_q(Q, K, V, DO, LSE, DELTA, DQ, ENDS, ORDER, PTR, NUM_FULL, TILES, stride_qr, stride_qh, stride_kr,
+                     stride_kh, stride_vr, stride_vh, stride_dr, stride_dh, num_rows, qk_scale, scale,
+                     E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
+                     BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.load(ORDER + tl.program_id(0))
+    head = tl.program_id(1).to(tl.int64)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    e0 = tl.arange(0, BLOCK_E0)
+    q_base = Q + head * stride_qh
+    q0 = _load_rows(q_base, rows, row_ok, stride_qr, e0, E, False)
+    q1 = q0
+    if BLOCK_E1 > 0:
+        q1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
+    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, tl.arange(0, BLOCK_F), F, False)
+    lse = tl.load(LSE + head * num_rows + rows, mask=row_ok, other=float("inf")) * LOG2E_C
+    delta = tl.load(DELTA + head * num_rows + rows, mask=row_ok, other=0.0)
+    dq0 = tl.zeros([BLOCK_M, BLOCK_E0], tl.float32)
+    dq1 = dq0
+    if BLOCK_E1 > 0:
+        dq1 = tl.zeros([BLOCK_M, BLOCK_E1], tl.float32)
+    k_base, v_base = K + head * stride_kh, V + head * stride_vh
+    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
+    split = start + tl.load(NUM_FULL + tile)
+    for index in range(start, split):
+        dq0, dq1 = _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ENDS,
+                                    tl.load(TILES + index), num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0,
+                                    BLOCK_E1, BLOCK_F, BLOCK_N, False, PRECISION)
+    for index in range(split, stop):
+        dq0, dq1 = _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ENDS,
+                                    tl.load(TILES + index), num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0,
+                                    BLOCK_E1, BLOCK_F, BLOCK_N, True, PRECISION)
+    num_heads = tl.num_programs(1)
+    dq_base = DQ + (rows.to(tl.int64) * num_heads + head)[:, None] * E
+    tl.store(dq_base + e0[None, :], (dq0 * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (e0[None, :] < E))
+    if BLOCK_E1 > 0:
+        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
+        tl.store(dq_base + e1[None, :], (dq1 * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (e1[None, :] < E))
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """The kernels' head-dim and precision constants for q [R, H, E], k [R, H, E], v [R, H, F]."""
+    num_rows, num_heads, qk_dim = q.shape
+    assert k.shape == q.shape and v.shape[:2] == (num_rows, num_heads), (q.shape, k.shape, v.shape)
+    assert q.dtype == k.dtype == v.dtype and q.dtype in DTYPES, (q.dtype, k.dtype, v.dtype)
+    first, second = head_parts(qk_dim)
+    value_dim = v.shape[2]
+    return dict(E=qk_dim, F=value_dim, BLOCK_E0=first, BLOCK_E1=second,
+                BLOCK_F=max(16, triton.next_power_of_2(value_dim)),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _check_tiles(plan: TreePlan, num_rows: int) -> None:
+    lists = plan.lists
+    assert plan.num_rows == num_rows, (plan.num_rows, num_rows)
+    for rows in (lists.block_q, lists.block_k):
+        assert rows >= 16 and rows & (rows - 1) == 0, f"tiles of {rows} rows: tl.dot takes powers of two >= 16"
+
+
+def _num_warps(shapes: dict) -> int:
+    return 4 if shapes["BLOCK_E0"] + shapes["BLOCK_E1"] + shapes["BLOCK_F"] <= 256 else 8
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def tree_attention_forward(q, k, v, plan: TreePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [R, H, F] in q's dtype, lse fp32 [H, R]) of the tree attention."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    shapes = _shapes(q, k, v)
+    num_rows, num_heads = q.shape[:2]
+    _check_tiles(plan, num_rows)
+    lists = plan.lists
+    out = torch.empty(num_rows, num_heads, v.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
+    grid = (len(lists.q_order), num_heads)
+    _tree_forward[grid](
+        q, k, v, out, lse, plan.subtree_end, plan.q_order, plan.q_ptr, plan.q_num_full, plan.q_tiles,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        num_rows, scale * LOG2E, **shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=_num_warps(shapes),
+    )
+    return out, lse
+
+
+def tree_attention_backward(dout, q, k, v, out, lse, plan: TreePlan, scale: float):
+    """(dq, dk, dv), contiguous in the inputs' dtype, from the forward's out and lse."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    dout = _last_dim_contiguous(dout.to(q.dtype))
+    shapes = _shapes(q, k, v)
+    num_rows, num_heads = q.shape[:2]
+    _check_tiles(plan, num_rows)
+    lists = plan.lists
+    delta = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
+    _tree_delta[(triton.cdiv(num_rows, lists.block_q), num_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), num_rows, F=shapes["F"],
+        BLOCK_F=shapes["BLOCK_F"], BLOCK_M=lists.block_q,
+    )
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+               dout.stride(1), num_rows, scale * LOG2E, scale)
+    blocks = dict(BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=_num_warps(shapes))
+    _tree_backward_kv[(len(lists.k_order), num_heads)](
+        q, k, v, dout, lse, delta, dk, dv, plan.subtree_end, plan.k_order, plan.k_ptr, plan.k_num_full,
+        plan.k_tiles, *strides, **shapes, **blocks,
+    )
+    _tree_backward_q[(len(lists.q_order), num_heads)](
+        q, k, v, dout, lse, delta, dq, plan.subtree_end, plan.q_order, plan.q_ptr, plan.q_num_full, plan.q_tiles,
+        *strides, **shapes, **blocks,
+    )
+    return dq, dk, dv
+
+
+class _TreeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: TreePlan, scale: float):
+        out, lse = tree_attention_forward(q, k, v, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*tree_attention_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
+
+
+class _KeptTreeAttention(torch.autograd.Function):
+    """`tree_attention` inside a checkpoint whose keeper is active (harts.ops.attention.keep), as for flash4: the
+    forward runs the kernel and records (out, lse), the recomputation replays them; the node saves q, k and v
+    through the checkpoint and reads out and lse from the keeper (held by a weak reference and an index)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: TreePlan, scale: float, keeper, replaying: bool):
+        if replaying:
+            (out, lse), index = keeper.replay()
+        else:
+            out, lse = tree_attention_forward(q, k, v, plan, scale)
+            index = keeper.record((out, lse))
+        ctx.keeper, ctx.index = weakref.ref(keeper), index
+        ctx.save_for_backward(q, k, v)
+        ctx.plan, ctx.scale = plan, scale
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        out, lse = ctx.keeper().kept[ctx.index]
+        return (*tree_attention_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None, None, None)
+
+
+def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor, plan: TreePlan,
+                   scale: float) -> torch.Tensor:
+    """Softmax attention of rows in DFS preorder under the tree mask of `plan` (`tree_plan`), differentiable in q,
+    k and v: out [R, H, F], with query row r attending to the key rows c <= r with r < subtree_end[c].
+
+    Args:
+        q_RHE, k_RHE: [R, H, E] queries and keys; v_RHF: [R, H, F] values; one dtype of bf16, fp16, fp32, on CUDA
+            (or on the CPU under TRITON_INTERPRET=1). Any strides with a contiguous last dim.
+        plan: the layout's tile lists on q's device, from `tree_plan(groups, rows, rows, device)` with rows
+            `TILE_ROWS[q.dtype]` (or other tiles of powers of two >= 16 rows).
+        scale: the softmax scale (the scores are scale · q·k).
+
+    Example:
+        >>> plan = tree_plan(layout.groups, 64, 64, "cuda")  # a compact or baseline layout's groups
+        >>> out = tree_attention(q, k, v, plan, q.shape[-1] ** -0.5)
+    """
+    active = active_keeper()
+    if active is None or not torch.is_grad_enabled():
+        return _TreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale)
+    return _KeptTreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale, *active)
+
+
+def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    """The `triton_tree` backend: `tree_attention` with the groups' tile lists (built once per groups object)."""
+    rows = TILE_ROWS[q_RHE.dtype]
+    plan = tree_plan(groups, rows, rows, q_RHE.device)
+    return tree_attention(q_RHE, k_RHE, v_RHF, plan, scale)
