@@ -6,13 +6,14 @@
 #   snakemake --workflow-profile profiles/slurm --configfile configs/pipeline-paper.yaml    a SLURM cluster
 #   snakemake --report reports/report.html                          the reports and CSVs in one HTML file
 # Sizes and per-rule threads, runtime and memory: configs/pipeline*.yaml (schema:
-# workflows/schemas/pipeline.schema.yaml); where and how jobs run: profiles/*/ (docs/pipeline.md "Pipeline").
+# workflows/schemas/pipeline.schema.yaml, its knob keys made from harts.config.execution); where and how jobs run:
+# profiles/*/ (docs/pipeline.md "Pipeline").
 
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
-from harts.workflow.config import coerce_strings, load_schema, check_config_files
+from harts.workflow.config import check_config_files, coerce_strings, load_schema, validate
 
 min_version("9.0")
 
@@ -22,9 +23,11 @@ configfile: "configs/pipeline.yaml"
 
 check_config_files(workflow.configfiles)
 
+# The schema file with the execution knobs' keys made from harts.config.execution (harts.workflow.config).
+SCHEMA = load_schema(Path(workflow.basedir) / "workflows/schemas/pipeline.schema.yaml")
 # `--config` gives nested values as strings ('512'): read them as the schema's types first.
-coerce_strings(config, load_schema(Path(workflow.basedir) / "workflows/schemas/pipeline.schema.yaml"))
-validate(config, "workflows/schemas/pipeline.schema.yaml")
+coerce_strings(config, SCHEMA)
+validate(config, SCHEMA)
 
 
 envvars:

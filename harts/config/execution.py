@@ -63,6 +63,15 @@ CHOICES = {
 }
 """The fields that take one of a few names, and those names."""
 
+BOUNDS: dict[str, tuple[float, float | None]] = {
+    "capacity": (1, None), "recompute_blocks": (1, None), "memory_margin": (0, 1), "logprob_chunk_rows": (1, None),
+    "mtp_loss_scaling_factor": (0, None),
+}
+"""The numeric fields' bounds: (minimum, maximum exclusive or None). An int field takes integers, a float field
+finite numbers; `check` refuses what lies outside, and the pipeline's schema states them (`json_schema`)."""
+WORDS = {"recompute_blocks": (AUTO,)}
+"""The words a numeric field takes besides its numbers."""
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(dtype="fp32", attention_backend="sdpa", kda_backend="torch", experts_backend="loop"),
@@ -164,21 +173,13 @@ class ExecutionConfig:
             optional = name not in ("logprob_grad_precision",)
             if not (value is None and optional) and value not in choices:
                 raise ValueError(f"{key(name)} must be one of {choices}, got {value!r}")
-        for name in ("capacity", "logprob_chunk_rows"):
-            _check_count(key(name), getattr(self, name))
-        for name in ("recompute", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{key(name)} must be true or false, got {getattr(self, name)!r}")
-        if self.recompute_blocks is not None and self.recompute_blocks != AUTO:
-            _check_count(key("recompute_blocks"), self.recompute_blocks, f" or {AUTO!r}")
-        factor = self.mtp_loss_scaling_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                   or not math.isfinite(factor) or factor < 0):
-            raise ValueError(f"{key('mtp_loss_scaling_factor')} must be a finite number >= 0 (or null: the model's), "
-                             f"got {factor!r}")
-        margin = self.memory_margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(f"{key('memory_margin')} must be a number >= 0 and < 1, got {margin!r}")
+        for field in dataclasses.fields(ExecutionConfig):
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{key(field.name)} must be true or false, got {value!r}")
+            if field.name in BOUNDS and not (value is None and _optional(field)) and value not in WORDS.get(
+                    field.name, ()):
+                _check_number(key(field.name), value, field)
         needs_recompute = [name for name in ("recompute_blocks", "recompute_by_rows", "keep_attention",
                                              "keep_kda_intermediates") if getattr(self, name) not in (None, False)]
         if needs_recompute and not self.recompute:
@@ -247,9 +248,26 @@ def resolved_for_run(dtype: str | None, execution: ExecutionConfig, device: str,
     return dataclasses.replace(execution, dtype=run_dtype).resolved(device, execution_name, prefix="execution.")
 
 
-def _check_count(name: str, value: Any, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1{alternative}, got {value!r}")
+def _types(field: dataclasses.Field) -> tuple[str, ...]:
+    """The types of a field's annotation (`int | str | None` -> int, str, None)."""
+    return tuple(part.strip() for part in field.type.split("|"))
+
+
+def _optional(field: dataclasses.Field) -> bool:
+    return "None" in _types(field)
+
+
+def _check_number(name: str, value: Any, field: dataclasses.Field) -> None:
+    """ValueError unless `value` is a number of the field's kind (int, or finite float) within its `BOUNDS`."""
+    low, high = BOUNDS[field.name]
+    integer = "int" in _types(field)
+    kind = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not kind or value < low or (high is not None and value >= high):
+        what = f"an int >= {low}" if integer else f"a number >= {low} and < {high}" if high is not None else (
+            f"a finite number >= {low}")
+        words = "".join(f" or {word!r}" for word in WORDS.get(field.name, ()))
+        null = " (or null: the default)" if _optional(field) and field.default is None and not words else ""
+        raise ValueError(f"{name} must be {what}{words}{null}, got {value!r}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ExecutionConfig))
@@ -364,6 +382,36 @@ def from_arguments(args: argparse.Namespace, names: tuple[str, ...] = FIELDS, *,
     the overrides given)."""
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return {name: value for name, value in values.items() if value is not None} if given else values
+
+
+_JSON_TYPES = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "None": "null"}
+
+
+def json_schema(name: str, *, required: bool = False) -> dict[str, Any]:
+    """The JSON schema of field `name` as a key of a config file (the pipeline's; harts.workflow.config): its type
+    from the annotation, its choices as an enum, its `BOUNDS` and `WORDS`, its docstring as the description and a
+    default: the field's, or null for a number (where it means the command's default: a job's command then names
+    only the numbers its config sets). `required`: a key the config must give, without null or default."""
+    field = next(f for f in dataclasses.fields(ExecutionConfig) if f.name == name)
+    nullable = not required and (_optional(field) or name in BOUNDS)
+    schema: dict[str, Any] = {}
+    if name in CHOICES:
+        schema["enum"] = [None, *CHOICES[name]] if nullable else list(CHOICES[name])
+    else:
+        types = [_JSON_TYPES[part] for part in _types(field) if part != "None"] + ["null"] * nullable
+        schema["type"] = types[0] if len(types) == 1 else types
+    if name in BOUNDS:
+        low, high = BOUNDS[name]
+        schema["minimum"] = low
+        if high is not None:
+            schema["exclusiveMaximum"] = high
+    if name in WORDS:
+        words = WORDS[name]
+        schema["pattern"] = f"^{words[0]}$" if len(words) == 1 else f"^({'|'.join(words)})$"
+    if not required:
+        schema["default"] = None if nullable else field.default
+    schema["description"] = field_help()[name]
+    return schema
 
 
 def markdown_table() -> str:

@@ -8,6 +8,12 @@ and the config holds a string that spells one (512, -3, 1e-3, 0.5, true, false),
 replaced, in place; where it allows null (`type: [integer, "null"]`, or null in an `enum`), "null"
 becomes None; any other string is left for the validation to reject with its own message.
 
+`load_schema(path)` is the schema file with the execution knobs merged in: a section holding `x-execution-knobs:
+{except: [NAMES]}` takes every field of harts.config.execution.ExecutionConfig but those as a property, made from the
+field (`execution.json_schema`: type, choices, bounds, docstring, default), so that a new knob is a key of the
+pipeline without an edit here or in the file. `validate(config, schema)` checks the config against it and fills its
+defaults, as Snakemake's `validate` does with a schema file.
+
 `check_config_files(paths)` refuses a config file that is not plain data (an alias, a duplicate key: the strict
 loader of harts.config) or asks Snakemake for YAML templating (`__use_yte__`): the
 pipeline's configs are data, checked against the schema. Snakemake evaluates such a file's Python expressions
@@ -21,6 +27,7 @@ tests/workflow/test_workflow.py by dry runs with nested `--config` values and wi
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -33,8 +40,48 @@ _BOOLEAN = {"true": True, "false": False}
 _NULL = ("null", "~")
 
 
+KNOBS_KEY = "x-execution-knobs"
+
+
 def load_schema(path: str | Path) -> dict:
-    return load_yaml(Path(path).read_text(encoding="utf-8"), path)
+    """The schema file at `path`, each section marked with `KNOBS_KEY` given the execution knobs' properties."""
+    from harts.config import execution
+
+    schema = load_yaml(Path(path).read_text(encoding="utf-8"), path)
+    for name, section in schema.get("properties", {}).items():
+        if not isinstance(section, dict) or KNOBS_KEY not in section:
+            continue
+        left_out = section.pop(KNOBS_KEY)["except"]
+        unknown = set(left_out) - set(execution.FIELDS)
+        if unknown:
+            raise ValueError(f"{path}: {name}.{KNOBS_KEY}: {sorted(unknown)} are not execution knobs")
+        properties = section.setdefault("properties", {})
+        for knob in execution.FIELDS:
+            if knob in left_out:
+                continue
+            if knob in properties:
+                raise ValueError(f"{path}: {name}.properties.{knob} is an execution knob: the schema makes it")
+            properties[knob] = execution.json_schema(knob, required=knob in section.get("required", ()))
+    return schema
+
+
+def validate(config: dict, schema: dict) -> None:
+    """jsonschema.ValidationError unless `config` is valid; fills in, in place, the defaults of the properties it
+    lacks, in every object the validation visits (Snakemake's `validate(..., set_default=True)`)."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, properties, instance, schema)
+
+    validator = jsonschema.validators.extend(base, {"properties": properties_with_defaults})
+    validator(schema).validate(config)
 
 
 def coerce_strings(config: dict, schema: dict) -> dict:

@@ -15,6 +15,9 @@ EXECUTIONS = ("baseline", "compact")
 RUN_KNOBS = tuple(name for name in FIELDS if name not in ("execution", "dtype"))
 """The execution knobs of a run (harts.config.execution): every one but the execution (both run) and the dtype
 (the weights' and the compiled kernels': a run flag of its own)."""
+RECORD_KNOBS = tuple(name for name in RUN_KNOBS if name != "experts_backend")
+"""The run knobs a speedup record's config names as they are given: every one but the experts backend, which the
+record's model_config holds (its moe.experts_backend, the flag's override applied)."""
 
 
 def knobs_of(args, name: str, recompute_blocks: int | str | None = None):

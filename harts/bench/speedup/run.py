@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import print_error
-from harts.bench.speedup.executions import EXECUTIONS, compact_recompute_blocks, knobs_of, requested_blocks
+from harts.bench.speedup.executions import (EXECUTIONS, RECORD_KNOBS, compact_recompute_blocks, knobs_of,
+                                            requested_blocks)
 from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.parallel import measure_parallel_step
 from harts.bench.speedup.recompute import check_recompute_flags, found_blocks
@@ -81,23 +82,13 @@ def run(args: argparse.Namespace) -> int:
                     model.set_experts_backend(case_config.moe.experts_backend)
                 config = {
                     "model": model_config.name, "model_config": config_to_dict(case_config), **step_meta,
-                    "planner": run_args.planner, "capacity": run_args.capacity, "device": args.device,
-                    "dtype": dtype_name, "params": params_name, "recompute": run_args.recompute,
-                    "recompute_blocks": run_args.recompute_blocks,
+                    **{name: getattr(run_args, name) for name in RECORD_KNOBS},
+                    "device": args.device, "dtype": dtype_name, "params": params_name,
                     "compact_recompute_blocks": compact_recompute_blocks(run_args),
-                    "memory_margin": run_args.memory_margin,
-                    "recompute_by_rows": run_args.recompute_by_rows, "keep_attention": run_args.keep_attention,
-                    "keep_kda_intermediates": run_args.keep_kda_intermediates,
-                    "repeats": run_args.repeats,
-                    "parallel": parallel.name if parallel else "single",
-                    "world_size": parallel.world_size if parallel else 1,
-                    "parallel_config": config_to_dict(parallel) if parallel else None,
-                    "attention_backend": run_args.attention_backend,
                     "compact_attention_backend": run_args.compact_attention_backend,
-                    "kda_backend": run_args.kda_backend,
-                    "logprob_grad_precision": run_args.logprob_grad_precision,
-                    "logprob_chunk_rows": run_args.logprob_chunk_rows,
-                    "mtp_loss_scaling_factor": run_args.mtp_loss_scaling_factor, "variant": run_args.variant,
+                    "repeats": run_args.repeats, "parallel": parallel.name if parallel else "single",
+                    "world_size": parallel.world_size if parallel else 1,
+                    "parallel_config": config_to_dict(parallel) if parallel else None, "variant": run_args.variant,
                 }
                 variant = f" (--variant {run_args.variant})" if run_args.variant else ""
                 logger.info(f"step {index}{variant}: {step.num_trajectories} trajectories, "
