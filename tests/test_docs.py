@@ -12,7 +12,6 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -191,7 +190,9 @@ def test_the_knob_table_is_the_one_the_config_generates():
 def test_bench_speedups_additions_are_its_flags_and_pipeline_keys():
     from harts.config.execution import FIELDS, flag
 
-    schema = yaml.safe_load((REPO / "workflows/schemas/pipeline.schema.yaml").read_text(encoding="utf-8"))
+    from harts.workflow.config import load_schema
+
+    schema = load_schema(REPO / "workflows/schemas/pipeline.schema.yaml")
     pipeline_keys = set(schema["properties"]["speedup"]["properties"])
     text = section((REPO / "docs" / "execution.md").read_text(encoding="utf-8"), "Every execution knob")
     rows = [line for line in text.split("`harts bench speedup` adds")[1].splitlines() if line.startswith("| `")]

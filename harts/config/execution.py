@@ -7,7 +7,9 @@ choices and their rules (`check`), and `resolved(device, execution)`, the one pl
 depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with the loss; `harts
 train` and `harts rl` read it from their YAML's `execution` section, the benchmarks and the pipeline from their
 flags and keys, which are the field names. `add_arguments` makes every surface's flags from the fields, their types,
-choices and docstrings (`field_help`), so that a new knob is one field here, its consumer and a test. Torch-free:
+choices and docstrings (`field_help`), the pipeline's keys (`json_schema`: bounds from `BOUNDS` and `WORDS`, which
+`check` applies too) and the bench record's keys likewise, so that a new knob is one field here, its consumer and a
+test (docs/development.md "Adding an execution knob"; tests/config/test_adding_a_knob.py). Torch-free:
 the command lines build and refuse a bad value before torch is imported; the lower layers take their choice lists
 from here (tests/config/test_execution.py checks them against the registries they name).
 """
@@ -423,14 +425,12 @@ def markdown_table() -> str:
             values = ", ".join(f"`{choice}`" for choice in CHOICES[field.name])
         elif field.type == "bool":
             values = "`true`, `false`"
-        elif field.type == "float":
-            values = "a number >= 0 and < 1"
-        elif field.type == "float | None":
-            values = "a number >= 0"
-        elif field.name == "recompute_blocks":
-            values = f"an integer >= 1, `{AUTO}`"
+        elif field.name in BOUNDS:
+            low, high = BOUNDS[field.name]
+            values = (f"an integer >= {low}" if "int" in _types(field) else f"a number >= {low}") + (
+                f" and < {high}" if high is not None else "") + "".join(f", `{w}`" for w in WORDS.get(field.name, ()))
         else:
-            values = "an integer >= 1"
+            values = " or ".join(f"`{part}`" for part in _types(field))
         default = "see its text" if field.default is None else f"`{str(field.default).lower()}`" if isinstance(
             field.default, bool) else f"`{field.default}`"
         rows.append(f"| `{field.name}` | `{flag(field.name)}` | {values} | {default} | {field_help()[field.name]} |")
