@@ -170,13 +170,11 @@ class ExecutionConfig:
         def key(name: str) -> str:
             return flag(name) if as_flags else prefix + name
 
-        for name, choices in CHOICES.items():
-            value = getattr(self, name)
-            optional = name not in ("logprob_grad_precision",)
-            if not (value is None and optional) and value not in choices:
-                raise ValueError(f"{key(name)} must be one of {choices}, got {value!r}")
         for field in dataclasses.fields(ExecutionConfig):
             value = getattr(self, field.name)
+            choices = CHOICES.get(field.name)
+            if choices is not None and not (value is None and _optional(field)) and value not in choices:
+                raise ValueError(f"{key(field.name)} must be one of {choices}, got {value!r}")
             if field.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"{key(field.name)} must be true or false, got {value!r}")
             if field.name in BOUNDS and not (value is None and _optional(field)) and value not in WORDS.get(
