@@ -216,6 +216,18 @@ def test_every_command_refuses_a_bad_knob_before_building_a_model(case, tmp_path
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("own", "named"), [(["--attention-backend"], "--attention-backend "),
+                                            (["--compact-attention-backend"], "--compact-attention-backend ")],
+                         ids=["shared", "compact-own"])
+def test_bench_speedup_names_the_flag_that_gave_the_refused_backend(own, named, tmp_path, capsys):
+    from harts.cli.main import main
+
+    argv = ["bench", "speedup", "--model", "tiny", "--trees", "tiny", "--out", str(tmp_path / "s.json"), *own,
+            "triton_tree"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"harts: error: {named}triton_tree runs Triton")
+
+
 def test_a_field_is_a_yaml_key_of_every_config_that_holds_one():
     from harts.rl.config import RLConfig
     from harts.training.config import TrainConfig

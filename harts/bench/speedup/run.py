@@ -23,6 +23,7 @@ from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.parallel import measure_parallel_step
 from harts.bench.speedup.recompute import check_recompute_flags, found_blocks
 from harts.bench.speedup.records import error_row, format_table, headline
+from harts.config.execution import flag
 from harts.engine_memory import release_memory
 from harts.tracking import wandb_log
 
@@ -151,11 +152,15 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
         measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
         check_recompute_flags(run_args, where)
-        try:
-            for name, blocks in requested_blocks(run_args).items():
+        for name, blocks in requested_blocks(run_args).items():
+            try:
                 knobs_of(run_args, name, blocks).resolved(run_args.device, as_flags=True)
-        except ValueError as error:
-            raise ValueError(f"{where}{error}") from None
+            except ValueError as error:
+                message = str(error)
+                if name == "compact" and run_args.compact_attention_backend is not None:
+                    # The compact execution's backend came from its own flag: name that flag, not the shared one.
+                    message = message.replace(flag("attention_backend"), "--compact-attention-backend")
+                raise ValueError(f"{where}{message}") from None
     return variants
 
 
