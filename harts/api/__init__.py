@@ -47,7 +47,8 @@ this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequenc
 token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
 and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
 and `moe_loss` are its parts (`pooled_balance=True` adds transformers' pooled load-balancing loss of the
-batch, `pooled_balance_loss`, for a trainer that adds it itself: TRL's router aux loss). Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
+batch, `pooled_balance_loss`, for a trainer that adds it itself: TRL's router aux loss).
+Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
 needs `ref_log_probs`. `policy_loss` and `logprobs` run the batch as one microbatch (its whole trie in one
 forward; `capacity` refuses one over that many rows). A mini-batch larger than a microbatch: `plan(batch,
 capacity, dp)` splits it with the HARTS planner (DESIGN §2: GRPO groups stay whole where they fit, cuts fall
