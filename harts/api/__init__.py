@@ -46,7 +46,9 @@ hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked token
 this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequences with a masked
 token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
 and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
-and `moe_loss` are its parts. Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
+and `moe_loss` are its parts (`pooled_balance=True` adds transformers' pooled load-balancing loss of the
+batch, `pooled_balance_loss`, for a trainer that adds it itself: TRL's router aux loss).
+Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
 needs `ref_log_probs`. `policy_loss` and `logprobs` run the batch as one microbatch (its whole trie in one
 forward; `capacity` refuses one over that many rows). A mini-batch larger than a microbatch: `plan(batch,
 capacity, dp)` splits it with the HARTS planner (DESIGN §2: GRPO groups stay whole where they fit, cuts fall
@@ -82,7 +84,7 @@ from harts.api.batches import RLBatch, as_batch, packed_batch, padded_batch, tra
 from harts.config.execution import DEVICES, ExecutionConfig
 from harts.engine import Engine, MicrobatchOutputs, OverCapacity
 from harts.model.model import HybridModel, unwrap_model
-from harts.model.moe import step_share
+from harts.model.moe import pooled_load_balancing_loss, step_share
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
     StepConfig, aggregation_normalizer, loss_config_of, policy_loss_of, step_config, step_normalizer,
@@ -130,6 +132,10 @@ class BatchLoss(TokenOutputs):
     kl: torch.Tensor | None
     """Mean KL estimate (the config's `kl_estimator`, k3 by default) over loss-masked tokens (GRPO with reference
     log-probs)."""
+    pooled_balance_loss: torch.Tensor | None = None
+    """With `pooled_balance`: transformers' load-balancing loss of the batch (`harts.model.moe.
+    pooled_load_balancing_loss`: every MoE layer's router statistics pooled over the batch's real tokens, each
+    token once per sequence), without coefficient and not in `loss`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +306,7 @@ def policy_loss(
     num_microbatches: int | None = None,
     entropy_normalizer: float | None = None,
     capacity: int | None = None,
+    pooled_balance: bool = False,
 ) -> BatchLoss:
     """The GRPO/PPO loss of `batch` (needs a loss mask and advantages) run as one microbatch, its MoE losses and
     per-token outputs; `result.loss.backward()` accumulates the parameters' gradients. A batch larger than one
@@ -317,6 +324,9 @@ def policy_loss(
             normalises them as one step instead).
         entropy_normalizer: with an entropy bonus whose `entropy_aggregation` is not the loss's, the step's
             denominator of that aggregation (default: this batch's own count); otherwise `normalizer` serves.
+        pooled_balance: also return transformers' load-balancing loss of the batch (`pooled_balance_loss`: what a
+            transformers MoE model's `aux_loss` is under the batch's attention mask); needs softmax routing whose
+            layers report their statistics (`moe.balance_statistics` or `aux_loss_coeff` > 0).
     """
     if (normalizer is None) != (num_microbatches is None):
         raise ValueError("policy_loss: give normalizer and num_microbatches together (a micro-batch of a step: the "
@@ -329,6 +339,9 @@ def policy_loss(
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"policy_loss: {name} must be a finite count > 0, got {value!r}")
     _check_capacity_argument(capacity, "policy_loss")
+    if pooled_balance and _model(model).config.moe.score_function != "softmax":
+        raise ValueError(f"policy_loss: pooled_balance reads transformers' softmax load-balancing loss; the model "
+                         f"routes with {_model(model).config.moe.score_function} scores")
     batch = as_batch(batch)
     config = config or default_config(model)
     _check_policy_inputs(batch, config)
@@ -347,7 +360,7 @@ def policy_loss(
     return BatchLoss(
         **_outputs(batch, part.logprobs_S, part.entropy_S if entropy else None, part.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
-        kl=policy.kl,
+        kl=policy.kl, pooled_balance_loss=pooled_load_balancing_loss(part.auxes) if pooled_balance else None,
     )
 
 

@@ -15,18 +15,21 @@ runs the decoder, as TRL does. What the trainer replaces, and nothing else:
   (`grpo_config_from_trl`, the mapping of docs/losses.md) and TRL's normaliser of each `loss_type` (dapo, cispo and
   vespo: `num_items_in_batch` per accumulation step; grpo, sapo, dr_grpo, luspo: the micro-batch's rows × the
   accumulation steps; bnpo: its masked tokens × the accumulation steps); the entropy bonus is a token mean over the
-  micro-batch, as TRL's. It logs TRL's `entropy`, `kl` and `clip_ratio/region_mean` metrics and
+  micro-batch, as TRL's. The router auxiliary loss that TRL adds for a model whose config declares
+  router_aux_loss_coef (Qwen3-Next's and Qwen3.5's 0.001, unless the GRPOConfig sets another): transformers'
+  load-balancing loss of the micro-batch's real tokens, every MoE layer's router statistics pooled, each token once
+  per completion (`api.policy_loss(pooled_balance=True)`), added as TRL adds it: coefficient × loss / the
+  accumulation steps (1 in evaluation), logged as `aux_loss`. It logs TRL's `entropy`, `kl` and
+  `clip_ratio/region_mean` metrics and
   `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
   forward computes) per call.
 - `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
   HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
 turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
-entropy, the router auxiliary loss (transformers' load-balancing loss over all layers' router logits at once, which
-TRL adds by default for models whose config declares router_aux_loss_coef, Qwen3-Next's and Qwen3.5's 0.001: set
-`router_aux_loss_coef=0.0`), PEFT models, multimodal inputs, more than one process (the model's forward is
-not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses (nor does TRL, its router
-auxiliary loss refused).
+entropy, the router auxiliary loss of a model without softmax routing, PEFT models, multimodal inputs, more than one
+process (the model's forward is not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses of
+its own (its MoE config's coefficients are zeroed): the router auxiliary loss is TRL's, read as above.
 
 Invariant (tests/integrations/test_trl.py): from the same seed, N steps of `trl.GRPOTrainer` and of
 `HARTSGRPOTrainer` generate the same completions and give the same losses and parameters (fp32 rounding), with
@@ -120,11 +123,6 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
                              f"trl {trl.__version__} is installed: pip install 'harts[trl]'")
         super().__init__(*args, **kwargs)
         problems = unsupported_options(self.args)
-        if self.aux_loss_enabled:
-            # TRL 1.16 takes the coefficient from the model's config when the GRPOConfig leaves it None: Qwen3-Next's
-            # and Qwen3.5's declare 0.001.
-            problems.append(f"router_aux_loss_coef={self.router_aux_loss_coef} (TRL's load-balancing loss of "
-                            f"{type(self.model).__name__}'s router logits; set 0.0)")
         if trl.trainer.grpo_trainer.is_peft_model(self.model):
             problems.append("a PEFT model (train the full model)")
         if self.accelerator.num_processes > 1:
@@ -141,7 +139,12 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
                                           "dtype": "bf16" if self.args.bf16 else base.dtype})
         self._views: dict[int, HFParameterView] = {}
-        self._view(self.model)  # refuses a model of another architecture now, by name
+        scores = self._view(self.model).config.moe.score_function  # refuses another architecture now, by name
+        # TRL 1.16 takes the aux loss coefficient from the model's config when the GRPOConfig leaves it None.
+        if self.aux_loss_enabled and scores != "softmax":
+            raise ValueError(f"HARTSGRPOTrainer: router_aux_loss_coef={self.router_aux_loss_coef} with "
+                             f"{type(self.model).__name__}'s {scores} routing (HARTS reads transformers' softmax "
+                             f"load-balancing loss): set 0.0")
         self.harts_counts = {"rows": 0, "tokens": 0, "padded_rows": 0}
         """Totals over the run: rows HARTS computed, real tokens, and rows TRL's padded forwards would compute."""
 
@@ -151,6 +154,8 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         view = self._views.get(id(hf_model))
         if view is None or view.hf_model is not hf_model:
             config = without_moe_losses(hf_model_config(hf_model))
+            if self.aux_loss_enabled:
+                config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, balance_statistics=True))
             view = self._views[id(hf_model)] = HFParameterView(hf_model, config=config)
         return view
 
@@ -170,12 +175,12 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):
-        """TRL's (log-probs, entropies or None, aux loss None) of the last `logits_to_keep` columns, computed by
-        HARTS in TRL's chunks of `batch_size` rows."""
+        """TRL's (log-probs, entropies or None, None) of the last `logits_to_keep` columns, computed by HARTS in TRL's
+        chunks of `batch_size` rows (the aux loss is `_compute_loss`'s, which does not call this)."""
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
             raise ValueError(f"HARTSGRPOTrainer: multimodal inputs are not supported (got {', '.join(given)})")
-        assert not compute_aux_loss, "refused at construction"
+        assert not compute_aux_loss, "HARTSGRPOTrainer._compute_loss reads the aux loss"
         view = self._view(model)
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
@@ -226,10 +231,16 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
             result = api.policy_loss(
                 harts_model, batch, config=self.harts_config, temperature=self.temperature, entropy=True,
                 normalizer=normalizer, num_microbatches=accumulation, entropy_normalizer=entropy_normalizer,
+                pooled_balance=self.aux_loss_enabled,
             )
         self._log_rows(result, batch["input_ids"].numel())
         self._log_loss_metrics(mode, result, mask)
-        return result.loss
+        loss = result.loss
+        if self.aux_loss_enabled:  # TRL's: scaled by the accumulation steps as its policy loss is
+            loss = loss + self.router_aux_loss_coef * result.pooled_balance_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(result.pooled_balance_loss.detach()).mean().item())
+        return loss
 
     def _log_loss_metrics(self, mode: str, result: api.BatchLoss, mask: torch.Tensor) -> None:
         """TRL's entropy, KL and clip-ratio metrics (token means over the processes' masked tokens)."""

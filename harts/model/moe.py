@@ -11,6 +11,10 @@ megatron-core 0.16's:
   (`switch_load_balancing_loss_func`), with P the scores over all experts (softmax, or
   sigmoid normalised over all experts) and f the top-k of P without expert bias — megatron's
   `compute_routing_scores_for_aux_loss`;
+- transformers' load-balancing loss (`load_balancing_loss_func` of Qwen3-Next and Qwen3.5-MoE, 5.25), every MoE
+  layer's statistics pooled into one mean over L layers × S tokens: E/(L·S)² · Σ_e (Σ_l Σ_c q_c·f_lce)(Σ_l Σ_c
+  q_c·P_lce) with P the softmax over all experts and f its top-k (`pooled_load_balancing_loss`, from the layers'
+  `balance_mass_E` / `balance_counts_E`, which `balance_statistics` reports without the per-layer loss);
 - expert-bias counts  Σ_c q_c·[expert e selected for c]  over the routing actually used, and
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
@@ -117,6 +121,9 @@ class MoEConfig:
     """Coefficient of the switch-style load-balancing loss (0 = not computed)."""
     z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (0 = not computed)."""
+    balance_statistics: bool = False
+    """Report the load-balancing loss's probability mass and counts (`MoEAux.balance_mass_E`, `.balance_counts_E`)
+    even when `aux_loss_coeff` is 0: for a pooled reading over layers (`pooled_load_balancing_loss`)."""
     experts_backend: str = "auto"
     """"loop", "grouped", "lean" (grouped in one autograd node that keeps less) or "auto" (grouped on CUDA)."""
     init_std: float = 0.02
@@ -352,6 +359,22 @@ def step_share(
         total = total + balance_loss_of(aux.balance_mass_E, step_balance_counts_E.to(aux.balance_mass_E.dtype),
                                         step_tokens, top_k=config.top_k, coeff=config.aux_loss_coeff)
     return total
+
+
+def pooled_load_balancing_loss(auxes: list[MoEAux]) -> torch.Tensor:
+    """transformers' load-balancing loss (`load_balancing_loss_func`, Qwen3-Next / Qwen3.5-MoE) of the rows of one
+    forward: E/(L·S)² · Σ_e (Σ_l counts_le)(Σ_l mass_le) over the L MoE layers' `balance_counts_E` and
+    `balance_mass_E` (q-weighted, so S = Σ q is every semantic token once per trajectory); no coefficient. Unlike
+    the per-layer loss it has no 1/k and pools the layers before the product: it is not a sum of layer terms."""
+    if not auxes:
+        raise ValueError("pooled_load_balancing_loss: the forward has no MoE layer")
+    if any(aux.balance_mass_E is None or aux.num_tokens is None for aux in auxes):
+        raise ValueError("pooled_load_balancing_loss: the MoE layers did not report their load-balancing statistics "
+                         "(set moe.balance_statistics or aux_loss_coeff > 0)")
+    mass_E = torch.stack([aux.balance_mass_E for aux in auxes]).sum(dim=0)
+    counts_E = torch.stack([aux.balance_counts_E.to(mass_E.dtype) for aux in auxes]).sum(dim=0)
+    total = auxes[0].num_tokens.to(mass_E.dtype) * len(auxes)
+    return (mass_E * counts_E).sum() * mass_E.shape[0] / _row_total(total * total)
 
 
 def _row_total(total: torch.Tensor) -> torch.Tensor:
@@ -638,10 +661,11 @@ class MoE(nn.Module):
         z_loss = router_z_loss(logits, multiplicity_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
         num_tokens = _weights(multiplicity_N, logits).sum().detach()
         balance = mass = assignments = None
-        if c.aux_loss_coeff > 0:
+        if c.aux_loss_coeff > 0 or c.balance_statistics:
             scores, selected = aux_loss_scores(logits, top_k=c.top_k, score_function=c.score_function)
             mass, assignments = balance_parts(scores, selected, multiplicity_N)
-            balance = balance_loss_of(mass, assignments, num_tokens, top_k=c.top_k, coeff=c.aux_loss_coeff)
+            if c.aux_loss_coeff > 0:
+                balance = balance_loss_of(mass, assignments, num_tokens, top_k=c.top_k, coeff=c.aux_loss_coeff)
         counts = expert_assignment_counts(routing.experts_NK, multiplicity_N, c.num_experts)
         aux = MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts, num_tokens=num_tokens,
                      balance_mass_E=mass, balance_counts_E=assignments)

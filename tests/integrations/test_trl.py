@@ -11,6 +11,9 @@ TRL's padded forwards (the group's prompt once). The cases cover gradient accumu
 normalisers, reused generations (old log-probs from HARTS, off-policy ratios), the KL term (reference log-probs
 from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type, with TRL's default
 gradient checkpointing (HARTS's recomputation, whose backward runs blocks again from the bound model) and without.
+gdn-tiny (Qwen3-Next's layout) runs every case at TRL's default router_aux_loss_coef, its config's 0.001: TRL adds
+transformers' load-balancing loss, HARTS its pooled reading, and the logged `aux_loss` of every step must agree
+within 1e-6 relative (a shared prompt counted once per group instead of once per completion is off by ~2e-4).
 
 The HARTS reading of TRL's config (`grpo_config_from_trl`) equals the readings tests/objective/test_losses_readings
 checks against TRL's own loss function. Without trl (pip install 'harts[trl]') the module is skipped.
@@ -63,10 +66,9 @@ def checkpoint(checkpoints):
     return checkpoints("kimi-tiny")
 
 
-MODEL_SETTINGS = {"gdn-tiny": {"router_aux_loss_coef": 0.0}}
-"""GRPOConfig settings a model needs in both trainers: Qwen3-Next's config declares router_aux_loss_coef 0.001,
-which TRL adds as transformers' load-balancing loss and HARTSGRPOTrainer refuses
-(test_trl_aux_loss_of_the_model_config_is_refused)."""
+AUX_LOSS_MODELS = ("gdn-tiny",)
+"""Models whose Hugging Face config declares router_aux_loss_coef (Qwen3-Next's 0.001), which TRL adds by default as
+transformers' load-balancing loss: every case of theirs runs with it, and both trainers log the same `aux_loss`."""
 
 
 def make_checkpoint(path, name="kimi-tiny"):
@@ -147,11 +149,14 @@ def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def run_case(checkpoint, output_dir, case, model_settings=None):
-    """Both trainers on one case (with the model's `model_settings`): {trainer name: (trainer, parameters,
-    completions, rows)}."""
+def aux_losses(trainer):
+    """The logged router aux loss of each step (the mean over its micro-batches, before the coefficient)."""
+    return [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
+
+
+def run_case(checkpoint, output_dir, case):
+    """Both trainers on one case: {trainer name: (trainer, parameters, completions, rows)}."""
     settings, steps = CASES[case]
-    settings = settings | (model_settings or {})
     return {name: train(trainer_class, checkpoint, output_dir / name, settings, steps)
             for name, trainer_class in (("trl", trl.GRPOTrainer), ("harts", HARTSGRPOTrainer))}
 
@@ -160,7 +165,7 @@ def run_case(checkpoint, output_dir, case, model_settings=None):
 @pytest.mark.parametrize("case", CASES)
 def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
     checkpoint = checkpoints(model)
-    runs = run_case(checkpoint, tmp_path, case, MODEL_SETTINGS.get(model, {}))
+    runs = run_case(checkpoint, tmp_path, case)
     (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
     (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
     settings, steps = CASES[case]
@@ -176,6 +181,12 @@ def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
         # The parameters differ by the gradients' fp32 rounding (a 1e-4 share of the step) and by the rounding
         # of each update onto parameters of size ~1-5 (a few ulps).
         assert torch.allclose(harts_parameters[name], want, rtol=1e-6, atol=1e-4 * change), name
+    if model in AUX_LOSS_MODELS:
+        assert stock.aux_loss_enabled and harts.aux_loss_enabled and stock.router_aux_loss_coef == 0.001
+        stock_aux, harts_aux = aux_losses(stock), aux_losses(harts)
+        assert len(stock_aux) == steps and all(x > 0 for x in stock_aux)
+        for got, want in zip(harts_aux, stock_aux, strict=True):
+            assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (harts_aux, stock_aux)
     assert harts.harts_counts["padded_rows"] == stock_rows
     assert harts_rows < 0.75 * harts.harts_counts["tokens"] < 0.75 * stock_rows, (harts.harts_counts, stock_rows)
 
@@ -214,18 +225,19 @@ def test_unsupported_settings_are_refused(checkpoint, tmp_path):
                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
 
 
-def test_trl_aux_loss_of_the_model_config_is_refused(checkpoints, tmp_path):
-    """TRL adds the load-balancing loss that Qwen3-Next's config declares (router_aux_loss_coef 0.001) unless the
-    GRPOConfig sets 0.0: refused by name, with the setting."""
+def test_trl_aux_loss_is_read_from_the_model_config(checkpoints, tmp_path):
+    """TRL takes Qwen3-Next's router_aux_loss_coef (0.001) from the model config unless the GRPOConfig sets one: the
+    HARTS trainer then has its model report the load-balancing statistics; with 0.0 it does not."""
     checkpoint = checkpoints("gdn-tiny")
-    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
-    with pytest.raises(ValueError, match=r"HARTSGRPOTrainer: TRL settings without a HARTS reading: "
-                                         r"router_aux_loss_coef=0.001 \(TRL's load-balancing loss of "
-                                         r"Qwen3NextForCausalLM's router logits; set 0.0\)"):
-        HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
-                         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
-                         processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
-                         train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+    for coefficient, enabled in ((None, True), (0.0, False)):
+        args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                              router_aux_loss_coef=coefficient)
+        trainer = HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                                   reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                                   processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                                   train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
+        assert trainer.aux_loss_enabled is enabled
+        assert trainer._view(trainer.model).config.moe.balance_statistics is enabled
 
 
 def test_a_model_of_another_architecture_is_refused_at_construction(checkpoint, tmp_path):
@@ -252,7 +264,7 @@ def main() -> None:
     for model in MODELS:
         path = make_checkpoint(root / model, model)
         for case in CASES:
-            runs = run_case(path, root / model / case, case, MODEL_SETTINGS.get(model, {}))
+            runs = run_case(path, root / model / case, case)
             (stock, stock_parameters, stock_completions, stock_rows) = runs["trl"]
             (harts, harts_parameters, harts_completions, harts_rows) = runs["harts"]
             assert harts_completions == stock_completions
