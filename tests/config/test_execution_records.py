@@ -8,7 +8,8 @@ Added to the bench record since, on purpose (issue 44's memory margin): `config.
 and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (null: no MTP layers);
 `config.mtp_loss_scaling_factor` (null: the model's). Changed on purpose: `results.flops_compression` 2.10496 ->
 2.10556, the model FLOPs recounted (harts.model.flops: the chunked KDA's products as the kernel forms them and the
-short convs, docs/flops.md)."""
+short convs, docs/flops.md);
+the model config's `moe.balance_statistics` (false: the pooled load-balancing reading's statistics off)."""
 
 import json
 import math
