@@ -25,9 +25,7 @@ import dataclasses
 
 from harts.model.config import ModelConfig
 from harts.model.hf import bailing
-from harts.model.hf_modules.sources import (
-    Source, conv_part, dense_mlp_sources, mla_sources, model_sources, moe_sources, named,
-)
+from harts.model.hf_modules.sources import Source, kda_mla_layer_sources, model_sources
 
 MODEL_TYPE = bailing.MODEL_TYPE
 CLASS = "BailingHybridForCausalLM"
@@ -39,30 +37,7 @@ def model_config(hf: dict, where: str) -> ModelConfig:
     return dataclasses.replace(bailing.model_config_from_hf(hf, where), mtp=None)
 
 
-def _kda_sources(config: ModelConfig, attn: str, mixer: str) -> dict[str, Source]:
-    channels = config.kda.num_heads * config.kda.head_dim
-    sources = {}
-    for part, name in enumerate(("q", "k", "v")):
-        sources[mixer + f"{name}_proj.weight"] = named(attn + f"{name}_proj.weight")
-        sources[mixer + f"{name}_conv"] = conv_part(attn + "conv1d.weight", part, channels)
-    sources[mixer + "A_log"] = named(attn + "forget_gate.A_log")
-    sources[mixer + "dt_bias"] = named(attn + "forget_gate.dt_bias")
-    sources[mixer + "f_proj.weight"] = named(attn + "forget_gate.f_proj.weight")
-    for name in ("b_proj", "g_proj", "o_norm", "o_proj"):
-        sources[mixer + name + ".weight"] = named(attn + name + ".weight")
-    return sources
-
-
-def _layer_sources(config: ModelConfig, index: int, hf: str, ours: str) -> dict[str, Source]:
-    attn, mixer = hf + "self_attn.", ours + "mixer."
-    sources = (_kda_sources(config, attn, mixer) if config.layer_kind(index) == "kda"
-               else mla_sources(config, attn, mixer))
-    if index < config.num_dense_layers:
-        return sources | dense_mlp_sources(hf + "mlp.", ours + "mlp.")
-    return sources | moe_sources(config, hf + "mlp.", ours + "mlp.", shared="shared_experts.")
-
-
 def sources(config: ModelConfig) -> dict[str, Source]:
     """Every HybridModel tensor of `config` (without MTP layers) made from a `BailingHybridForCausalLM`'s tensors."""
     assert config.mtp is None, "refused by HFParameterView: transformers' model holds no MTP layers"
-    return model_sources(config, _layer_sources)
+    return model_sources(config, kda_mla_layer_sources)

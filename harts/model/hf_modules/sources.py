@@ -1,7 +1,8 @@
 """Pieces every module layout of harts.model.hf_modules is written with: `Source` (how one `HybridModel` tensor is
 made from a live transformers model's tensors, looked up by name), and the parts the architectures share in
 transformers' in-memory module trees (5.25): the embedding, norms and head around the decoder layers
-(`model_sources`), DeepSeek's MLA names (`mla_sources`), the dense SwiGLU MLP, the stacked experts of transformers'
+(`model_sources`), the KDA + MLA families' layers (`kda_mla_layer_sources`: `kda_sources` with Kimi-Linear's
+low-rank or BailingHybrid's full-rank gates, DeepSeek's MLA names `mla_sources`), the dense SwiGLU MLP, the stacked experts of transformers'
 `*Experts` modules and a shared expert (`moe_sources`).
 
 Every source is a view of one tensor or a concatenation of several (a differentiable copy): each element of a
@@ -53,6 +54,39 @@ def conv_part(name: str, part: int, channels: int) -> Source:
     """Rows [part·C, (part + 1)·C) of a stacked depthwise conv [3C, 1, W] as HARTS's [C, W] (the same column
     order: the last tap multiplies the row itself in both)."""
     return lambda get: get(name)[part * channels:(part + 1) * channels, 0]
+
+
+def kda_sources(config: ModelConfig, attn: str, mixer: str) -> dict[str, Source]:
+    """A KDA layer under `attn` (Kimi-Linear's and BailingHybrid's names): {q,k,v}_proj and their convs stacked in
+    conv1d, forget_gate.{A_log (flattened: Kimi-Linear's is [1, 1, H, 1]), dt_bias}, b_proj, o_norm, o_proj, and the
+    decay and output gates low-rank (Kimi-Linear: forget_gate.f_a_proj / f_b_proj, g_a_proj / g_b_proj) or full-rank
+    (BailingHybrid: forget_gate.f_proj, g_proj) as `config.kda.full_rank_gates` says."""
+    channels = config.kda.num_heads * config.kda.head_dim
+    sources = {}
+    for part, name in enumerate(("q", "k", "v")):
+        sources[mixer + f"{name}_proj.weight"] = named(attn + f"{name}_proj.weight")
+        sources[mixer + f"{name}_conv"] = conv_part(attn + "conv1d.weight", part, channels)
+    sources[mixer + "A_log"] = lambda get: get(attn + "forget_gate.A_log").view(-1)
+    sources[mixer + "dt_bias"] = named(attn + "forget_gate.dt_bias")
+    if config.kda.full_rank_gates:
+        gates = (("f_proj", "forget_gate.f_proj"), ("g_proj", "g_proj"))
+    else:
+        gates = (("f_proj.0", "forget_gate.f_a_proj"), ("f_proj.1", "forget_gate.f_b_proj"), ("g_proj.0", "g_a_proj"),
+                 ("g_proj.1", "g_b_proj"))
+    for ours, theirs in (*gates, ("b_proj", "b_proj"), ("o_norm", "o_norm"), ("o_proj", "o_proj")):
+        sources[mixer + ours + ".weight"] = named(attn + theirs + ".weight")
+    return sources
+
+
+def kda_mla_layer_sources(config: ModelConfig, index: int, hf: str, ours: str) -> dict[str, Source]:
+    """A `LayerSources` of the KDA + MLA families (Kimi-Linear, BailingHybrid): the mixer under self_attn., a
+    dense MLP in the first `num_dense_layers` layers, else the MoE with its shared experts."""
+    attn, mixer = hf + "self_attn.", ours + "mixer."
+    sources = (kda_sources(config, attn, mixer) if config.layer_kind(index) == "kda"
+               else mla_sources(config, attn, mixer))
+    if index < config.num_dense_layers:
+        return sources | dense_mlp_sources(hf + "mlp.", ours + "mlp.")
+    return sources | moe_sources(config, hf + "mlp.", ours + "mlp.", shared="shared_experts.")
 
 
 def mla_sources(config: ModelConfig, attn: str, mixer: str) -> dict[str, Source]:
