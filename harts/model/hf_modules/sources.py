@@ -2,8 +2,8 @@
 made from a live transformers model's tensors, looked up by name), and the parts the architectures share in
 transformers' in-memory module trees (5.25): the embedding, norms and head around the decoder layers
 (`model_sources`), the KDA + MLA families' layers (`kda_mla_layer_sources`: `kda_sources` with Kimi-Linear's
-low-rank or BailingHybrid's full-rank gates, DeepSeek's MLA names `mla_sources`), the dense SwiGLU MLP, the stacked experts of transformers'
-`*Experts` modules and a shared expert (`moe_sources`).
+low-rank or BailingHybrid's full-rank gates, DeepSeek's MLA names `mla_sources`), the dense SwiGLU MLP, the
+stacked experts of transformers' `*Experts` modules and a shared expert (`moe_sources`).
 
 Every source is a view of one tensor or a concatenation of several (a differentiable copy): each element of a
 transformers tensor lands in exactly one element of one HybridModel tensor, so gradients flow back unchanged.
