@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_imports import PACKAGE_DIR, ROOT, module_files
+from tests.test_imports import PACKAGE_DIR, import_source, module_files, write_package
 
 ENGINE = "harts.engine"
 
@@ -40,16 +40,6 @@ GUARDED = {
 """Module -> guarded name -> the modules that may use it: its own, the single-process and parallel references that
 check the step against itself (harts.objective.verify, harts.parallel.verify: `harts verify`, `harts bench fidelity
 --parallel`), the parallel step (a layout and a microbatch's loss per rank) and the engine."""
-
-
-def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str | None:
-    """The module named by a from-import (its relative dots resolved against `module`)."""
-    if not node.level:
-        return node.module
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    parts = package.split(".")
-    base = ".".join(parts[: len(parts) - node.level + 1])
-    return f"{base}.{node.module}" if node.module else base
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -73,7 +63,7 @@ def uses(module: str, path: Path, guarded=GUARDED) -> list[tuple[int, str, str]]
                 if alias.name in guarded:
                     bound[alias.asname or alias.name] = alias.name
         elif isinstance(node, ast.ImportFrom):
-            source = _absolute(module, path, node)
+            source = import_source(module, path, node)
             for alias in node.names:
                 if source in guarded and (alias.name == "*" or alias.name in guarded[source]):
                     names = guarded[source] if alias.name == "*" else [alias.name]
@@ -160,11 +150,7 @@ _PLANTED = {
 
 
 def _package(tmp_path: Path, changes: dict[str, str]) -> Path:
-    for name, text in {**_CLEAN, **changes}.items():
-        path = tmp_path / ROOT / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path / ROOT
+    return write_package(tmp_path, {**_CLEAN, **changes})
 
 
 def test_check_passes_a_clean_package(tmp_path):

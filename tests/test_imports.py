@@ -100,20 +100,25 @@ def module_files(package_dir: Path) -> dict[str, Path]:
     return modules
 
 
+def import_source(module: str, path: Path, node: ast.ImportFrom) -> str | None:
+    """The module a from-import in `module` (the file `path`) names, its relative dots resolved."""
+    if not node.level:
+        return node.module
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports_of(module: str, path: Path, root: str = ROOT) -> list[Import]:
     """Every import of a `root` module anywhere in the file (module level, functions, classes, conditionals)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             named = [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            source = node.module
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                source = f"{base}.{node.module}" if node.module else base
+            source = import_source(module, path, node)
             named = [(source if alias.name == "*" else f"{source}.{alias.name}", source) for alias in node.names]
         else:
             continue
@@ -331,12 +336,17 @@ _SMALL_LAYERS = (
 )
 
 
-def _package(tmp_path: Path, changes: dict[str, str]) -> Path:
-    for name, text in {**_CLEAN, **changes}.items():
+def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package `ROOT` under `tmp_path` of `files` (relative path -> text): what the checks' own tests run on."""
+    for name, text in files.items():
         path = tmp_path / ROOT / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return tmp_path / ROOT
+
+
+def _package(tmp_path: Path, changes: dict[str, str]) -> Path:
+    return write_package(tmp_path, {**_CLEAN, **changes})
 
 
 def test_checks_pass_a_clean_package(tmp_path):
