@@ -9,7 +9,6 @@ program of `harts train-step --parallel`) has the loss of `run_step` of the plai
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from harts.config.execution import ExecutionConfig
 from harts.engine import Engine, parallel_engine, parallel_train_step
@@ -17,20 +16,12 @@ from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.step import run_step, step_config
 from harts.parallel.config import load_parallel_config
-from harts.parallel.groups import build_groups
 from harts.parallel.launch import launch
 from harts.parallel.model import parallelize
 from harts.parallel.step import ParallelStepResult, run_parallel_step
 from tests.parallel.helpers import tree_step_and_microbatches
 
 SEED = 7
-
-
-@pytest.fixture(scope="module")
-def groups():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield build_groups(load_parallel_config("single"), torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 def _model():

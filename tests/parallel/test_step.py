@@ -7,23 +7,13 @@ the same gradients as `run_step` for both executions, ± recomputation, and with
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.step import StepConfig, run_step
-from harts.parallel.config import load_parallel_config
-from harts.parallel.groups import build_groups
 from harts.parallel.model import parallelize
 from harts.parallel.step import check_microbatches, replica_microbatches, run_parallel_step
 from tests.parallel.helpers import tree_step_and_microbatches
-
-
-@pytest.fixture(scope="module")
-def groups():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield build_groups(load_parallel_config("single"), torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 def _model():
