@@ -435,12 +435,7 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
             "topk_groups": f.get("topk_group", int, 4),
         },
     }
-    extras = f.get("harts", dict, {})
-    for key, value in extras.items():
-        section, _, field = key.rpartition(".") if "." in key else ("", "", key)
-        if field not in _HARTS_FIELDS.get(section, ()):
-            raise f.fail(f"harts.{key}", "is not a HARTS training field")
-        (data[section] if section else data)[field] = value
+    f.read_harts_fields(data, _HARTS_FIELDS)
     return from_dict(ModelConfig, data, where)
 
 

@@ -268,12 +268,7 @@ def read_config(hf: dict, where: str, *, model_type: str) -> ModelConfig:
             "shared_expert_gate": True,
         },
     }
-    extras = f.get("harts", dict, {})
-    for key, value in extras.items():
-        section, _, field = key.rpartition(".") if "." in key else ("", "", key)
-        if field not in HARTS_FIELDS.get(section, ()):
-            raise f.fail(f"harts.{key}", "is not a HARTS training field")
-        (data[section] if section else data)[field] = value
+    f.read_harts_fields(data, HARTS_FIELDS)
     return from_dict(ModelConfig, data, where)
 
 

@@ -94,6 +94,16 @@ class Fields:
     def require(self, field: str, kind: type | tuple[type, ...]):
         return self.get(field, kind, required=True)
 
+    def read_harts_fields(self, data: dict, allowed: dict[str, tuple[str, ...]]) -> None:
+        """Set into `data` (a ModelConfig dict) the HARTS training fields of config.json's "harts" object, whose
+        keys are "section.field" or "field" (the top level); a field `allowed` does not list for its section is
+        refused, naming the key."""
+        for key, value in self.get("harts", dict, {}).items():
+            section, _, field = key.rpartition(".") if "." in key else ("", "", key)
+            if field not in allowed.get(section, ()):
+                raise self.fail(f"harts.{key}", "is not a HARTS training field")
+            (data[section] if section else data)[field] = value
+
     def expect(self, field: str, value, default, reason: str) -> None:
         """Refuse any value of `field` other than `value` (absent means `default`; a field without
         a default must be present)."""
