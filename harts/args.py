@@ -36,6 +36,21 @@ def index_list(text: str) -> list[int]:
 
 
 
+def name_list(names: tuple[str, ...], what: str = "name"):
+    """argparse type of `--planners harts,treetrain`: comma-separated `names`, at least one, none twice (`what`
+    names an item in the errors)."""
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [v for v in values if v not in names]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0] if unknown else text!r} "
+                                             f"(choose from {', '.join(names)})")
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"{what} listed twice in {text!r}")
+        return values
+    return parse
+
+
 def _number(text: str, kind: type, minimum: float, inclusive: bool, expected: str):
     """`text` as an int below INT_LIMIT or a finite float, of at least (or, not `inclusive`, above)
     `minimum`."""

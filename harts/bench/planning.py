@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.args import index_list, non_negative_int, positive_int
+from harts.args import index_list, name_list, non_negative_int, positive_int
 from harts.extras import require
 from harts.files import atomic_open, write_text
 from harts.tracking import wandb_log
@@ -79,7 +79,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dp", type=positive_int, default=8)
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="plan each step this many times per planner (interleaved); seconds are medians")
-    parser.add_argument("--planners", type=_planner_list(PLANNER_NAMES), default=["harts", "treetrain-ortools"],
+    parser.add_argument("--planners", type=name_list(PLANNER_NAMES, "planner"),
+                        default=["harts", "treetrain-ortools"],
                         help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
     add_treetrain_options(parser)
     parser.add_argument("--out", default="reports/raw/planning/planning.json",
@@ -87,19 +88,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: (
         [a.out, *(Path(a.out).with_suffix(suffix) for suffix in (".md", ".csv"))], [a.trees, a.data]))
-
-
-def _planner_list(names: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        values = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [v for v in values if v not in names]
-        if not values or unknown:
-            raise argparse.ArgumentTypeError(f"unknown planner {unknown[0] if unknown else text!r} "
-                                             f"(choose from {', '.join(names)})")
-        if len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"planner listed twice in {text!r}")
-        return values
-    return parse
 
 
 def _load_step(args: argparse.Namespace, synth: Any, index: int):

@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harts.args import index_list, positive_int
+from harts.args import index_list, name_list, positive_int
 from harts.extras import require
 from harts.files import atomic_open, write_text
 
@@ -70,7 +70,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     from harts.trees.synth_grpo import GRPO_SHAPES
 
     parser = commands.add_parser("planning-grpo", help="the planners' slot imbalance tail on GRPO-shaped steps")
-    parser.add_argument("--shapes", type=_choices(tuple(GRPO_SHAPES)), default=list(GRPO_SHAPES),
+    parser.add_argument("--shapes", type=name_list(tuple(GRPO_SHAPES)), default=list(GRPO_SHAPES),
                         help=f"comma-separated GRPO shapes ({', '.join(GRPO_SHAPES)}; default all)")
     parser.add_argument("--seeds", type=index_list, default=[100, 101, 102, 103],
                         help="comma-separated seeds (default 100-103, held out: the tail pass was tuned on 0-1)")
@@ -80,7 +80,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dp", type=positive_int, default=4, help="D (default 4)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of each HARTS planner per step, interleaved; seconds are medians")
-    parser.add_argument("--planners", type=_choices(PLANNERS), default=list(PLANNERS),
+    parser.add_argument("--planners", type=name_list(PLANNERS), default=list(PLANNERS),
                         help=f"comma-separated, the first is the table's reference for ratios ({', '.join(PLANNERS)})")
     parser.add_argument("--reference", default=None,
                         help="also plan with the HARTS planner of this git commit (first in the table)")
@@ -89,19 +89,6 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     parser.set_defaults(run=run, files=lambda a: (
         [a.out, *(Path(a.out).with_suffix(suffix) for suffix in (".md", ".csv"))], []))
-
-
-def _choices(names: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        values = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [v for v in values if v not in names]
-        if not values or unknown:
-            raise argparse.ArgumentTypeError(f"unknown name {unknown[0] if unknown else text!r} "
-                                             f"(choose from {', '.join(names)})")
-        if len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"a name is listed twice in {text!r}")
-        return values
-    return parse
 
 
 class ReferencePlanner:
