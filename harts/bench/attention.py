@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                            "first_call_seconds": sum(first), "per_microbatch_first_call_seconds": first,
                            "rows": rows, "kv_rows": kv_rows, "tree_mask_density": float(np.mean(density))}
                 if backend == "triton_tree":
-                    results.update(_tile_counts(items, dtype))
+                    results.update(_tile_counts(items, dtype, qk_dim, v_dim))
                 records.append(make_record("attention", config, results))
                 logger.info(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms "
                             f"(first call {sum(first) * 1e3:.1f} ms)  rows {rows:,}  kv rows {kv_rows:,}")
@@ -148,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in records) else 1
 
 
-def _tile_counts(layouts, dtype) -> dict:
+def _tile_counts(layouts, dtype, qk_dim: int, v_dim: int) -> dict:
     """triton_tree's tiles over the layouts: the (query, key) tile pairs its kernels compute and the share of them
     that needs no mask."""
     from harts.ops.attention.tree_blocks import tile_lists
-    from harts.ops.attention.tree_triton import TILE_ROWS
+    from harts.ops.attention.tree_triton import tile_rows
 
-    rows = TILE_ROWS[dtype]
+    rows = tile_rows(dtype, qk_dim, v_dim)
     lists = [tile_lists(layout.groups.row_subtree_end.numpy(), rows, rows) for layout in layouts]
     pairs = sum(x.num_pairs for x in lists)
     return {"tile_rows": rows, "tile_pairs": pairs, "full_tile_share": sum(x.num_full for x in lists) / pairs}

@@ -13,7 +13,7 @@ Inputs bf16, fp16 or fp32 (one dtype), products accumulated in fp32 (fp32 inputs
 TF32); P and dS are rounded to the inputs' dtype for their matmuls, as FlashAttention does. Head dims: any E for
 q/k, split in two power-of-two parts for the tensor cores (MLA's 192 = 128 + 64, no padding; others pad the
 second part), any F for v (padded to a power of two). K and V have q's heads (GQA repeats its KV heads first).
-The tile sizes are untuned: no GPU has timed these kernels yet.
+Tiles and warps: `TILE_ROWS`, `tile_rows`, `NUM_WARPS` (timed on an H100).
 Tested against `naive_group_attention` (output, lse, dq, dk, dv) under the Triton interpreter on the CPU
 (tests/ops/attention/interpreter.py) and on CUDA (tests/ops/attention/test_tree_triton.py).
 Legend: R rows, H heads, E query/key head dim, F value head dim; tiles of BLOCK_M query and BLOCK_N key rows.
@@ -33,9 +33,17 @@ from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import TreePlan, tree_plan
 
 TILE_ROWS = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
-"""Rows of a query tile and of a key tile in all three kernels (one `TreePlan` serves them), by input dtype: fp32's
-tiles at MLA's head dims take 128 KB of shared memory at 32 rows and would take 263 KB (more than a Hopper SM's
-227 KB) at 64 (compiled for sm_90 in tests/ops/attention/test_tree_triton.py). Untuned."""
+"""Rows of a query tile and of a key tile in all three kernels (one `TreePlan` serves them), by input dtype, at head
+dims up to MLA's (q/k 192 = 128 + 64, v 128); wider heads take half (`tile_rows`). fp32's tiles at MLA's head dims
+take 128 KB of shared memory at 32 rows and would take 263 KB (more than a Hopper SM's 227 KB) at 64 (compiled for
+sm_90 in tests/ops/attention/test_tree_triton.py). On an H100 (triton 3.6, a 65,536-row paper-slice microbatch, bf16,
+16 heads at MLA's dims: docs/benchmarks.md) 64 x 64 tiles ran the forward and backward in 170 ms, as fast as the varlen
+backend on the baseline's rows, 32 x 64 in 222 ms; 128 x 64, 64 x 128 and 128 x 128 do not fit the shared memory."""
+WIDE_HEADS = 320
+"""Padded q/k plus v head dims above which 16-bit tiles are halved (MLA's 128 + 64 + 128 is the widest that fits
+64 x 64 tiles; the gated GQA's 256 + 256 does not)."""
+NUM_WARPS = 4
+"""Warps of every kernel: at MLA's dims 4 warps ran the H100's forward 26% and the backward 24% faster than 8."""
 LOG2E = 1.0 / math.log(2.0)
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 """log2(e) in the kernels: they take exponents base 2, and the log-sum-exp is stored in natural units."""
@@ -48,6 +56,13 @@ def head_parts(dim: int) -> tuple[int, int]:
     first = max(16, 1 << (dim.bit_length() - 1))
     rest = dim - first
     return first, (0 if rest <= 0 else max(16, 1 << (rest - 1).bit_length()))
+
+
+def tile_rows(dtype: torch.dtype, qk_dim: int, v_dim: int) -> int:
+    """Rows of the backend's query and key tiles for inputs of `dtype` and these head dims (`TILE_ROWS`)."""
+    first, second = head_parts(qk_dim)
+    rows = TILE_ROWS[dtype]
+    return rows if first + second + triton.next_power_of_2(v_dim) <= WIDE_HEADS or rows <= 32 else rows // 2
 
 
 @triton.jit
@@ -303,10 +318,6 @@ def _check_tiles(plan: TreePlan, num_rows: int) -> None:
         assert rows >= 16 and rows & (rows - 1) == 0, f"tiles of {rows} rows: tl.dot takes powers of two >= 16"
 
 
-def _num_warps(shapes: dict) -> int:
-    return 4 if shapes["BLOCK_E0"] + shapes["BLOCK_E1"] + shapes["BLOCK_F"] <= 256 else 8
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -324,7 +335,7 @@ def tree_attention_forward(q, k, v, plan: TreePlan, scale: float) -> tuple[torch
     _tree_forward[grid](
         q, k, v, out, lse, plan.subtree_end, plan.q_order, plan.q_ptr, plan.q_num_full, plan.q_tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        num_rows, scale * LOG2E, **shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=_num_warps(shapes),
+        num_rows, scale * LOG2E, **shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS,
     )
     return out, lse
 
@@ -345,7 +356,7 @@ def tree_attention_backward(dout, q, k, v, out, lse, plan: TreePlan, scale: floa
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
                dout.stride(1), num_rows, scale * LOG2E, scale)
-    blocks = dict(BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=_num_warps(shapes))
+    blocks = dict(BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS)
     _tree_backward_kv[(len(lists.k_order), num_heads)](
         q, k, v, dout, lse, delta, dk, dv, plan.subtree_end, plan.k_order, plan.k_ptr, plan.k_num_full,
         plan.k_tiles, *strides, **shapes, **blocks,
@@ -404,7 +415,7 @@ def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor
         q_RHE, k_RHE: [R, H, E] queries and keys; v_RHF: [R, H, F] values; one dtype of bf16, fp16, fp32, on CUDA
             (or on the CPU under TRITON_INTERPRET=1). Any strides with a contiguous last dim.
         plan: the layout's tile lists on q's device, from `tree_plan(groups, rows, rows, device)` with rows
-            `TILE_ROWS[q.dtype]` (or other tiles of powers of two >= 16 rows).
+            `tile_rows(q.dtype, E, F)` (or other tiles of powers of two >= 16 rows).
         scale: the softmax scale (the scores are scale · q·k).
 
     Example:
@@ -419,6 +430,6 @@ def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor
 
 def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
     """The `triton_tree` backend: `tree_attention` with the groups' tile lists (built once per groups object)."""
-    rows = TILE_ROWS[q_RHE.dtype]
+    rows = tile_rows(q_RHE.dtype, q_RHE.shape[-1], v_RHF.shape[-1])
     plan = tree_plan(groups, rows, rows, q_RHE.device)
     return tree_attention(q_RHE, k_RHE, v_RHF, plan, scale)

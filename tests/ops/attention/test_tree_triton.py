@@ -102,9 +102,9 @@ def test_kernels_compile_for_hopper(dims, dtype):
     qk_dim, v_dim = dims
     q = torch.empty(1, 1, qk_dim, dtype=dtype, device="meta")
     shapes = tree_triton._shapes(q, q, torch.empty(1, 1, v_dim, dtype=dtype, device="meta"))
-    rows = tree_triton.TILE_ROWS[dtype]
+    rows = tree_triton.tile_rows(dtype, qk_dim, v_dim)
     tiles = dict(BLOCK_M=rows, BLOCK_N=rows)
-    compiled = [_compile_for_hopper(kernel, dtype, {**shapes, **tiles}, tree_triton._num_warps(shapes))
+    compiled = [_compile_for_hopper(kernel, dtype, {**shapes, **tiles}, tree_triton.NUM_WARPS)
                 for kernel in (tree_triton._tree_forward, tree_triton._tree_backward_kv, tree_triton._tree_backward_q)]
     compiled.append(_compile_for_hopper(tree_triton._tree_delta, dtype, dict(
         F=shapes["F"], BLOCK_F=shapes["BLOCK_F"], BLOCK_M=rows), 4))
