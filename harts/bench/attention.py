@@ -13,7 +13,8 @@ per (execution, backend) with median seconds, rows, KV rows and the tree mask's 
 first call's seconds: with plan-building kernels (cuDNN builds one per new shape; triton_tree compiles its
 kernels once per head dims and dtype and builds its tile lists once per layout) the cost of a step's new shapes.
 triton_tree's records also hold its tile lists' size: `tile_pairs` (the (query, key) tiles computed) and
-`full_tile_share` (those needing no mask). `--warm-seed N` first runs every backend on the trees of seed N, so that the
+`full_tile_share` (those needing no mask); `triton_tree@BQxBK` times it with other tiles (`tile_rows`,
+`key_tile_rows` in the record). `--warm-seed N` first runs every backend on the trees of seed N, so that the
 first call measures a new step after another one (shapes seen before are not rebuilt).
 """
 
@@ -43,7 +44,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--capacity", type=positive_int, default=65536)
     parser.add_argument("--microbatches", type=positive_int, default=2, help="microbatches of each execution to time")
     parser.add_argument("--backends", default="varlen,flex,triton_tree",
-                        help="comma-separated (flash4 needs the optional flash-attn-4 package)")
+                        help="comma-separated (flash4 needs the optional flash-attn-4 package); triton_tree@BQxBK: "
+                             "triton_tree with query tiles of BQ rows and key tiles of BK (powers of two >= 16; "
+                             "default: its own, tile_rows)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default="reports/raw/attention/backends.json")
@@ -56,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.model.config import load_model_config
-    from harts.ops.attention.groups import group_attention
     from harts.tracking.records import error_message, make_record, write_records
     from harts.tracking.wandb_log import log_records, options
     from harts.trees.sources import iter_steps
@@ -74,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         heads, qk_dim = model.gated_attention.num_heads, model.gated_attention.head_dim
         v_dim = qk_dim
     backends = [b for b in args.backends.split(",") if b]
+    for backend in backends:
+        attention_call(backend)  # refuses an unknown name or tile shape before any work
     (_, step, meta), = iter_steps(args.trees, args.seed, [args.step])
     layouts = _layouts(step, args.capacity, args.microbatches)
     warm_layouts = None
@@ -93,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         q, k, v = inputs(layout.num_rows)
         grad = torch.randn_like(v)
 
+        attend = attention_call(backend)
+
         def once():
-            o = group_attention(q, k, v, groups, scale, backend)
+            o = attend(q, k, v, groups, scale)
             torch.autograd.grad(o, (q, k, v), grad)
 
         return once
@@ -134,8 +140,11 @@ def run(args: argparse.Namespace) -> int:
                 results = {"check_relative_error": error, "seconds": sum(times), "per_microbatch_seconds": times,
                            "first_call_seconds": sum(first), "per_microbatch_first_call_seconds": first,
                            "rows": rows, "kv_rows": kv_rows, "tree_mask_density": float(np.mean(density))}
-                if backend == "triton_tree":
-                    results.update(_tile_counts(items, dtype, qk_dim, v_dim))
+                if backend.startswith("triton_tree"):
+                    from harts.ops.attention.tree_triton import tile_rows
+
+                    tiles = tree_tiles(backend) or (tile_rows(dtype, qk_dim, v_dim),) * 2
+                    results.update(_tile_counts(items, tiles))
                 records.append(make_record("attention", config, results))
                 logger.info(f"{execution:8} {backend:7} {sum(times) * 1e3:9.1f} ms "
                             f"(first call {sum(first) * 1e3:.1f} ms)  rows {rows:,}  kv rows {kv_rows:,}")
@@ -148,16 +157,41 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in records) else 1
 
 
-def _tile_counts(layouts, dtype, qk_dim: int, v_dim: int) -> dict:
+def tree_tiles(backend: str) -> tuple[int, int] | None:
+    """(query rows, key rows) of a `triton_tree@BQxBK` backend name; None for another name; ValueError for a bad
+    shape."""
+    name, _, tiles = backend.partition("@")
+    if name != "triton_tree" or not tiles:
+        return None
+    parts = tiles.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 16 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise ValueError(f"--backends: {backend!r}: tiles are BQxBK, powers of two >= 16 (e.g. triton_tree@64x64)")
+    return int(parts[0]), int(parts[1])
+
+
+def attention_call(backend: str):
+    """The group attention of a `--backends` name as f(q, k, v, groups, scale): a backend of
+    harts.ops.attention.groups, or triton_tree over tiles of another shape (`tree_tiles`)."""
+    from harts.ops.attention import groups as attention
+
+    tiles = tree_tiles(backend)
+    if tiles is not None:
+        return lambda q, k, v, groups, scale: attention.triton_tree_group_attention(q, k, v, groups, scale, tiles)
+    if backend not in attention.BACKENDS:
+        raise ValueError(f"--backends: unknown attention backend {backend!r} (choose from "
+                         f"{', '.join(attention.BACKENDS)}, or triton_tree@BQxBK)")
+    return lambda q, k, v, groups, scale: attention.group_attention(q, k, v, groups, scale, backend)
+
+
+def _tile_counts(layouts, tiles: tuple[int, int]) -> dict:
     """triton_tree's tiles over the layouts: the (query, key) tile pairs its kernels compute and the share of them
     that needs no mask."""
     from harts.ops.attention.tree_blocks import tile_lists
-    from harts.ops.attention.tree_triton import tile_rows
 
-    rows = tile_rows(dtype, qk_dim, v_dim)
-    lists = [tile_lists(layout.groups.row_subtree_end.numpy(), rows, rows) for layout in layouts]
+    lists = [tile_lists(layout.groups.row_subtree_end.numpy(), *tiles) for layout in layouts]
     pairs = sum(x.num_pairs for x in lists)
-    return {"tile_rows": rows, "tile_pairs": pairs, "full_tile_share": sum(x.num_full for x in lists) / pairs}
+    return {"tile_rows": tiles[0], "key_tile_rows": tiles[1], "tile_pairs": pairs,
+            "full_tile_share": sum(x.num_full for x in lists) / pairs}
 
 
 def _layouts(step, capacity: int, num_microbatches: int) -> dict:
@@ -184,7 +218,7 @@ def check_backend(backend: str, device, dtype, heads: int, qk_dim: int, v_dim: i
     import torch
 
     from harts.config import load_config, shipped_config_path
-    from harts.ops.attention.groups import group_attention, naive_group_attention
+    from harts.ops.attention.groups import naive_group_attention
     from harts.runtime.layout import compact_layout
     from harts.trees.synth import SynthConfig, generate_step
     from harts.trees.trie import PrefixIndex
@@ -197,7 +231,7 @@ def check_backend(backend: str, device, dtype, heads: int, qk_dim: int, v_dim: i
     v = torch.randn(layout.num_rows, heads, v_dim, generator=generator, device=device)
     grad = torch.randn(layout.num_rows, heads, v_dim, generator=generator, device=device).to(dtype)
     inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = group_attention(*inputs, groups, qk_dim ** -0.5, backend)
+    out = attention_call(backend)(*inputs, groups, qk_dim ** -0.5)
     got = (out, *torch.autograd.grad(out, inputs, grad))
     # The reference starts from the same rounded inputs: only the backend's own error is measured.
     reference = [t.detach().double().requires_grad_() for t in inputs]

@@ -99,3 +99,30 @@ def test_triton_tree_records_its_tiles_and_is_refused_on_the_cpu(tmp_path, monke
     for record in json.loads(out.read_text()):
         results = record["results"]
         assert results["tile_rows"] == 32 and results["tile_pairs"] > 0 and 0 < results["full_tile_share"] < 1
+
+
+def test_triton_tree_at_other_tiles_runs_them_and_records_them(tmp_path, monkeypatch):
+    """`triton_tree@BQxBK` passes its tiles to the backend and records them; a bad tile shape or an unknown name is
+    refused before any work."""
+    from harts.ops.attention import groups
+
+    out = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--model", "tiny", "--trees", "tiny", "--device", "cpu", "--microbatches", "1",
+            "--repeats", "1", "--out", str(out), "--wandb-mode", "disabled", "--backends"]
+    seen = []
+
+    def stand_in(q, k, v, groups, scale, tiles=None):
+        seen.append(tiles)
+        return sdpa_group_attention(q, k, v, groups, scale)
+
+    monkeypatch.setattr(groups, "triton_tree_group_attention", stand_in)
+    assert main([*argv, "triton_tree@32x64"]) == 0
+    assert set(seen) == {(32, 64)}
+    for record in json.loads(out.read_text()):
+        assert record["config"]["backend"] == "triton_tree@32x64"
+        results = record["results"]
+        assert (results["tile_rows"], results["key_tile_rows"]) == (32, 64) and results["tile_pairs"] > 0
+    out.unlink()
+    for bad in ("triton_tree@48x64", "triton_tree@64", "triton_tree@8x8", "tree"):
+        assert main([*argv, f"sdpa,{bad}"]) == 2
+        assert not out.exists()

@@ -217,7 +217,10 @@ def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: flo
     return out.squeeze(0).transpose(0, 1)
 
 
-def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
+                                tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """The `triton_tree` backend (harts.ops.attention.tree_triton); `tiles` (query rows, key rows) other than its
+    own (`tile_rows`), for benchmarks."""
     dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
     if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16,
                                                                                torch.float32):
@@ -229,7 +232,7 @@ def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, sc
     except ImportError as error:
         raise ValueError(f"attention backend 'triton_tree' needs Triton (installed with torch's CUDA wheels): "
                          f"{error}") from None
-    return triton_tree_attention(q_RHE, k_RHE, v_RHF, groups, scale)
+    return triton_tree_attention(q_RHE, k_RHE, v_RHF, groups, scale, tiles)
 
 
 def cudnn_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:

@@ -428,8 +428,10 @@ def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor
     return _KeptTreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale, *active)
 
 
-def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
-    """The `triton_tree` backend: `tree_attention` with the groups' tile lists (built once per groups object)."""
+def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
+                          tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """The `triton_tree` backend: `tree_attention` with the groups' tile lists (built once per groups object and
+    tile shape), of `tiles` (query rows, key rows; default `tile_rows` both)."""
     rows = tile_rows(q_RHE.dtype, q_RHE.shape[-1], v_RHF.shape[-1])
-    plan = tree_plan(groups, rows, rows, q_RHE.device)
+    plan = tree_plan(groups, *(tiles or (rows, rows)), q_RHE.device)
     return tree_attention(q_RHE, k_RHE, v_RHF, plan, scale)
