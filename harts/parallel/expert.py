@@ -140,12 +140,13 @@ class ParallelMoE(MoE):
     def _losses(self, logits_NE: torch.Tensor, q_N: torch.Tensor | None) -> dict:
         """The MoEAux loss fields of these rows (under SP, of the whole sequence-parallel group's rows)."""
         c = self.config
+        statistics = c.aux_loss_coeff > 0 or c.balance_statistics
         if not self.parallelism.sequence_parallel:
             q = q_N.to(logits_NE.dtype) if q_N is not None else logits_NE.new_ones(logits_NE.shape[0])
             z_loss = router_z_loss(logits_NE, q_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
             total = q.sum().detach()
             mass_E = assignments_E = None
-            if c.aux_loss_coeff > 0:
+            if statistics:
                 scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
                 mass_E, assignments_E = balance_parts(scores, selected, q_N)
         else:
@@ -155,13 +156,13 @@ class ParallelMoE(MoE):
             if c.z_loss_coeff > 0:
                 numerator = self._global_sum((q * torch.logsumexp(logits_NE, dim=-1).square()).sum())
                 z_loss = numerator / total * c.z_loss_coeff
-            if c.aux_loss_coeff > 0:
+            if statistics:
                 scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
                 mass_E, assignments_E = balance_parts(scores, selected, q)
                 mass_E = self._global_sum(mass_E)
                 assignments_E = all_reduce_(assignments_E, self.parallelism.tp_group)
         balance = None
-        if mass_E is not None:
+        if c.aux_loss_coeff > 0:
             balance = balance_loss_of(mass_E, assignments_E, total, top_k=c.top_k, coeff=c.aux_loss_coeff)
         return dict(z_loss=z_loss, load_balancing_loss=balance, num_tokens=total, balance_mass_E=mass_E,
                     balance_counts_E=assignments_E)
