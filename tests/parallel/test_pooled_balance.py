@@ -10,7 +10,8 @@ recomputation flag, fp32 on gloo: the step's pooled loss (the mean over microbat
 relative, the MoE loss (2 × it), every MoE layer's router-weight gradient within 1e-5 relative (reassembled,
 after the step's reduction), every other gradient within 1e-4 relative where the reference's is not zero and zero
 where it is, and the replicas' copies equal. Two-rank configurations in one launch; the 4-rank ones slow.
-Beside them: a configuration or model that cannot give the loss is refused by name before any forward.
+Beside them: a model that cannot give the loss (sigmoid routing, no statistics) is refused by name, with the
+configuration's, before any forward.
 """
 
 from dataclasses import replace
@@ -28,8 +29,9 @@ from harts.parallel.groups import build_groups
 from harts.parallel.launch import launch
 from harts.parallel.model import parallelize
 from harts.parallel.step import run_parallel_step
-from harts.parallel.verify import full_gradients
+from harts.parallel.verify import full_gradients, verify_on_rank
 from tests.parallel.helpers import tree_step_and_microbatches
+from tests.parallel.test_verify import _check as check_verify_report
 
 TWO_RANKS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2")
 FOUR_RANKS = ("dp2-tp2-sp", "tp2-sp-pp2", "dp2-pp2-ep2")
@@ -143,3 +145,45 @@ def test_pooled_balance_under_two_ranks_equals_one_process(two_rank_reports, nam
                                              for name in FOUR_RANKS for label in CANDIDATES])
 def test_pooled_balance_under_four_ranks_equals_one_process(four_rank_reports, name, label):
     _check(four_rank_reports[name, label])
+
+
+WITH_POLICY = ("tp2-sp", "pp2", "dp2-ep2")
+
+
+def _verify_with_policy(groups, names, step, microbatches):
+    config = load_model_config("gdn-tiny")
+    config = replace(config, moe=replace(config.moe, balance_statistics=True))
+    candidates = [StepConfig(execution="compact", pooled_balance_coeff=COEFF)]
+    return {name: verify_on_rank(build_groups(load_parallel_config(name), groups.device), config, 0, step,
+                                 microbatches, candidates) for name in names}
+
+
+def test_with_the_policy_loss_and_the_layers_own_moe_losses():
+    """The pooled loss beside the policy loss (the step's own advantages) and gdn-tiny's own z- and load-balancing
+    losses, through `verify_on_rank` (harts verify --parallel): test_verify's comparison, and the pooled loss within
+    1e-6."""
+    step, microbatches = tree_step_and_microbatches()
+    reports = launch(_verify_with_policy, load_parallel_config(WITH_POLICY[0]), WITH_POLICY, step, microbatches)
+    for name in WITH_POLICY:
+        (report,) = reports[name]
+        check_verify_report(report)
+        assert report["pooled_balance_loss_abs_diff"] <= 1e-6, (name, report)
+
+
+@pytest.mark.parametrize("statistics", [False, True], ids=["sigmoid", "no-statistics"])
+def test_a_model_that_cannot_give_it_is_refused_before_running(groups, statistics):
+    """The parallel step names its configuration and the model, before any forward (in this process, one rank)."""
+    config = load_model_config("tiny")
+    if statistics:
+        config = replace(model_config(), moe=replace(model_config().moe, balance_statistics=False))
+    model = HybridModel(config)
+    model.init_weights(SEED)
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    message = ("its MoE layers do not report their load-balancing statistics" if statistics
+               else "transformers' load-balancing loss is the softmax one; the model routes with sigmoid scores")
+    step, microbatches = step_without_advantages()
+    with pytest.raises(ValueError, match=rf"run_parallel_step under 'single': pooled_balance_coeff 2.0 on model "
+                                         rf"'{config.name}': {message}"):
+        run_parallel_step(parallelize(model, groups), step, microbatches, CANDIDATES["compact"])
+    assert not calls
