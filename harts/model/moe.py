@@ -14,7 +14,8 @@ megatron-core 0.16's:
 - transformers' load-balancing loss (`load_balancing_loss_func` of Qwen3-Next and Qwen3.5-MoE, 5.25), every MoE
   layer's statistics pooled into one mean over L layers × S tokens: E/(L·S)² · Σ_e (Σ_l Σ_c q_c·f_lce)(Σ_l Σ_c
   q_c·P_lce) with P the softmax over all experts and f its top-k (`pooled_load_balancing_loss`, from the layers'
-  `balance_mass_E` / `balance_counts_E`, which `balance_statistics` reports without the per-layer loss);
+  `balance_mass_E` / `balance_counts_E`, which `balance_statistics` reports without the per-layer loss; linear in
+  the mass for given counts, `pooled_balance_loss_of`, so pipeline stages holding different layers add up to it);
 - expert-bias counts  Σ_c q_c·[expert e selected for c]  over the routing actually used, and
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
@@ -123,7 +124,8 @@ class MoEConfig:
     """Coefficient of the router z-loss (0 = not computed)."""
     balance_statistics: bool = False
     """Report the load-balancing loss's probability mass and counts (`MoEAux.balance_mass_E`, `.balance_counts_E`)
-    even when `aux_loss_coeff` is 0: for a pooled reading over layers (`pooled_load_balancing_loss`)."""
+    even when `aux_loss_coeff` is 0: for a pooled reading over layers (`pooled_load_balancing_loss`). The
+    expert-parallel layer (harts.parallel.expert) reports them too, of the whole microbatch's rows."""
     experts_backend: str = "auto"
     """"loop", "grouped", "lean" (grouped in one autograd node that keeps less) or "auto" (grouped on CUDA)."""
     init_std: float = 0.02

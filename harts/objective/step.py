@@ -6,8 +6,9 @@ the log-probs λ of every semantic position through the compact LM head
 (`compact_logprobs`, never S × V; with an entropy bonus, the entropies from the same pass), applies
 the GRPO/PPO loss with the step-level normalisers (so microbatch losses add up to the step's loss
 whatever the microbatching) plus the MoE losses averaged over microbatches (megatron-core's
-convention) and, for a model with MTP layers, the MTP loss (harts.objective.mtp: each depth's rows
-built by harts.runtime.mtp in the same execution), and accumulates gradients.
+convention; with `pooled_balance_coeff`, transformers' pooled load-balancing loss of each microbatch among them,
+as TRL adds it over its accumulation steps) and, for a model with MTP layers, the MTP loss (harts.objective.mtp:
+each depth's rows built by harts.runtime.mtp in the same execution), and accumulates gradients.
 
 Both executions on the same microbatches compute the same function of the same weights: that
 is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of

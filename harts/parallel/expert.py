@@ -11,6 +11,11 @@ MLPs and combine are the plain layer's methods; what changes is where rows and e
   formed (`reduce_from_group`: every rank then holds the full loss and back-propagates its own
   rows' share), so the z-loss and load-balancing loss equal the unsharded ones. Padding rows
   get q = 0: they count nowhere. The expert-bias counts stay per shard (the step sums them).
+  The load-balancing statistics (`MoEAux.balance_mass_E`, `.balance_counts_E`) are reported whenever
+  the plain layer reports them (`aux_loss_coeff` > 0 or `balance_statistics`: transformers' pooled
+  loss reads them, harts.parallel.balance), likewise of the group's rows under SP; without SP they
+  are this rank's rows' (replicated rows under TP, its own microbatch under DP/EP) and are summed
+  over no group.
 - ep = 1, tp > 1 (experts split by columns): the routed and shared experts need every row, so
   the rows and the routing are gathered (SP) or entered with `copy_to_group` (replicated rows),
   each rank computes its columns' partial output and the partial sums are reduce-scattered (SP)

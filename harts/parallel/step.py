@@ -9,7 +9,9 @@ by every rank that runs it (identically: it is deterministic), in either executi
 stage's part of the model runs in the 1F1B order of harts.parallel.pipeline (with pp = 1: F0
 B0 F1 B1 ..., the order of `run_step`); the last stage computes the log-probs and the policy
 loss through `harts.objective.step.microbatch_loss` itself (handing it the stage's final hidden
-states), so the loss is the single-process code; every stage adds its MoE losses ÷ K.
+states), so the loss is the single-process code; every stage adds its MoE losses ÷ K. With
+`pooled_balance_coeff`, transformers' pooled load-balancing loss of each microbatch is added ÷ K too, its
+statistics carried across the pipeline stages with the rows and gradients (harts.parallel.balance).
 Gradients are then reduced once (`ParallelModel.reduce_gradients`).
 
 Equivalence with `run_step` on the same microbatches (tests/parallel/test_step.py): the step
@@ -182,7 +184,7 @@ def run_parallel_step(
             else:
                 link.send_forward(out)
                 terms = [out, moe / num_microbatches]
-            if pooled.on:
+            if pooled.on:  # S = Σ q: the microbatch's semantic positions, known on every stage
                 balance = pooled.forward(auxes, float(layout.semantic_rows.numel()), first=first, last=last)
                 if last:
                     terms[0] = terms[0] + balance.share(balance.counts_E)
@@ -214,7 +216,7 @@ def run_parallel_step(
             tensors = [out]
             grads = [link.receive_backward(tuple(out.shape), out.dtype, device)]
             if balance is not None:
-                # The step's counts of all layers come back with the gradient: this stage's share of the loss.
+                # The microbatch's counts of all layers come back with the gradient: this stage's term of the loss.
                 balance.counts_E = pooled.receive_counts()
                 moe_term = moe_term + balance.share(balance.counts_E)
             if moe_term.requires_grad:
