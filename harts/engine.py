@@ -13,7 +13,8 @@ rank program of `harts train-step --parallel`). It answers at three grains:
 - a microbatch: `layout(step, members)` its rows; `forward_microbatch` its log-probs (and entropy) through the
   compact LM head with its MoE losses, for a caller that owns the loss (harts.api, verl's engine), refusing a
   layout over a given capacity (`OverCapacity`); `forward(layout)` the model alone (final hidden states, MoE
-  auxes); `balance_counts` the routing of a forward without gradients of each microbatch;
+  auxes); `balance_counts` the routing of a forward without gradients of each microbatch; all three in one process
+  (on a rank's cut of the model they are refused: its rows, blocks or experts are a part);
 - memory: `fit_recompute_blocks` is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed
   blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
   auto recomputes every block until it has searched (`search_pending`).
@@ -201,10 +202,18 @@ class Engine:
         return build_layout(step, np.asarray(members, dtype=np.int64), self.model, self.config, index,
                             attention_splits=attention_splits)
 
+    def _in_one_process(self, method: str) -> None:
+        """The microbatch grain runs the whole model in this process: on a rank's cut of it (sharded rows, a pipeline
+        stage's blocks, a share of the experts) its outputs, auxes and counts would be a part, or wrong."""
+        if self.parallel is not None:
+            raise ValueError(f"Engine.{method} runs the model in one process, not on the ranks of parallel config "
+                             f"{self.parallel.groups.config.name!r} (run the step: Engine.run)")
+
     def forward(self, layout: Layout) -> tuple[torch.Tensor, list]:
         """The model alone over a layout's rows (on the model's device) in the config's dtype, without recomputation
         and without the LM head: (final hidden states [R, D], per MoE layer its aux). Gradients flow unless called
-        under `torch.no_grad()`."""
+        under `torch.no_grad()`. In one process only, as `forward_microbatch` and `balance_counts`."""
+        self._in_one_process("forward")
         with autocast_context(self.device, self.config):
             return self.model(layout.input_ids, layout)
 
@@ -218,6 +227,7 @@ class Engine:
         `targets_S`: int64 [S] the next token of every semantic position of the step in batch order, a tensor on any
         device or an array (default: the step's own, `semantic_targets_from_step`); `capacity`: `OverCapacity` for a
         layout of more rows, before the model runs."""
+        self._in_one_process("forward_microbatch")
         members = np.asarray(members, dtype=np.int64)
         layout = self.layout(step, members, index)
         if capacity is not None and layout.num_rows > capacity:
@@ -242,7 +252,13 @@ class Engine:
                        index: PrefixIndex | None = None) -> list[torch.Tensor]:
         """Per MoE layer of the model, the load-balancing assignment counts of a forward without gradients of each
         microbatch (`forward`: the routing of a training forward of the same rows and weights), summed, in the
-        parameters' dtype promoted to fp32 at least; zeros without microbatches."""
+        parameters' dtype promoted to fp32 at least; zeros without microbatches. The model's MoE layers must report
+        them (`moe.aux_loss_coeff` > 0 or `moe.balance_statistics`)."""
+        self._in_one_process("balance_counts")
+        moe = unwrap_model(self.model).config.moe
+        if not (moe.aux_loss_coeff > 0 or moe.balance_statistics):
+            raise ValueError("Engine.balance_counts: the model's MoE layers do not report their load-balancing counts "
+                             "(moe.aux_loss_coeff is 0 and moe.balance_statistics is off)")
         parameter = next(self.model.parameters())
         counts = [torch.zeros(block.mlp.config.num_experts, dtype=torch.promote_types(parameter.dtype, torch.float32),
                               device=parameter.device) for block in unwrap_model(self.model).blocks if block.is_moe]

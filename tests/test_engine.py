@@ -2,7 +2,10 @@
 config's planner and capacity, and a step run through the engine is `run_step` over the same members (the same
 loss and gradients, bitwise: the same calls in the same order); a microbatch through the engine is
 `microbatch_logprobs` on `build_layout`'s rows (a layout over a capacity refused before the model runs), and its
-load-balancing counts are each microbatch's routing summed."""
+load-balancing counts are each microbatch's routing summed (from `moe.balance_statistics` when the layers' own
+load-balancing loss is off; refused when neither reports them)."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -182,6 +185,27 @@ def test_balance_counts_are_each_microbatch_routing_summed(step):
     assert len(counts) == len(expected) == num_moe and not any(c.requires_grad for c in counts)
     assert all(torch.equal(a, b) for a, b in zip(counts, expected))
     assert all(float(c.sum()) == 0 for c in engine.balance_counts(step, []))
+
+
+@pytest.mark.parametrize("statistics", [True, False], ids=["statistics", "no-statistics"])
+def test_balance_counts_of_a_model_without_its_own_balance_loss(step, statistics):
+    """With the layers' load-balancing loss off, the counts come from `moe.balance_statistics` (transformers' pooled
+    reading); without either, a ValueError before the model runs (it read None before)."""
+    config = load_model_config("tiny")
+    model = HybridModel(replace(config, moe=replace(config.moe, aux_loss_coeff=0.0, balance_statistics=statistics)))
+    model.init_weights(0)
+    engine = Engine.build(model, ExecutionConfig(capacity=300), "cpu", execution="compact")
+    planned = engine.plan(step)
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    if not statistics:
+        with pytest.raises(ValueError, match="do not report their load-balancing counts"):
+            engine.balance_counts(step, planned.microbatches, index=planned.index)
+        assert not calls
+        return
+    counts = engine.balance_counts(step, planned.microbatches, index=planned.index)
+    top_k = config.moe.top_k
+    assert [float(c.sum()) for c in counts] == [top_k * step.num_semantic_tokens] * len(counts)
 
 
 def test_a_layout_is_build_layouts_with_the_index_built_when_not_given(step):

@@ -14,7 +14,8 @@ megatron-core 0.16's:
 - transformers' load-balancing loss (`load_balancing_loss_func` of Qwen3-Next and Qwen3.5-MoE, 5.25), every MoE
   layer's statistics pooled into one mean over L layers × S tokens: E/(L·S)² · Σ_e (Σ_l Σ_c q_c·f_lce)(Σ_l Σ_c
   q_c·P_lce) with P the softmax over all experts and f its top-k (`pooled_load_balancing_loss`, from the layers'
-  `balance_mass_E` / `balance_counts_E`, which `balance_statistics` reports without the per-layer loss);
+  `balance_mass_E` / `balance_counts_E`, which `balance_statistics` reports without the per-layer loss; linear in
+  the mass for given counts, `pooled_balance_loss_of`, so pipeline stages holding different layers add up to it);
 - expert-bias counts  Σ_c q_c·[expert e selected for c]  over the routing actually used, and
   the update b ← b + rate·sign(mean(counts) − counts) (`get_updated_expert_bias`).
 
@@ -123,7 +124,8 @@ class MoEConfig:
     """Coefficient of the router z-loss (0 = not computed)."""
     balance_statistics: bool = False
     """Report the load-balancing loss's probability mass and counts (`MoEAux.balance_mass_E`, `.balance_counts_E`)
-    even when `aux_loss_coeff` is 0: for a pooled reading over layers (`pooled_load_balancing_loss`)."""
+    even when `aux_loss_coeff` is 0: for a pooled reading over layers (`pooled_load_balancing_loss`). The
+    expert-parallel layer (harts.parallel.expert) reports them too, of the whole microbatch's rows."""
     experts_backend: str = "auto"
     """"loop", "grouped", "lean" (grouped in one autograd node that keeps less) or "auto" (grouped on CUDA)."""
     init_std: float = 0.02
@@ -368,13 +370,28 @@ def pooled_load_balancing_loss(auxes: list[MoEAux]) -> torch.Tensor:
     the per-layer loss it has no 1/k and pools the layers before the product: it is not a sum of layer terms."""
     if not auxes:
         raise ValueError("pooled_load_balancing_loss: the forward has no MoE layer")
+    mass_E, counts_E = pooled_balance_statistics(auxes)
+    return pooled_balance_loss_of(mass_E, counts_E, auxes[0].num_tokens, len(auxes))
+
+
+def pooled_balance_statistics(auxes: list[MoEAux]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_l mass_le, Σ_l counts_le) of some MoE layers of one forward (the counts without grad, in the mass's
+    dtype): the two factors of `pooled_load_balancing_loss`, which a pipeline stage sums over its own layers."""
     if any(aux.balance_mass_E is None or aux.num_tokens is None for aux in auxes):
         raise ValueError("pooled_load_balancing_loss: the MoE layers did not report their load-balancing statistics "
                          "(set moe.balance_statistics or aux_loss_coeff > 0)")
     mass_E = torch.stack([aux.balance_mass_E for aux in auxes]).sum(dim=0)
     counts_E = torch.stack([aux.balance_counts_E.to(mass_E.dtype) for aux in auxes]).sum(dim=0)
-    total = auxes[0].num_tokens.to(mass_E.dtype) * len(auxes)
-    return (mass_E * counts_E).sum() * mass_E.shape[0] / _row_total(total * total)
+    return mass_E, counts_E
+
+
+def pooled_balance_loss_of(mass_E: torch.Tensor, counts_E: torch.Tensor, num_tokens: torch.Tensor | float,
+                           num_layers: int) -> torch.Tensor:
+    """E/(L·S)² · Σ_e counts_e·mass_e for L = `num_layers` and S = `num_tokens`: `pooled_load_balancing_loss` of
+    the layers' pooled statistics. Linear in the mass for given counts, so with the counts of all L layers, the
+    terms of disjoint sets of layers' masses add up to the loss, value and gradient."""
+    total = torch.as_tensor(num_tokens, dtype=mass_E.dtype, device=mass_E.device) * num_layers
+    return (mass_E * counts_E.to(mass_E.dtype)).sum() * mass_E.shape[0] / _row_total(total * total)
 
 
 def _row_total(total: torch.Tensor) -> torch.Tensor:

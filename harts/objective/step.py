@@ -6,8 +6,9 @@ the log-probs λ of every semantic position through the compact LM head
 (`compact_logprobs`, never S × V; with an entropy bonus, the entropies from the same pass), applies
 the GRPO/PPO loss with the step-level normalisers (so microbatch losses add up to the step's loss
 whatever the microbatching) plus the MoE losses averaged over microbatches (megatron-core's
-convention) and, for a model with MTP layers, the MTP loss (harts.objective.mtp: each depth's rows
-built by harts.runtime.mtp in the same execution), and accumulates gradients.
+convention; with `pooled_balance_coeff`, transformers' pooled load-balancing loss of each microbatch among them,
+as TRL adds it over its accumulation steps) and, for a model with MTP layers, the MTP loss (harts.objective.mtp:
+each depth's rows built by harts.runtime.mtp in the same execution), and accumulates gradients.
 
 Both executions on the same microbatches compute the same function of the same weights: that
 is the core claim, checked by tests/model/test_equivalence.py and `harts verify`. Timings of
@@ -16,6 +17,7 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -27,7 +29,9 @@ from tqdm import tqdm
 
 from harts.config import execution as execution_config
 from harts.config.execution import ExecutionConfig
+from harts.model.config import ModelConfig
 from harts.model.model import HybridModel, unwrap_model
+from harts.model.moe import pooled_load_balancing_loss
 from harts.objective.logprobs import compact_logprobs
 from harts.objective.losses import (
     LOSSES,
@@ -66,6 +70,11 @@ class StepConfig(ExecutionConfig):
     loss: str = "grpo"
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    pooled_balance_coeff: float = 0.0
+    """Coefficient of transformers' load-balancing loss of each microbatch (`harts.model.moe.
+    pooled_load_balancing_loss`: every MoE layer's router statistics pooled over its tokens; TRL's
+    router_aux_loss_coef), added to the MoE loss like the layers' own (÷ the step's microbatches). 0: none. Needs
+    softmax routing whose layers report their statistics (`check_pooled_balance`)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -81,6 +90,30 @@ class StepConfig(ExecutionConfig):
                              f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
+        coeff = self.pooled_balance_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (math.isfinite(coeff) and coeff >= 0):
+            raise ValueError(f"{prefix}pooled_balance_coeff must be a finite number >= 0, got {coeff!r}")
+
+
+def check_pooled_balance(model_config: ModelConfig, config: StepConfig, caller: str, *, mtp: bool = False) -> None:
+    """ValueError naming `caller` when `config.pooled_balance_coeff` > 0 asks for a loss the model cannot give:
+    transformers' loss is the softmax one, over MoE layers that report their statistics (`moe.balance_statistics`
+    or `aux_loss_coeff` > 0), of a decoder without MTP layers (`mtp`: they run in this step)."""
+    if config.pooled_balance_coeff == 0:
+        return
+    moe = model_config.moe
+    where = f"{caller}: pooled_balance_coeff {config.pooled_balance_coeff} on model {model_config.name!r}"
+    if model_config.num_layers == model_config.num_dense_layers:
+        raise ValueError(f"{where}: the model has no MoE layer")
+    if moe.score_function != "softmax":
+        raise ValueError(f"{where}: transformers' load-balancing loss is the softmax one; the model routes with "
+                         f"{moe.score_function} scores")
+    if not (moe.balance_statistics or moe.aux_loss_coeff > 0):
+        raise ValueError(f"{where}: its MoE layers do not report their load-balancing statistics (set "
+                         "moe.balance_statistics)")
+    if mtp:
+        raise ValueError(f"{where}: its MTP layers run in this step and transformers' loss pools the decoder's "
+                         "layers only (set mtp_loss_scaling_factor 0)")
 
 
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
@@ -148,6 +181,9 @@ class StepResult:
     """Rows each MTP depth ran (summed over microbatches)."""
     num_mtp_semantic_tokens: list[int] | None = None
     """Semantic positions of each MTP depth: Σ over trajectories of max(length - k, 0)."""
+    pooled_balance_loss: float | None = None
+    """With `pooled_balance_coeff`: the mean over microbatches of each one's transformers' load-balancing loss,
+    without the coefficient (times it, it is part of `moe_loss`)."""
 
     def mtp_record(self) -> dict:
         """The MTP figures of a result record: nothing when no MTP layer ran (the record is today's)."""
@@ -358,12 +394,13 @@ def run_step(
     normalizer = step_normalizer(targets, config)
     num_microbatches = len([m for m in microbatches if len(m)])
     seconds = {"layout": 0.0, "forward": 0.0, "backward": 0.0}
-    total_policy = total_moe = 0.0
+    total_policy = total_moe = total_pooled = 0.0
     rows = 0
     model_config = unwrap_model(model).config
     mtp_factor = mtp_scaling_factor(model_config, config.mtp_loss_scaling_factor)
     num_mtp_layers = 0 if model_config.mtp is None else model_config.mtp.num_layers
     num_mtp = num_mtp_layers if mtp_factor > 0 else 0
+    check_pooled_balance(model_config, config, "run_step", mtp=num_mtp > 0)
     mtp_norms = mtp_normalizers(step, targets, num_mtp) if num_mtp else []
     total_mtp, mtp_depth_losses, mtp_rows, mtp_semantic = 0.0, [0.0] * num_mtp, [0] * num_mtp, [0] * num_mtp
     infos, tokens_per_expert, clip_fractions = [], [], []
@@ -398,6 +435,9 @@ def run_step(
             policy, moe, logprobs, auxes, mtp_loss = microbatch_loss(
                 model, layout, targets, sem_index, config, normalizer, device, recompute_blocks=recompute_blocks[j],
                 mtp=mtp)
+            pooled = pooled_load_balancing_loss(auxes) if config.pooled_balance_coeff > 0 else None
+            if pooled is not None:
+                moe = moe + config.pooled_balance_coeff * pooled
             loss = policy.loss + moe / num_microbatches
             if mtp_loss is not None:
                 loss = loss + mtp_loss.loss
@@ -412,6 +452,8 @@ def run_step(
         total_policy += float(policy.loss.detach())
         clip_fractions.append(float(policy.clip_fraction))
         total_moe += float(moe.detach()) / num_microbatches
+        if pooled is not None:
+            total_pooled += float(pooled.detach()) / num_microbatches
         rows += layout.num_rows
         counts = [aux.tokens_per_expert_E.detach() for aux in auxes]
         # An MTP layer that did not run (MTP loss off, or a depth none of the microbatch's trajectories reaches)
@@ -442,4 +484,5 @@ def run_step(
         clip_fraction=float(np.mean(clip_fractions)), num_rows=rows,
         num_semantic_tokens=step.num_semantic_tokens, seconds=seconds, layout_info=infos,
         tokens_per_expert=tokens_per_expert, logprobs=logprobs_all, **mtp_fields,
+        pooled_balance_loss=total_pooled if config.pooled_balance_coeff > 0 else None,
     )

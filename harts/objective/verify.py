@@ -8,6 +8,7 @@ identical weights and microbatches and returns the discrepancies DESIGN §6 and 
 - tokens_per_expert_max_abs_diff: max over MoE layers and experts of the q-weighted routed
   assignment counts' difference (the expert-bias update's input);
 - mtp_loss_abs_diff, when the model's MTP layers ran (harts.objective.mtp);
+- pooled_balance_loss_abs_diff, with `pooled_balance_coeff` (transformers' pooled load-balancing loss);
 - logit_cosine_min / logit_cosine_mean: per semantic position, the cosine of the two
   full-vocabulary logit vectors (computed chunk by chunk, never S × V at once);
 plus S and the rows each execution ran. The model's gradients are left zeroed.
@@ -85,6 +86,7 @@ def agreement(ref: StepResult, cand, ref_grads: dict[str, torch.Tensor], cand_gr
     counts = [float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(cand.tokens_per_expert, ref.tokens_per_expert,
                                                                         strict=True)]
     mtp = getattr(ref, "mtp_loss", None)
+    pooled = ref.pooled_balance_loss
     return {
         "reference_rows": ref.num_rows,
         "candidate_rows": cand.num_rows,
@@ -93,6 +95,7 @@ def agreement(ref: StepResult, cand, ref_grads: dict[str, torch.Tensor], cand_gr
         "loss_rel_diff": abs(cand.loss - ref.loss) / max(abs(ref.loss), 1e-30),
         "moe_loss_abs_diff": abs(cand.moe_loss - ref.moe_loss),
         **({} if mtp is None else {"mtp_loss_abs_diff": abs(cand.mtp_loss - mtp)}),
+        **({} if pooled is None else {"pooled_balance_loss_abs_diff": abs(cand.pooled_balance_loss - pooled)}),
         "grad_rel_diff": grad_rel,
         "tokens_per_expert_max_abs_diff": float(np.max(counts)) if counts else 0.0,
         "logit_cosine_min": float(cosines.min()),

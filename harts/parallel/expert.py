@@ -11,6 +11,11 @@ MLPs and combine are the plain layer's methods; what changes is where rows and e
   formed (`reduce_from_group`: every rank then holds the full loss and back-propagates its own
   rows' share), so the z-loss and load-balancing loss equal the unsharded ones. Padding rows
   get q = 0: they count nowhere. The expert-bias counts stay per shard (the step sums them).
+  The load-balancing statistics (`MoEAux.balance_mass_E`, `.balance_counts_E`) are reported whenever
+  the plain layer reports them (`aux_loss_coeff` > 0 or `balance_statistics`: transformers' pooled
+  loss reads them, harts.parallel.balance), likewise of the group's rows under SP; without SP they
+  are this rank's rows' (replicated rows under TP, its own microbatch under DP/EP) and are summed
+  over no group.
 - ep = 1, tp > 1 (experts split by columns): the routed and shared experts need every row, so
   the rows and the routing are gathered (SP) or entered with `copy_to_group` (replicated rows),
   each rank computes its columns' partial output and the partial sums are reduce-scattered (SP)
@@ -140,12 +145,13 @@ class ParallelMoE(MoE):
     def _losses(self, logits_NE: torch.Tensor, q_N: torch.Tensor | None) -> dict:
         """The MoEAux loss fields of these rows (under SP, of the whole sequence-parallel group's rows)."""
         c = self.config
+        statistics = c.aux_loss_coeff > 0 or c.balance_statistics
         if not self.parallelism.sequence_parallel:
             q = q_N.to(logits_NE.dtype) if q_N is not None else logits_NE.new_ones(logits_NE.shape[0])
             z_loss = router_z_loss(logits_NE, q_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
             total = q.sum().detach()
             mass_E = assignments_E = None
-            if c.aux_loss_coeff > 0:
+            if statistics:
                 scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
                 mass_E, assignments_E = balance_parts(scores, selected, q_N)
         else:
@@ -155,13 +161,13 @@ class ParallelMoE(MoE):
             if c.z_loss_coeff > 0:
                 numerator = self._global_sum((q * torch.logsumexp(logits_NE, dim=-1).square()).sum())
                 z_loss = numerator / total * c.z_loss_coeff
-            if c.aux_loss_coeff > 0:
+            if statistics:
                 scores, selected = aux_loss_scores(logits_NE, top_k=c.top_k, score_function=c.score_function)
                 mass_E, assignments_E = balance_parts(scores, selected, q)
                 mass_E = self._global_sum(mass_E)
                 assignments_E = all_reduce_(assignments_E, self.parallelism.tp_group)
         balance = None
-        if mass_E is not None:
+        if c.aux_loss_coeff > 0:
             balance = balance_loss_of(mass_E, assignments_E, total, top_k=c.top_k, coeff=c.aux_loss_coeff)
         return dict(z_loss=z_loss, load_balancing_loss=balance, num_tokens=total, balance_mass_E=mass_E,
                     balance_counts_E=assignments_E)

@@ -9,7 +9,9 @@ by every rank that runs it (identically: it is deterministic), in either executi
 stage's part of the model runs in the 1F1B order of harts.parallel.pipeline (with pp = 1: F0
 B0 F1 B1 ..., the order of `run_step`); the last stage computes the log-probs and the policy
 loss through `harts.objective.step.microbatch_loss` itself (handing it the stage's final hidden
-states), so the loss is the single-process code; every stage adds its MoE losses ÷ K.
+states), so the loss is the single-process code; every stage adds its MoE losses ÷ K. With
+`pooled_balance_coeff`, transformers' pooled load-balancing loss of each microbatch is added ÷ K too, its
+statistics carried across the pipeline stages with the rows and gradients (harts.parallel.balance).
 Gradients are then reduced once (`ParallelModel.reduce_gradients`).
 
 Equivalence with `run_step` on the same microbatches (tests/parallel/test_step.py): the step
@@ -35,12 +37,14 @@ from harts.objective.step import (
     autocast_context,
     build_layout,
     check_partition,
+    check_pooled_balance,
     microbatch_loss,
     recompute_blocks_by_rows,
     semantic_index,
     step_normalizer,
 )
 from harts.objective.targets import semantic_targets_from_step
+from harts.parallel.balance import PooledBalance
 from harts.parallel.comm import all_reduce_
 from harts.parallel.model import ParallelModel
 from harts.parallel.pipeline import PipelineLink, one_f_one_b
@@ -74,6 +78,9 @@ class ParallelStepResult:
     """Per phase, this rank's own seconds (the step's critical path is the maximum over ranks of their sum)."""
     tokens_per_expert: list[torch.Tensor]
     """Per MoE layer of the model, q-weighted routed assignments summed over the step."""
+    pooled_balance_loss: float | None = None
+    """With `pooled_balance_coeff`: the mean over microbatches of each one's transformers' load-balancing loss, without
+    the coefficient (`run_step`'s; times it, it is part of `moe_loss`)."""
     logprobs: torch.Tensor | None = None
     """fp32 [S] λ in batch order, on global rank 0 when collected."""
     final_hidden: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -117,6 +124,7 @@ def run_parallel_step(
     model = pmodel.model
     microbatches = [np.asarray(m, dtype=np.int64) for m in microbatches]
     check_microbatches(step, microbatches, parallel.dp)
+    check_pooled_balance(model.config, config, f"run_parallel_step under {parallel.name!r}")
     if config.execution == "compact" and index is None:
         index = PrefixIndex.from_step(step)
     targets = semantic_targets_from_step(step)
@@ -148,7 +156,9 @@ def run_parallel_step(
     num_experts = model.config.moe.num_experts
     counts = torch.zeros(pmodel.num_moe_layers, num_experts, device=device)
     owner = layout_of_rank.tp_rank == 0
-    totals = {"policy": 0.0, "moe": 0.0, "clip": 0.0, "rows": 0.0}
+    totals = {"policy": 0.0, "moe": 0.0, "clip": 0.0, "rows": 0.0, "pooled": 0.0}
+    pooled = PooledBalance(config.pooled_balance_coeff / num_microbatches, num_experts,
+                           model.config.num_layers - model.config.num_dense_layers, link, device)
     stash: dict[int, tuple] = {}
     collected_logprobs, collected_hidden = [], []
 
@@ -158,6 +168,7 @@ def run_parallel_step(
         if not first:
             x_in = link.receive_forward((pmodel.rows_on_rank(layout), hidden_size), dtype, device)
             x_in.requires_grad_(backward)
+        balance = None
         with torch.set_grad_enabled(backward):
             with autocast_context(device, config):
                 out, auxes = pmodel.stage_forward(
@@ -173,8 +184,15 @@ def run_parallel_step(
             else:
                 link.send_forward(out)
                 terms = [out, moe / num_microbatches]
+            if pooled.on:  # S = Σ q: the microbatch's semantic positions, known on every stage
+                balance = pooled.forward(auxes, float(layout.semantic_rows.numel()), first=first, last=last)
+                if last:
+                    terms[0] = terms[0] + balance.share(balance.counts_E)
         if owner:
             totals["moe"] += float(moe.detach()) / num_microbatches
+            if balance is not None and last:
+                totals["pooled"] += float(balance.value) / num_microbatches
+                totals["moe"] += config.pooled_balance_coeff * float(balance.value) / num_microbatches
             if last:
                 totals["policy"] += float(policy.loss.detach())
                 totals["clip"] += float(policy.clip_fraction)
@@ -187,22 +205,28 @@ def run_parallel_step(
             collected_logprobs.append((sem_indices[j], logprobs.detach().float().cpu()))
             collected_hidden.append((mine[j], out.detach().float().cpu(), layout.semantic_rows.cpu()))
         if backward:
-            stash[j] = (x_in, terms)
+            stash[j] = (x_in, terms, balance)
 
     def backward_step(j: int) -> None:
-        x_in, terms = stash.pop(j)
+        x_in, terms, balance = stash.pop(j)
         if last:
             tensors, grads = terms, [None]
         else:
             out, moe_term = terms
             tensors = [out]
             grads = [link.receive_backward(tuple(out.shape), out.dtype, device)]
+            if balance is not None:
+                # The microbatch's counts of all layers come back with the gradient: this stage's term of the loss.
+                balance.counts_E = pooled.receive_counts()
+                moe_term = moe_term + balance.share(balance.counts_E)
             if moe_term.requires_grad:
                 tensors.append(moe_term)
                 grads.append(None)
         torch.autograd.backward(tensors, grads)
         if not first:
             link.send_backward(x_in.grad)
+            if balance is not None:
+                pooled.send_counts(balance.counts_E)
 
     schedule = one_f_one_b(len(mine), layout_of_rank.pp_rank, parallel.pp)
     if not backward:
@@ -223,14 +247,14 @@ def run_parallel_step(
         seconds["grad_reduce"] = time.perf_counter() - start
     seconds["total"] = time.perf_counter() - started
     return _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, collected_logprobs,
-                           collected_hidden, collect)
+                           collected_hidden, collect, pooled.on)
 
 
-def _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, logprobs, hidden, collect):
+def _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, logprobs, hidden, collect, pooled_on):
     device = pmodel.groups.device
     world = dist.group.WORLD
-    sums = torch.tensor([totals["policy"], totals["moe"], totals["clip"], totals["rows"]], dtype=torch.float64,
-                        device=device)
+    sums = torch.tensor([totals["policy"], totals["moe"], totals["clip"], totals["rows"], totals["pooled"]],
+                        dtype=torch.float64, device=device)
     all_reduce_(sums, world)
     config = pmodel.model.config
     all_counts = torch.zeros(config.num_layers - config.num_dense_layers, config.moe.num_experts, device=device)
@@ -239,12 +263,13 @@ def _reduce_results(pmodel, step, num_microbatches, totals, counts, seconds, log
     all_reduce_(all_counts, world)
     times = torch.tensor([seconds[k] for k in SECONDS], dtype=torch.float64, device=device)
     all_reduce_(times, world, op=dist.ReduceOp.MAX)
-    policy, moe, clip, rows = sums.tolist()
+    policy, moe, clip, rows, pooled = sums.tolist()
     result = ParallelStepResult(
         loss=policy + moe, policy_loss=policy, moe_loss=moe, clip_fraction=clip / num_microbatches,
         num_rows=int(rows), num_semantic_tokens=step.num_semantic_tokens,
         seconds=dict(zip(SECONDS, times.tolist())), rank_seconds=dict(seconds),
         tokens_per_expert=list(all_counts.cpu()),
+        pooled_balance_loss=pooled if pooled_on else None,
     )
     if collect:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -1,7 +1,8 @@
 """The engine on the ranks of a parallel configuration: `Engine.run` is `run_parallel_step` over its plan.
 
 In this process (a gloo group of one rank): the same loss, log-probs and bitwise the same gradients as
-`run_parallel_step` over the same microbatches, both executions, and a forward without backward. On two spawned
+`run_parallel_step` over the same microbatches, both executions, and a forward without backward; the microbatch grain
+(one process's) refused. On two spawned
 gloo ranks (dp2): the engine plans for the config's two replicas and its step (`parallel_train_step`, the rank
 program of `harts train-step --parallel`) has the loss of `run_step` of the plain model over those microbatches.
 """
@@ -61,6 +62,24 @@ def test_the_memory_search_is_refused_on_ranks(groups):
     engine = Engine(model, _config("compact"), parallel=parallelize(model, groups))
     with pytest.raises(ValueError, match="searched in one process, not under a parallel config"):
         engine.fit_recompute_blocks(tree_step_and_microbatches()[0])
+
+
+def test_the_microbatch_grain_is_refused_on_ranks(groups):
+    """`forward`, `forward_microbatch` and `balance_counts` run the whole model in one process: on a rank's cut of it
+    (sharded rows, a stage's blocks, a share of the experts) each is a ValueError naming the config, before the model
+    runs."""
+    model = _model()
+    engine = Engine(model, _config("compact"), parallel=parallelize(model, groups))
+    step, microbatches = tree_step_and_microbatches()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    for method, call in (("forward", lambda: engine.forward(engine.layout(step, microbatches[0]))),
+                         ("forward_microbatch", lambda: engine.forward_microbatch(step, microbatches[0])),
+                         ("balance_counts", lambda: engine.balance_counts(step, microbatches))):
+        with pytest.raises(ValueError, match=rf"Engine.{method} runs the model in one process, not on the ranks of "
+                                             r"parallel config 'single'"):
+            call()
+    assert not calls
 
 
 def _plan_and_run(groups, step, config):

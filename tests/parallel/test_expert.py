@@ -7,9 +7,12 @@ columns split), ep2 (row shards, experts split). For tiny's MoE and bailing-tiny
 SwiGLU clipped), with the loop, grouped and lean expert backends
 (lean is refused under expert parallelism), random multiplicities and a non-zero expert bias, each rank checks
 in fp32: its output rows, the
-gradient of its input rows, the z- and load-balancing losses, the expert-bias counts (summed
+gradient of its input rows, the z- and load-balancing losses, the load-balancing statistics (probability mass and
+top-k counts, of the whole microbatch's rows on every rank), the expert-bias counts (summed
 over shards) and, after summing partial gradients as `ParallelModel.reduce_gradients` does, every
-parameter gradient (cut ones against their slice of the full gradient).
+parameter gradient (cut ones against their slice of the full gradient). A third MoE ("statistics": tiny's with its
+own load-balancing loss off and `moe.balance_statistics` on) back-propagates transformers' pooled loss of its
+statistics instead.
 """
 
 from dataclasses import replace
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from harts.model.config import load_model_config
-from harts.model.moe import MoE
+from harts.model.moe import MoE, pooled_load_balancing_loss
 from harts.parallel.comm import all_reduce_, pad_rows
 from harts.parallel.config import ParallelConfig, load_parallel_config
 from harts.parallel.expert import MoEParallelism, parallelize_moe
@@ -29,21 +32,27 @@ from harts.parallel.tensor import Sharder
 
 SCENARIOS = ("dp2-ep2", "tp2", "tp2-sp", "ep2")
 BACKENDS = ("loop", "grouped", "lean")
-MOES = ("tiny", "bailing-tiny")
+MOES = ("tiny", "bailing-tiny", "statistics")
+"""Beside the two models' MoEs, "statistics": tiny's without its own load-balancing loss, reporting its statistics
+(`moe.balance_statistics`) for transformers' pooled loss, which the backward then adds."""
 # Under expert parallelism the lean experts are refused (test_lean_experts_are_refused_under_expert_parallelism).
 CASES = [(s, b, m) for s in SCENARIOS for b in BACKENDS for m in MOES if not ("ep" in s and b == "lean")]
 ROWS = 11
-QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "counts", "param_grads")
+QUANTITIES = ("output", "input_grad", "z_loss", "load_balancing_loss", "balance_mass", "balance_counts", "counts",
+              "param_grads")
 
 
 def _plain_moe(backend: str, model: str = "tiny") -> MoE:
     """The MoE of `model`'s last layer (bailing-tiny's: its SwiGLU limits), weights scaled up so that its limits
     clip."""
     torch.manual_seed(42)
-    config = load_model_config(model)
-    moe = MoE(replace(config.moe_for_layer(config.num_layers - 1), experts_backend=backend))
+    config = load_model_config("tiny" if model == "statistics" else model)
+    moe_config = replace(config.moe_for_layer(config.num_layers - 1), experts_backend=backend)
+    if model == "statistics":
+        moe_config = replace(moe_config, aux_loss_coeff=0.0, balance_statistics=True)
+    moe = MoE(moe_config)
     moe.expert_bias.copy_(torch.randn(moe.config.num_experts) * 0.05)
-    if model != "tiny":
+    if model == "bailing-tiny":
         with torch.no_grad():
             for parameter in (moe.gate_up_proj, moe.shared_gate_up_proj):
                 parameter.mul_(10.0)
@@ -58,10 +67,15 @@ def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, q, upstream
 
 
+def _balance_loss(moe: MoE, aux):
+    """The layer's load-balancing loss: its own, or transformers' pooled one of its statistics (one layer)."""
+    return aux.load_balancing_loss if moe.config.aux_loss_coeff > 0 else pooled_load_balancing_loss([aux])
+
+
 def _reference(moe: MoE, x, q, upstream):
     x = x.clone().requires_grad_()
     out, aux = moe(x, multiplicity_N=q)
-    ((out * upstream).sum() + aux.loss).backward()
+    ((out * upstream).sum() + aux.z_loss + _balance_loss(moe, aux)).backward()
     return out.detach(), x.grad, aux
 
 
@@ -97,7 +111,8 @@ def _case(groups, backend: str, model: str) -> list[float]:
             want_grad = pad_rows(want_grad, shard * config.tp)[rows]
     x = x.clone().requires_grad_()
     out, aux = moe(x, multiplicity_N=q)
-    ((out * upstream).sum() + aux.loss).backward()
+    balance = _balance_loss(moe, aux)
+    ((out * upstream).sum() + aux.z_loss + balance).backward()
     counts = aux.tokens_per_expert_E.clone()
     if sp:
         all_reduce_(counts, groups.tp)
@@ -117,8 +132,9 @@ def _case(groups, backend: str, model: str) -> list[float]:
     return [
         _error(out.detach(), want_out), _error(x.grad, want_grad),
         _error(aux.z_loss.detach(), want_aux.z_loss.detach()),
-        _error(aux.load_balancing_loss.detach(), want_aux.load_balancing_loss.detach()),
-        _error(counts, want_counts), worst_param,
+        _error(balance.detach(), _balance_loss(full, want_aux).detach()),
+        _error(aux.balance_mass_E.detach(), want_aux.balance_mass_E.detach()),
+        _error(aux.balance_counts_E, want_aux.balance_counts_E), _error(counts, want_counts), worst_param,
     ]
 
 
