@@ -21,15 +21,20 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install 'harts[trl]')")
 pytest.importorskip("datasets", reason="datasets (a dependency of trl) is not installed")
 
-from harts.integrations.trl import HARTSGRPOTrainer, data_parallel_wrapper  # noqa: E402
+from harts.integrations.trl import (  # noqa: E402
+    HARTSGRPOTrainer, data_parallel_wrapper, forward_through, parallelism_problems,
+)
 from tests.integrations.test_trl import logged, losses, make_checkpoint, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +47,7 @@ CASES = {
     # name: (model, GRPOConfig settings, steps, count the reductions). Each rank's micro-batch is
     # per_device_train_batch_size completions; a generation batch is that × 2 processes × accumulation steps.
     "dapo-accumulate-reuse-kl": ("kimi-tiny", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                                   num_iterations=2, beta=0.04), 3, True),
+                                                   num_iterations=2, beta=0.04, max_grad_norm=0.0), 3, True),
     "grpo-entropy-no-checkpointing": ("kimi-tiny", dict(per_device_train_batch_size=8, loss_type="grpo",
                                                         entropy_coef=0.01, gradient_checkpointing=False), 2, False),
     "gdn-aux-dapo": ("gdn-tiny", dict(per_device_train_batch_size=8), 2, False),
@@ -151,6 +156,81 @@ def test_harts_trainer_trains_as_trl_on_two_processes(tmp_path, case):
         first, second = (runs[name]["parameters"] for runs in ranks)
         assert all(torch.equal(first[n], second[n]) for n in first), name
     assert ranks[0]["trl"]["completions"] != ranks[1]["trl"]["completions"]  # each rank its share of the batch
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo world in this process (DDP's reducer runs, its all-reduce over one rank)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_reduces_what_runs_through_its_forward_once_per_backward(one_rank):
+    """torch's reducer hooks every parameter's gradient accumulator but acts only after the wrapper's forward
+    (`prepare_for_backward`): a backward of the parameters without it is never reduced; `forward_through` is reduced
+    once per backward, not under no_sync, and leaves the module's own forward (accelerate's wrapper) in place."""
+    linear = torch.nn.Linear(3, 2)
+    wrapper = DistributedDataParallel(linear)
+    reductions = []
+    wrapper.register_comm_hook(reductions, count_and_average)
+
+    def loss() -> torch.Tensor:  # the parameters without the module's forward, as HARTS runs them
+        return torch.nn.functional.linear(torch.ones(4, 3), linear.weight, linear.bias).square().sum()
+
+    loss().backward()
+    assert reductions == []
+    forward_through(wrapper, loss).backward()
+    assert reductions == [0]
+    with wrapper.no_sync():
+        forward_through(wrapper, loss).backward()
+    assert reductions == [0]
+    forward_through(wrapper, loss).backward()
+    loss().backward()
+    assert reductions == [0, 0] and "forward" not in vars(linear)
+    accelerate_forward = linear.forward = lambda x: x
+    forward_through(wrapper, loss).backward()
+    assert reductions == [0, 0, 0] and linear.forward is accelerate_forward
+    assert data_parallel_wrapper(SimpleNamespace(_orig_mod=wrapper)) is wrapper and data_parallel_wrapper(linear) is None
+
+
+def stand_in(distributed_type="MULTI_GPU", deepspeed_stage=None, fsdp=False, **parallelism):
+    """What `parallelism_problems` reads of a trainer."""
+    from accelerate.utils import DistributedType
+
+    config = SimpleNamespace(**{f"{d}_size": parallelism.get(d, 1) for d in ("dp_replicate", "dp_shard", "tp", "cp",
+                                                                               "sp")})
+    state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=deepspeed_stage))
+    accelerator = SimpleNamespace(distributed_type=DistributedType(distributed_type), state=state,
+                                  parallelism_config=config if parallelism else None)
+    return SimpleNamespace(accelerator=accelerator, is_deepspeed_enabled=deepspeed_stage is not None,
+                           is_fsdp_enabled=fsdp)
+
+
+@pytest.mark.parametrize(("trainer", "problems"), [
+    (stand_in("NO"), []),
+    (stand_in("MULTI_CPU"), []),
+    (stand_in("MULTI_GPU", dp_replicate=2), []),
+    (stand_in("DEEPSPEED", deepspeed_stage=3), ["DeepSpeed (ZeRO stage 3) (launch without DeepSpeed: accelerate's DDP)"]),
+    (stand_in("DEEPSPEED", deepspeed_stage=1), ["DeepSpeed (ZeRO stage 1) (launch without DeepSpeed: accelerate's DDP)"]),
+    (stand_in("FSDP", fsdp=True), ["FSDP (launch without FSDP: accelerate's DDP)"]),
+    (stand_in("XLA"), ["accelerate's XLA (launch DDP or one process)"]),
+    (stand_in("MEGATRON_LM"), ["accelerate's MEGATRON_LM (launch DDP or one process)"]),
+    (stand_in("MULTI_GPU", tp=2, cp=2), ["parallelism_config tp_size=2 (set 1: DDP's replicas only)",
+                                         "parallelism_config cp_size=2 (set 1: DDP's replicas only)"]),
+], ids=["one-process", "ddp-cpu", "ddp-gpu", "zero3", "zero1", "fsdp", "xla", "megatron", "tp-cp"])
+def test_only_ddp_replicas_are_accepted(trainer, problems):
+    assert parallelism_problems(trainer) == problems
+
+
+def test_a_step_of_several_processes_without_ddp_is_refused():
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="HARTSGRPOTrainer: 2 processes train a Linear that no DistributedDataParallel "
+                                         "wraps: its gradients would not be averaged"):
+        HARTSGRPOTrainer._reduced(trainer, model, lambda: model.weight.sum())
+    with torch.no_grad():  # evaluation: nothing to reduce
+        assert HARTSGRPOTrainer._reduced(trainer, model, lambda: model.weight.sum()) == model.weight.sum()
 
 
 if __name__ == "__main__":
