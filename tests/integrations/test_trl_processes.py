@@ -3,16 +3,20 @@ exactly as `trl.GRPOTrainer` does, computing fewer rows.
 
 torchrun (`python -m torch.distributed.run --standalone --nproc-per-node 2`, what `accelerate launch` runs) starts
 two CPU processes; accelerate reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK, joins a gloo group and wraps each
-trainer's model in DDP. Each rank runs this module's `main`: test_trl's kimi-tiny checkpoint, prompts, toy reward and
-SGD, N GRPO steps of stock TRL and of the HARTS trainer from the same seed, and saves what it saw. Checked here, on
-both ranks: the same completions; the same logged losses and the metrics TRL reduces over the processes (entropy,
-KL, clip ratio, aux loss) within test_trl's tolerances; every parameter within test_trl's tolerance of stock TRL's,
-and the two ranks' parameters bitwise equal (DDP keeps whole replicas); fewer rows than TRL's padded forwards.
-Cases: dapo with 2 accumulation steps, reused generations (old log-probs) and the KL term (`num_items_in_batch` /
-the processes; `no_sync` on the first micro-batch of each step: a comm hook that averages as DDP's default counts
-each bucket's reductions, which must be stock TRL's, one per optimizer step); slow: grpo with the entropy bonus and
-without gradient checkpointing (the Trainer's `find_unused_parameters=True`: DDP searches the graph of HARTS's loss,
-default reducer path), and gdn-tiny (Qwen3-Next) at its router_aux_loss_coef.
+trainer's model in DDP. Each rank runs this module's `main`: test_trl's checkpoint, prompts, toy reward and SGD, N
+GRPO steps of stock TRL and of the HARTS trainer from the same seed, and saves what it saw. Checked here, on both
+ranks: the same completions; the same logged losses and metrics TRL reduces over the processes (entropy, KL, clip
+region, aux loss) within test_trl's tolerances; every parameter within test_trl's tolerance of stock TRL's, and the
+two ranks' parameters bitwise equal (DDP keeps whole replicas); fewer rows than TRL's padded forwards.
+Cases: (default, ~30 s) kimi-tiny, dapo with 2 accumulation steps, reused generations (old log-probs) and the KL
+term: `num_items_in_batch` / the processes, `no_sync` on each step's first micro-batch (a comm hook that reduces as
+DDP's default counts each bucket's reductions, which must be stock TRL's: one per optimizer step), no gradient
+clipping (which would hide a gradient scaled by the processes); slow: grpo with the entropy bonus and without
+gradient checkpointing (the Trainer's `find_unused_parameters=True`: DDP searches the graph of HARTS's loss; DDP's
+own reducer path), and gdn-tiny (Qwen3-Next) at its router_aux_loss_coef.
+
+In this process: torch's reducer on a one-rank gloo world (nothing reduced without the wrapper's forward, once per
+backward through `forward_through`, nothing under no_sync), the refusals of what is not DDP, by name.
 """
 
 import argparse
@@ -128,7 +132,7 @@ def test_harts_trainer_trains_as_trl_on_two_processes(tmp_path, case):
     model, settings, steps, count = CASES[case]
     checkpoint = make_checkpoint(tmp_path / "checkpoint", model)
     ranks = run_ranks(checkpoint, case, tmp_path / "runs")
-    initial = {n: p.detach() for n, p in transformers.AutoModelForCausalLM.from_pretrained(checkpoint).named_parameters()}
+    initial = dict(transformers.AutoModelForCausalLM.from_pretrained(checkpoint).named_parameters())
     for rank, runs in enumerate(ranks):
         stock, harts = runs["trl"], runs["harts"]
         for run in (stock, harts):
@@ -142,7 +146,7 @@ def test_harts_trainer_trains_as_trl_on_two_processes(tmp_path, case):
         assert {m for m in METRICS if stock["metrics"][m]} == (
             {"entropy", "clip_ratio/region_mean"} | ({"kl"} if settings.get("beta") else set())
             | ({"aux_loss"} if model == "gdn-tiny" else set()))
-        change = max(float((stock["parameters"][n] - p).abs().max()) for n, p in initial.items())
+        change = max(float((stock["parameters"][n] - p.detach()).abs().max()) for n, p in initial.items())
         assert change > 1e-3
         for name, want in stock["parameters"].items():
             assert torch.allclose(harts["parameters"][name], want, rtol=1e-6, atol=1e-4 * change), (rank, name)
@@ -191,7 +195,8 @@ def test_ddp_reduces_what_runs_through_its_forward_once_per_backward(one_rank):
     accelerate_forward = linear.forward = lambda x: x
     forward_through(wrapper, loss).backward()
     assert reductions == [0, 0, 0] and linear.forward is accelerate_forward
-    assert data_parallel_wrapper(SimpleNamespace(_orig_mod=wrapper)) is wrapper and data_parallel_wrapper(linear) is None
+    assert data_parallel_wrapper(SimpleNamespace(_orig_mod=wrapper)) is wrapper  # under torch.compile
+    assert data_parallel_wrapper(linear) is None
 
 
 def stand_in(distributed_type="MULTI_GPU", deepspeed_stage=None, fsdp=False, **parallelism):
@@ -211,8 +216,10 @@ def stand_in(distributed_type="MULTI_GPU", deepspeed_stage=None, fsdp=False, **p
     (stand_in("NO"), []),
     (stand_in("MULTI_CPU"), []),
     (stand_in("MULTI_GPU", dp_replicate=2), []),
-    (stand_in("DEEPSPEED", deepspeed_stage=3), ["DeepSpeed (ZeRO stage 3) (launch without DeepSpeed: accelerate's DDP)"]),
-    (stand_in("DEEPSPEED", deepspeed_stage=1), ["DeepSpeed (ZeRO stage 1) (launch without DeepSpeed: accelerate's DDP)"]),
+    (stand_in("DEEPSPEED", deepspeed_stage=3), ["DeepSpeed (ZeRO stage 3) (launch without DeepSpeed: "
+                                                "accelerate's DDP)"]),
+    (stand_in("DEEPSPEED", deepspeed_stage=1), ["DeepSpeed (ZeRO stage 1) (launch without DeepSpeed: "
+                                                "accelerate's DDP)"]),
     (stand_in("FSDP", fsdp=True), ["FSDP (launch without FSDP: accelerate's DDP)"]),
     (stand_in("XLA"), ["accelerate's XLA (launch DDP or one process)"]),
     (stand_in("MEGATRON_LM"), ["accelerate's MEGATRON_LM (launch DDP or one process)"]),
