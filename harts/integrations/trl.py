@@ -19,10 +19,12 @@ runs the decoder, as TRL does. What the trainer replaces, and nothing else:
   router_aux_loss_coef (Qwen3-Next's and Qwen3.5's 0.001, unless the GRPOConfig sets another): transformers'
   load-balancing loss of the micro-batch's real tokens, every MoE layer's router statistics pooled, each token once
   per completion (`api.policy_loss(pooled_balance=True)`), added as TRL adds it: coefficient × loss / the
-  accumulation steps (1 in evaluation), logged as `aux_loss`. It logs TRL's `entropy`, `kl` and (with TRL's
-  token-level ratio) `clip_ratio/region_mean` metrics, token means over every process's masked tokens as TRL's,
-  and `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
-  forward computes) per call, summed over the processes (`harts_counts`: this process's totals).
+  accumulation steps (1 in evaluation), logged as `aux_loss`. It logs TRL's `entropy`, `kl` and
+  `clip_ratio/region_mean` metrics, TRL's definitions on HARTS's log-probs and entropies (the KL times the
+  importance ratio under TRL's `use_bias_correction_kl`, the clip region per sequence with a sequence-level ratio)
+  reduced over the processes as TRL's, and `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and
+  `harts/padded_rows` (rows TRL's padded forward computes) per call, summed over the processes (`harts_counts`:
+  this process's totals).
 - `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
   HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 
