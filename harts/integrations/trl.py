@@ -20,28 +20,46 @@ runs the decoder, as TRL does. What the trainer replaces, and nothing else:
   load-balancing loss of the micro-batch's real tokens, every MoE layer's router statistics pooled, each token once
   per completion (`api.policy_loss(pooled_balance=True)`), added as TRL adds it: coefficient × loss / the
   accumulation steps (1 in evaluation), logged as `aux_loss`. It logs TRL's `entropy`, `kl` and
-  `clip_ratio/region_mean` metrics and
-  `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded
-  forward computes) per call.
+  `clip_ratio/region_mean` metrics, TRL's definitions on HARTS's log-probs and entropies (the KL times the
+  importance ratio under TRL's `use_bias_correction_kl`, the clip region per sequence with a sequence-level ratio)
+  reduced over the processes as TRL's, and `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and
+  `harts/padded_rows` (rows TRL's padded forward computes) per call, summed over the processes (`harts_counts`:
+  this process's totals).
 - `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
   HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
+
+Several processes (`accelerate launch` or torchrun): data parallelism through accelerate's DistributedDataParallel,
+each process a whole replica of the model. DDP's reducer averages gradients only after its own forward (its
+gradient hooks act between the forward's `prepare_for_backward` and the end of that backward), and HARTS does not
+call the model's forward, so `_compute_loss` runs HARTS's loss as the forward of the DDP wrapper
+(`forward_through`): DDP then reduces exactly as it does for stock TRL, a mean over the processes once per backward,
+not inside `no_sync` (the Trainer's accumulation micro-batches before the last), with its buckets, comm hooks and
+`find_unused_parameters`. What TRL computes across processes is TRL's: the advantages (rewards gathered),
+`num_items_in_batch` (gathered; dapo, cispo and vespo divide it by the number of processes, as TRL), the metrics
+above. Refused by name at construction: DeepSpeed (any ZeRO stage), FSDP, accelerate's other distributed types
+(XLA, Megatron-LM) and a `parallelism_config` with tensor, context, sequence or sharded data parallelism, since
+HARTS reads each process's parameters whole; at run time, a training step of several processes whose model no DDP
+wraps.
+
 TRL's features that act inside the loss and have no HARTS reading are refused at construction with the option to
 turn off: top_entropy_quantile < 1, off_policy_mask_threshold, vLLM's importance-sampling correction, adaptive
-entropy, the router auxiliary loss of a model without softmax routing, PEFT models, multimodal inputs, more than one
-process (the model's forward is not called, so DDP would not reduce). The HARTS model adds no MoE auxiliary losses of
-its own (its MoE config's coefficients are zeroed): the router auxiliary loss is TRL's, read as above.
+entropy, the router auxiliary loss of a model without softmax routing, PEFT models, multimodal inputs. The HARTS
+model adds no MoE auxiliary losses of its own (its MoE config's coefficients are zeroed): the router auxiliary loss
+is TRL's, read as above.
 
-Invariant (tests/integrations/test_trl.py): from the same seed, N steps of `trl.GRPOTrainer` and of
-`HARTSGRPOTrainer` generate the same completions and give the same losses and parameters (fp32 rounding), with
-fewer rows computed by HARTS.
+Invariant (tests/integrations/test_trl.py, in one process; tests/integrations/test_trl_processes.py, on two gloo
+processes): from the same seed, N steps of `trl.GRPOTrainer` and of `HARTSGRPOTrainer` generate the same
+completions and give the same losses and parameters (fp32 rounding) and metrics, with fewer rows computed by HARTS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from harts import api
 from harts.extras import require
@@ -57,6 +75,9 @@ TOKEN_NORMALIZED = ("dapo", "cispo", "vespo")
 """TRL loss types divided by the generation batch's masked tokens per accumulation step (`num_items_in_batch`)."""
 ROW_NORMALIZED = ("grpo", "sapo", "dr_grpo", "luspo")
 """TRL loss types divided by the micro-batch's rows (and the accumulation steps)."""
+DATA_PARALLEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                       "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
+"""accelerate's distributed types that run one process or wrap the model in DistributedDataParallel."""
 MULTIMODAL_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -110,6 +131,57 @@ def unsupported_options(args: Any) -> list[str]:
     return problems
 
 
+def parallelism_problems(trainer: Any) -> list[str]:
+    """How a trainer's processes would share the model other than as whole replicas under DistributedDataParallel
+    (the one way HARTS runs on several processes: module docstring), each with what to run instead."""
+    accelerator = trainer.accelerator
+    problems = []
+    if trainer.is_deepspeed_enabled:
+        stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", "?")
+        problems.append(f"DeepSpeed (ZeRO stage {stage}) (launch without DeepSpeed: accelerate's DDP)")
+    elif trainer.is_fsdp_enabled:
+        problems.append("FSDP (launch without FSDP: accelerate's DDP)")
+    elif accelerator.distributed_type not in DATA_PARALLEL_TYPES:
+        problems.append(f"accelerate's {accelerator.distributed_type.value} (launch DDP or one process)")
+    config = getattr(accelerator, "parallelism_config", None)
+    for dimension in ("dp_shard", "tp", "cp", "sp"):
+        size = getattr(config, f"{dimension}_size", 1) if config is not None else 1
+        if size > 1:
+            problems.append(f"parallelism_config {dimension}_size={size} (set 1: DDP's replicas only)")
+    return problems
+
+
+def data_parallel_wrapper(model: torch.nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel that `model` is, or wraps under torch.compile's `_orig_mod`; None if none."""
+    while not isinstance(model, DistributedDataParallel):
+        model = getattr(model, "_orig_mod", None)
+        if model is None:
+            return None
+    return model
+
+
+def forward_through(wrapper: DistributedDataParallel, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`compute()`, a loss of the wrapped module's parameters, run as `wrapper`'s forward, for the backward of the
+    tensor it returns (DDP may hand back a copy).
+
+    DDP's reducer reduces only after a forward of its own: its hooks on the parameters' gradient accumulators fire
+    in every backward, but act only between `prepare_for_backward`, which the wrapper's forward calls (unless under
+    `no_sync`, or without gradients), and the end of that backward. HARTS runs the parameters without the module's
+    forward, so the module's forward is `compute` for the call: DDP reduces this loss's gradients as it reduces the
+    module's own, once per backward, only outside `no_sync` (the last micro-batch of an accumulation window), as a
+    mean over the processes."""
+    module = wrapper.module
+    own = vars(module).get("forward")  # accelerate's autocast wrapper, if it set one
+    module.forward = compute
+    try:
+        return wrapper()
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 class HARTSGRPOTrainer(trl.GRPOTrainer):
     """`trl.GRPOTrainer` with HARTS's compact execution for the log-probs, entropies and loss (module docstring).
 
@@ -125,8 +197,7 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         problems = unsupported_options(self.args)
         if trl.trainer.grpo_trainer.is_peft_model(self.model):
             problems.append("a PEFT model (train the full model)")
-        if self.accelerator.num_processes > 1:
-            problems.append(f"{self.accelerator.num_processes} processes (run one)")
+        problems += parallelism_problems(self)
         if self.args.fp16:
             problems.append("fp16=True (use bf16 or fp32)")
         if problems:
@@ -166,10 +237,15 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _log_rows(self, outputs: api.TokenOutputs, padded_rows: int) -> None:
+        """This process's counts into `harts_counts`, their sums over the processes into the logged metrics."""
         mode = "train" if self.model.training else "eval"
-        for name, value in (("rows", outputs.num_rows), ("tokens", outputs.num_tokens), ("padded_rows", padded_rows)):
-            self._metrics[mode][f"harts/{name}"].append(float(value))
+        counts = {"rows": outputs.num_rows, "tokens": outputs.num_tokens, "padded_rows": padded_rows}
+        for name, value in counts.items():
             self.harts_counts[name] += value
+        totals = self.accelerator.reduce(torch.tensor(list(counts.values()), device=self.accelerator.device),
+                                         reduction="sum")
+        for name, total in zip(counts, totals.tolist(), strict=True):
+            self._metrics[mode][f"harts/{name}"].append(float(total))
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
@@ -227,34 +303,77 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         normalizer, entropy_normalizer = self._normalizers(inputs, mask, float(accumulation))
         view = self._view(model)
-        with view.bound() as harts_model:
-            result = api.policy_loss(
-                harts_model, batch, config=self.harts_config, temperature=self.temperature, entropy=True,
-                normalizer=normalizer, num_microbatches=accumulation, entropy_normalizer=entropy_normalizer,
-                pooled_balance=self.aux_loss_enabled,
-            )
+        results = []
+
+        def batch_loss() -> torch.Tensor:
+            with view.bound() as harts_model:
+                result = api.policy_loss(
+                    harts_model, batch, config=self.harts_config, temperature=self.temperature, entropy=True,
+                    normalizer=normalizer, num_microbatches=accumulation, entropy_normalizer=entropy_normalizer,
+                    pooled_balance=self.aux_loss_enabled,
+                )
+            results.append(result)
+            if self.aux_loss_enabled:  # TRL's: scaled by the accumulation steps as its policy loss is
+                return result.loss + self.router_aux_loss_coef * result.pooled_balance_loss / accumulation
+            return result.loss
+
+        loss = self._reduced(model, batch_loss)
+        (result,) = results
         self._log_rows(result, batch["input_ids"].numel())
-        self._log_loss_metrics(mode, result, mask)
-        loss = result.loss
-        if self.aux_loss_enabled:  # TRL's: scaled by the accumulation steps as its policy loss is
-            loss = loss + self.router_aux_loss_coef * result.pooled_balance_loss / accumulation
+        self._log_loss_metrics(mode, result, inputs, mask)
+        if self.aux_loss_enabled:
             self._metrics[mode]["aux_loss"].append(
                 self.accelerator.gather_for_metrics(result.pooled_balance_loss.detach()).mean().item())
         return loss
 
-    def _log_loss_metrics(self, mode: str, result: api.BatchLoss, mask: torch.Tensor) -> None:
-        """TRL's entropy, KL and clip-ratio metrics (token means over the processes' masked tokens)."""
+    def _reduced(self, model: torch.nn.Module, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`compute()` through the DistributedDataParallel of `model` when there is one (`forward_through`: DDP
+        averages its gradients over the processes as stock TRL's forward has it do); a training step of several
+        processes without one is refused, since nothing would reduce its gradients."""
+        wrapper = data_parallel_wrapper(model)
+        if wrapper is not None:
+            return forward_through(wrapper, compute)
+        if self.accelerator.num_processes > 1 and torch.is_grad_enabled():
+            raise ValueError(f"HARTSGRPOTrainer: {self.accelerator.num_processes} processes train a "
+                             f"{type(model).__name__} that no DistributedDataParallel wraps: its gradients would "
+                             "not be averaged (launch with accelerate's DDP)")
+        return compute()
+
+    def _log_loss_metrics(self, mode: str, result: api.BatchLoss, inputs: dict, mask: torch.Tensor) -> None:
+        """TRL's entropy, KL and clip-region metrics of the micro-batch from HARTS's log-probs and entropies, each a
+        mean over every process's masked tokens (sequences for the clip region of a sequence-level ratio), as TRL's
+        `global_masked_mean`: the KL is k3's, times TRL's importance ratio with `use_bias_correction_kl`."""
         width = mask.size(1)
         masked = mask.bool()
-        count = self.accelerator.reduce(masked.sum().float(), reduction="sum").clamp(min=1.0)
+        mask = mask.float()
 
-        def global_mean(values: torch.Tensor) -> float:
-            total = self.accelerator.reduce(torch.where(masked, values, 0.0).sum(), reduction="sum")
-            return float(total / count)
+        def token_sum(values: torch.Tensor) -> torch.Tensor:  # never reads values outside the mask
+            return torch.where(masked, values, 0.0).sum()
 
-        metrics = self._metrics[mode]
-        metrics["entropy"].append(global_mean(result.entropy[:, -width:].detach()))
-        if self.beta != 0.0 and result.kl is not None:
-            metrics["kl"].append(float(result.kl))
+        log_probs = result.log_probs[:, -width:].detach()
+        old = inputs.get("old_per_token_logps")
+        log_ratio = torch.zeros_like(log_probs) if old is None else torch.where(masked, log_probs - old, 0.0)
+        if self.importance_sampling_level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        tokens = mask.sum()
+        parts = {"entropy": (token_sum(result.entropy[:, -width:].detach()), tokens)}
+        if self.beta != 0.0:
+            delta = inputs["ref_per_token_logps"] - log_probs
+            kl = torch.exp(delta) - delta - 1.0
+            if self.args.use_bias_correction_kl:
+                kl = kl * ratio
+            parts["kl"] = (token_sum(kl), tokens)
         if self.harts_config.grpo.surrogate == "clip":
-            metrics["clip_ratio/region_mean"].append(float(result.clip_fraction))
+            capped = ratio if self.args.delta is None else ratio.clamp(max=self.args.delta)
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            region = (((capped < 1 - self.epsilon_low) & (advantages < 0))
+                      | ((capped > 1 + self.epsilon_high) & (advantages > 0))).float()
+            parts["clip_ratio/region_mean"] = (
+                (region.sum(), mask.new_tensor(float(region.size(0)))) if region.size(1) == 1
+                else (token_sum(region), tokens))
+        totals = self.accelerator.reduce(torch.stack([value for pair in parts.values() for value in pair]),
+                                         reduction="sum").view(-1, 2)
+        for name, (total, count) in zip(parts, totals, strict=True):
+            self._metrics[mode][name].append(float(total / count.clamp(min=1.0)))

@@ -6,9 +6,11 @@ Kimi-Linear layout the KDA output gate and the NoPE MLA of Kimi-Linear; no MTP l
 not hold; chunks of 64 as fla's `chunk_kda` and `chunk_gated_delta_rule`), initialised from `--seed` and saved as a
 Hugging Face checkpoint that transformers loads as the class of its layout (`KimiLinearForCausalLM`,
 `BailingHybridForCausalLM`, `Qwen3NextForCausalLM` or `Qwen3_5MoeForCausalLM`), which both trainers run. A
-config its layout cannot express is refused by name (`harts.model.hf.check_exportable`). Both trainers run with
-`router_aux_loss_coef=0.0` (TRL would add the load-balancing loss that Qwen3-Next's and Qwen3.5's configs declare,
-which HARTSGRPOTrainer refuses). The batch
+config its layout cannot express is refused by name (`harts.model.hf.check_exportable`). Both trainers add TRL's
+router auxiliary loss at the model config's own `router_aux_loss_coef`, as TRL does by default (Qwen3-Next's and
+Qwen3.5's 0.001; Kimi-Linear's and BailingHybrid's configs declare none: 0), or at `--router-aux-loss-coef`
+(0 turns it off); the record holds the coefficient both ran with (checked against each trainer's), and a non-zero
+one for a model of sigmoid routing is refused, as HARTSGRPOTrainer refuses it. The batch
 (`grpo_batch`) is `--prompts` random prompts of `--prompt-length` tokens, each with `--generations` random
 completions of `--completion-length` tokens at most (lengths uniform in [half, all]; right-padded) and advantages
 normalised within each group as TRL's `scale_rewards="group"`: it is what TRL's generation and rewards would hand
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.args import non_negative_int, positive_float, positive_int
+from harts.args import non_negative_float, non_negative_int, positive_float, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=positive_float, default=1e-6, help="learning rate (TRL's default)")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="TRL's gradient_checkpointing (default on, as TRL's), HARTS's recompute")
+    parser.add_argument("--router-aux-loss-coef", type=non_negative_float, default=None,
+                        help="TRL's router_aux_loss_coef in both trainers (default: the model config's, as TRL's; 0 "
+                        "turns the load-balancing loss off)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model weights and batch")
     parser.add_argument("--out", default=None, help="JSON records (default reports/raw/trl/MODEL-DEVICE.json)")
     parser.set_defaults(run=run, files=lambda a: ([output_path(a)], []))
@@ -97,19 +102,25 @@ def run(args: argparse.Namespace) -> int:
     if config.vocab_size <= FIRST_TOKEN:
         raise ValueError(f"--model {args.model}: vocab_size {config.vocab_size} leaves no token besides the "
                          f"tokenizer's {FIRST_TOKEN} special ones")
+    coefficient = router_aux_loss_coef(config, args.router_aux_loss_coef)
+    if coefficient and config.moe.score_function != "softmax":
+        raise ValueError(f"--router-aux-loss-coef {coefficient}: {config.name} routes with {config.moe.score_function}"
+                         " (HARTSGRPOTrainer reads transformers' softmax load-balancing loss): set 0")
     out = Path(output_path(args))
     record_config = {
         "model": config.name, "model_config": config_to_dict(config), "device": args.device, "dtype": dtype,
         "params": "fp32", "prompts": args.prompts, "generations": args.generations,
         "prompt_length": args.prompt_length, "completion_length": args.completion_length, "warmup": args.warmup,
         "repeats": args.repeats, "optim": args.optim, "lr": args.lr, "gradient_checkpointing":
-        args.gradient_checkpointing, "loss_type": "dapo", "router_aux_loss_coef": 0.0, "seed": args.seed,
+        args.gradient_checkpointing, "loss_type": "dapo", "router_aux_loss_coef": coefficient,
+        "router_aux_loss_coef_from": "model config" if args.router_aux_loss_coef is None else "--router-aux-loss-coef",
+        "seed": args.seed,
         "hf_class": hf_class(config), "trl": trl.__version__,
         "transformers": transformers.__version__,
     }
     with sigterm_raises():
         try:
-            results = measure(args, config, dtype, lambda partial: write_records(
+            results = measure(args, config, dtype, coefficient, lambda partial: write_records(
                 [make_record("trl", record_config, partial)], out))
             record = make_record("trl", record_config, results)
         except Terminated as error:
@@ -139,6 +150,19 @@ def trl_form(config):
         form = replace(form, gdn=replace(form.gdn, chunk_size=64))
     check_exportable(form)
     return form
+
+
+def router_aux_loss_coef(config, given: float | None) -> float:
+    """The router_aux_loss_coef TRL 1.16 runs a transformers model of `config`'s layout with: `given`, or when None the
+    coefficient its transformers config declares (0 where it declares none)."""
+    import transformers
+
+    from harts.model.hf import hf_config_from_model
+
+    if given is not None:
+        return given
+    hf_config = transformers.AutoConfig.for_model(**hf_config_from_model(config)).get_text_config()
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0))
 
 
 def hf_class(config) -> str:
@@ -227,9 +251,10 @@ def _cpu_copy(tensor):
     return tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
 
 
-def measure(args: argparse.Namespace, config, dtype: str, progress) -> dict:
-    """Both trainers on the batch (module docstring): {"rows", "trl", "harts", "speedup", "fidelity"}, a trainer
-    that failed holding {"error"}; `progress(results)` is called with the results so far after each trainer."""
+def measure(args: argparse.Namespace, config, dtype: str, coefficient: float, progress) -> dict:
+    """Both trainers on the batch (module docstring) with router_aux_loss_coef `coefficient` (`args`' or the model
+    config's): {"rows", "trl", "harts", "speedup", "fidelity"}, a trainer that failed holding {"error"};
+    `progress(results)` is called with the results so far after each trainer."""
     import gc
     import tempfile
     import traceback
@@ -257,7 +282,7 @@ def measure(args: argparse.Namespace, config, dtype: str, progress) -> dict:
         del model
         for name in TRAINERS:
             try:
-                runs[name] = _train(name, args, dtype, checkpoint, batch, Path(root) / name)
+                runs[name] = _train(name, args, dtype, coefficient, checkpoint, batch, Path(root) / name)
                 results[name] = _summary(runs[name], args.warmup)
             except Exception as error:  # noqa: BLE001 - a failing trainer is an error entry, the other still runs
                 logger.info(f"trl bench: {name} failed:\n{traceback.format_exc().rstrip()}")
@@ -289,9 +314,12 @@ def _tokenizer():
                                                 pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _train(name: str, args: argparse.Namespace, dtype: str, checkpoint: Path, batch: dict, output_dir: Path) -> dict:
+def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, checkpoint: Path, batch: dict,
+           output_dir: Path) -> dict:
     """One trainer's run: its step seconds and losses, first gradients and parameters (and the initial ones for
-    TRL), log-probs and entropies of the batch, what it ran, HARTS's rows per step, peak memory on CUDA."""
+    TRL), log-probs and entropies of the batch, what it ran, HARTS's rows per step, peak memory on CUDA. The
+    trainer resolves router_aux_loss_coef itself from `args` (None: the model config's) and must find
+    `coefficient`."""
     import dataclasses
     import importlib.util
 
@@ -317,7 +345,7 @@ def _train(name: str, args: argparse.Namespace, dtype: str, checkpoint: Path, ba
         per_device_train_batch_size=batch["prompt_ids"].size(0), max_completion_length=args.completion_length,
         max_steps=total_steps, learning_rate=args.lr, optim=args.optim, lr_scheduler_type="constant",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=args.seed,
-        use_cpu=device.type == "cpu", bf16=dtype == "bf16", router_aux_loss_coef=0.0,
+        use_cpu=device.type == "cpu", bf16=dtype == "bf16", router_aux_loss_coef=args.router_aux_loss_coef,
         **{checkpointing: args.gradient_checkpointing},
     )
     timer = type("StepTimer", (StepTimes, transformers.TrainerCallback), {})(total_steps, label)
@@ -326,6 +354,7 @@ def _train(name: str, args: argparse.Namespace, dtype: str, checkpoint: Path, ba
         train_dataset=datasets.Dataset.from_dict({"prompt": ["a"] * args.prompts}), callbacks=[timer],
     )
     trainer.remove_callback(transformers.PrinterCallback)
+    assert trainer.router_aux_loss_coef == coefficient, (trainer.router_aux_loss_coef, coefficient)
     trainer.bench_batch = {key: value.to(device) for key, value in batch.items()}
     logger.info(f"trl bench: {label}: log-probs of the batch")
     input_ids = torch.cat([trainer.bench_batch["prompt_ids"], trainer.bench_batch["completion_ids"]], dim=1)

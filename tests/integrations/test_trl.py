@@ -101,8 +101,8 @@ def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
         return [sum(t < 128 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
     reward.__name__ = "low_tokens"
-    settings = dict(per_device_train_batch_size=NUM_PROMPTS * NUM_GENERATIONS // settings.get(
-        "gradient_accumulation_steps", 1), **settings)
+    settings = {"per_device_train_batch_size": NUM_PROMPTS * NUM_GENERATIONS // settings.get(
+        "gradient_accumulation_steps", 1), **settings}
     args = trl.GRPOConfig(
         output_dir=str(output_dir), num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_TOKENS,
         max_steps=steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
@@ -113,7 +113,8 @@ def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
         model=model, reward_funcs=reward, args=args, processing_class=transformers.AutoTokenizer.from_pretrained(
             checkpoint), train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
     )
-    if trainer_class is trl.GRPOTrainer:  # the rows TRL's padded forwards compute
+    harts = issubclass(trainer_class, HARTSGRPOTrainer)
+    if not harts:  # the rows TRL's padded forwards compute
         compute = trainer._get_per_token_logps_and_entropies
 
         def counted(model, input_ids, *args, **kwargs):
@@ -123,7 +124,7 @@ def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
         trainer._get_per_token_logps_and_entropies = counted
     torch.manual_seed(0)
     trainer.train()
-    if trainer_class is HARTSGRPOTrainer:
+    if harts:
         rows = [trainer.harts_counts["rows"]]
     return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}, seen, sum(rows)
 
@@ -147,6 +148,15 @@ CASES = {
 
 def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+METRICS = ("entropy", "kl", "clip_ratio/region_mean")
+"""TRL's loss metrics that the HARTS trainer logs too (computed from HARTS's log-probs and entropies)."""
+
+
+def logged(trainer, name):
+    """The logged value of `name` at each step that logged it."""
+    return [entry[name] for entry in trainer.state.log_history if name in entry]
 
 
 def aux_losses(trainer):
@@ -174,6 +184,10 @@ def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
     assert len(losses(stock)) == steps
     for got, want in zip(losses(harts), losses(stock), strict=True):
         assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), (losses(harts), losses(stock))
+    for metric in METRICS:  # kl with beta, the clip region with TRL's clipped losses
+        assert len(logged(harts, metric)) == len(logged(stock, metric)), metric
+        for got, want in zip(logged(harts, metric), logged(stock, metric), strict=True):
+            assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), (metric, logged(harts, metric), logged(stock, metric))
     initial = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.named_parameters())
     assert change > 1e-3

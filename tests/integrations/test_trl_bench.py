@@ -42,11 +42,16 @@ def bench(tmp_path, device: str, *extra: str, model: str = "tiny") -> tuple[int,
 
 CPU_MODELS = {"tiny": "KimiLinearForCausalLM", "bailing-tiny": "BailingHybridForCausalLM",
               "gdn-tiny": "Qwen3NextForCausalLM"}
+AUX_LOSS = {"tiny": (("--router-aux-loss-coef", "0"), 0.0, "--router-aux-loss-coef"),
+            "bailing-tiny": ((), 0.0, "model config"), "gdn-tiny": ((), 0.001, "model config")}
+"""Per model: the flags, the router_aux_loss_coef both trainers run with and where it comes from (Qwen3-Next's config
+declares 0.001, TRL's default; BailingHybrid's none)."""
 
 
 @pytest.mark.parametrize("model", CPU_MODELS)
 def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys, model):
-    status, record = bench(tmp_path, "cpu", "--optim", "sgd", "--lr", "0.05", model=model)
+    flags, coefficient, source = AUX_LOSS[model]
+    status, record = bench(tmp_path, "cpu", "--optim", "sgd", "--lr", "0.05", *flags, model=model)
     assert status == 0, record
     assert record["benchmark"] == "trl"
     config, results = record["config"], record["results"]
@@ -56,7 +61,8 @@ def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys, model):
         "model": model, "device": "cpu", "dtype": "fp32", "prompts": PROMPTS, "generations": GENERATIONS,
         "prompt_length": PROMPT_LENGTH, "completion_length": COMPLETION_LENGTH, "warmup": WARMUP,
         "repeats": REPEATS, "optim": "sgd", "gradient_checkpointing": True, "hf_class": CPU_MODELS[model],
-        "router_aux_loss_coef": 0.0}
+        "router_aux_loss_coef": coefficient}
+    assert config["router_aux_loss_coef_from"] == source
     linear = config["model_config"]["kda"] or config["model_config"]["gdn"]
     assert linear["chunk_size"] == 64
     if model == "tiny":
@@ -96,6 +102,16 @@ def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys, model):
                  "HARTS GRPOTrainer: step 3/3",
                  "per step:", "wrote"):
         assert line in progress
+
+
+def test_an_aux_loss_on_sigmoid_routing_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["bench", "trl", "--model", "tiny", "--device", "cpu", "--router-aux-loss-coef", "0.01", "--out",
+                 str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "harts: error: --router-aux-loss-coef 0.01: tiny routes with sigmoid (HARTSGRPOTrainer reads transformers' "
+        "softmax load-balancing loss): set 0")
+    assert not out.exists()
 
 
 @pytest.mark.gpu
