@@ -147,7 +147,7 @@ class ExecutionConfig:
     of one block's intermediates)."""
     attention_backend: str | None = None
     """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree, CUDA only: Triton kernels reading the
-    ancestors' keys and values in place through the tree mask, not yet timed on a GPU)."""
+    ancestors' keys and values in place through the tree mask, no ancestor-KV copies)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
     experts_backend: str | None = None
