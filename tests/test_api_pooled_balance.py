@@ -21,6 +21,7 @@ from harts import api
 from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from tests.fixtures import one_thread  # noqa: F401  (autouse fixture)
+from tests.model.helpers import sharp_router_model
 from tests.test_api import grpo_sequences, make_batch, rl_fields
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
@@ -32,13 +33,7 @@ def model():
     config = load_model_config("gdn-tiny")
     config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, aux_loss_coeff=0.0, z_loss_coeff=0.0,
                                                                  balance_statistics=True))
-    model = HybridModel(config)
-    model.init_weights(seed=42)
-    with torch.no_grad():
-        for block in model.blocks:
-            if block.is_moe:
-                block.mlp.router_weight.mul_(40.0)
-    return model
+    return sharp_router_model(config, seed=42)
 
 
 def moe_layers(model):

@@ -13,13 +13,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from harts.model.config import MTPConfig, load_model_config
-from harts.model.model import HybridModel
 from harts.model.moe import pooled_load_balancing_loss
 from harts.objective.step import StepConfig, build_layout, run_step
 from harts.trees.trie import PrefixIndex
+from tests.model.helpers import sharp_router_model
 from tests.objective.helpers import random_tree_step
 
 COEFF = 0.5
@@ -29,13 +28,7 @@ def _model(config=None):
     if config is None:
         config = load_model_config("gdn-tiny")
         config = replace(config, moe=replace(config.moe, balance_statistics=True))
-    model = HybridModel(config)
-    model.init_weights(seed=3)
-    with torch.no_grad():
-        for block in model.blocks:
-            if block.is_moe:
-                block.mlp.router_weight.mul_(40.0)
-    return model
+    return sharp_router_model(config, seed=3)
 
 
 def _step_and_microbatches(num_microbatches: int):

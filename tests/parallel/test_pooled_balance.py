@@ -31,7 +31,7 @@ from harts.parallel.model import parallelize
 from harts.parallel.step import run_parallel_step
 from harts.parallel.verify import full_gradients, verify_on_rank
 from tests.parallel.helpers import tree_step_and_microbatches
-from tests.parallel.test_verify import _check as check_verify_report
+from tests.parallel.test_verify import check_verify_report
 
 TWO_RANKS = ("dp2", "tp2", "tp2-sp", "pp2", "ep2", "dp2-ep2")
 FOUR_RANKS = ("dp2-tp2-sp", "tp2-sp-pp2", "dp2-pp2-ep2")

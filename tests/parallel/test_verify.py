@@ -95,7 +95,7 @@ def _cases(names):
     return cases
 
 
-def _check(report):
+def check_verify_report(report):
     assert report["logit_cosine_min"] >= 0.99999, report
     assert report["loss_rel_diff"] <= 1e-6, report
     assert report["max_abs_logprob_diff"] <= 1e-5, report
@@ -111,24 +111,24 @@ def _check(report):
 
 @pytest.mark.parametrize(("name", "k"), _cases(TWO_RANKS))
 def test_two_rank_config_equals_single_process(two_rank_reports, name, k):
-    _check(two_rank_reports[name][k])
+    check_verify_report(two_rank_reports[name][k])
 
 
 @pytest.mark.parametrize(("name", "k"), _cases(TWO_RANKS))
 def test_two_rank_config_equals_single_process_gdn(gdn_two_rank_reports, name, k):
-    _check(gdn_two_rank_reports[name][k])
+    check_verify_report(gdn_two_rank_reports[name][k])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "k"), _cases(FOUR_RANKS))
 def test_four_rank_config_equals_single_process(four_rank_reports, name, k):
-    _check(four_rank_reports[name][k])
+    check_verify_report(four_rank_reports[name][k])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "k"), _cases(FOUR_RANKS))
 def test_four_rank_config_equals_single_process_gdn(gdn_four_rank_reports, name, k):
-    _check(gdn_four_rank_reports[name][k])
+    check_verify_report(gdn_four_rank_reports[name][k])
 
 
 def test_comparison_is_not_degenerate(two_rank_reports):
@@ -141,7 +141,7 @@ def _check_every(reports, names, candidates):
     for name in names:
         assert len(reports[name]) == len(candidates)
         for report in reports[name]:
-            _check(report)
+            check_verify_report(report)
 
 
 KEPT_ATTENTION = [StepConfig(execution=e, recompute=True, keep_attention=True) for e in ("baseline", "compact")]
@@ -218,7 +218,7 @@ def test_nccl_config_equals_single_process(name):
     candidates = [replace(c, kda_backend="torch", attention_backend="sdpa") for c in EXECUTIONS]
     reports = launch(verify_on_rank, config, model, 0, step, microbatches, candidates, device="cuda")
     for report in reports:
-        _check(report)
+        check_verify_report(report)
 
 
 def _rank_entries(grads: dict[str, torch.Tensor], specs: dict[str, ShardSpec]) -> list:
