@@ -66,8 +66,30 @@ def tile_rows(dtype: torch.dtype, qk_dim: int, v_dim: int) -> int:
 
 
 @triton.jit
-def _load_rows(base, rows, row_ok, stride_r, cols, num_cols, TRANSPOSED: tl.constexpr):
-    """x[rows, cols] ([rows, cols], or with TRANSPOSED [cols, rows]) of a [R, ·] matrix, zeros outside."""
+def _tile_rows(tile, BLOCK: tl.constexpr, num_rows):
+    """The rows of tile `tile` (BLOCK rows each) and which of them are real (below R)."""
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    return rows, rows < num_rows
+
+
+@triton.jit
+def _program_tile(ORDER, PTR, NUM_FULL, BLOCK: tl.constexpr, num_rows):
+    """This program's head and tile (program ids: position in ORDER, the tiles by descending list length; head),
+    the tile's rows, and the bounds of its list: TILES[start:split] its full partner tiles, TILES[split:stop] the
+    partial ones."""
+    tile = tl.load(ORDER + tl.program_id(0))
+    head = tl.program_id(1).to(tl.int64)
+    rows, row_ok = _tile_rows(tile, BLOCK, num_rows)
+    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
+    return head, rows, row_ok, start, start + tl.load(NUM_FULL + tile), stop
+
+
+@triton.jit
+def _load_rows(base, rows, row_ok, stride_r, COL0: tl.constexpr, BLOCK: tl.constexpr, num_cols,
+               TRANSPOSED: tl.constexpr):
+    """x[rows, COL0:COL0 + BLOCK] ([rows, BLOCK], or with TRANSPOSED [BLOCK, rows]) of a [R, num_cols] matrix with
+    row stride stride_r, zeros outside it."""
+    cols = COL0 + tl.arange(0, BLOCK)
     offsets = rows.to(tl.int64) * stride_r
     if TRANSPOSED:
         x = tl.load(base + offsets[None, :] + cols[:, None], mask=row_ok[None, :] & (cols[:, None] < num_cols),
@@ -79,27 +101,148 @@ def _load_rows(base, rows, row_ok, stride_r, cols, num_cols, TRANSPOSED: tl.cons
 
 
 @triton.jit
-def _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ends_ptr, key_tile, rows, num_rows, stride_kr, stride_vr,
+def _store_rows(base, rows, row_ok, stride_r, x, COL0: tl.constexpr, BLOCK: tl.constexpr, num_cols):
+    """x [rows, BLOCK] into columns COL0:COL0 + BLOCK of a [R, num_cols] matrix with row stride stride_r (what lies
+    outside it is not stored)."""
+    cols = COL0 + tl.arange(0, BLOCK)
+    offsets = rows.to(tl.int64) * stride_r
+    tl.store(base + offsets[:, None] + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < num_cols))
+
+
+@triton.jit
+def _load_parts(base, rows, row_ok, stride_r, E: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """A q or k tile in its two head-dim parts, columns [0, BLOCK_E0) and [BLOCK_E0, BLOCK_E0 + BLOCK_E1) (as
+    `_load_rows` lays them out); without a second part (BLOCK_E1 = 0) the first stands in for it, never read."""
+    x0 = _load_rows(base, rows, row_ok, stride_r, 0, BLOCK_E0, E, TRANSPOSED)
+    x1 = x0
+    if BLOCK_E1 > 0:
+        x1 = _load_rows(base, rows, row_ok, stride_r, BLOCK_E0, BLOCK_E1, E, TRANSPOSED)
+    return x0, x1
+
+
+@triton.jit
+def _zero_parts(BLOCK: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr):
+    """fp32 zeros for a gradient's two head-dim parts ([BLOCK, BLOCK_E0], [BLOCK, BLOCK_E1])."""
+    x0 = tl.zeros([BLOCK, BLOCK_E0], tl.float32)
+    x1 = x0
+    if BLOCK_E1 > 0:
+        x1 = tl.zeros([BLOCK, BLOCK_E1], tl.float32)
+    return x0, x1
+
+
+@triton.jit
+def _store_grad(X, head, rows, row_ok, x, COL0: tl.constexpr, BLOCK: tl.constexpr, num_cols):
+    """x [rows, BLOCK] into columns COL0:COL0 + BLOCK of head `head` of X, a gradient written contiguous
+    [R, H, num_cols] as torch's would be (what lies outside it is not stored)."""
+    cols = COL0 + tl.arange(0, BLOCK)
+    offsets = rows.to(tl.int64) * tl.num_programs(1) + head
+    tl.store(X + offsets[:, None] * num_cols + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < num_cols))
+
+
+@triton.jit
+def _store_parts(X, head, rows, row_ok, x0, x1, scale, E: tl.constexpr, BLOCK_E0: tl.constexpr,
+                 BLOCK_E1: tl.constexpr):
+    """scale · (x0, x1), the two head-dim parts of dQ or dK, into X (`_store_grad`)."""
+    _store_grad(X, head, rows, row_ok, (x0 * scale).to(X.dtype.element_ty), 0, BLOCK_E0, E)
+    if BLOCK_E1 > 0:
+        _store_grad(X, head, rows, row_ok, (x1 * scale).to(X.dtype.element_ty), BLOCK_E0, BLOCK_E1, E)
+
+
+@triton.jit
+def _key_ends(ENDS, cols, col_ok):
+    """subtree_end of the key rows; keys past R end at 0: no query sees them."""
+    return tl.load(ENDS + cols, mask=col_ok, other=0)
+
+
+@triton.jit
+def _scores(a0, a1, b_base, b_rows, b_ok, stride_br, qk_scale, E: tl.constexpr, BLOCK_E0: tl.constexpr,
+            BLOCK_E1: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores in log2 units (qk_scale = scale · log2(e)) of a tile a, q or k in its head-dim parts, against the
+    rows b_rows of b, k or q [R, E] at b_base: qk_scale · a·bᵀ, [queries, keys] or transposed [keys, queries].
+    b is read here part by part; its parts, transposed ([part, rows]), are returned for the gradients."""
+    bt0 = _load_rows(b_base, b_rows, b_ok, stride_br, 0, BLOCK_E0, E, True)
+    s = tl.dot(a0, bt0, input_precision=PRECISION)
+    bt1 = bt0
+    if BLOCK_E1 > 0:
+        bt1 = _load_rows(b_base, b_rows, b_ok, stride_br, BLOCK_E0, BLOCK_E1, E, True)
+        s = tl.dot(a1, bt1, s, input_precision=PRECISION)
+    return s * qk_scale, bt0, bt1
+
+
+@triton.jit
+def _tree_mask(s, rows, cols, ends, TRANSPOSED: tl.constexpr):
+    """The scores s [rows, cols] (or with TRANSPOSED [cols, rows]) with -inf where query row r does not see key row
+    c under the tree mask c <= r < ends[c] (ends: `_key_ends` of cols)."""
+    if TRANSPOSED:
+        r, c, end = rows[None, :], cols[:, None], ends[:, None]
+    else:
+        r, c, end = rows[:, None], cols[None, :], ends[None, :]
+    return tl.where((c <= r) & (r < end), s, float("-inf"))
+
+
+@triton.jit
+def _key_tile_scores(q0, q1, rows, k_base, ENDS, key_tile, num_rows, stride_kr, qk_scale, E: tl.constexpr,
+                     BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """A query tile's scores [BLOCK_M, BLOCK_N] against key tile `key_tile`, masked if MASKED; with the key rows
+    (cols, col_ok) and kᵀ's parts, which the dQ kernel multiplies again."""
+    cols, col_ok = _tile_rows(key_tile, BLOCK_N, num_rows)
+    s, kt0, kt1 = _scores(q0, q1, k_base, cols, col_ok, stride_kr, qk_scale, E, BLOCK_E0, BLOCK_E1, PRECISION)
+    if MASKED:
+        s = _tree_mask(s, rows, cols, _key_ends(ENDS, cols, col_ok), False)
+    return s, cols, col_ok, kt0, kt1
+
+
+@triton.jit
+def _row_lse(lse_base, rows, row_ok):
+    """The forward's log-sum-exp of a head's rows in log2 units, as the scores; rows past R read +inf, so that
+    their probabilities are 0."""
+    return tl.load(lse_base + rows, mask=row_ok, other=float("inf")) * LOG2E_C
+
+
+@triton.jit
+def _row_delta(delta_base, rows, row_ok):
+    return tl.load(delta_base + rows, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _probs(s, lse):
+    """P recomputed from the scores and the rows' lse (broadcast along the keys)."""
+    return tl.math.exp2(s - lse)
+
+
+@triton.jit
+def _score_grads(p, dp, delta, dtype: tl.constexpr):
+    """dS = P ∘ (dP − delta), softmax's backward (with respect to the scaled scores; delta broadcast along the
+    keys), rounded to `dtype` for its matmuls."""
+    return (p * (dp - delta)).to(dtype)
+
+
+@triton.jit
+def _accumulate_parts(d0, d1, ds, xt0, xt1, BLOCK_E1: tl.constexpr, PRECISION: tl.constexpr):
+    """d += ds · x over both head-dim parts, from x's parts loaded transposed (xt: [part, rows]): dQ += dS · K, and
+    dK += dSᵀ · Q with ds = dSᵀ."""
+    d0 = tl.dot(ds, tl.trans(xt0), d0, input_precision=PRECISION)
+    if BLOCK_E1 > 0:
+        d1 = tl.dot(ds, tl.trans(xt1), d1, input_precision=PRECISION)
+    return d0, d1
+
+
+@triton.jit
+def _forward_tile(acc, l_i, m_i, q0, q1, rows, k_base, v_base, ENDS, key_tile, num_rows, stride_kr, stride_vr,
                   qk_scale, E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
                   BLOCK_F: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    cols = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < num_rows
-    e0 = tl.arange(0, BLOCK_E0)
-    s = tl.dot(q0, _load_rows(k_base, cols, col_ok, stride_kr, e0, E, True), input_precision=PRECISION)
-    if BLOCK_E1 > 0:
-        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
-        s = tl.dot(q1, _load_rows(k_base, cols, col_ok, stride_kr, e1, E, True), s, input_precision=PRECISION)
-    s = s * qk_scale
-    if MASKED:
-        ends = tl.load(ends_ptr + cols, mask=col_ok, other=0)
-        s = tl.where((cols[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :]), s, float("-inf"))
+    """The online softmax's step over one key tile: the running output, row sums and row maxima."""
+    s, cols, col_ok, _, _ = _key_tile_scores(q0, q1, rows, k_base, ENDS, key_tile, num_rows, stride_kr, qk_scale, E,
+                                             BLOCK_E0, BLOCK_E1, BLOCK_N, MASKED, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet (all -inf) subtracts 0: its p and its rescale factor are then 0, not NaN.
     base = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - base[:, None])
     alpha = tl.math.exp2(m_i - base)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_base, cols, col_ok, stride_vr, tl.arange(0, BLOCK_F), F, False)
+    v = _load_rows(v_base, cols, col_ok, stride_vr, 0, BLOCK_F, F, False)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -109,47 +252,34 @@ def _tree_forward(Q, K, V, O, LSE, ENDS, ORDER, PTR, NUM_FULL, TILES, stride_qr,
                   stride_vr, stride_vh, stride_or, stride_oh, num_rows, qk_scale, E: tl.constexpr, F: tl.constexpr,
                   BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.load(ORDER + tl.program_id(0))
-    head = tl.program_id(1).to(tl.int64)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    q_base, k_base, v_base = Q + head * stride_qh, K + head * stride_kh, V + head * stride_vh
-    q0 = _load_rows(q_base, rows, row_ok, stride_qr, tl.arange(0, BLOCK_E0), E, False)
-    q1 = q0
-    if BLOCK_E1 > 0:
-        q1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
+    head, rows, row_ok, start, split, stop = _program_tile(ORDER, PTR, NUM_FULL, BLOCK_M, num_rows)
+    k_base, v_base = K + head * stride_kh, V + head * stride_vh
+    q0, q1 = _load_parts(Q + head * stride_qh, rows, row_ok, stride_qr, E, BLOCK_E0, BLOCK_E1, False)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
-    split = start + tl.load(NUM_FULL + tile)
     for index in range(start, split):
-        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ENDS, tl.load(TILES + index), rows,
+        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, rows, k_base, v_base, ENDS, tl.load(TILES + index),
                                       num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0, BLOCK_E1, BLOCK_F,
                                       BLOCK_N, False, PRECISION)
     for index in range(split, stop):
-        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, k_base, v_base, ENDS, tl.load(TILES + index), rows,
+        acc, l_i, m_i = _forward_tile(acc, l_i, m_i, q0, q1, rows, k_base, v_base, ENDS, tl.load(TILES + index),
                                       num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0, BLOCK_E1, BLOCK_F,
                                       BLOCK_N, True, PRECISION)
     # Every real row sees itself (l >= 1); rows past R, never stored, divide by 1.
     l_i = tl.where(row_ok, l_i, 1.0)
-    f = tl.arange(0, BLOCK_F)
     out = acc / l_i[:, None]
-    offsets = rows.to(tl.int64) * stride_or
-    tl.store(O + head * stride_oh + offsets[:, None] + f[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (f[None, :] < F))
+    _store_rows(O + head * stride_oh, rows, row_ok, stride_or, out.to(O.dtype.element_ty), 0, BLOCK_F, F)
     tl.store(LSE + head * num_rows + rows, (m_i + tl.math.log2(l_i)) / LOG2E_C, mask=row_ok)
 
 
 @triton.jit
 def _tree_delta(O, DO, DELTA, stride_or, stride_oh, stride_dr, stride_dh, num_rows, F: tl.constexpr,
                 BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows, row_ok = _tile_rows(tl.program_id(0), BLOCK_M, num_rows)
     head = tl.program_id(1).to(tl.int64)
-    row_ok = rows < num_rows
-    f = tl.arange(0, BLOCK_F)
-    out = _load_rows(O + head * stride_oh, rows, row_ok, stride_or, f, F, False).to(tl.float32)
-    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, f, F, False).to(tl.float32)
+    out = _load_rows(O + head * stride_oh, rows, row_ok, stride_or, 0, BLOCK_F, F, False).to(tl.float32)
+    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, 0, BLOCK_F, F, False).to(tl.float32)
     tl.store(DELTA + head * num_rows + rows, tl.sum(out * dout, 1), mask=row_ok)
 
 
@@ -159,27 +289,16 @@ def _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_
                       BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
                       MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile's share of a key tile's dK and dV, transposed ([keys, queries]) so the key tile stays."""
-    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    qt0 = _load_rows(q_base, rows, row_ok, stride_qr, tl.arange(0, BLOCK_E0), E, True)
-    st = tl.dot(k0, qt0, input_precision=PRECISION)
-    if BLOCK_E1 > 0:
-        qt1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, True)
-        st = tl.dot(k1, qt1, st, input_precision=PRECISION)
-    st = st * qk_scale
+    rows, row_ok = _tile_rows(query_tile, BLOCK_M, num_rows)
+    st, qt0, qt1 = _scores(k0, k1, q_base, rows, row_ok, stride_qr, qk_scale, E, BLOCK_E0, BLOCK_E1, PRECISION)
     if MASKED:
-        st = tl.where((cols[:, None] <= rows[None, :]) & (rows[None, :] < ends[:, None]), st, float("-inf"))
-    # Rows past R read lse +inf: their probabilities are 0.
-    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf")) * LOG2E_C
-    pt = tl.math.exp2(st - lse[None, :])
-    dout = _load_rows(do_base, rows, row_ok, stride_dr, tl.arange(0, BLOCK_F), F, False)
+        st = _tree_mask(st, rows, cols, ends, True)
+    pt = _probs(st, _row_lse(lse_base, rows, row_ok)[None, :])
+    dout = _load_rows(do_base, rows, row_ok, stride_dr, 0, BLOCK_F, F, False)
     dv = tl.dot(pt.to(dout.dtype), dout, dv, input_precision=PRECISION)
     dpt = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
-    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-    dst = (pt * (dpt - delta[None, :])).to(qt0.dtype)
-    dk0 = tl.dot(dst, tl.trans(qt0), dk0, input_precision=PRECISION)
-    if BLOCK_E1 > 0:
-        dk1 = tl.dot(dst, tl.trans(qt1), dk1, input_precision=PRECISION)
+    dst = _score_grads(pt, dpt, _row_delta(delta_base, rows, row_ok)[None, :], qt0.dtype)
+    dk0, dk1 = _accumulate_parts(dk0, dk1, dst, qt0, qt1, BLOCK_E1, PRECISION)
     return dk0, dk1, dv
 
 
@@ -188,28 +307,14 @@ def _tree_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, ENDS, ORDER, PTR, NUM_FUL
                       stride_kr, stride_kh, stride_vr, stride_vh, stride_dr, stride_dh, num_rows, qk_scale, scale,
                       E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.load(ORDER + tl.program_id(0))
-    head = tl.program_id(1).to(tl.int64)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < num_rows
-    e0, f = tl.arange(0, BLOCK_E0), tl.arange(0, BLOCK_F)
-    k_base, v_base = K + head * stride_kh, V + head * stride_vh
-    k0 = _load_rows(k_base, cols, col_ok, stride_kr, e0, E, False)
-    k1 = k0
-    if BLOCK_E1 > 0:
-        k1 = _load_rows(k_base, cols, col_ok, stride_kr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
-    v = _load_rows(v_base, cols, col_ok, stride_vr, f, F, False)
-    # Keys past R end at 0: no query sees them.
-    ends = tl.load(ENDS + cols, mask=col_ok, other=0)
-    dk0 = tl.zeros([BLOCK_N, BLOCK_E0], tl.float32)
-    dk1 = dk0
-    if BLOCK_E1 > 0:
-        dk1 = tl.zeros([BLOCK_N, BLOCK_E1], tl.float32)
+    head, cols, col_ok, start, split, stop = _program_tile(ORDER, PTR, NUM_FULL, BLOCK_N, num_rows)
+    k0, k1 = _load_parts(K + head * stride_kh, cols, col_ok, stride_kr, E, BLOCK_E0, BLOCK_E1, False)
+    v = _load_rows(V + head * stride_vh, cols, col_ok, stride_vr, 0, BLOCK_F, F, False)
+    ends = _key_ends(ENDS, cols, col_ok)
+    dk0, dk1 = _zero_parts(BLOCK_N, BLOCK_E0, BLOCK_E1)
     dv = tl.zeros([BLOCK_N, BLOCK_F], tl.float32)
     q_base, do_base = Q + head * stride_qh, DO + head * stride_dh
     lse_base, delta_base = LSE + head * num_rows, DELTA + head * num_rows
-    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
-    split = start + tl.load(NUM_FULL + tile)
     for index in range(start, split):
         dk0, dk1, dv = _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_base, delta_base,
                                          tl.load(TILES + index), num_rows, stride_qr, stride_dr, qk_scale, E, F,
@@ -218,43 +323,23 @@ def _tree_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, ENDS, ORDER, PTR, NUM_FUL
         dk0, dk1, dv = _backward_kv_tile(dk0, dk1, dv, k0, k1, v, ends, cols, q_base, do_base, lse_base, delta_base,
                                          tl.load(TILES + index), num_rows, stride_qr, stride_dr, qk_scale, E, F,
                                          BLOCK_E0, BLOCK_E1, BLOCK_F, BLOCK_M, True, PRECISION)
-    # dK and dV are written contiguous [R, H, ·], like K's and V's gradients would be.
-    num_heads = tl.num_programs(1)
-    offsets = cols.to(tl.int64) * num_heads
-    dk_base = DK + (offsets + head)[:, None] * E
-    tl.store(dk_base + e0[None, :], (dk0 * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (e0[None, :] < E))
-    if BLOCK_E1 > 0:
-        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
-        tl.store(dk_base + e1[None, :], (dk1 * scale).to(DK.dtype.element_ty),
-                 mask=col_ok[:, None] & (e1[None, :] < E))
-    tl.store(DV + (offsets + head)[:, None] * F + f[None, :], dv.to(DV.dtype.element_ty),
-             mask=col_ok[:, None] & (f[None, :] < F))
+    _store_parts(DK, head, cols, col_ok, dk0, dk1, scale, E, BLOCK_E0, BLOCK_E1)
+    _store_grad(DV, head, cols, col_ok, dv.to(DV.dtype.element_ty), 0, BLOCK_F, F)
 
 
 @triton.jit
-def _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ends_ptr, key_tile, num_rows,
+def _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ENDS, key_tile, num_rows,
                      stride_kr, stride_vr, qk_scale, E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr,
                      BLOCK_E1: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                      PRECISION: tl.constexpr):
-    cols = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < num_rows
-    kt0 = _load_rows(k_base, cols, col_ok, stride_kr, tl.arange(0, BLOCK_E0), E, True)
-    s = tl.dot(q0, kt0, input_precision=PRECISION)
-    if BLOCK_E1 > 0:
-        kt1 = _load_rows(k_base, cols, col_ok, stride_kr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, True)
-        s = tl.dot(q1, kt1, s, input_precision=PRECISION)
-    s = s * qk_scale
-    if MASKED:
-        ends = tl.load(ends_ptr + cols, mask=col_ok, other=0)
-        s = tl.where((cols[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :]), s, float("-inf"))
-    p = tl.math.exp2(s - lse[:, None])
-    vt = _load_rows(v_base, cols, col_ok, stride_vr, tl.arange(0, BLOCK_F), F, True)
+    """One key tile's share of a query tile's dQ."""
+    s, cols, col_ok, kt0, kt1 = _key_tile_scores(q0, q1, rows, k_base, ENDS, key_tile, num_rows, stride_kr, qk_scale,
+                                                 E, BLOCK_E0, BLOCK_E1, BLOCK_N, MASKED, PRECISION)
+    p = _probs(s, lse[:, None])
+    vt = _load_rows(v_base, cols, col_ok, stride_vr, 0, BLOCK_F, F, True)
     dp = tl.dot(dout, vt, input_precision=PRECISION)
-    ds = (p * (dp - delta[:, None])).to(kt0.dtype)
-    dq0 = tl.dot(ds, tl.trans(kt0), dq0, input_precision=PRECISION)
-    if BLOCK_E1 > 0:
-        dq1 = tl.dot(ds, tl.trans(kt1), dq1, input_precision=PRECISION)
-    return dq0, dq1
+    ds = _score_grads(p, dp, delta[:, None], kt0.dtype)
+    return _accumulate_parts(dq0, dq1, ds, kt0, kt1, BLOCK_E1, PRECISION)
 
 
 @triton.jit
@@ -262,26 +347,13 @@ def _tree_backward_q(Q, K, V, DO, LSE, DELTA, DQ, ENDS, ORDER, PTR, NUM_FULL, TI
                      stride_kh, stride_vr, stride_vh, stride_dr, stride_dh, num_rows, qk_scale, scale,
                      E: tl.constexpr, F: tl.constexpr, BLOCK_E0: tl.constexpr, BLOCK_E1: tl.constexpr,
                      BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.load(ORDER + tl.program_id(0))
-    head = tl.program_id(1).to(tl.int64)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    e0 = tl.arange(0, BLOCK_E0)
-    q_base = Q + head * stride_qh
-    q0 = _load_rows(q_base, rows, row_ok, stride_qr, e0, E, False)
-    q1 = q0
-    if BLOCK_E1 > 0:
-        q1 = _load_rows(q_base, rows, row_ok, stride_qr, BLOCK_E0 + tl.arange(0, BLOCK_E1), E, False)
-    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, tl.arange(0, BLOCK_F), F, False)
-    lse = tl.load(LSE + head * num_rows + rows, mask=row_ok, other=float("inf")) * LOG2E_C
-    delta = tl.load(DELTA + head * num_rows + rows, mask=row_ok, other=0.0)
-    dq0 = tl.zeros([BLOCK_M, BLOCK_E0], tl.float32)
-    dq1 = dq0
-    if BLOCK_E1 > 0:
-        dq1 = tl.zeros([BLOCK_M, BLOCK_E1], tl.float32)
+    head, rows, row_ok, start, split, stop = _program_tile(ORDER, PTR, NUM_FULL, BLOCK_M, num_rows)
+    q0, q1 = _load_parts(Q + head * stride_qh, rows, row_ok, stride_qr, E, BLOCK_E0, BLOCK_E1, False)
+    dout = _load_rows(DO + head * stride_dh, rows, row_ok, stride_dr, 0, BLOCK_F, F, False)
+    lse_base, delta_base = LSE + head * num_rows, DELTA + head * num_rows
+    lse, delta = _row_lse(lse_base, rows, row_ok), _row_delta(delta_base, rows, row_ok)
+    dq0, dq1 = _zero_parts(BLOCK_M, BLOCK_E0, BLOCK_E1)
     k_base, v_base = K + head * stride_kh, V + head * stride_vh
-    start, stop = tl.load(PTR + tile), tl.load(PTR + tile + 1)
-    split = start + tl.load(NUM_FULL + tile)
     for index in range(start, split):
         dq0, dq1 = _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ENDS,
                                     tl.load(TILES + index), num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0,
@@ -290,13 +362,7 @@ def _tree_backward_q(Q, K, V, DO, LSE, DELTA, DQ, ENDS, ORDER, PTR, NUM_FULL, TI
         dq0, dq1 = _backward_q_tile(dq0, dq1, q0, q1, dout, lse, delta, rows, k_base, v_base, ENDS,
                                     tl.load(TILES + index), num_rows, stride_kr, stride_vr, qk_scale, E, F, BLOCK_E0,
                                     BLOCK_E1, BLOCK_F, BLOCK_N, True, PRECISION)
-    num_heads = tl.num_programs(1)
-    dq_base = DQ + (rows.to(tl.int64) * num_heads + head)[:, None] * E
-    tl.store(dq_base + e0[None, :], (dq0 * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (e0[None, :] < E))
-    if BLOCK_E1 > 0:
-        e1 = BLOCK_E0 + tl.arange(0, BLOCK_E1)
-        tl.store(dq_base + e1[None, :], (dq1 * scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (e1[None, :] < E))
+    _store_parts(DQ, head, rows, row_ok, dq0, dq1, scale, E, BLOCK_E0, BLOCK_E1)
 
 
 def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
