@@ -52,6 +52,14 @@ class TileLists:
     k_order: np.ndarray
 
     @property
+    def num_q_tiles(self) -> int:
+        return len(self.q_order)
+
+    @property
+    def num_k_tiles(self) -> int:
+        return len(self.k_order)
+
+    @property
     def num_pairs(self) -> int:
         return len(self.q_tiles)
 
@@ -146,6 +154,16 @@ class TreePlan:
     @property
     def num_rows(self) -> int:
         return self.lists.num_rows
+
+    @property
+    def by_query(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_order, q_ptr, q_num_full, q_tiles): the query tiles' lists, which the forward and dQ kernels walk."""
+        return self.q_order, self.q_ptr, self.q_num_full, self.q_tiles
+
+    @property
+    def by_key(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_order, k_ptr, k_num_full, k_tiles): the key tiles' lists, which the dK/dV kernel walks."""
+        return self.k_order, self.k_ptr, self.k_num_full, self.k_tiles
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -377,60 +377,55 @@ def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def _check_tiles(plan: TreePlan, num_rows: int) -> None:
-    lists = plan.lists
-    assert plan.num_rows == num_rows, (plan.num_rows, num_rows)
-    for rows in (lists.block_q, lists.block_k):
-        assert rows >= 16 and rows & (rows - 1) == 0, f"tiles of {rows} rows: tl.dot takes powers of two >= 16"
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def tree_attention_forward(q, k, v, plan: TreePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [R, H, F] in q's dtype, lse fp32 [H, R]) of the tree attention."""
+def _prepared(q, k, v, plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """q, k and v with a contiguous last dim, and the forward's and the gradient kernels' compile-time arguments for
+    them and the plan's tiles (`_shapes`, tile rows, warps)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     shapes = _shapes(q, k, v)
-    num_rows, num_heads = q.shape[:2]
-    _check_tiles(plan, num_rows)
     lists = plan.lists
+    assert plan.num_rows == q.shape[0], (plan.num_rows, q.shape[0])
+    for rows in (lists.block_q, lists.block_k):
+        assert rows >= 16 and rows & (rows - 1) == 0, f"tiles of {rows} rows: tl.dot takes powers of two >= 16"
+    return q, k, v, dict(shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS)
+
+
+def _row_head_strides(*tensors: torch.Tensor) -> list[int]:
+    """The row and head strides of [R, H, ·] tensors, in the kernels' argument order."""
+    return [stride for x in tensors for stride in x.stride()[:2]]
+
+
+def tree_attention_forward(q, k, v, plan: TreePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [R, H, F] in q's dtype, lse fp32 [H, R]) of the tree attention."""
+    q, k, v, constants = _prepared(q, k, v, plan)
+    num_rows, num_heads = q.shape[:2]
     out = torch.empty(num_rows, num_heads, v.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
-    grid = (len(lists.q_order), num_heads)
-    _tree_forward[grid](
-        q, k, v, out, lse, plan.subtree_end, plan.q_order, plan.q_ptr, plan.q_num_full, plan.q_tiles,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        num_rows, scale * LOG2E, **shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS,
+    _tree_forward[(plan.lists.num_q_tiles, num_heads)](
+        q, k, v, out, lse, plan.subtree_end, *plan.by_query, *_row_head_strides(q, k, v, out), num_rows,
+        scale * LOG2E, **constants,
     )
     return out, lse
 
 
 def tree_attention_backward(dout, q, k, v, out, lse, plan: TreePlan, scale: float):
     """(dq, dk, dv), contiguous in the inputs' dtype, from the forward's out and lse."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v, constants = _prepared(q, k, v, plan)
     dout = _last_dim_contiguous(dout.to(q.dtype))
-    shapes = _shapes(q, k, v)
     num_rows, num_heads = q.shape[:2]
-    _check_tiles(plan, num_rows)
-    lists = plan.lists
+    query_grid, key_grid = (plan.lists.num_q_tiles, num_heads), (plan.lists.num_k_tiles, num_heads)
     delta = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
-    _tree_delta[(triton.cdiv(num_rows, lists.block_q), num_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), num_rows, F=shapes["F"],
-        BLOCK_F=shapes["BLOCK_F"], BLOCK_M=lists.block_q,
-    )
+    _tree_delta[query_grid](out, dout, delta, *_row_head_strides(out, dout), num_rows, F=constants["F"],
+                            BLOCK_F=constants["BLOCK_F"], BLOCK_M=constants["BLOCK_M"])
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-               dout.stride(1), num_rows, scale * LOG2E, scale)
-    blocks = dict(BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS)
-    _tree_backward_kv[(len(lists.k_order), num_heads)](
-        q, k, v, dout, lse, delta, dk, dv, plan.subtree_end, plan.k_order, plan.k_ptr, plan.k_num_full,
-        plan.k_tiles, *strides, **shapes, **blocks,
-    )
-    _tree_backward_q[(len(lists.q_order), num_heads)](
-        q, k, v, dout, lse, delta, dq, plan.subtree_end, plan.q_order, plan.q_ptr, plan.q_num_full, plan.q_tiles,
-        *strides, **shapes, **blocks,
-    )
+    scalars = (*_row_head_strides(q, k, v, dout), num_rows, scale * LOG2E, scale)
+    _tree_backward_kv[key_grid](q, k, v, dout, lse, delta, dk, dv, plan.subtree_end, *plan.by_key, *scalars,
+                                **constants)
+    _tree_backward_q[query_grid](q, k, v, dout, lse, delta, dq, plan.subtree_end, *plan.by_query, *scalars,
+                                 **constants)
     return dq, dk, dv
 
 

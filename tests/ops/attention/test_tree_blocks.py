@@ -49,6 +49,7 @@ def test_tile_lists_are_the_dense_masks_tiles(name, blocks):
     mask = visibility_mask(layout.groups, layout.num_rows).numpy()
     lists = tile_lists(layout.groups.row_subtree_end.numpy(), *blocks)
     any_, all_ = _tiles(mask, *blocks)
+    assert (lists.num_q_tiles, lists.num_k_tiles) == any_.shape
     by_q = _pairs(lists.q_ptr, lists.q_num_full, lists.q_tiles, True)
     by_k = _pairs(lists.k_ptr, lists.k_num_full, lists.k_tiles, False)
     assert by_q == by_k
