@@ -7,6 +7,11 @@ own causal part), full tiles unmasked and partial ones masked by subtree_end, wi
 and writes O and the log-sum-exp. The backward is deterministic (no atomics): a preprocessing kernel forms
 delta = rowsum(dO ∘ O), a dK/dV kernel walks each key tile's transposed list (the query tiles that see it) and a
 dQ kernel the query tiles' lists again (FlashAttention-2's split of the backward, with P recomputed from lse).
+The three kernels share their math through @triton.jit helpers, which Triton inlines: the scores over the two
+head-dim parts (`_scores`, q·kᵀ or k·qᵀ times scale·log2 e), the tree mask (`_tree_mask`, either orientation), a
+query tile against a key tile (`_key_tile_scores`, forward and dQ), P and dS (`_probs`, `_score_grads`), and the
+loads, accumulations and stores of the head-dim parts. The forward and dQ kernels walk `TreePlan.by_query`, the
+dK/dV kernel `by_key`; in each list the full tiles come first and run with MASKED off.
 Inside an activation checkpoint with harts.ops.attention.keep's keeper (keep_attention), the recomputation
 replays the forward's O and lse instead of running the forward kernel again, as the flash4 backend does.
 Inputs bf16, fp16 or fp32 (one dtype), products accumulated in fp32 (fp32 inputs multiply in full fp32, not
