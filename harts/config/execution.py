@@ -34,9 +34,10 @@ DTYPES = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree")
 """The MLA backends (harts.ops.attention.groups.BACKENDS)."""
-CUDA_ATTENTION_BACKENDS = ("triton_tree",)
-"""The MLA backends that a config resolved for another device than CUDA refuses, before a model is built (the other
-GPU backends refuse CPU tensors at their first call)."""
+CUDA_ATTENTION_BACKENDS = {"varlen": "torch's varlen flash-attention kernel", "cudnn": "cuDNN's attention kernels",
+                           "flash4": "FlashAttention-4's kernels", "triton_tree": "Triton kernels"}
+"""The MLA backends whose kernels run on CUDA only, and what they run: a config resolved for another device refuses
+them before a model is built."""
 KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree")
 """The MLA backends whose outputs a recomputation can keep (harts.ops.attention.groups.KEEPABLE_BACKENDS)."""
 KDA_BACKENDS = ("torch", "fla")
@@ -210,8 +211,8 @@ class ExecutionConfig:
                              f"device {' or '.join(SEARCH_DEVICES)}, got {device!r}")
         if self.attention_backend in CUDA_ATTENTION_BACKENDS and device != "cuda":
             name = flag("attention_backend") if as_flags else prefix + "attention_backend"
-            raise ValueError(f"{name} {self.attention_backend} runs Triton kernels on CUDA: it needs device cuda, got "
-                             f"{device!r} (on the CPU use sdpa)")
+            raise ValueError(f"{name} {self.attention_backend} runs {CUDA_ATTENTION_BACKENDS[self.attention_backend]} "
+                             f"on CUDA: it needs device cuda, got {device!r} (on the CPU use sdpa)")
         execution = self.execution or execution
         if execution is not None and execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")

@@ -94,16 +94,21 @@ def test_recompute_blocks_auto_resolves_only_where_it_can_search(monkeypatch):
         StepConfig(recompute=True, recompute_blocks="auto")
 
 
-def test_cuda_attention_backends_resolve_only_on_cuda():
-    """triton_tree's kernels run on CUDA: resolved for the CPU it is refused before any model is built, naming the
-    key (or the flag); on CUDA it resolves, keeping the attention too."""
-    config = ExecutionConfig(attention_backend="triton_tree", recompute=True, keep_attention=True)
-    assert config.resolved("cuda", "compact").attention_backend == "triton_tree"
-    with pytest.raises(ValueError, match="^execution.attention_backend triton_tree runs Triton kernels on CUDA: it "
-                                         "needs device cuda, got 'cpu' \\(on the CPU use sdpa\\)$"):
+@pytest.mark.parametrize("backend, runs", [("varlen", "torch's varlen flash-attention kernel"),
+                                           ("cudnn", "cuDNN's attention kernels"),
+                                           ("flash4", "FlashAttention-4's kernels"), ("triton_tree", "Triton kernels")])
+def test_cuda_attention_backends_resolve_only_on_cuda(backend, runs):
+    """The GPU backends' kernels run on CUDA: resolved for the CPU each is refused before any model is built, naming
+    the key (or the flag); on CUDA it resolves (keeping the attention too where it can)."""
+    keep = backend in execution.KEEPABLE_ATTENTION_BACKENDS
+    config = ExecutionConfig(attention_backend=backend, recompute=True, keep_attention=keep)
+    assert config.resolved("cuda", "compact").attention_backend == backend
+    with pytest.raises(ValueError, match=f"^execution.attention_backend {backend} runs {runs} on CUDA: it needs "
+                                         "device cuda, got 'cpu' \\(on the CPU use sdpa\\)$"):
         execution.resolved_for_run(None, config, "cpu", "compact")
-    with pytest.raises(ValueError, match="^--attention-backend triton_tree runs Triton kernels on CUDA"):
+    with pytest.raises(ValueError, match=f"^--attention-backend {backend} runs {runs} on CUDA"):
         config.resolved("cpu", as_flags=True)
+    assert ExecutionConfig(attention_backend="sdpa").resolved("cpu").attention_backend == "sdpa"
 
 
 @pytest.mark.parametrize("device, execution_name, expected", [
@@ -192,6 +197,8 @@ BAD = {
                                       "--execution", "compact", "--attention-backend", "triton_tree"],
     "train-triton-tree-on-cpu": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run",
                                  "--attention-backend", "triton_tree"],
+    "verify-varlen-on-cpu": ["verify", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz",
+                             "--attention-backend", "varlen"],
     "bench-speedup-triton-tree-on-cpu": ["bench", "speedup", "--model", "tiny", "--trees", "tiny", "--out",
                                          "{tmp}/s.json", "--compact-attention-backend", "triton_tree"],
 }
