@@ -10,7 +10,9 @@ calls' kernels and operations, one call with no boundary state, so that both exe
 fla 0.6 refuses the backward of its GDN kernel on Hopper with Triton >= 3.4.0 and < 3.7.1 (fla issue #640), in
 the backward, after the forward ran; `check_gdn_kernel` refuses that kernel before (`fla_gdn_refusal`: fla's own
 flags). Tested: the torch backend against `naive_recurrent_gdn` (tests/ops/gdn/test_packed.py); both fla kernels
-against it under the Triton interpreter on CPU (tests/ops/gdn/interpreter.py) and in bf16 on a GPU (gpu tests).
+against the torch backend (the KDA kernels against the recurrence too) under the Triton interpreter on CPU
+(tests/ops/gdn/interpreter.py); the refusal with fla's flags faked (tests/ops/gdn/test_refusal.py); on a GPU in bf16,
+each kernel against the fp32 torch backend and the two against each other (gpu tests, not yet run on a GPU).
 Legend: R packed rows, N sequences, H query/key heads, HV value heads, K key dim, V value dim.
 """
 

@@ -7,7 +7,8 @@ Prints one JSON object: the relative error of every compared tensor.
   kernel) against `packed_gdn(backend="torch")`;
 - "packed_kda": `packed_gdn(backend="fla", kernel="kda")` (fla's KDA kernels on the KDA form: q and k repeated over
   the value groups, the gate broadcast over the key channels) against the paper's recurrence `naive_recurrent_gdn`
-  (written without the KDA form) and against `packed_gdn(backend="torch")`;
+  (written without the KDA form) and against `packed_gdn(backend="torch")`; a baseline layout's
+  `gated_delta_rule` on it, twice, with one device plan of the call;
 - "compact": `compact_gdn(backend="fla")` (fla's KDA kernels with HARTS's boundary-state kernels on the broadcast
   gate), replay and no-replay, against the torch backend's per-trajectory reference and recurrence.
 """
@@ -57,6 +58,7 @@ def case_packed_kda() -> dict[str, float]:
 
     from harts.ops.gdn.naive import naive_recurrent_gdn
     from harts.ops.gdn.packed import packed_gdn
+    from harts.runtime.layout import packed_layout
     from tests.ops.kda.helpers import relative_error
 
     gen = torch.Generator().manual_seed(42)
@@ -83,6 +85,16 @@ def case_packed_kda() -> dict[str, float]:
     errors = {f"{reference}.{name}": relative_error(actual, expected)
               for reference in ("torch", "recurrence")
               for name, expected, actual in zip(names, results[reference], results["kda"])}
+    # A baseline layout's GDN layers share one device plan of the call (built by the first).
+    layout = packed_layout(np.zeros(total, dtype=np.int64), np.array(lengths), np.arange(len(lengths)), conv_size=4,
+                           chunk_size=64, kda_backend="fla", gdn_kernel="kda")
+    with torch.no_grad():
+        first = layout.gated_delta_rule(*leaves)
+        call = layout._packed_kda_call
+        again = layout.gated_delta_rule(*leaves)
+    assert call is not None and layout._packed_kda_call is call
+    errors["layout.o"] = relative_error(first, results["kda"][0])
+    errors["layout.again.o"] = relative_error(again, first)
     assert np.isfinite(list(errors.values())).all()
     return errors
 

@@ -50,7 +50,8 @@ def test_interpreted_fla_packed_matches_torch():
 def test_interpreted_fla_kda_kernel_matches_recurrence_and_torch():
     """The baseline's call on fla's KDA kernels (`kernel="kda"`: q and k repeated over the value groups, the gate
     broadcast over the key channels, one call without boundary states) computes the paper's recurrence and the
-    torch backend's function: output and every gradient within fp32 rounding (measured 4e-7 to 1.1e-6)."""
+    torch backend's function: output and every gradient within fp32 rounding (measured 4e-7 to 1.1e-6); a baseline
+    layout's GDN layers run it on one device plan of the call, with the same bits."""
     errors = run_interpreted("tests.ops.gdn.interpreter", "packed_kda")
     assert max(errors.values()) < 1e-5, errors
 
