@@ -91,8 +91,8 @@ NOISE_FLOORS = {"rerun": "rerun", "split_rerun": "split-rerun"}
 """Excess keys (`{metric}_excess_over_{key}`) and the path that gives each noise floor."""
 
 
-KNOBS = ("capacity", "dtype", "attention_backend", "kda_backend", "experts_backend", "logprob_chunk_rows",
-         "logprob_grad_precision")
+KNOBS = ("capacity", "dtype", "attention_backend", "kda_backend", "gdn_kernel", "experts_backend",
+         "logprob_chunk_rows", "logprob_grad_precision")
 """The execution knobs of the comparison (harts.config.execution); the paths fix the executions, planners and
 recomputation."""
 
@@ -522,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.objective.step import check_baseline_gdn_kernel
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, is_reporting_rank
     from harts.tracking.records import Terminated, error_message, make_record, sigterm_raises, write_records
@@ -538,6 +539,8 @@ def run(args: argparse.Namespace) -> int:
     if parallel is not None and args.no_gradients:
         raise ValueError("--no-gradients: the --parallel comparison always includes the loss and gradients")
     model_config = load_model_config_with(args.model, knobs.experts_backend)
+    check_baseline_gdn_kernel(model_config, replace(knobs, execution="baseline"), args.device,
+                              name=execution.flag("gdn_kernel"))
     if parallel is None:
         with device:
             model = HybridModel(model_config)

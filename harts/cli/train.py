@@ -65,23 +65,26 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "started by torchrun")
 
 
-def _setup(args: argparse.Namespace):
+def _setup(args: argparse.Namespace, config):
+    """The model (of `config`'s baseline GDN kernel checked first), the step and its prefix index."""
     import torch
 
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.objective.step import check_baseline_gdn_kernel
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    config = load_model_config_with(args.model, args.experts_backend)
-    step = read_step(args.trees, vocab_size=config.vocab_size)
+    model_config = load_model_config_with(args.model, args.experts_backend)
+    check_baseline_gdn_kernel(model_config, config, args.device, name=execution.flag("gdn_kernel"))
+    step = read_step(args.trees, vocab_size=model_config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)
     index = PrefixIndex.from_step(step)
     with torch.device(args.device):
-        model = HybridModel(config)
+        model = HybridModel(model_config)
     model.init_weights(args.seed)
     return model, step, index
 
@@ -129,7 +132,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         return _run_parallel(args, verify=False)
     check_torchrun(None)
     config = _step_config(args, args.execution)
-    model, step, index = _setup(args)
+    model, step, index = _setup(args, config)
     engine = Engine(model, config)
     planned = engine.plan(step, index=index)
     result = engine.run(step, planned)
@@ -171,7 +174,7 @@ def run_verify(args: argparse.Namespace) -> int:
         return _run_parallel(args, verify=True)
     check_torchrun(None)
     reference, candidate = _step_config(args, "baseline"), _step_config(args, "compact", replay=not args.no_replay)
-    model, step, index = _setup(args)
+    model, step, index = _setup(args, reference)
     planned = plan_step(step, reference, index=index)
     report = compare_executions(model, step, planned.microbatches, reference, candidate, index=index)
     report["compact_tokens"] = index.segment_tree().num_compact_tokens
@@ -208,6 +211,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
 
     from harts.engine import parallel_train_step, plan_step
     from harts.model.config import load_model_config_with
+    from harts.objective.step import check_baseline_gdn_kernel
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, launch
     from harts.parallel.verify import verify_on_rank
@@ -222,6 +226,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     loss_config = _loss_summary(planning)
     config = load_model_config_with(args.model, args.experts_backend)
     parallel.check_model(config)
+    check_baseline_gdn_kernel(config, planning, args.device, name=execution.flag("gdn_kernel"))
     step = read_step(args.trees, vocab_size=config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)

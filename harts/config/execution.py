@@ -2,9 +2,9 @@
 
 `ExecutionConfig` holds every execution knob (the microbatch planner and capacity, the dtype, the recomputation and
 what it keeps, the memory margin of the search for the recomputed blocks, the attention, KDA and experts backends,
-the LM head's chunk and gradient precision, the MTP loss's factor, which decides whether the MTP layers run), their
-choices and their rules (`check`), and `resolved(device, execution)`, the one place that fills the defaults
-depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with the loss; `harts
+the kernel of a Gated DeltaNet baseline, the LM head's chunk and gradient precision, the MTP loss's factor, which
+decides whether the MTP layers run), their choices and their rules (`check`), and `resolved(device, execution)`,
+the one place that fills the defaults depending on the device and the execution. `StepConfig` (harts.objective.step) extends it with the loss; `harts
 train` and `harts rl` read it from their YAML's `execution` section, the benchmarks and the pipeline from their
 flags and keys, which are the field names. `add_arguments` makes every surface's flags from the fields, their types,
 choices and docstrings (`field_help`), the pipeline's keys (`json_schema`: bounds from `BOUNDS` and `WORDS`, which
@@ -42,6 +42,9 @@ KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree
 """The MLA backends whose outputs a recomputation can keep (harts.ops.attention.groups.KEEPABLE_BACKENDS)."""
 KDA_BACKENDS = ("torch", "fla")
 """The KDA backends (harts.ops.kda.compact)."""
+GDN_KERNELS = ("gdn", "kda")
+"""The kernels of the per-trajectory baseline's Gated DeltaNet call on the fla backend (harts.ops.gdn.packed): fla's
+GDN kernel, or its KDA kernels on the KDA form."""
 EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 """The MoE experts' backends (harts.model.moe)."""
 GRAD_PRECISIONS = ("fp32", "input")
@@ -62,7 +65,8 @@ allocator raises (on the CPU the system would kill the process). Tests widen it 
 
 CHOICES = {
     "execution": EXECUTIONS, "planner": PLANNERS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
-    "kda_backend": KDA_BACKENDS, "experts_backend": EXPERT_BACKENDS, "logprob_grad_precision": GRAD_PRECISIONS,
+    "kda_backend": KDA_BACKENDS, "gdn_kernel": GDN_KERNELS, "experts_backend": EXPERT_BACKENDS,
+    "logprob_grad_precision": GRAD_PRECISIONS,
 }
 """The fields that take one of a few names, and those names."""
 
@@ -151,6 +155,12 @@ class ExecutionConfig:
     ancestors' keys and values in place through the tree mask, no ancestor-KV copies)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
+    gdn_kernel: str = "gdn"
+    """A Gated DeltaNet model's per-trajectory baseline on the fla backend: gdn runs fla's chunk_gated_delta_rule,
+    kda fla's KDA kernels on the KDA form (the gate broadcast over the key channels), the kernels of the compact
+    calls, which always run them. The torch backend runs its one PyTorch form either way. gdn is refused on CUDA
+    before a model is built where the installed fla refuses its backward (fla 0.6 on Hopper with Triton >= 3.4.0
+    and < 3.7.1)."""
     experts_backend: str | None = None
     """The MoE experts' backend, overriding the model config's moe.experts_backend (auto: grouped on CUDA, loop
     elsewhere; lean: grouped in one autograd node that keeps less for the backward)."""

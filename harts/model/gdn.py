@@ -15,7 +15,8 @@ This is transformers' `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` and `Qwe
 layouts map in harts.model.hf.qwen3_next; tests/model/test_hf_qwen3_next.py compares the logits).
 What runs where: everything per row is PyTorch on every device (no fused kernels yet: the conv + SiLU takes
 `Layout.causal_conv_silu`'s fused kernel on CUDA); the gated delta rule runs as harts.ops.gdn says (the baseline:
-fla's `chunk_gated_delta_rule` on CUDA; the compact calls: fla's KDA kernels on the broadcast gate).
+on CUDA fla's `chunk_gated_delta_rule`, or with `gdn_kernel` kda fla's KDA kernels on the broadcast gate; the
+compact calls: fla's KDA kernels on the broadcast gate).
 Legend: R rows, P linear-attention rows (harts.runtime.layout), D hidden, H query/key (or attention) heads,
 HV value heads, K/V GDN head dims, E attention head dim, G KV heads.
 """

@@ -189,6 +189,10 @@ class HybridModel(nn.Module):
         """Blocks `indices` in order over the rows (with `recompute`, each recomputed in backward, or only
         those numbered below `recompute_blocks`; with `keep_attention`, the recomputed MLA blocks keep their
         attention outputs); the MoE aux of every MoE block. A pipeline stage runs its own range of them."""
+        if self.config.linear_kind == "gdn":
+            # Before any block: fla refuses its GDN kernel's backward only after the forward ran, and an error
+            # inside a checkpointed block would leave the checkpoint's hooks installed (harts.ops.kda.compact).
+            layout.check_gdn_kernel()
         auxes: list[MoEAux] = []
         for index in indices:
             block = self.blocks[index]

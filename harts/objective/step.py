@@ -44,6 +44,7 @@ from harts.objective.losses import (
 )
 from harts.objective.mtp import MTPLoss, microbatch_mtp_loss, mtp_normalizers, mtp_scaling_factor
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
+from harts.ops.gdn.packed import check_gdn_kernel
 from harts.runtime.layout import Layout, baseline_layout, compact_layout
 from harts.runtime.mtp import MTPLayout, mtp_layouts
 from harts.trees.step import Step
@@ -114,6 +115,17 @@ def check_pooled_balance(model_config: ModelConfig, config: StepConfig, caller: 
     if mtp:
         raise ValueError(f"{where}: its MTP layers run in this step and transformers' loss pools the decoder's "
                          "layers only (set mtp_loss_scaling_factor 0)")
+
+
+def check_baseline_gdn_kernel(model_config: ModelConfig, config: ExecutionConfig, device: str, *,
+                              name: str = "gdn_kernel", where: str = "") -> None:
+    """ValueError in one line (starting with `where`), naming the knob `name`, when `config` (resolved for
+    `device`) runs the baseline of a Gated DeltaNet model on fla's GDN kernel where the installed fla refuses its
+    backward (harts.ops.gdn.packed.check_gdn_kernel; nothing for a KDA model, the compact execution, the torch
+    backend or another device than CUDA). The commands call it between loading the model config and building the model; the
+    model checks its layout again before its first block runs (`HybridModel.run_blocks`)."""
+    if model_config.linear_kind == "gdn" and config.execution == "baseline":
+        check_gdn_kernel(config.gdn_kernel, config.kda_backend, device, name=name, where=where)
 
 
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
@@ -219,12 +231,12 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
         assert attention_splits is None, "attention splits belong to the baseline layout"
         layout = compact_layout(
             step, index, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size, replay=config.replay,
-            attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+            attention_backend=config.attention_backend, kda_backend=config.kda_backend, gdn_kernel=config.gdn_kernel,
         )
     else:
         layout = baseline_layout(
             step, members, conv_size=kda.conv_size, chunk_size=kda.chunk_size,
-            attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+            attention_backend=config.attention_backend, kda_backend=config.kda_backend, gdn_kernel=config.gdn_kernel,
             attention_splits=attention_splits,
         )
     layout.keep_kda_intermediates = config.keep_kda_intermediates
@@ -240,7 +252,7 @@ def build_mtp_layouts(step: Step, members: np.ndarray, model: HybridModel, confi
     return mtp_layouts(
         step, members, model_config.mtp.num_layers, execution=config.execution, index=index,
         conv_size=linear.conv_size, chunk_size=linear.chunk_size, replay=config.replay,
-        attention_backend=config.attention_backend, kda_backend=config.kda_backend,
+        attention_backend=config.attention_backend, kda_backend=config.kda_backend, gdn_kernel=config.gdn_kernel,
     )
 
 

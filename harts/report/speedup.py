@@ -35,7 +35,7 @@ SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
     "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates",
     "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
-    "capacity", "logprob_chunk_rows", "trees", "step",
+    "gdn_kernel", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
     "flops_compression", "flops_efficiency", "baseline_peak_memory_bytes", "compact_peak_memory_bytes",
@@ -84,13 +84,22 @@ def kda_backend(config: dict[str, Any]) -> str:
     return config.get("kda_backend") or default_kda_backend(config.get("device") or "cpu")
 
 
+def gdn_kernel(config: dict[str, Any]) -> str | None:
+    """The kernel a record's baseline ran its Gated DeltaNet calls on, fla's "gdn" or "kda" (a record from before
+    the knob: "gdn"); None where no fla GDN call ran (a KDA model, or the torch backend)."""
+    if get(config, "model_config", "gdn") is None or kda_backend(config) != "fla":
+        return None
+    return config.get("gdn_kernel") or "gdn"
+
+
 def configuration(record: dict[str, Any]) -> tuple:
     c = record["config"]
     return (c.get("model"), c.get("parallel", "single"), c.get("planner"), c.get("device"), c.get("dtype"),
             bool(c.get("recompute")), c.get("recompute_blocks"), bool(c.get("keep_attention")),
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
             c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_LOGPROB_CHUNK_ROWS,
-            bool(c.get("keep_kda_intermediates")), compact_recompute_blocks(c), bool(c.get("recompute_by_rows")))
+            bool(c.get("keep_kda_intermediates")), compact_recompute_blocks(c), bool(c.get("recompute_by_rows")),
+            gdn_kernel(c))
 
 
 def compact_recompute_blocks(config: dict[str, Any]) -> int | None:
@@ -103,12 +112,13 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
                    keep_attention: bool = False, short: bool = False, kda: str | None = None,
                    capacity: int | None = None, chunk_rows: int | None = None,
                    kda_intermediates_kept: bool = False, compact_recompute_blocks: int | None = None,
-                   by_rows: bool = False) -> str:
+                   by_rows: bool = False, gdn: str | None = None) -> str:
     """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
     recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
     MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
-    backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`); the LM
-    head's chunk rows where not the default. The compact execution's recomputed blocks follow the baseline's
+    backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`), the
+    baseline's GDN kernel where it is not fla's GDN kernel (`shown_gdn`); the LM head's chunk rows where not the
+    default. The compact execution's recomputed blocks follow the baseline's
     after a slash where they differ."""
     parts = []
     if capacity is not None:
@@ -139,6 +149,8 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         parts.append(f"{experts} experts")
     if kda is not None:
         parts.append(f"{kda} KDA")
+    if gdn is not None:
+        parts.append("GDN baseline on KDA kernels" if not short else "GDN on KDA")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
@@ -156,6 +168,11 @@ def shown_kda(kda: str, device: str | None) -> str | None:
     return None if kda == default_kda_backend(device or "cpu") else kda
 
 
+def shown_gdn(kernel: str | None) -> str | None:
+    """The baseline's GDN kernel for a label: None where it is fla's GDN kernel (the default) or none ran."""
+    return kernel if kernel == "kda" else None
+
+
 def shown_chunk_rows(chunk_rows: Any) -> int | None:
     """The LM head's chunk rows for a label: None where they are the default (or not recorded)."""
     return chunk_rows if is_number(chunk_rows) and chunk_rows != DEFAULT_LOGPROB_CHUNK_ROWS else None
@@ -168,12 +185,12 @@ def shown_capacity(capacity: Any) -> int | None:
 
 def _key_settings(key: tuple, short: bool) -> str:
     (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
-     capacity, chunk_rows, kda_kept, compact_blocks, by_rows) = key
+     capacity, chunk_rows, kda_kept, compact_blocks, by_rows, gdn) = key
     return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
                           keep_attention=kept, short=short, kda=shown_kda(kda, device),
                           capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows),
                           kda_intermediates_kept=kda_kept, compact_recompute_blocks=compact_blocks,
-                          by_rows=by_rows)
+                          by_rows=by_rows, gdn=shown_gdn(gdn))
 
 
 def configuration_label(key: tuple) -> str:
@@ -201,7 +218,8 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "keep_kda_intermediates": bool(c.get("keep_kda_intermediates")),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
-               "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "capacity": c.get("capacity"),
+               "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "gdn_kernel": gdn_kernel(c),
+               "capacity": c.get("capacity"),
                "logprob_chunk_rows": c.get("logprob_chunk_rows") or DEFAULT_LOGPROB_CHUNK_ROWS,
                "trees": c.get("trees"),
                "step": c.get("step"), "error": record.get("error", "")}
@@ -242,6 +260,7 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             compact_recompute_blocks=compact_blocks,
             by_rows=r["recompute_by_rows"] is True,
             kda=shown_kda(r["kda_backend"], r["device"]) if ours else None,
+            gdn=shown_gdn(r["gdn_kernel"]) if ours else None,
             capacity=shown_capacity(r["capacity"]) if ours else None,
             chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if ours else None)
         table.append([

@@ -133,4 +133,9 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     if execution.kda_backend == "fla" and chunk != 64:
         raise ValueError(f"{where}: execution.kda_backend fla needs the model's KDA chunk_size 64, model "
                          f"{config.model} has {chunk}; set execution.kda_backend: torch")
+    if "baseline" in config.executions:
+        from harts.objective.step import check_baseline_gdn_kernel
+
+        check_baseline_gdn_kernel(model, replace(execution, execution="baseline"), config.device,
+                                  name="execution.gdn_kernel", where=f"{where}: ")
     return replace(config, dtype=execution.dtype, execution=execution)

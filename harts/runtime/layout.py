@@ -30,12 +30,13 @@ Legend: R rows, P KDA rows, N any rows, C channels, W conv width, S_mb semantic 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from harts.config.execution import EXECUTIONS
+from harts.config.execution import EXECUTIONS, GDN_KERNELS
 from harts.ops import uses_fp32_kernels
 from harts.ops.attention.groups import group_attention
 from harts.ops.attention.query_groups import AttentionGroups
@@ -47,6 +48,8 @@ from harts.planning.kda_schedule import KDASchedule
 from harts.trees.step import Step
 from harts.trees.trie import PrefixIndex, SegmentTree
 
+if TYPE_CHECKING:
+    from harts.ops.kda.fla_chunk import FlaCall
 
 
 @dataclass(eq=False)
@@ -71,11 +74,15 @@ class Layout:
     """Their host copy, so fla need not read them back from the device in every layer."""
     attention_backend: str = "sdpa"
     kda_backend: str = "torch"
+    gdn_kernel: str = "gdn"
+    """The baseline's Gated DeltaNet kernel on the fla backend (harts.ops.gdn.packed; `StepConfig.gdn_kernel`)."""
     keep_kda_intermediates: bool = False
     """Recomputed blocks keep fla's KDA intermediates for their backward (`HybridModel.run_blocks`,
     harts.ops.kda.keep; `StepConfig.keep_kda_intermediates`); the torch KDA has none and ignores it."""
     info: dict = field(default_factory=dict)
     """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
+    _packed_kda_call: FlaCall | None = field(default=None, init=False, repr=False)
+    """The baseline's GDN call on fla's KDA kernels (`packed_kda_call`), built by the first GDN layer."""
     _conv_exception_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
     _conv_exception_taps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False)
@@ -83,6 +90,9 @@ class Layout:
     def __post_init__(self) -> None:
         # Checked here rather than in the first KDA layer, which runs inside a checkpointed block.
         check_kda_backend(self.kda_backend, self.chunk_size, packed=self.kda_schedule is None)
+        if self.gdn_kernel not in GDN_KERNELS:
+            raise ValueError(f"layout: unknown gdn_kernel {self.gdn_kernel!r} (expected one of "
+                             f"{', '.join(GDN_KERNELS)})")
 
     @property
     def num_rows(self) -> int:
@@ -204,17 +214,30 @@ class Layout:
     def gated_delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
         """Gated DeltaNet (harts.ops.gdn) over the linear-attention rows with L2-normalised q and k [P, H, K],
         v [P, HV, V], per-head g and beta [P, HV]: the planned calls (compact: the KDA calls of its KDA form)
-        or one packed call (baseline: on the fla backend fla's `chunk_gated_delta_rule`); o [P, HV, V]."""
+        or one packed call (baseline: on the fla backend `gdn_kernel`'s, fla's `chunk_gated_delta_rule` or its
+        KDA kernels on the KDA form); o [P, HV, V]."""
         from harts.ops.gdn.compact import run_gdn_calls
-        from harts.ops.gdn.packed import packed_gdn
+        from harts.ops.gdn.packed import packed_gdn, packed_kda_call
 
         if self.kda_schedule is not None:
             prepared = self.prepared_schedule()
             return run_gdn_calls(*normalise_qk(q, k, prepared.backend), v, g, beta, prepared)
+        if self.kda_backend == "fla" and self.gdn_kernel == "kda" and self._packed_kda_call is None:
+            host = self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens
+            self._packed_kda_call = packed_kda_call(host, self.chunk_size, self.input_ids.device)
         return packed_gdn(
             q, k, v, g, beta, self.cu_seqlens, chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kda_backend,
-            cu_seqlens_cpu=self.cu_seqlens_cpu,
+            kernel=self.gdn_kernel, cu_seqlens_cpu=self.cu_seqlens_cpu, kda_call=self._packed_kda_call,
         )
+
+    def check_gdn_kernel(self) -> None:
+        """ValueError when this layout's packed GDN call would run fla's GDN kernel where the installed fla
+        refuses its backward (harts.ops.gdn.packed.check_gdn_kernel). A GDN model checks it before its first
+        block runs: fla raises only in the backward, after the whole forward ran."""
+        if self.kda_schedule is None:
+            from harts.ops.gdn.packed import check_gdn_kernel
+
+            check_gdn_kernel(self.gdn_kernel, self.kda_backend, self.input_ids.device)
 
     def attention(self, q_RHE, k_RHE, v_RHF, scale: float) -> torch.Tensor:
         return group_attention(q_RHE, k_RHE, v_RHF, self.groups, scale, self.attention_backend)
@@ -287,7 +310,7 @@ def _groups(q_rows: list[np.ndarray], kv_rows: list[np.ndarray], subtree_end: np
 
 def baseline_layout(
     step: Step, members: np.ndarray, *, conv_size: int, chunk_size: int,
-    attention_backend: str = "sdpa", kda_backend: str = "torch",
+    attention_backend: str = "sdpa", kda_backend: str = "torch", gdn_kernel: str = "gdn",
     attention_splits: list[np.ndarray] | None = None,
 ) -> Layout:
     """Each member trajectory its own packed sequence (rows = its semantic tokens).
@@ -298,13 +321,15 @@ def baseline_layout(
     members = np.asarray(members, dtype=np.int64)
     return packed_layout(
         _member_tokens(step, members), step.lengths[members], members, conv_size=conv_size, chunk_size=chunk_size,
-        attention_backend=attention_backend, kda_backend=kda_backend, attention_splits=attention_splits,
+        attention_backend=attention_backend, kda_backend=kda_backend, gdn_kernel=gdn_kernel,
+        attention_splits=attention_splits,
     )
 
 
 def packed_layout(
     input_ids: np.ndarray, lengths: np.ndarray, members: np.ndarray, *, conv_size: int, chunk_size: int,
-    attention_backend: str = "sdpa", kda_backend: str = "torch", attention_splits: list[np.ndarray] | None = None,
+    attention_backend: str = "sdpa", kda_backend: str = "torch", gdn_kernel: str = "gdn",
+    attention_splits: list[np.ndarray] | None = None,
 ) -> Layout:
     """`baseline_layout` of sequences given by their tokens `input_ids` (int64, concatenated) and `lengths` (each
     >= 1; `members`: whose they are), so that a sequence need not be a whole trajectory of a step (harts.runtime.mtp's
@@ -340,6 +365,7 @@ def packed_layout(
         cu_seqlens=torch.from_numpy(starts),
         attention_backend=attention_backend,
         kda_backend=kda_backend,
+        gdn_kernel=gdn_kernel,
         info={"rows": num_rows, "semantic_tokens": num_rows, "kda_calls": 1, "replay_rows": 0,
               "attention_kv_rows": groups.num_kv_rows, "attention_pairs": groups.num_pairs,
               "sequences": len(members)},
@@ -359,21 +385,24 @@ def _ancestor_rows(tree: SegmentTree, segment_of_row: np.ndarray, row: int) -> n
 
 def compact_layout(
     step: Step, index: PrefixIndex, members: np.ndarray, *, conv_size: int, chunk_size: int,
-    replay: bool = True, attention_backend: str = "sdpa", kda_backend: str = "torch",
+    replay: bool = True, attention_backend: str = "sdpa", kda_backend: str = "torch", gdn_kernel: str = "gdn",
 ) -> Layout:
-    """One row per compact token of the members' trie, KDA executed by the planned calls."""
+    """One row per compact token of the members' trie, KDA executed by the planned calls (`gdn_kernel`: the
+    baseline's, which `bench speedup`'s op breakdown times on these rows)."""
     members = np.asarray(members, dtype=np.int64)
     tree = index.segment_tree(members)
     compact_map = tree.compact_map()
     input_ids = np.empty(tree.num_compact_tokens, dtype=np.int64)
     input_ids[compact_map] = _member_tokens(step, members)
     return tree_layout(tree, input_ids, conv_size=conv_size, chunk_size=chunk_size, replay=replay,
-                       attention_backend=attention_backend, kda_backend=kda_backend, compact_map=compact_map)
+                       attention_backend=attention_backend, kda_backend=kda_backend, gdn_kernel=gdn_kernel,
+                       compact_map=compact_map)
 
 
 def tree_layout(
     tree: SegmentTree, input_ids: np.ndarray, *, conv_size: int, chunk_size: int, replay: bool = True,
-    attention_backend: str = "sdpa", kda_backend: str = "torch", compact_map: np.ndarray | None = None,
+    attention_backend: str = "sdpa", kda_backend: str = "torch", gdn_kernel: str = "gdn",
+    compact_map: np.ndarray | None = None,
 ) -> Layout:
     """`compact_layout` of a segment tree whose compact rows hold the tokens `input_ids` (int64 [C]), so that the
     tree need not be a step's trie (harts.runtime.mtp: the trie below depth k); `compact_map`: the tree's, when
@@ -408,6 +437,7 @@ def tree_layout(
         kda_schedule=schedule,
         attention_backend=attention_backend,
         kda_backend=kda_backend,
+        gdn_kernel=gdn_kernel,
         info={"rows": num_rows, "semantic_tokens": tree.num_semantic_tokens, "kda_calls": schedule.num_calls,
               "replay_rows": schedule.replay_tokens, "attention_kv_rows": groups.num_kv_rows,
               "attention_pairs": groups.num_pairs, "sequences": schedule.num_sequences},

@@ -72,6 +72,7 @@ def trimmed_tree(members: np.ndarray, lengths: np.ndarray, sorted_position: np.n
 def mtp_layouts(
     step: Step, members: np.ndarray, num_depths: int, *, execution: str, index: PrefixIndex | None = None,
     conv_size: int, chunk_size: int, replay: bool = True, attention_backend: str = "sdpa", kda_backend: str = "torch",
+    gdn_kernel: str = "gdn",
 ) -> list[MTPLayout]:
     """The layouts of depths 1 .. `num_depths` of the microbatch `members` in `execution` ("baseline" or "compact",
     which needs the step's prefix `index`), stopping at the first depth with no row (every member of length <= k)."""
@@ -81,7 +82,7 @@ def mtp_layouts(
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.concatenate([step.trajectory_tokens(m) for m in members]).astype(np.int64)
     knobs = dict(conv_size=conv_size, chunk_size=chunk_size, attention_backend=attention_backend,
-                 kda_backend=kda_backend)
+                 kda_backend=kda_backend, gdn_kernel=gdn_kernel)
     if execution == "compact":
         assert index is not None, "the compact MTP rows come from the step's prefix index"
         sorted_position, lcp = index.sort_members(members)

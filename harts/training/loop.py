@@ -70,6 +70,7 @@ from tqdm import tqdm
 
 from harts.config import config_to_dict
 from harts.files import write_text
+from harts.objective.step import check_baseline_gdn_kernel
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.update import apply_update
 from harts.tracking.wandb_log import WandbOptions
@@ -121,6 +122,7 @@ def train(
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA device is available")
+    check_baseline_gdn_kernel(model_config, config.execution, config.device, name="execution.gdn_kernel")
     resolved = {"train": config_to_dict(config), "model": config_to_dict(model_config)}
     stop = config.num_steps if max_steps is None else min(config.num_steps, max_steps)
     digests = source.digests()

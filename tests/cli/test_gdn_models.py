@@ -1,14 +1,32 @@
 """Every entry point takes the Gated DeltaNet family's tiny model where it takes `tiny`: `harts verify --model
 gdn-tiny` (compact = per-trajectory), `bench speedup` (a record with the model's FLOPs and the op breakdown),
 `bench fidelity` (the replay ablation by hand-off depth: replay at the rerun's float noise, no-replay far above it),
-`train` (steps logged) and `rl --config gdn-tiny` (both executions' records), on the sample step, on the CPU."""
+`train` (steps logged) and `rl --config gdn-tiny` (both executions' records), on the sample step, on the CPU;
+`--gdn-kernel` reaches every packed GDN call of the baseline (`train-step`, `bench speedup` and its record)."""
 
 import json
 
+import pytest
+
 from harts.cli.main import main
+from harts.ops.gdn import packed
 from tests.fixtures import one_thread  # noqa: F401
 
 STEP = "data/samples/tiny-step.jsonl.gz"
+
+
+@pytest.fixture
+def packed_kernels(monkeypatch) -> list[str]:
+    """The kernel of every packed GDN call made while the test runs."""
+    kernels = []
+    original = packed.packed_gdn
+
+    def spy(*args, **kwargs):
+        kernels.append(kwargs["kernel"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(packed, "packed_gdn", spy)
+    return kernels
 
 
 def test_verify(capsys):
@@ -18,13 +36,21 @@ def test_verify(capsys):
     assert report["max_abs_logprob_diff"] <= 1e-5 and report["grad_rel_diff"] <= 1e-4, report
 
 
-def test_bench_speedup(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["gdn", "kda"])
+def test_train_step_passes_the_gdn_kernel_to_the_baseline(capsys, packed_kernels, kernel):
+    assert main(["train-step", "--model", "gdn-tiny", "--trees", STEP, "--execution", "baseline", "--capacity",
+                 "1024", "--gdn-kernel", kernel, "--json"]) == 0
+    assert packed_kernels and set(packed_kernels) == {kernel}
+
+
+def test_bench_speedup(tmp_path, monkeypatch, packed_kernels):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "speedup.json"
     assert main(["bench", "speedup", "--model", "gdn-tiny", "--trees", STEP, "--capacity", "1024", "--repeats", "1",
-                 "--out", str(out)]) == 0
+                 "--gdn-kernel", "kda", "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())
     assert record["config"]["model_config"]["gdn"]["num_value_heads"] == 4
+    assert record["config"]["gdn_kernel"] == "kda" and packed_kernels and set(packed_kernels) == {"kda"}
     results = record["results"]
     assert results["compression"] > 1 and results["flops_compression"] > 1
     assert set(results["breakdown"]["op_seconds"]["compact"]) >= {"kda", "kda_one_call", "mla", "lm_head"}

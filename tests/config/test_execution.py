@@ -1,15 +1,19 @@
 """The one execution config: its choices are the registries', its rules refuse bad knobs in one line naming the key,
 `resolved` fills the device's and the execution's defaults, every field has a flag with help, every command offers
-the knobs that apply to it, and every command refuses a bad knob before it builds a model."""
+the knobs that apply to it, and every command refuses a bad knob before it builds a model, and the GDN kernel that
+the installed fla refuses (faked on this CPU) before it builds a GDN model whose baseline would run it."""
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from harts.config import execution
 from harts.config.execution import ExecutionConfig
 from tests.test_docs import command_options
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_choice_lists_are_the_registries():
@@ -27,6 +31,8 @@ def test_choice_lists_are_the_registries():
     (dict(dtype="fp16"), "execution.dtype must be one of"),
     (dict(attention_backend="bogus"), "execution.attention_backend must be one of"),
     (dict(kda_backend="triton"), "execution.kda_backend must be one of"),
+    (dict(gdn_kernel="fla"), "execution.gdn_kernel must be one of"),
+    (dict(gdn_kernel=None), "execution.gdn_kernel must be one of"),
     (dict(experts_backend="fast"), "execution.experts_backend must be one of"),
     (dict(logprob_grad_precision=None), "execution.logprob_grad_precision must be one of"),
     (dict(capacity=0), "execution.capacity must be an int >= 1"),
@@ -50,7 +56,8 @@ def test_choice_lists_are_the_registries():
     (dict(recompute=True, recompute_by_rows=True), "execution.recompute_by_rows scales the blocks"),
     (dict(recompute=True, keep_attention=True, attention_backend="flex"), "keep_attention needs an attention backend"),
     (dict(recompute=True, keep_kda_intermediates=True, kda_backend="torch"), "it needs execution.kda_backend 'fla'"),
-], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "experts-backend", "grad-precision",
+], ids=["planner", "execution", "dtype", "attention-backend", "kda-backend", "gdn-kernel", "gdn-kernel-none",
+        "experts-backend", "grad-precision",
         "capacity-zero", "capacity-bool", "chunk-rows-float", "recompute-not-bool", "blocks-zero", "blocks-word",
         "margin-one", "margin-negative", "margin-nan", "margin-bool", "margin-text", "mtp-factor-negative",
         "mtp-factor-inf", "mtp-factor-bool", "auto-alone", "blocks-alone",
@@ -66,7 +73,7 @@ def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
 
 def test_every_knob_alone_passes_the_check():
     good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
-                kda_backend="fla", experts_backend="lean", logprob_grad_precision="input", capacity=7,
+                kda_backend="fla", gdn_kernel="kda", experts_backend="lean", logprob_grad_precision="input", capacity=7,
                 logprob_chunk_rows=3, recompute=True, memory_margin=0, mtp_loss_scaling_factor=0)
     assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
         execution.FIELDS)
@@ -146,8 +153,8 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
     config = ExecutionConfig(execution="baseline", planner="greedy-trie", capacity=99, dtype="bf16", recompute=True,
                              recompute_blocks=3, memory_margin=0.125, recompute_by_rows=True, keep_attention=True,
                              keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
-                             experts_backend="lean", logprob_chunk_rows=17, logprob_grad_precision="input",
-                             mtp_loss_scaling_factor=0.25)
+                             gdn_kernel="kda", experts_backend="lean", logprob_chunk_rows=17,
+                             logprob_grad_precision="input", mtp_loss_scaling_factor=0.25)
     argv = []
     for name in execution.FIELDS:
         value = getattr(config, name)
@@ -285,3 +292,95 @@ def test_a_preset_sets_its_knobs_on_every_command_and_flags_beside_it_win(order,
     assert knobs(build_config(args).execution) == expected
     args = _parse_command(["bench", "fidelity", *STEP_ARGS, "--preset", "cpu", "--out", str(tmp_path / "f.json")])
     assert (args.dtype, args.experts_backend) == ("fp32", "loop")  # only the knobs fidelity takes
+
+
+GDN_STEP = ["--model", "gdn-h200", "--trees", "data/samples/tiny-step.jsonl.gz", "--device", "cuda"]
+GDN_REFUSED = {
+    # command: its argv on a GDN model whose baseline runs on CUDA, and how it names the knob (after a prefix).
+    "train-step": (["train-step", *GDN_STEP, "--execution", "baseline"], "--gdn-kernel"),
+    "verify": (["verify", *GDN_STEP], "--gdn-kernel"),
+    "train-step-parallel": (["train-step", *GDN_STEP, "--execution", "baseline", "--parallel", "dp2"],
+                            "--gdn-kernel"),
+    "train": (["train", *GDN_STEP[:2], "--trees", "tiny", "--device", "cuda", "--execution", "baseline", "--out",
+               "{tmp}/run"], "execution.gdn_kernel"),
+    "rl": (["rl", "--config", "{config}", "--device", "cuda", "--out", "{tmp}/rl.json"],
+           ("{config}: ", "execution.gdn_kernel")),
+    "bench-speedup": (["bench", "speedup", *GDN_STEP, "--out", "{tmp}/s.json"], "--gdn-kernel"),
+    "bench-speedup-variant": (["bench", "speedup", *GDN_STEP, "--gdn-kernel", "kda", "--variant", "gdn-kernel=gdn",
+                               "--out", "{tmp}/s.json"], ("--variant gdn-kernel=gdn: ", "--gdn-kernel")),
+    "bench-fidelity": (["bench", "fidelity", *GDN_STEP, "--out", "{tmp}/f.json"], "--gdn-kernel"),
+}
+
+
+@pytest.fixture
+def refusing_fla(monkeypatch, tmp_path_factory):
+    """A CUDA device where the installed fla refuses its GDN kernel's backward, faked on this CPU; a model that is
+    built fails the test. Gives the path of an RL config of gdn-h200 (outside the command's output folder)."""
+    import torch
+
+    from harts.model.model import HybridModel
+    from harts.ops.gdn import packed
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(HybridModel, "__init__", built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(packed, "fla_gdn_refusal", lambda: "fla 0.6.0 refuses it here")
+    config = tmp_path_factory.mktemp("rl") / "gdn-h200.yaml"
+    text = (REPO / "configs" / "rl" / "gdn-tiny.yaml").read_text(encoding="utf-8")
+    config.write_text(text.replace("model: gdn-tiny", "model: gdn-h200"), encoding="utf-8")
+    return config
+
+
+def _run_command(argv: list[str]) -> int:
+    from harts.cli.main import main
+
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize("case", GDN_REFUSED)
+def test_every_command_refuses_the_gdn_kernel_fla_refuses_before_building_a_model(case, tmp_path, refusing_fla,
+                                                                                    capsys):
+    """On a GPU where fla refuses its GDN kernel's backward, every command whose baseline runs a GDN model refuses
+    the default gdn_kernel in one line naming the knob as the command takes it, before it builds a model or writes
+    anything; with gdn_kernel kda it goes on to build the model."""
+    argv, named = GDN_REFUSED[case]
+    where, named = named if isinstance(named, tuple) else ("", named)
+    argv = [arg.format(tmp=tmp_path, config=refusing_fla) for arg in argv]
+    assert _run_command(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"harts: error: {where.format(config=refusing_fla)}{named} gdn: fla 0.6.0 refuses it here; {named} kda runs "
+        "the baseline's GDN calls on fla's KDA kernels (the compact calls' kernels), or install Triton >= 3.7.1 or "
+        "tilelang"), err
+    assert not list(tmp_path.iterdir())
+    if "variant" in case:
+        argv[argv.index("gdn-kernel=gdn")] = "gdn-kernel=kda"
+        argv.remove("--variant")
+        argv.remove("gdn-kernel=kda")
+    elif case == "rl":
+        text = refusing_fla.read_text(encoding="utf-8")
+        refusing_fla.write_text(text.replace("execution: {", "execution: {gdn_kernel: kda, "), encoding="utf-8")
+    else:
+        argv += ["--gdn-kernel", "kda"]
+    if case.endswith("parallel"):  # the ranks build the models: it goes on to launch them
+        assert _run_command(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith("parallel config 'dp2' needs 2 GPUs, 0 are visible")
+        return
+    with pytest.raises(AssertionError, match="a model was built"):
+        _run_command(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train-step", *GDN_STEP, "--execution", "compact"],
+    ["train-step", "--model", "h200", *GDN_STEP[2:], "--execution", "baseline"],
+    ["train-step", *GDN_STEP, "--execution", "baseline", "--kda-backend", "torch"],
+    ["train-step", *GDN_STEP[:4], "--execution", "baseline", "--device", "cpu"],
+], ids=["compact", "kda-model", "torch-backend", "cpu"])
+def test_no_command_refuses_where_fla_gdn_kernel_does_not_run(argv, refusing_fla):
+    with pytest.raises(AssertionError, match="a model was built"):
+        _run_command(argv)

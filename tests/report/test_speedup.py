@@ -251,3 +251,32 @@ def test_the_lm_head_chunk_is_a_configuration_of_its_own(tmp_path):
     _, text = pdf_text(tmp_path / "speedup.pdf")
     assert "LM-head chunks 2,048" in text
     assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # old and named: one configuration
+
+
+def test_the_gdn_baselines_kernel_is_a_configuration_of_its_own(tmp_path):
+    """A Gated DeltaNet model's records on fla that differ only in the baseline's GDN kernel are not merged; fla's
+    GDN kernel (the default, and a record from before the knob) is not labelled, the KDA kernels are; where no fla
+    GDN call ran (a KDA model, the torch backend) the kernel is no setting."""
+    gdn = {"gdn": {"num_key_heads": 2}}
+
+    def record(step, base_fbg, **config):
+        made = speedup_record(step=step, base_fbg=base_fbg)
+        made["config"].update(config)
+        return made
+
+    old = record(0, 8.0, kda_backend="fla", model_config=gdn)
+    named = record(1, 8.0, kda_backend="fla", model_config=gdn, gdn_kernel="gdn")
+    kda = record(0, 6.0, kda_backend="fla", model_config=gdn, gdn_kernel="kda")
+    on_torch = record(0, 7.0, model_config=gdn, gdn_kernel="kda")
+    kda_model = record(0, 5.0, kda_backend="fla", gdn_kernel="kda")
+    rows = speedup_rows([old, named, kda, on_torch, kda_model])
+    assert [r["gdn_kernel"] for r in rows] == ["gdn", "gdn", "kda", None, None, NOT_REPORTED]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:5]] == [
+        "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA GDN on KDA",
+        "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa fla KDA"]
+    path = write(tmp_path, "single.json", [old, named, kda])
+    write_speedup_report([path], tmp_path / "speedup.pdf", tmp_path / "speedup.csv")
+    _, text = pdf_text(tmp_path / "speedup.pdf")
+    assert "T = 512, sdpa, fla KDA, GDN baseline on KDA kernels" in text
+    assert text.count("tiny / single / harts T=512 sdpa fla KDA (ideal") == 1  # old and named: one configuration

@@ -313,7 +313,8 @@ def test_nested_config_values_on_the_command_line(workdir):
     result = snakemake(workdir, target, "-n", "-p", "--workflow-profile", "tiny",
                        "--config", "speedup={capacity: 300, recompute: true, repeats: 2, steps: [1]}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--capacity 300" in result.stdout and "--recompute --logprob-grad-precision fp32 --repeats 2" in result.stdout
+    assert "--capacity 300" in result.stdout
+    assert "--recompute --gdn-kernel gdn --logprob-grad-precision fp32 --repeats 2" in result.stdout
     assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
     assert "--logprob-grad-precision fp32" in result.stdout
     assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
@@ -329,11 +330,13 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
                        "--config", "speedup={recompute: true, attention_backend: varlen, "
                        "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true, "
                        "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048, "
-                       "kda_backend: fla, keep_kda_intermediates: true, mtp_loss_scaling_factor: 0.25}")
+                       "kda_backend: fla, gdn_kernel: kda, keep_kda_intermediates: true, "
+                       "mtp_loss_scaling_factor: 0.25}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("--recompute --recompute-blocks 2 --recompute-by-rows --keep-attention --keep-kda-intermediates "
-            "--attention-backend varlen --kda-backend fla --experts-backend lean --logprob-chunk-rows 2048 "
-            "--logprob-grad-precision input --mtp-loss-scaling-factor 0.25 --compact-recompute-blocks 1"
+            "--attention-backend varlen --kda-backend fla --gdn-kernel kda --experts-backend lean "
+            "--logprob-chunk-rows 2048 --logprob-grad-precision input --mtp-loss-scaling-factor 0.25 "
+            "--compact-recompute-blocks 1"
             ) in result.stdout
 
 

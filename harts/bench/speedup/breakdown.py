@@ -58,11 +58,13 @@ def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict
         heads = value_heads = config.kda.num_heads
         key_dim = value_dim = config.kda.head_dim
         gate_shape, mix, packed = (kda_rows, heads, key_dim), layout.linear_attention, packed_kda
+        kernel = {}
     else:
         gdn = config.gdn
         heads, value_heads, key_dim, value_dim = (gdn.num_key_heads, gdn.num_value_heads, gdn.key_head_dim,
                                                   gdn.value_head_dim)
         gate_shape, mix, packed = (kda_rows, value_heads), layout.gated_delta_rule, packed_gdn
+        kernel = {"kernel": layout.gdn_kernel}  # the one call on the baseline's kernel
     q, k = (rand(kda_rows, heads, key_dim) for _ in range(2))
     v = rand(kda_rows, value_heads, value_dim)
     g = (-torch.rand(*gate_shape, generator=generator, device=device) * 0.1).requires_grad_()
@@ -89,7 +91,7 @@ def op_times(model, layout, device, dtype, grad_precision: str = "fp32") -> dict
 
             def one_call(inputs=inputs, cu=cu, cu_cpu=cu_cpu):
                 out = packed(*inputs, cu, chunk_size=layout.chunk_size, use_qk_l2norm=True,
-                             backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu)
+                             backend=layout.kda_backend, cu_seqlens_cpu=cu_cpu, **kernel)
                 backward(out)
 
             times[name] = _time_op(one_call, device)

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.config import config_to_dict
     from harts.model.config import load_model_config_with
     from harts.model.model import HybridModel
+    from harts.objective.step import check_baseline_gdn_kernel
     from harts.optim.adamw import Fp32Gradients
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import check_torchrun, is_reporting_rank, launched_by_torchrun
@@ -50,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     params_name = parameter_dtype(args.params, dtype_name, args.parallel)
     model_config = load_model_config_with(args.model, args.experts_backend)
+    for run_args in variants:
+        where = f"--variant {run_args.variant}: " if run_args.variant else ""
+        baseline = knobs_of(run_args, "baseline", requested_blocks(run_args)["baseline"]).resolved(args.device)
+        check_baseline_gdn_kernel(model_config, baseline, args.device, name=flag("gdn_kernel"), where=where)
     parallel = load_parallel_config(args.parallel) if args.parallel else None
     check_torchrun(parallel)
     if not is_reporting_rank():

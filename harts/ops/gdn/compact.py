@@ -10,8 +10,8 @@ stage for callers that gather their own rows (the model's GDN layer, through `La
 What runs where: the "torch" backend runs `chunk_kda_torch` (any device; the CPU path); the "fla" backend
 (CUDA) runs `chunk_kda_fla`, fla's KDA kernels with HARTS's boundary-state kernels (harts.ops.kda.fla_chunk,
 tested on an H200), on the broadcast gate. fla's own `chunk_gated_delta_rule` has no intermediate-state output
-and no gradient for one, so the compact calls do not use it; the per-trajectory baseline does
-(harts.ops.gdn.packed). The broadcast gate costs the KDA kernels' per-channel gate work and an fp32 [R, HV, K]
+and no gradient for one, so the compact calls do not use it; the per-trajectory baseline does by default
+(harts.ops.gdn.packed; with `kernel="kda"` it runs these kernels too). The broadcast gate costs the KDA kernels' per-channel gate work and an fp32 [R, HV, K]
 gate per call; a GDN state kernel with boundary outputs would avoid both.
 
 Invariant (tests/ops/gdn/test_compact.py): with a replay schedule, outputs and every gradient equal

@@ -98,7 +98,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
     from harts.bench.speedup.executions import step_configs
 
     args = argparse.Namespace(device="cpu", recompute=True, attention_backend=None, compact_attention_backend="naive",
-                              kda_backend="fla", logprob_grad_precision="input", recompute_blocks=2,
+                              kda_backend="fla", gdn_kernel="kda", logprob_grad_precision="input", recompute_blocks=2,
                               keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
                               compact_recompute_blocks=None, recompute_by_rows=False, planner="harts", capacity=80,
                               experts_backend=None, dtype=None, memory_margin=0.05, mtp_loss_scaling_factor=None)
@@ -108,6 +108,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
         assert (config.logprob_grad_precision, config.recompute, config.recompute_blocks) == ("input", True, 2)
         assert config.logprob_chunk_rows == 1024
         assert config.keep_attention and config.keep_kda_intermediates and config.kda_backend == "fla"
+        assert config.gdn_kernel == "kda"
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--compact-attention-backend", "naive"], tmp_path, capsys)

@@ -5,6 +5,10 @@ Run as `TRITON_INTERPRET=1 python -m tests.ops.gdn.interpreter CASE` (test_packe
 Prints one JSON object: the relative error of every compared tensor.
 - "packed": `packed_gdn(backend="fla")` (fla's `chunk_gated_delta_rule`, grouped values, the L2 norm in its
   kernel) against `packed_gdn(backend="torch")`;
+- "packed_kda": `packed_gdn(backend="fla", kernel="kda")` (fla's KDA kernels on the KDA form: q and k repeated over
+  the value groups, the gate broadcast over the key channels) against the paper's recurrence `naive_recurrent_gdn`
+  (written without the KDA form) and against `packed_gdn(backend="torch")`; a baseline layout's
+  `gated_delta_rule` on it, twice, with one device plan of the call;
 - "compact": `compact_gdn(backend="fla")` (fla's KDA kernels with HARTS's boundary-state kernels on the broadcast
   gate), replay and no-replay, against the torch backend's per-trajectory reference and recurrence.
 """
@@ -48,6 +52,53 @@ def case_packed() -> dict[str, float]:
     return {name: relative_error(actual, expected) for name, expected, actual in zip(names, *results)}
 
 
+def case_packed_kda() -> dict[str, float]:
+    import numpy as np
+    import torch
+
+    from harts.ops.gdn.naive import naive_recurrent_gdn
+    from harts.ops.gdn.packed import packed_gdn
+    from harts.runtime.layout import packed_layout
+    from tests.ops.kda.helpers import relative_error
+
+    gen = torch.Generator().manual_seed(42)
+    lengths = [70, 1, 64, 33]
+    total = sum(lengths)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    # 4 value heads over 2 query/key heads, K = 16 != V = 8: a gate broadcast or a head repeat over the wrong axis
+    # fails on shapes or values.
+    q, k = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(total, 4, 8, generator=gen)
+    leaves = (q, k, v, -torch.rand(total, 4, generator=gen) * 0.5, torch.rand(total, 4, generator=gen))
+
+    def recurrence(q, k, v, g, beta):
+        q, k = (x / (x.square().sum(-1, keepdim=True) + 1e-6).sqrt() for x in (q, k))  # fla's L2 norm
+        return naive_recurrent_gdn(*(x.unsqueeze(0) for x in (q, k, v, g, beta)), cu_seqlens=cu)[0][0]
+
+    runs = {
+        "kda": lambda *x: packed_gdn(*x, cu, chunk_size=64, use_qk_l2norm=True, backend="fla", kernel="kda"),
+        "torch": lambda *x: packed_gdn(*x, cu, chunk_size=64, use_qk_l2norm=True, backend="torch"),
+        "recurrence": recurrence,
+    }
+    results = {name: _grads(run, [x.clone().requires_grad_() for x in leaves], 3) for name, run in runs.items()}
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+    errors = {f"{reference}.{name}": relative_error(actual, expected)
+              for reference in ("torch", "recurrence")
+              for name, expected, actual in zip(names, results[reference], results["kda"])}
+    # A baseline layout's GDN layers share one device plan of the call (built by the first).
+    layout = packed_layout(np.zeros(total, dtype=np.int64), np.array(lengths), np.arange(len(lengths)), conv_size=4,
+                           chunk_size=64, kda_backend="fla", gdn_kernel="kda")
+    with torch.no_grad():
+        first = layout.gated_delta_rule(*leaves)
+        call = layout._packed_kda_call
+        again = layout.gated_delta_rule(*leaves)
+    assert call is not None and layout._packed_kda_call is call
+    errors["layout.o"] = relative_error(first, results["kda"][0])
+    errors["layout.again.o"] = relative_error(again, first)
+    assert np.isfinite(list(errors.values())).all()
+    return errors
+
+
 def case_compact() -> dict[str, float]:
     import numpy as np
     import torch
@@ -84,5 +135,5 @@ def case_compact() -> dict[str, float]:
 
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"packed": case_packed, "compact": case_compact}[sys.argv[1]]
+    case = {"packed": case_packed, "packed_kda": case_packed_kda, "compact": case_compact}[sys.argv[1]]
     print(json.dumps(case()))
