@@ -13,3 +13,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def packed_gdn_kernels(monkeypatch) -> list[str]:
+    """The `kernel` of every packed GDN call (harts.ops.gdn.packed.packed_gdn) made while the test runs."""
+    from harts.ops.gdn import packed
+
+    kernels = []
+    original = packed.packed_gdn
+
+    def spy(*args, **kwargs):
+        kernels.append(kwargs["kernel"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(packed, "packed_gdn", spy)
+    return kernels

@@ -9,24 +9,9 @@ import json
 import pytest
 
 from harts.cli.main import main
-from harts.ops.gdn import packed
-from tests.fixtures import one_thread  # noqa: F401
+from tests.fixtures import one_thread, packed_gdn_kernels  # noqa: F401
 
 STEP = "data/samples/tiny-step.jsonl.gz"
-
-
-@pytest.fixture
-def packed_kernels(monkeypatch) -> list[str]:
-    """The kernel of every packed GDN call made while the test runs."""
-    kernels = []
-    original = packed.packed_gdn
-
-    def spy(*args, **kwargs):
-        kernels.append(kwargs["kernel"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(packed, "packed_gdn", spy)
-    return kernels
 
 
 def test_verify(capsys):
@@ -37,20 +22,20 @@ def test_verify(capsys):
 
 
 @pytest.mark.parametrize("kernel", ["gdn", "kda"])
-def test_train_step_passes_the_gdn_kernel_to_the_baseline(capsys, packed_kernels, kernel):
+def test_train_step_passes_the_gdn_kernel_to_the_baseline(capsys, packed_gdn_kernels, kernel):
     assert main(["train-step", "--model", "gdn-tiny", "--trees", STEP, "--execution", "baseline", "--capacity",
                  "1024", "--gdn-kernel", kernel, "--json"]) == 0
-    assert packed_kernels and set(packed_kernels) == {kernel}
+    assert packed_gdn_kernels and set(packed_gdn_kernels) == {kernel}
 
 
-def test_bench_speedup(tmp_path, monkeypatch, packed_kernels):
+def test_bench_speedup(tmp_path, monkeypatch, packed_gdn_kernels):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "speedup.json"
     assert main(["bench", "speedup", "--model", "gdn-tiny", "--trees", STEP, "--capacity", "1024", "--repeats", "1",
                  "--gdn-kernel", "kda", "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())
     assert record["config"]["model_config"]["gdn"]["num_value_heads"] == 4
-    assert record["config"]["gdn_kernel"] == "kda" and packed_kernels and set(packed_kernels) == {"kda"}
+    assert record["config"]["gdn_kernel"] == "kda" and packed_gdn_kernels and set(packed_gdn_kernels) == {"kda"}
     results = record["results"]
     assert results["compression"] > 1 and results["flops_compression"] > 1
     assert set(results["breakdown"]["op_seconds"]["compact"]) >= {"kda", "kda_one_call", "mla", "lm_head"}

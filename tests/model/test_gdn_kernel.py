@@ -13,6 +13,7 @@ from harts.model.config import load_model_config
 from harts.model.model import HybridModel
 from harts.objective.step import StepConfig, run_step
 from harts.ops.gdn import packed
+from tests.fixtures import packed_gdn_kernels  # noqa: F401
 from tests.model.test_fork_failure_modes import rl_step, tree_sequences
 
 
@@ -42,15 +43,8 @@ def _blocks_run(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("kernel", GDN_KERNELS)
-def test_the_knob_reaches_every_packed_gdn_call_of_the_baseline(step, monkeypatch, kernel):
-    kernels = []
-    original = packed.packed_gdn
-
-    def spy(*args, **kwargs):
-        kernels.append(kwargs["kernel"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(packed, "packed_gdn", spy)
+def test_the_knob_reaches_every_packed_gdn_call_of_the_baseline(step, packed_gdn_kernels, kernel):
+    kernels = packed_gdn_kernels
     model = _model("gdn-tiny")
     members = np.arange(step.num_trajectories)
     run_step(model, step, [members], StepConfig(execution="baseline", gdn_kernel=kernel))

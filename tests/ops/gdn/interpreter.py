@@ -29,20 +29,26 @@ def _grads(run, leaves, upstream_seed):
     return [out, *torch.autograd.grad(out, leaves, upstream)]
 
 
-def case_packed() -> dict[str, float]:
+def _packed_inputs(value_dim: int):
+    """(lengths, cu_seqlens, (q, k, v, g, beta)) of four packed sequences (70, 1, 64 and 33 rows): 2 query/key heads
+    of 16, 4 value heads of `value_dim`."""
     import numpy as np
     import torch
-
-    from harts.ops.gdn.packed import packed_gdn
-    from tests.ops.kda.helpers import relative_error
 
     gen = torch.Generator().manual_seed(42)
     lengths = [70, 1, 64, 33]
     total = sum(lengths)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
     q, k = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))
-    v = torch.randn(total, 4, 16, generator=gen)
-    leaves = (q, k, v, -torch.rand(total, 4, generator=gen) * 0.5, torch.rand(total, 4, generator=gen))
+    v = torch.randn(total, 4, value_dim, generator=gen)
+    return lengths, cu, (q, k, v, -torch.rand(total, 4, generator=gen) * 0.5, torch.rand(total, 4, generator=gen))
+
+
+def case_packed() -> dict[str, float]:
+    from harts.ops.gdn.packed import packed_gdn
+    from tests.ops.kda.helpers import relative_error
+
+    lengths, cu, leaves = _packed_inputs(value_dim=16)
     results = []
     for backend in ("torch", "fla"):
         inputs = [x.clone().requires_grad_() for x in leaves]
@@ -61,15 +67,10 @@ def case_packed_kda() -> dict[str, float]:
     from harts.runtime.layout import packed_layout
     from tests.ops.kda.helpers import relative_error
 
-    gen = torch.Generator().manual_seed(42)
-    lengths = [70, 1, 64, 33]
-    total = sum(lengths)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
     # 4 value heads over 2 query/key heads, K = 16 != V = 8: a gate broadcast or a head repeat over the wrong axis
     # fails on shapes or values.
-    q, k = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))
-    v = torch.randn(total, 4, 8, generator=gen)
-    leaves = (q, k, v, -torch.rand(total, 4, generator=gen) * 0.5, torch.rand(total, 4, generator=gen))
+    lengths, cu, leaves = _packed_inputs(value_dim=8)
+    total = sum(lengths)
 
     def recurrence(q, k, v, g, beta):
         q, k = (x / (x.square().sum(-1, keepdim=True) + 1e-6).sqrt() for x in (q, k))  # fla's L2 norm
