@@ -325,9 +325,9 @@ def test_nested_config_values_on_the_command_line(workdir):
 
 def test_speedup_execution_settings_reach_the_jobs(workdir):
     """The pipeline's opt-in execution settings (every knob key of the section: harts.bench.speedup.cli's
-    PIPELINE_KEYS) become the bench's flags of the same names."""
+    PIPELINE_KEYS) become the bench's flags of the same names (on CUDA: varlen is refused on the CPU)."""
     result = snakemake(workdir, "reports/raw/speedup/tiny/single.json", "-n", "-p", "--workflow-profile", "tiny",
-                       "--config", "speedup={recompute: true, attention_backend: varlen, "
+                       "--config", "speedup={device: cuda, dtype: bf16, recompute: true, attention_backend: varlen, "
                        "logprob_grad_precision: input, recompute_blocks: 2, experts_backend: lean, keep_attention: true, "
                        "compact_recompute_blocks: 1, recompute_by_rows: true, logprob_chunk_rows: 2048, "
                        "kda_backend: fla, gdn_kernel: kda, keep_kda_intermediates: true, "
