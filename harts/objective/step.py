@@ -122,8 +122,8 @@ def check_baseline_gdn_kernel(model_config: ModelConfig, config: ExecutionConfig
     """ValueError in one line (starting with `where`), naming the knob `name`, when `config` (resolved for
     `device`) runs the baseline of a Gated DeltaNet model on fla's GDN kernel where the installed fla refuses its
     backward (harts.ops.gdn.packed.check_gdn_kernel; nothing for a KDA model, the compact execution, the torch
-    backend or another device than CUDA). The commands call it between loading the model config and building the model; the
-    model checks its layout again before its first block runs (`HybridModel.run_blocks`)."""
+    backend or another device than CUDA). The commands call it between loading the model config and building the
+    model; the model checks its layout again before its first block runs (`HybridModel.run_blocks`)."""
     if model_config.linear_kind == "gdn" and config.execution == "baseline":
         check_gdn_kernel(config.gdn_kernel, config.kda_backend, device, name=name, where=where)
 
