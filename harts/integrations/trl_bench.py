@@ -335,7 +335,10 @@ def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, 
     total_steps = args.warmup + args.repeats
     logger.info(f"trl bench: {label}: loading the checkpoint")
     device = torch.device(args.device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    # use_kernels=False: with the `kernels` package installed, transformers >= 5.2x fetches its linear-attention
+    # kernels from the Hub by default (none offline, and not the ones HARTS runs); off, it calls the installed fla.
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                              use_kernels=False).to(device)
     initial = {n: _cpu_copy(p) for n, p in model.named_parameters()} if name == "trl" else None
     # transformers >= 5.25 names TRL's gradient_checkpointing activation_checkpointing (the old name warns).
     fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}

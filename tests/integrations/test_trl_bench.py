@@ -104,6 +104,24 @@ def test_cpu_run_records_both_trainers_and_they_agree(tmp_path, capsys, model):
         assert line in progress
 
 
+def test_both_trainers_run_the_installed_kernels_not_the_hubs(tmp_path, monkeypatch):
+    """transformers >= 5.2x kernelizes a model from the Hub by default where the `kernels` package is installed
+    (offline on the GPU machine: an error); the bench loads both trainers' models with Hub kernels off."""
+    import transformers
+
+    loaded, load = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded.append(model)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    status, record = bench(tmp_path, "cpu", "--optim", "sgd", "--router-aux-loss-coef", "0")
+    assert status == 0, record
+    assert len(loaded) == 2 and not any(model.use_kernels for model in loaded)
+
+
 def test_an_aux_loss_on_sigmoid_routing_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert main(["bench", "trl", "--model", "tiny", "--device", "cpu", "--router-aux-loss-coef", "0.01", "--out",
