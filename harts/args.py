@@ -149,9 +149,18 @@ LOSS_OPTIONS = (
     ("vespo_lambda_neg", _GRPO, {"type": positive_float, "help": "VESPO's lambda where A < 0 (default 2)"}),
 )
 
+LOSS_SECTION_OPTIONS = (
+    # (LossConfig field besides name, grpo and ppo: the same StepConfig field, whichever the loss; argparse keywords):
+    # the flag is --FIELD-WITH-DASHES, the YAML key loss.FIELD. Every such field is here (tested).
+    ("pooled_balance_coeff", {"type": non_negative_float,
+                              "help": "coefficient of transformers' pooled load-balancing loss of each microbatch, "
+                                      "added / the step's microbatches (TRL's router_aux_loss_coef; default 0: none; "
+                                      "> 0 needs softmax routing whose MoE layers report their statistics)"}),
+)
+
 
 def loss_flag(field: str) -> str:
-    """The flag of a LOSS_OPTIONS field."""
+    """The flag of a LOSS_OPTIONS or LOSS_SECTION_OPTIONS field."""
     return "--" + field.replace("_", "-")
 
 

@@ -46,8 +46,9 @@ hyper-parameters (`StepConfig.loss`, `.grpo`, `.ppo`) over the loss-masked token
 this batch (token-mean: masked tokens; token-sum: 1; the seq-mean modes: sequences with a masked
 token), with an entropy bonus when `entropy_coef` > 0 (its entropies come from the same pass; verl's
 and TRL's readings: docs/losses.md); `loss` adds the MoE losses (q-weighted, DESIGN §4), `policy_loss`
-and `moe_loss` are its parts (`pooled_balance=True` adds transformers' pooled load-balancing loss of the
-batch, `pooled_balance_loss`, for a trainer that adds it itself: TRL's router aux loss).
+and `moe_loss` are its parts (`pooled_balance=True` returns transformers' pooled load-balancing loss of the
+batch, `pooled_balance_loss`, for a trainer that adds it itself: TRL's router aux loss; the config's
+`pooled_balance_coeff` adds it to `moe_loss`, ÷ `num_microbatches`).
 Without `old_log_probs` the step is on-policy (ratio 1); GRPO's KL term
 needs `ref_log_probs`. `policy_loss` and `logprobs` run the batch as one microbatch (its whole trie in one
 forward; `capacity` refuses one over that many rows). A mini-batch larger than a microbatch: `plan(batch,
@@ -55,7 +56,9 @@ capacity, dp)` splits it with the HARTS planner (DESIGN §2: GRPO groups stay wh
 where the least sharing is lost) and `policy_step(model, plan)` runs it as ONE step: gradient accumulation over
 the planned microbatches, every loss part normalised over the whole batch (the policy loss's and the entropy
 bonus's denominators, and the MoE losses through `harts.model.moe.step_share`), so that the microbatches' losses
-and gradients add up to the batch's run as one microbatch. (A trainer that splits the step itself may instead
+and gradients add up to the batch's run as one microbatch; with the config's `pooled_balance_coeff`, each
+microbatch's pooled load-balancing loss ÷ the plan's microbatches is added besides, as `run_step` and the parallel
+step add it (it is a loss per microbatch, not one of the batch). (A trainer that splits the step itself may instead
 call `policy_loss` per micro-batch with `normalizer`, the step's count, and `num_microbatches`: the MoE losses are
 then a mean over micro-batches, as in `harts.objective.step.run_step`.) The model may be wrapped:
 DistributedDataParallel (called for the forward, so that it reduces the gradients), FSDP2's `fully_shard` (keep
@@ -65,7 +68,8 @@ Invariant (tests/test_api.py): for left, right and two-sided padding, GRPO group
 and batches without sharing, the outputs equal those of each sequence run alone through the model
 (fp32 CPU, ≤ 1e-5), with temperature and entropy, and the loss and every parameter gradient equal
 the per-trajectory ones; a planned step's loss, MoE losses and gradients equal the whole batch's as one
-microbatch (groups whole or split, D = 1 and 2). Legend: B sequences, L padded length, R response columns, T packed
+microbatch (groups whole or split, D = 1 and 2). tests/test_api_pooled_step.py: a planned step's pooled load-balancing
+loss against `policy_loss` per microbatch. Legend: B sequences, L padded length, R response columns, T packed
 tokens, S semantic tokens (real tokens of all sequences), C compact rows.
 """
 
@@ -87,7 +91,8 @@ from harts.model.model import HybridModel, unwrap_model
 from harts.model.moe import pooled_load_balancing_loss, step_share
 from harts.objective.losses import PolicyLoss
 from harts.objective.step import (
-    StepConfig, aggregation_normalizer, loss_config_of, policy_loss_of, step_config, step_normalizer,
+    StepConfig, aggregation_normalizer, check_pooled_balance, loss_config_of, policy_loss_of, step_config,
+    step_normalizer,
 )
 from harts.objective.targets import SemanticTargets, semantic_targets_from_step
 from harts.planning import Plan
@@ -126,16 +131,18 @@ class BatchLoss(TokenOutputs):
     policy_loss: torch.Tensor
     """The GRPO/PPO loss (`harts.objective.losses`)."""
     moe_loss: torch.Tensor
-    """The model's MoE auxiliary losses (q-weighted over compact rows), divided by `num_microbatches`."""
+    """The model's MoE auxiliary losses (q-weighted over compact rows), and with the config's `pooled_balance_coeff`
+    c, c × `pooled_balance_loss`; divided by `num_microbatches`."""
     clip_fraction: torch.Tensor
     """Fraction of loss-masked tokens whose clipped surrogate term is active."""
     kl: torch.Tensor | None
     """Mean KL estimate (the config's `kl_estimator`, k3 by default) over loss-masked tokens (GRPO with reference
     log-probs)."""
     pooled_balance_loss: torch.Tensor | None = None
-    """With `pooled_balance`: transformers' load-balancing loss of the batch (`harts.model.moe.
-    pooled_load_balancing_loss`: every MoE layer's router statistics pooled over the batch's real tokens, each
-    token once per sequence), without coefficient and not in `loss`."""
+    """With `pooled_balance` or the config's `pooled_balance_coeff`: transformers' load-balancing loss of the batch
+    (`harts.model.moe.pooled_load_balancing_loss`: every MoE layer's router statistics pooled over the batch's real
+    tokens, each token once per sequence), without coefficient nor ÷ `num_microbatches` (in `loss` only through the
+    coefficient)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +333,9 @@ def policy_loss(
             denominator of that aggregation (default: this batch's own count); otherwise `normalizer` serves.
         pooled_balance: also return transformers' load-balancing loss of the batch (`pooled_balance_loss`: what a
             transformers MoE model's `aux_loss` is under the batch's attention mask); needs softmax routing whose
-            layers report their statistics (`moe.balance_statistics` or `aux_loss_coeff` > 0).
+            layers report their statistics (`moe.balance_statistics` or `aux_loss_coeff` > 0). The config's
+            `pooled_balance_coeff` c > 0 returns it too and adds c × it ÷ `num_microbatches` to `moe_loss` (a model
+            that cannot give it is refused before the forward, `harts.objective.step.check_pooled_balance`).
     """
     if (normalizer is None) != (num_microbatches is None):
         raise ValueError("policy_loss: give normalizer and num_microbatches together (a micro-batch of a step: the "
@@ -344,6 +353,7 @@ def policy_loss(
                          f"routes with {_model(model).config.moe.score_function} scores")
     batch = as_batch(batch)
     config = config or default_config(model)
+    check_pooled_balance(_model(model).config, config, "policy_loss")
     _check_policy_inputs(batch, config)
     loss_config = loss_config_of(config)
     part, targets = _run(model, batch, config, temperature, entropy or loss_config.entropy_coef > 0, capacity)
@@ -356,11 +366,13 @@ def policy_loss(
             else aggregation_normalizer(loss_config.aggregation_of_entropy, targets)
         ),
     )
-    moe = part.moe_loss / (num_microbatches or 1)
+    pooled = pooled_load_balancing_loss(part.auxes) if pooled_balance or config.pooled_balance_coeff > 0 else None
+    moe = part.moe_loss if config.pooled_balance_coeff == 0 else part.moe_loss + config.pooled_balance_coeff * pooled
+    moe = moe / (num_microbatches or 1)
     return BatchLoss(
         **_outputs(batch, part.logprobs_S, part.entropy_S if entropy else None, part.num_rows),
         loss=policy.loss + moe, policy_loss=policy.loss, moe_loss=moe, clip_fraction=policy.clip_fraction,
-        kl=policy.kl, pooled_balance_loss=pooled_load_balancing_loss(part.auxes) if pooled_balance else None,
+        kl=policy.kl, pooled_balance_loss=pooled,
     )
 
 
@@ -447,13 +459,18 @@ class StepLoss(TokenOutputs):
     """policy_loss + moe_loss."""
     policy_loss: torch.Tensor
     moe_loss: torch.Tensor
-    """The MoE losses of the batch's rows as one step (`harts.model.moe.step_share`)."""
+    """The MoE losses of the batch's rows as one step (`harts.model.moe.step_share`), and with the config's
+    `pooled_balance_coeff` c, c × `pooled_balance_loss`."""
     clip_fraction: torch.Tensor
     """Over the loss-masked tokens."""
     kl: torch.Tensor | None
     """Mean KL estimate over the loss-masked tokens (GRPO with reference log-probs)."""
     num_microbatches: int
     """Microbatches this replica ran."""
+    pooled_balance_loss: torch.Tensor | None = None
+    """With the config's `pooled_balance_coeff`: the sum over this replica's microbatches of each one's transformers'
+    load-balancing loss ÷ the plan's (non-empty) microbatches K, without the coefficient; the replicas' add up to the
+    mean over the step's microbatches."""
 
 
 def _averages_gradients(model: torch.nn.Module) -> bool:
@@ -514,6 +531,10 @@ def policy_step(
       counts. Those counts come from the routing of every microbatch, so with a load-balancing loss and more
       than one microbatch a forward without gradients of each microbatch runs first (one forward more), and
       with D > 1 the counts are summed over the replicas through torch.distributed (`group`, default WORLD).
+    - Pooled load-balancing loss (the config's `pooled_balance_coeff` c > 0): each microbatch adds c × its own
+      transformers' load-balancing loss (`harts.model.moe.pooled_load_balancing_loss`) ÷ K, the plan's non-empty
+      microbatches over all replicas, as `harts.objective.step.run_step` and the parallel step do (TRL's router aux
+      loss over its accumulation steps); a model that cannot give it is refused before any forward.
     - Data parallelism: each replica holds the whole batch and runs its own microbatches (`BatchPlan.of_replica`);
       the replicas' gradients add up to the batch's. A DistributedDataParallel or FSDP2 model averages its
       replicas' gradients, so for such a model the step back-propagates D times its share, and reduces only
@@ -534,6 +555,7 @@ def policy_step(
                          f"{type(plan).__name__}")
     config = config or default_config(model)
     _check_plan_execution(plan, config)
+    check_pooled_balance(_model(model).config, config, "policy_step")
     batch = plan.batch
     _check_policy_inputs(batch, config)
     _check_vocabulary(model, batch)
@@ -552,15 +574,16 @@ def policy_step(
     device = engine.device
     moe_config = _model(model).config.moe
     num_tokens = float(step.num_semantic_tokens)
+    num_microbatches = sum(1 for m in plan.microbatches if len(m))
     counts = None
-    if moe_config.aux_loss_coeff > 0 and sum(1 for m in plan.microbatches if len(m)) > 1:
+    if moe_config.aux_loss_coeff > 0 and num_microbatches > 1:
         counts = _balance_counts(engine, batch, microbatches, index, plan.dp, group)
     # DDP and FSDP2 average the replicas' gradients; the step's are their sum.
     scale = float(plan.dp) if averaging else 1.0
     logprobs_S = torch.zeros(step.num_semantic_tokens)
     entropy_S = torch.zeros(step.num_semantic_tokens) if entropy else None
     mine = np.zeros(step.num_semantic_tokens, dtype=bool)
-    total_policy = total_moe = clipped = kl_sum = masked = 0.0
+    total_policy = total_moe = total_pooled = clipped = kl_sum = masked = 0.0
     has_kl = False
     num_rows = 0
     for j, members in enumerate(microbatches):
@@ -572,6 +595,10 @@ def policy_step(
             moe = sum((step_share(aux, moe_config, step_tokens=num_tokens,
                                   step_balance_counts_E=aux.balance_counts_E if counts is None else counts[layer])
                        for layer, aux in enumerate(part.auxes)), policy.loss.new_zeros(()))
+            if config.pooled_balance_coeff > 0:
+                pooled = pooled_load_balancing_loss(part.auxes) / num_microbatches
+                total_pooled += float(pooled.detach())
+                moe = moe + config.pooled_balance_coeff * pooled
             if backward:
                 ((policy.loss + moe) * scale).backward()
         total_policy += float(policy.loss.detach())
@@ -594,4 +621,5 @@ def policy_step(
         **outputs, loss=torch.tensor(total_policy + total_moe), policy_loss=torch.tensor(total_policy),
         moe_loss=torch.tensor(total_moe), clip_fraction=torch.tensor(clipped / max(masked, 1.0)),
         kl=torch.tensor(kl_sum / max(masked, 1.0)) if has_kl else None, num_microbatches=len(microbatches),
+        pooled_balance_loss=torch.tensor(total_pooled) if config.pooled_balance_coeff > 0 else None,
     )

@@ -6,8 +6,10 @@ executions on the same microbatches, so every quantity must agree (issue 5's equ
 The loss's hyper-parameters come from `--loss-config` (a YAML of `GRPOConfig` or `PPOConfig`
 fields, per `--loss`, loaded strictly) and one flag per field (`harts.args.LOSS_OPTIONS`:
 `--clip-ratio-low`, `--dual-clip-ratio`, `--aggregation`, `--entropy-coef`, GRPO's `--kl-coef`,
-`--kl-estimator`, `--surrogate`, ...), which override the file; the resolved config is printed with
-the results (`loss_config`). Tested in tests/cli/test_train.py.
+`--kl-estimator`, `--surrogate`, ...), which override the file; `--pooled-balance-coeff` (harts.args.
+LOSS_SECTION_OPTIONS, whatever the loss) adds transformers' pooled load-balancing loss, refused by name for a model
+that cannot give it. The resolved config is printed with the results (`loss_config`). Tested in
+tests/cli/test_train.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import replace
 from harts.args import (
     LOSS_AGGREGATIONS,
     LOSS_OPTIONS,
+    LOSS_SECTION_OPTIONS,
     loss_flag,
     non_negative_int,
     print_error,
@@ -56,6 +59,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     for field, losses, keywords in LOSS_OPTIONS:
         help_text = keywords["help"] if len(losses) == 2 else f"GRPO only: {keywords['help']}"
         loss.add_argument(loss_flag(field), dest=field, **{**keywords, "help": help_text})
+    for field, keywords in LOSS_SECTION_OPTIONS:
+        loss.add_argument(loss_flag(field), dest=field, **keywords)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight initialisation seed")
     parser.add_argument("--on-policy", action="store_true",
                         help="ignore the step's old log-probs (ratio 1, as in the first epoch on fresh rollouts)")
@@ -79,6 +84,7 @@ def _setup(args: argparse.Namespace, config):
         raise ValueError("--device cuda: no CUDA device is available")
     model_config = load_model_config_with(args.model, args.experts_backend)
     check_baseline_gdn_kernel(model_config, config, args.device, name=execution.flag("gdn_kernel"))
+    _check_pooled_balance(args, model_config, config)
     step = read_step(args.trees, vocab_size=model_config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)
@@ -113,15 +119,31 @@ def _step_config(args: argparse.Namespace, execution_name: str, **extra):
     from harts.objective.step import step_config
 
     knobs = execution.ExecutionConfig(**execution.from_arguments(args))
+    section = {field: getattr(args, field) for field, _ in LOSS_SECTION_OPTIONS if getattr(args, field) is not None}
     return step_config(knobs, args.device, execution=execution_name, loss=args.loss,
-                       **{args.loss: _loss_config(args)}, **extra)
+                       **{args.loss: _loss_config(args)}, **section, **extra)
+
+
+def _check_pooled_balance(args: argparse.Namespace, model_config, config) -> None:
+    """`--pooled-balance-coeff` > 0 on a model that cannot give the loss: a ValueError naming the flag, before the
+    model is built."""
+    from harts.objective.step import check_pooled_balance, runs_mtp
+
+    check_pooled_balance(model_config, config, args.command, mtp=runs_mtp(model_config, config),
+                         name=loss_flag("pooled_balance_coeff"))
+
+
+def _pooled_record(result) -> dict:
+    """The pooled load-balancing loss of a step's result (without its coefficient), when the step added it."""
+    return {} if result.pooled_balance_loss is None else {"pooled_balance_loss": result.pooled_balance_loss}
 
 
 def _loss_summary(config) -> dict:
     """The resolved loss of a StepConfig, for the printed results."""
     from harts.config import config_to_dict
 
-    return {"loss": config.loss, **config_to_dict(config.grpo if config.loss == "grpo" else config.ppo)}
+    return {"loss": config.loss, **config_to_dict(config.grpo if config.loss == "grpo" else config.ppo),
+            **{field: getattr(config, field) for field, _ in LOSS_SECTION_OPTIONS}}
 
 
 def run_train_step(args: argparse.Namespace) -> int:
@@ -144,6 +166,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         "loss": result.loss,
         "policy_loss": result.policy_loss,
         "moe_loss": result.moe_loss,
+        **_pooled_record(result),
         "semantic_tokens": result.num_semantic_tokens,
         "rows": result.num_rows,
         **result.mtp_record(),
@@ -227,6 +250,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
     config = load_model_config_with(args.model, args.experts_backend)
     parallel.check_model(config)
     check_baseline_gdn_kernel(config, planning, args.device, name=execution.flag("gdn_kernel"))
+    _check_pooled_balance(args, config, planning)
     step = read_step(args.trees, vocab_size=config.vocab_size)
     if args.on_policy:
         step = replace(step, old_logprobs=None)
@@ -252,7 +276,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
                    **{report["execution"]: report for report in result}}
     else:
         summary = {**head, "execution": args.execution, "loss": result.loss, "policy_loss": result.policy_loss,
-                   "moe_loss": result.moe_loss, "semantic_tokens": result.num_semantic_tokens,
+                   "moe_loss": result.moe_loss, **_pooled_record(result), "semantic_tokens": result.num_semantic_tokens,
                    "rows": result.num_rows, "plan_seconds": planned.plan.plan_seconds, "seconds": result.seconds}
     _check_finite(summary, step, "verify" if verify else "train-step")
     if args.json:

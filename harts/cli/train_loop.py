@@ -20,7 +20,7 @@ import json
 import logging
 from pathlib import Path
 
-from harts.args import LOSS_OPTIONS, loss_flag, non_negative_int, positive_int
+from harts.args import LOSS_OPTIONS, LOSS_SECTION_OPTIONS, loss_flag, non_negative_int, positive_int
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -62,7 +62,9 @@ EXECUTION_OVERRIDES = [(option, f"execution.{name}", {**keywords, **(
                        for name in execution.FIELDS if name != "dtype"
                        for option, keywords in [execution.argument(name, default=False, negatable=True)]]
 """Every execution knob's flag (harts.config.execution; --dtype is the run's; --recompute-blocks also takes auto)."""
-OVERRIDES += EXECUTION_OVERRIDES
+LOSS_SECTION_OVERRIDES = [(loss_flag(field), f"loss.{field}", keywords) for field, keywords in LOSS_SECTION_OPTIONS]
+"""The loss section's own fields' flags (harts.args.LOSS_SECTION_OPTIONS: --pooled-balance-coeff), whatever the loss."""
+OVERRIDES += EXECUTION_OVERRIDES + LOSS_SECTION_OVERRIDES
 
 
 def _destination(flag: str) -> str:

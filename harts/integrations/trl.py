@@ -186,7 +186,8 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
     """`trl.GRPOTrainer` with HARTS's compact execution for the log-probs, entropies and loss (module docstring).
 
     Takes GRPOTrainer's arguments; `harts_config` (optional) sets HARTS's execution (compact or baseline,
-    recomputation, backends); its loss fields are always TRL's reading."""
+    recomputation, backends); its loss fields are always TRL's reading (`pooled_balance_coeff` too: TRL's
+    router_aux_loss_coef adds that loss)."""
 
     def __init__(self, *args: Any, harts_config: StepConfig | None = None, **kwargs: Any) -> None:
         version = ".".join(trl.__version__.split(".")[:2])
@@ -208,6 +209,7 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         checkpointing = getattr(self.args, "activation_checkpointing", self.args.gradient_checkpointing)
         base = harts_config or dataclasses.replace(api.device_config(device), recompute=bool(checkpointing))
         self.harts_config = StepConfig(**{**vars(base), "loss": "grpo", "grpo": grpo_config_from_trl(self.args),
+                                          "pooled_balance_coeff": 0.0,
                                           "dtype": "bf16" if self.args.bf16 else base.dtype})
         self._views: dict[int, HFParameterView] = {}
         scores = self._view(self.model).config.moe.score_function  # refuses another architecture now, by name

@@ -46,7 +46,8 @@ GRPO = any of these with group-normalised advantages (`harts.trees.step.grpo_adv
 the clip surrogate with per-token advantages given (GAE with a value model is computed upstream and
 out of scope here), the dual clip, the aggregations and the entropy bonus, without KL term.
 
-`LossConfig` picks one of the two (the `loss` section of harts train's and harts rl's configs);
+`LossConfig` picks one of the two and holds the MoE loss's pooled load-balancing coefficient (the `loss` section of
+harts train's and harts rl's configs);
 `step_kl(step, logprobs_S)` is the mean k3 KL over a step's loss positions (their step records' `kl`).
 
 Reference: hand-computed values in the tests, equality of the loss and its gradients with compact
@@ -207,16 +208,24 @@ class PPOConfig(_PolicyLossConfig):
 
 @dataclass(kw_only=True)
 class LossConfig:
-    """The policy loss: `name` picks which of the two sections is used."""
+    """The step's loss: the policy loss (`name` picks which of the two sections is used) and the terms added to
+    the MoE losses. Every field is the StepConfig field of the same name (`name`: `loss`; harts.objective.step.
+    step_config copies them)."""
 
     name: str = "grpo"
     """"grpo" or "ppo"."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    pooled_balance_coeff: float = 0.0
+    """Coefficient of transformers' pooled load-balancing loss of each microbatch, added ÷ the step's microbatches
+    (TRL's router_aux_loss_coef; `StepConfig.pooled_balance_coeff`). 0: none."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
             raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
+        coeff = self.pooled_balance_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (math.isfinite(coeff) and coeff >= 0):
+            raise ValueError(f"loss.pooled_balance_coeff must be a finite number >= 0, got {coeff!r}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,6 +17,7 @@ layout building, forward and backward are returned per step (with device synchro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -96,14 +97,16 @@ class StepConfig(ExecutionConfig):
             raise ValueError(f"{prefix}pooled_balance_coeff must be a finite number >= 0, got {coeff!r}")
 
 
-def check_pooled_balance(model_config: ModelConfig, config: StepConfig, caller: str, *, mtp: bool = False) -> None:
-    """ValueError naming `caller` when `config.pooled_balance_coeff` > 0 asks for a loss the model cannot give:
-    transformers' loss is the softmax one, over MoE layers that report their statistics (`moe.balance_statistics`
-    or `aux_loss_coeff` > 0), of a decoder without MTP layers (`mtp`: they run in this step)."""
+def check_pooled_balance(model_config: ModelConfig, config: StepConfig | LossConfig, caller: str, *, mtp: bool = False,
+                         name: str = "pooled_balance_coeff") -> None:
+    """ValueError naming `caller` and the knob `name` (a command's key or flag) when `config.pooled_balance_coeff` > 0
+    asks for a loss the model cannot give: transformers' loss is the softmax one, over MoE layers that report their
+    statistics (`moe.balance_statistics` or `aux_loss_coeff` > 0), of a decoder without MTP layers (`mtp`: they run
+    in this step; `runs_mtp`). The commands call it before building the model, the steps before any forward."""
     if config.pooled_balance_coeff == 0:
         return
     moe = model_config.moe
-    where = f"{caller}: pooled_balance_coeff {config.pooled_balance_coeff} on model {model_config.name!r}"
+    where = f"{caller}: {name} {config.pooled_balance_coeff} on model {model_config.name!r}"
     if model_config.num_layers == model_config.num_dense_layers:
         raise ValueError(f"{where}: the model has no MoE layer")
     if moe.score_function != "softmax":
@@ -131,14 +134,20 @@ def check_baseline_gdn_kernel(model_config: ModelConfig, config: ExecutionConfig
 def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig | None = None,
                 **fields) -> StepConfig:
     """The StepConfig of an execution config on `device` (its defaults resolved) with the loss of `loss_config`
-    (default: `fields`' or GRPO's defaults) and `fields` (e.g. `execution`, `replay`, `loss`) replacing the
-    config's."""
+    (every field of it; default: `fields`' or GRPO's defaults) and `fields` (e.g. `execution`, `replay`, `loss`)
+    replacing the config's."""
     given = {**knobs.knobs(), **{k: v for k, v in fields.items() if k in execution_config.FIELDS}}
     resolved = ExecutionConfig(**given).resolved(device)
     extra = {k: v for k, v in fields.items() if k not in execution_config.FIELDS}
     if loss_config is not None:
-        extra.update(loss=loss_config.name, grpo=loss_config.grpo, ppo=loss_config.ppo)
+        extra.update({"loss" if f.name == "name" else f.name: getattr(loss_config, f.name)
+                      for f in dataclasses.fields(loss_config)})
     return StepConfig(**resolved.knobs(), **extra)
+
+
+def runs_mtp(model_config: ModelConfig, knobs: ExecutionConfig) -> bool:
+    """Whether a step of `knobs` runs the model's MTP layers (their loss's factor is > 0)."""
+    return model_config.mtp is not None and mtp_scaling_factor(model_config, knobs.mtp_loss_scaling_factor) > 0
 
 
 def microbatch_extent(layout: Layout) -> tuple[int, int, int]:

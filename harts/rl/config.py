@@ -8,7 +8,8 @@ start that makes the initial policy (`WarmStartConfig`), the sampling of trees
 `load_rl_config(path)` reads it with harts.config's strict loader (an unknown or missing key, or a wrong type, is an
 error naming the file and the dotted key); `resolve` makes the defaults that depend on the device
 explicit, so that a record's config says everything its curves depend on, and refuses backends
-the model cannot run (fla's KDA needs chunks of 64: the `tiny` model has 16). Tested in
+the model cannot run (fla's KDA needs chunks of 64: the `tiny` model has 16) and a `loss.pooled_balance_coeff` it
+cannot give (harts.objective.step.check_pooled_balance). Tested in
 tests/rl/test_config.py.
 """
 
@@ -138,4 +139,8 @@ def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
 
         check_baseline_gdn_kernel(model, replace(execution, execution="baseline"), config.device,
                                   name="execution.gdn_kernel", where=f"{where}: ")
+    from harts.objective.step import check_pooled_balance, runs_mtp
+
+    check_pooled_balance(model, config.loss, str(where), mtp=runs_mtp(model, execution),
+                         name="loss.pooled_balance_coeff")
     return replace(config, dtype=execution.dtype, execution=execution)

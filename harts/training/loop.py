@@ -39,7 +39,8 @@ its first) starts again from step 0 and keeps the log. With `wandb`, each step r
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
 and combined sha256 of the data steps), "device_memory_bytes" (the GPU's total; null on CPU), "environment"};
 with recompute_blocks auto then {"event": "recompute_search", ...} (the blocks found, the margin, the limit and
-every probe); then one {"event": "step", ...} per step (loss, policy and MoE loss, pre-clip gradient norm, lr,
+every probe); then one {"event": "step", ...} per step (loss, policy and MoE loss, with `loss.pooled_balance_coeff`
+the pooled load-balancing loss without its coefficient, pre-clip gradient norm, lr,
 clip fraction, KL to the reference policy, S, C, rows, seconds, peak_memory_bytes: the CUDA allocator's peak
 over the step, optimizer included, null on CPU) and {"event": "checkpoint", ...} per checkpoint. On resume the
 records of steps after the checkpoint (done before the stop, about to be redone) are removed from the log, and
@@ -70,7 +71,7 @@ from tqdm import tqdm
 
 from harts.config import config_to_dict
 from harts.files import write_text
-from harts.objective.step import check_baseline_gdn_kernel
+from harts.objective.step import check_baseline_gdn_kernel, check_pooled_balance, runs_mtp
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.update import apply_update
 from harts.tracking.wandb_log import WandbOptions
@@ -123,6 +124,8 @@ def train(
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA device is available")
     check_baseline_gdn_kernel(model_config, config.execution, config.device, name="execution.gdn_kernel")
+    check_pooled_balance(model_config, config.loss, "harts train", mtp=runs_mtp(model_config, config.execution),
+                         name="loss.pooled_balance_coeff")
     resolved = {"train": config_to_dict(config), "model": config_to_dict(model_config)}
     stop = config.num_steps if max_steps is None else min(config.num_steps, max_steps)
     digests = source.digests()
@@ -316,6 +319,7 @@ class _Run:
             "loss": result.loss,
             "policy_loss": result.policy_loss,
             "moe_loss": result.moe_loss,
+            **({} if result.pooled_balance_loss is None else {"pooled_balance_loss": result.pooled_balance_loss}),
             "grad_norm": grad_norm,
             "lr": lr,
             "clip_fraction": result.clip_fraction,

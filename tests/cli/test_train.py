@@ -1,6 +1,8 @@
 """The loss options of `harts train-step` and `harts verify` (harts/cli/train.py): the flags and the
 strict `--loss-config` YAML reach the step's GRPOConfig/PPOConfig, flags override the file, a loss
-option of the other loss is refused, and the resolved config is printed with the results."""
+option of the other loss is refused, and the resolved config is printed with the results;
+`--pooled-balance-coeff` reaches the StepConfig and the step's loss, a bad value or a model that cannot give the
+loss is refused in one line."""
 
 import dataclasses
 import json
@@ -11,7 +13,10 @@ from harts import args as cli_args
 from harts.cli import train
 from harts.cli.main import build_parser, main
 from harts.objective import losses
+from harts.config.execution import ExecutionConfig
 from harts.objective.losses import AGGREGATIONS, GRPOConfig, PPOConfig
+from harts.objective.step import StepConfig
+from harts.objective.step import step_config as objective_step_config
 from tests.trees.helpers import cli_error
 
 STEP = "data/samples/tiny-step.jsonl.gz"
@@ -35,6 +40,25 @@ def test_loss_options_are_the_configs_fields():
     assert (cli_args.LOSS_AGGREGATIONS, cli_args.LOSS_SURROGATES, cli_args.LOSS_IMPORTANCE_SAMPLING_LEVELS,
             cli_args.LOSS_KL_ESTIMATORS) == (losses.AGGREGATIONS, losses.SURROGATES, losses.IMPORTANCE_SAMPLING_LEVELS,
                                              losses.KL_ESTIMATORS)
+
+
+def test_loss_section_options_are_the_loss_configs_fields():
+    """One flag per field of LossConfig besides name and its sections, and those are the StepConfig's loss fields
+    (`name` is StepConfig's `loss`), so that step_config copies every one of them."""
+    section = {f.name for f in dataclasses.fields(losses.LossConfig)} - {"name", "grpo", "ppo"}
+    assert {field for field, _ in cli_args.LOSS_SECTION_OPTIONS} == section == {"pooled_balance_coeff"}
+    knobs = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    assert {f.name for f in dataclasses.fields(StepConfig)} - knobs - {"replay"} == section | {"loss", "grpo", "ppo"}
+    loss_config = losses.LossConfig(name="ppo", ppo=PPOConfig(entropy_coef=0.01), pooled_balance_coeff=0.25)
+    config = objective_step_config(ExecutionConfig(), "cpu", loss_config=loss_config, execution="compact")
+    assert (config.loss, config.ppo, config.pooled_balance_coeff) == ("ppo", loss_config.ppo, 0.25)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_pooled_balance_coeff_reaches_the_step_config(command):
+    assert step_config(COMMANDS[command]).pooled_balance_coeff == 0.0
+    given = step_config([*COMMANDS[command], "--loss", "ppo", "--pooled-balance-coeff", "0.25"])
+    assert (given.loss, given.pooled_balance_coeff) == ("ppo", 0.25)
 
 
 # name: (extra argv, loss, the resolved config)
@@ -126,6 +150,13 @@ BAD = {
                      "--kl-coef applies to --loss grpo only (this is --loss ppo)"),
     "dual-clip-not-above-1": (None, ["--loss", "ppo", "--dual-clip-ratio", "0.5"],
                               "loss options: PPOConfig: dual_clip_ratio must be > 1, got 0.5"),
+    "pooled-negative": (None, ["--pooled-balance-coeff", "-1"],
+                        "{command}: argument --pooled-balance-coeff: expected a finite number >= 0, got '-1'"),
+    "pooled-nan": (None, ["--pooled-balance-coeff", "nan"],
+                   "{command}: argument --pooled-balance-coeff: expected a finite number >= 0, got 'nan'"),
+    "pooled-sigmoid-model": (None, ["--pooled-balance-coeff", "0.5"],
+                             "{command}: --pooled-balance-coeff 0.5 on model 'tiny': transformers' load-balancing "
+                             "loss is the softmax one; the model routes with sigmoid scores"),
 }
 
 
@@ -139,7 +170,7 @@ def test_bad_loss_options_fail_in_one_line(command, case, tmp_path, capsys):
         argv = [*argv, "--loss-config", str(path)]
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     line = cli_error([*COMMANDS[command], "--model", "tiny", "--trees", STEP, "--capacity", "1024", *argv], capsys)
-    assert line.startswith("harts: error: " + message.format(path=path, tmp=tmp_path))
+    assert line.startswith("harts: error: " + message.format(path=path, tmp=tmp_path, command=command))
 
 
 def test_train_step_uses_and_prints_the_loss_config(tmp_path, capsys):
@@ -154,8 +185,25 @@ def test_train_step_uses_and_prints_the_loss_config(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         losses[name] = out["policy_loss"]
         expected = GRPOConfig(clip_ratio_high=0.28, kl_coef=0.5) if name == "kl" else GRPOConfig()
-        assert out["loss_config"] == {"loss": "grpo", **expected.__dict__}
+        assert out["loss_config"] == {"loss": "grpo", **expected.__dict__, "pooled_balance_coeff": 0.0}
     assert losses["kl"] > losses["default"]  # the k3 penalty is >= 0 and not 0 off-policy
+
+
+def test_train_step_adds_the_pooled_balance_loss(capsys):
+    """--pooled-balance-coeff c adds c × the pooled loss (the mean over the step's microbatches, printed) to the
+    MoE loss and the loss of the same step; the policy loss is unchanged."""
+    base = ["train-step", "--model", "gdn-tiny", "--trees", STEP, "--execution", "compact", "--capacity", "512",
+            "--json"]
+    out = {}
+    for coeff in ("0", "0.5"):
+        assert main([*base, "--pooled-balance-coeff", coeff]) == 0
+        out[coeff] = json.loads(capsys.readouterr().out)
+    without, with_ = out["0"], out["0.5"]
+    assert "pooled_balance_loss" not in without and with_["microbatches"] == without["microbatches"] > 1
+    assert with_["loss_config"]["pooled_balance_coeff"] == 0.5 and with_["pooled_balance_loss"] > 2.0  # top-2: 2
+    assert with_["policy_loss"] == pytest.approx(without["policy_loss"], rel=1e-6)
+    assert with_["moe_loss"] == pytest.approx(without["moe_loss"] + 0.5 * with_["pooled_balance_loss"], rel=1e-6)
+    assert with_["loss"] == pytest.approx(without["loss"] + 0.5 * with_["pooled_balance_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -10,7 +10,9 @@ and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (n
 DeltaNet baseline, none here). Changed on purpose: `results.flops_compression` 2.10496 ->
 2.10556, the model FLOPs recounted (harts.model.flops: the chunked KDA's products as the kernel forms them and the
 short convs, docs/flops.md);
-the model config's `moe.balance_statistics` (false: the pooled load-balancing reading's statistics off)."""
+the model config's `moe.balance_statistics` (false: the pooled load-balancing reading's statistics off). Added to
+train-step's and verify's `loss_config`, on purpose: `pooled_balance_coeff` (0.0, the default: no pooled
+load-balancing loss)."""
 
 import json
 import math

@@ -19,6 +19,8 @@ The HARTS reading of TRL's config (`grpo_config_from_trl`) equals the readings t
 checks against TRL's own loss function. Without trl (pip install 'harts[trl]') the module is skipped.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,20 @@ def test_gradient_checkpointing_is_harts_recompute(checkpoint, tmp_path, checkpo
                                processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
                                train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}))
     assert trainer.harts_config.recompute is checkpointing
+
+
+def test_the_pooled_balance_coefficient_is_trls(checkpoint, tmp_path):
+    """TRL's router_aux_loss_coef adds the pooled load-balancing loss: a harts_config's pooled_balance_coeff (which
+    `api.policy_loss` would add too) is replaced by 0, as its other loss fields are by TRL's reading."""
+    from harts import api
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    given = dataclasses.replace(api.device_config("cpu"), pooled_balance_coeff=0.5, recompute=True)
+    trainer = HARTSGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                               reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+                               processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
+                               train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}), harts_config=given)
+    assert trainer.harts_config.pooled_balance_coeff == 0.0 and trainer.harts_config.recompute
 
 
 def test_unsupported_settings_are_refused(checkpoint, tmp_path):

@@ -81,10 +81,13 @@ def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     ("env: {text_vocab: 200}\n", "env.text_vocab: the environment's 264 tokens exceed model tiny's vocabulary (256)"),
     ("rollout: {temperature: 0.7}\n", "rollout.temperature and rollout.top_p must be 1 for harts rl"),
     ("rollout: {top_p: 0.9}\n", "rollout.temperature and rollout.top_p must be 1 for harts rl"),
-], ids=["env-vocab-over-the-model", "temperature", "top-p"])
+    ("loss: {pooled_balance_coeff: 0.5}\n",
+     "loss.pooled_balance_coeff 0.5 on model 'tiny': transformers' load-balancing loss is the softmax one; the model "
+     "routes with sigmoid scores"),
+], ids=["env-vocab-over-the-model", "temperature", "top-p", "pooled-balance-sigmoid"])
 def test_resolve_refuses_what_the_run_would_get_wrong(tmp_path, text, message):
-    """Before the warm start: an environment the model cannot embed (an IndexError minutes later), and
-    sampling that would make the on-policy GRPO step silently off-policy."""
+    """Before the warm start: an environment the model cannot embed (an IndexError minutes later), sampling that
+    would make the on-policy GRPO step silently off-policy, and a pooled load-balancing loss the model cannot give."""
     path = tmp_path / "rl.yaml"
     path.write_text("name: x\nmodel: tiny\n" + text)
     with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
@@ -104,3 +107,13 @@ def test_execution_fields_reach_the_learners(tmp_path):
         assert (step.execution, step.recompute, step.recompute_blocks, step.logprob_grad_precision) == (
             execution, True, 1, "input")
         assert step.keep_attention and step.recompute_by_rows and step.logprob_chunk_rows == 96
+
+
+def test_the_pooled_balance_coeff_reaches_the_learners(tmp_path):
+    from harts.rl.loop import _learner, initial_model
+
+    path = tmp_path / "rl.yaml"
+    path.write_text("name: x\nmodel: gdn-tiny\nloss: {pooled_balance_coeff: 0.5}\n")
+    config = resolve(load_rl_config(path))
+    for execution in ("compact", "baseline"):
+        assert _learner(execution, initial_model(config, seed=0), config).engine.config.pooled_balance_coeff == 0.5

@@ -14,6 +14,9 @@ checkpoint: {every: 2}
 """
 
 
+LOSS_LINE = "loss: {name: ppo, ppo: {clip_ratio_high: 0.28, dual_clip_ratio: 3.0}}"
+
+
 def _write(tmp_path, text: str):
     path = tmp_path / "train.yaml"
     path.write_text(text)
@@ -54,10 +57,14 @@ def test_yaml_sections_load_into_their_dataclasses(tmp_path):
         (("execution: {capacity: 1024}", "execution: {kda_backend: triton}"), "execution.kda_backend must be one of"),
         (("execution: {capacity: 1024}", "execution: {keep_attention: true}"),
          "execution.keep_attention needs execution.recompute"),
+        ((LOSS_LINE, "loss: {pooled_balance_coeff: -1}"),
+         "loss.pooled_balance_coeff must be a finite number >= 0, got -1"),
+        ((LOSS_LINE, "loss: {pooled_balance_coeff: .inf}"),
+         "loss.pooled_balance_coeff must be a finite number >= 0, got inf"),
     ],
     ids=["unknown-nested", "unknown-top", "kl-in-ppo", "missing-trees", "wrong-type", "bad-decay", "nan-lr", "bad-planner",
          "recompute-blocks-alone", "by-rows-without-blocks", "bad-grad-precision", "bad-attention-backend", "bad-kda-backend",
-         "keep-attention-alone"],
+         "keep-attention-alone", "pooled-negative", "pooled-inf"],
 )
 def test_yaml_is_strict(tmp_path, edit, message):
     old, new = edit
@@ -116,9 +123,11 @@ def test_execution_fields_reach_the_step_config():
         "model": "tiny", "data.trees": "tiny", "execution.recompute": True, "execution.recompute_blocks": 2,
         "execution.logprob_grad_precision": "input", "execution.logprob_chunk_rows": 64,
         "execution.keep_attention": True, "execution.recompute_by_rows": True, "execution.memory_margin": 0.2,
+        "loss.name": "ppo", "loss.pooled_balance_coeff": 0.25,
     })
     model = HybridModel(load_model_config("tiny"))
     step = engine_of(resolve(config, num_data_steps=1), model).config
+    assert (step.loss, step.pooled_balance_coeff) == ("ppo", 0.25)  # the loss section's fields too
     assert (step.recompute, step.recompute_blocks, step.logprob_grad_precision, step.logprob_chunk_rows) == (
         True, 2, "input", 64)
     assert step.keep_attention and step.recompute_by_rows and step.memory_margin == 0.2
