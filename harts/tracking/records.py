@@ -1,8 +1,8 @@
 """Benchmark records: one JSON object per measurement, with config, environment and results.
 
 `make_record(benchmark, config, results)` adds the environment captured by an allow-list (never
-API keys or tokens): git sha and dirty flag, Python/numpy/torch/triton/fla/megatron versions
-(and flash-attn-4's, the optional attention kernels) where importable *and already imported* (a
+API keys or tokens): git sha and dirty flag, Python/numpy/torch/triton/fla/megatron versions, the trainers' and
+transformers' (and flash-attn-4's, the optional attention kernels) where importable *and already imported* (a
 record never imports torch by itself), CPU model and
 count, GPU names, hostname, UTC time. `write_records` appends to a JSONL file or writes a JSON
 list. A failed case is a record with an `error` field, never a missing one; `sigterm_raises`
@@ -32,7 +32,8 @@ ENV_ALLOW_LIST = (
     "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NCCL_NVLS_ENABLE",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTORCH_CUDA_ALLOC_CONF", "WANDB_MODE", "SLURM_JOB_ID",
 )
-_PACKAGES = ("numpy", "torch", "triton", "fla", "megatron.core", "ortools", "pandas")
+_PACKAGES = ("numpy", "torch", "triton", "fla", "megatron.core", "ortools", "pandas", "transformers", "trl", "verl",
+             "accelerate", "datasets")
 # Optional kernels whose modules carry no usable __version__: module -> distribution.
 _DISTRIBUTIONS = {"flash_attn.cute": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl"}
 

@@ -43,6 +43,22 @@ def test_git_state_of_a_checkout_or_the_given_source(monkeypatch, tmp_path):
     assert git_state(tmp_path) == {"sha": "0a36d3d", "dirty": None, "from": "HARTS_SOURCE_SHA"}
 
 
+@pytest.mark.parametrize("name", ["transformers", "trl", "verl", "accelerate", "datasets"])
+def test_environment_names_the_trainer_packages_once_imported(monkeypatch, name):
+    """A record of a trainer benchmark names the versions of the trainer, transformers and their loaders it ran."""
+    import sys
+    import types
+
+    from harts.tracking import records
+
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert name not in records.environment()["versions"]
+    module = types.ModuleType(name)
+    module.__version__ = "9.8.7"
+    monkeypatch.setitem(sys.modules, name, module)
+    assert records.environment()["versions"][name] == "9.8.7"
+
+
 def test_environment_names_the_optional_attention_kernels_in_use(monkeypatch):
     """flash-attn-4 and the CuTe DSL are recorded by their distributions' versions once imported, not before."""
     import importlib.metadata
