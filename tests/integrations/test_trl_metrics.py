@@ -7,7 +7,7 @@ normalisers). Both `_metrics` dicts must have the same keys and values within 1e
 are the same fp32 tensors and the two sum in other orders (fp32 rounding, ~1e-7 relative; a clip fraction off by
 one token of the batch's ~60 is 1.6e-2). The batch is far off-policy (log-ratios ~ N(0, 0.6): tokens clip low and
 high), B = 6 rows of T = 9 completion tokens with one row without masked tokens (NaN in TRL's per-sequence means,
-left out of its min and max) and one of a single token. Processes are threads here, whose collectives exchange
+left out of its min and max), one of a single token and one of zero advantage. Processes are threads here, whose collectives exchange
 tensors as accelerate's `gather` and `reduce` do; with two, process 1 has other log-probs and advantages, and in
 "empty-process" no masked token (its NaN minimum must not win).
 """
@@ -55,6 +55,8 @@ CASES = {
     "per-token-advantages": (dict(), dict(per_token_advantages=True)),
     "not-syncing": (dict(gradient_accumulation_steps=2), dict(accumulation=2, sync_gradients=False)),
     "empty-process": (dict(), dict(empty_process=True)),
+    "negative-advantages": (dict(), dict(negative=True)),
+    "delta-below-clip": (dict(delta=1.1), {}),
 }
 DEFAULTS = dict(beta=0.04, entropy_coef=0.01)
 
@@ -92,7 +94,9 @@ def make_inputs(rank: int, options: dict, empty: bool) -> dict:
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.int64)
     log_probs = -3 * torch.rand(B, PROMPT + T, generator=generator)
     old = log_probs[:, PROMPT:] + 0.6 * torch.randn(B, T, generator=generator)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, -2.0, 2.0]) * (1 if rank == 0 else -1)
+    advantages = torch.tensor([1.0, -1.0, 0.0, -0.5, -2.0, 2.0]) * (1 if rank == 0 else -1)
+    if options.get("negative"):  # every row's ratio low, clipped where A < 0: TRL's low_min above 0
+        old, advantages = old + 0.6, -advantages.abs() - 0.5
     if options.get("per_token_advantages"):
         advantages = advantages[:, None] * torch.randn(B, T, generator=generator)
     inputs = {
@@ -212,7 +216,11 @@ def test_harts_logs_trls_loss_metrics(case, num_processes):
         metrics = {name: values[0] for name, values in stock["eval" if options.get("eval") else "train"].items()}
         loss_type = {**DEFAULTS, **settings}.get("loss_type", "dapo")
         # The batch exercises each metric: clipping on both sides, a cap, weights other than 1, NaN rows.
-        if loss_type not in ("cispo", "sapo", "vespo") and not options.get("on_policy"):
+        if case == "negative-advantages":
+            assert 0 < metrics["clip_ratio/low_min"] < 1 and metrics["clip_ratio/high_max"] == 0, metrics
+        elif case == "delta-below-clip":  # the ratio capped at 1.1 never exceeds 1 + 0.2
+            assert metrics["clip_ratio/high_max"] == 0 < metrics["clip_ratio/low_mean"], metrics
+        elif loss_type not in ("cispo", "sapo", "vespo") and not options.get("on_policy"):
             assert 0 < metrics["clip_ratio/low_mean"] < metrics["clip_ratio/region_mean"] < 1, metrics
             assert 0 < metrics["clip_ratio/high_mean"] < metrics["clip_ratio/region_mean"], metrics
             assert metrics["clip_ratio/low_min"] == 0 and metrics["clip_ratio/high_max"] > 0, metrics
