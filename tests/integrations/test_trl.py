@@ -7,10 +7,11 @@ steps). Each case runs 3 GRPO steps of stock TRL and of the HARTS trainer from t
 (recorded by the reward function) must be identical, the logged losses equal to fp32 rounding (1e-6 + 1e-5
 relative), every metric of every micro-batch too (the same names, `harts/` counts and wall time apart; NaN where
 TRL's is), and every parameter equal within 1e-4 of the largest parameter change plus 1e-6 of its own size (a few
-fp32 ulps of rounding per update); HARTS computes fewer rows than TRL's padded forwards (the group's prompt once). The cases cover gradient accumulation with TRL's per-step
-normalisers, reused generations (old log-probs from HARTS, off-policy ratios), the KL term (reference log-probs
-from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type, with TRL's default
-gradient checkpointing (HARTS's recomputation, whose backward runs blocks again from the bound model) and without.
+fp32 ulps of rounding per update); HARTS computes fewer rows than TRL's padded forwards (the group's prompt once).
+The cases cover gradient accumulation with TRL's per-step normalisers, reused generations (old log-probs from
+HARTS, off-policy ratios), the KL term (reference log-probs from HARTS on TRL's reference model), temperature, the
+entropy bonus and every loss type, with TRL's default gradient checkpointing (HARTS's recomputation, whose backward
+runs blocks again from the bound model) and without.
 gdn-tiny (Qwen3-Next's layout) runs every case at TRL's default router_aux_loss_coef, its config's 0.001: TRL adds
 transformers' load-balancing loss, HARTS its pooled reading, and the logged `aux_loss` of every step must agree
 within 1e-6 relative (a shared prompt counted once per group instead of once per completion is off by ~2e-4).

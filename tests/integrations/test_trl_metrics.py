@@ -1,13 +1,13 @@
 """harts.integrations.trl_metrics: `HARTSGRPOTrainer` logs the metrics stock TRL 1.16 logs from `_compute_loss`.
 
-TRL's own `GRPOTrainer._compute_loss` runs on a stand-in trainer whose `_get_per_token_logps_and_entropies`
-returns the test's log-probs and entropies; `HARTSGRPOTrainer._log_loss_metrics` runs on a stand-in with the same
-log-probs and entropies and HARTS's policy loss of them (`grpo_loss` of TRL's reading, with the trainer's
-normalisers). Both `_metrics` dicts must have the same keys and values within 1e-6 + 1e-6 relative: the inputs
-are the same fp32 tensors and the two sum in other orders (fp32 rounding, ~1e-7 relative; a clip fraction off by
-one token of the batch's ~60 is 1.6e-2). The batch is far off-policy (log-ratios ~ N(0, 0.6): tokens clip low and
-high), B = 6 rows of T = 9 completion tokens with one row without masked tokens (NaN in TRL's per-sequence means,
-left out of its min and max), one of a single token and one of zero advantage. Processes are threads here, whose collectives exchange
+TRL's own `GRPOTrainer._compute_loss` runs on a stand-in trainer whose `_get_per_token_logps_and_entropies` returns
+the test's log-probs and entropies; `HARTSGRPOTrainer._log_loss_metrics` runs on a stand-in with the same log-probs
+and entropies and HARTS's policy loss of them (`grpo_loss` of TRL's reading, with the trainer's normalisers). Both
+`_metrics` dicts must have the same keys and values within 1e-6 + 1e-6 relative: the inputs are the same fp32
+tensors and the two sum in other orders (fp32 rounding, ~1e-7 relative; a clip fraction off by one token of the
+batch's ~60 is 1.6e-2). The batch is far off-policy (log-ratios ~ N(0, 0.6): tokens clip low and high), B = 6 rows
+of T = 9 completion tokens with one row without masked tokens (NaN in TRL's per-sequence means, left out of its min
+and max), one of a single token and one of zero advantage. Processes are threads here, whose collectives exchange
 tensors as accelerate's `gather` and `reduce` do; with two, process 1 has other log-probs and advantages, and in
 "empty-process" no masked token (its NaN minimum must not win).
 """
@@ -100,8 +100,9 @@ def make_inputs(rank: int, options: dict, empty: bool) -> dict:
     if options.get("per_token_advantages"):
         advantages = advantages[:, None] * torch.randn(B, T, generator=generator)
     inputs = {
-        "prompt_ids": torch.zeros(B, PROMPT, dtype=torch.int64), "prompt_mask": torch.ones(B, PROMPT, dtype=torch.int64),
-        "completion_ids": torch.zeros(B, T, dtype=torch.int64), "completion_mask": mask, "advantages": advantages,
+        "prompt_ids": torch.zeros(B, PROMPT, dtype=torch.int64),
+        "prompt_mask": torch.ones(B, PROMPT, dtype=torch.int64), "completion_ids": torch.zeros(B, T, dtype=torch.int64),
+        "completion_mask": mask, "advantages": advantages,
         "ref_per_token_logps": log_probs[:, PROMPT:] + torch.randn(B, T, generator=generator),
         "num_items_in_batch": torch.tensor(float(sum(LENGTHS) * 2 * options.get("accumulation", 1))),
         "log_probs": log_probs, "entropy": 5 * torch.rand(B, PROMPT + T, generator=generator),
@@ -211,7 +212,7 @@ def test_harts_logs_trls_loss_metrics(case, num_processes):
     settings, options = CASES[case]
     if options.get("empty_process") and num_processes == 1:
         pytest.skip("a second process without masked tokens")
-    for rank, (stock, harts) in enumerate(run(case, num_processes)):
+    for stock, harts in run(case, num_processes):
         assert_same_metrics(stock, harts)
         metrics = {name: values[0] for name, values in stock["eval" if options.get("eval") else "train"].items()}
         loss_type = {**DEFAULTS, **settings}.get("loss_type", "dapo")
