@@ -130,15 +130,15 @@ def loss_metrics(
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.loss_type in CLIP_LOSS_TYPES:
         capped_BX = ratio_BX if args.delta is None else ratio_BX.clamp(max=args.delta)
-        low = ((capped_BX < 1 - args.epsilon) & (advantages_BX < 0)).to(log_probs_BT.dtype)
-        high = ((capped_BX > 1 + epsilon_high) & (advantages_BX > 0)).to(log_probs_BT.dtype)
+        low = ((capped_BX < 1 - args.epsilon) & (advantages_BX < 0)).float()
+        high = ((capped_BX > 1 + epsilon_high) & (advantages_BX > 0)).float()
         parts["clip_ratio/low_mean"] = mean_part(low, mask_BT)
         parts["clip_ratio/high_mean"] = mean_part(high, mask_BT)
         parts["clip_ratio/region_mean"] = mean_part(torch.maximum(low, high), mask_BT)
         parts["clip_ratio/low_min"] = Part("min", nan_extreme(sequence_means(low, mask_BT), largest=False))
         parts["clip_ratio/high_max"] = Part("max", nan_extreme(sequence_means(high, mask_BT), largest=True))
     elif args.loss_type == "cispo":
-        capped = ((ratio_BX > epsilon_high) & (advantages_BX > 0)).to(log_probs_BT.dtype)
+        capped = ((ratio_BX > epsilon_high) & (advantages_BX > 0)).float()
         parts["cispo_clip_ratio"] = mean_part(capped, mask_BT)
     elif args.loss_type == "vespo":
         parts["vespo/phi_seq_mean"] = mean_part(gamma_weights(log_ratio_BT, mask_BT, advantages_BX, args), mask_BT)
