@@ -19,12 +19,13 @@ runs the decoder, as TRL does. What the trainer replaces, and nothing else:
   router_aux_loss_coef (Qwen3-Next's and Qwen3.5's 0.001, unless the GRPOConfig sets another): transformers'
   load-balancing loss of the micro-batch's real tokens, every MoE layer's router statistics pooled, each token once
   per completion (`api.policy_loss(pooled_balance=True)`), added as TRL adds it: coefficient × loss / the
-  accumulation steps (1 in evaluation), logged as `aux_loss`. It logs TRL's `entropy`, `kl` and
-  `clip_ratio/region_mean` metrics, TRL's definitions on HARTS's log-probs and entropies (the KL times the
-  importance ratio under TRL's `use_bias_correction_kl`, the clip region per sequence with a sequence-level ratio)
-  reduced over the processes as TRL's, and `harts/rows` (rows HARTS computed), `harts/tokens` (real tokens) and
-  `harts/padded_rows` (rows TRL's padded forward computes) per call, summed over the processes (`harts_counts`:
-  this process's totals).
+  accumulation steps (1 in evaluation), logged as `aux_loss`. It logs every metric TRL's `_compute_loss` logs,
+  with TRL's definitions on HARTS's log-probs, entropies and loss and TRL's reductions over the processes
+  (`harts.integrations.trl_metrics`): `entropy`, `kl` with beta, the clip surrogates' `clip_ratio/low_mean`,
+  `low_min`, `high_mean`, `high_max` and `region_mean`, cispo's `cispo_clip_ratio`, vespo's `vespo/phi_seq_mean`,
+  and with the entropy bonus `policy_loss` and `entropy_coef`; and `harts/rows` (rows HARTS computed),
+  `harts/tokens` (real tokens) and `harts/padded_rows` (rows TRL's padded forward computes) per call, summed over
+  the processes (`harts_counts`: this process's totals).
 - `training_step`: TRL's, with the HARTS model bound over the policy's tensors until after the backward, where
   HARTS's recomputation (TRL's `gradient_checkpointing`, on by default, read as `recompute`) runs blocks again.
 
@@ -63,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harts import api
 from harts.extras import require
+from harts.integrations.trl_metrics import loss_metrics, reduce_over_processes
 from harts.model.hf_modules import HFParameterView, hf_model_config, without_moe_losses
 from harts.objective.losses import GRPOConfig
 from harts.objective.step import StepConfig
@@ -322,7 +324,7 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
         loss = self._reduced(model, batch_loss)
         (result,) = results
         self._log_rows(result, batch["input_ids"].numel())
-        self._log_loss_metrics(mode, result, inputs, mask)
+        self._log_loss_metrics(mode, result, inputs, mask, float(accumulation), entropy_normalizer)
         if self.aux_loss_enabled:
             self._metrics[mode]["aux_loss"].append(
                 self.accelerator.gather_for_metrics(result.pooled_balance_loss.detach()).mean().item())
@@ -341,41 +343,26 @@ class HARTSGRPOTrainer(trl.GRPOTrainer):
                              "not be averaged (launch with accelerate's DDP)")
         return compute()
 
-    def _log_loss_metrics(self, mode: str, result: api.BatchLoss, inputs: dict, mask: torch.Tensor) -> None:
-        """TRL's entropy, KL and clip-region metrics of the micro-batch from HARTS's log-probs and entropies, each a
-        mean over every process's masked tokens (sequences for the clip region of a sequence-level ratio), as TRL's
-        `global_masked_mean`: the KL is k3's, times TRL's importance ratio with `use_bias_correction_kl`."""
+    def _log_loss_metrics(self, mode: str, result: api.BatchLoss, inputs: dict, mask: torch.Tensor,
+                          accumulation: float, entropy_normalizer: float) -> None:
+        """The metrics TRL logs from `_compute_loss`, from HARTS's log-probs, entropies and loss, reduced over the
+        processes as TRL's (`harts.integrations.trl_metrics`). With the entropy bonus, TRL's `policy_loss` is the
+        loss before the bonus and, for the loss types it divides by the accumulation steps, before that division:
+        HARTS's policy loss with the bonus it subtracted added back (fp32 rounding apart)."""
         width = mask.size(1)
-        masked = mask.bool()
-        mask = mask.float()
-
-        def token_sum(values: torch.Tensor) -> torch.Tensor:  # never reads values outside the mask
-            return torch.where(masked, values, 0.0).sum()
-
-        log_probs = result.log_probs[:, -width:].detach()
-        old = inputs.get("old_per_token_logps")
-        log_ratio = torch.zeros_like(log_probs) if old is None else torch.where(masked, log_probs - old, 0.0)
-        if self.importance_sampling_level == "sequence":
-            log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        ratio = torch.exp(log_ratio)
-        tokens = mask.sum()
-        parts = {"entropy": (token_sum(result.entropy[:, -width:].detach()), tokens)}
-        if self.beta != 0.0:
-            delta = inputs["ref_per_token_logps"] - log_probs
-            kl = torch.exp(delta) - delta - 1.0
-            if self.args.use_bias_correction_kl:
-                kl = kl * ratio
-            parts["kl"] = (token_sum(kl), tokens)
-        if self.harts_config.grpo.surrogate == "clip":
-            capped = ratio if self.args.delta is None else ratio.clamp(max=self.args.delta)
-            advantages = inputs["advantages"]
-            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            region = (((capped < 1 - self.epsilon_low) & (advantages < 0))
-                      | ((capped > 1 + self.epsilon_high) & (advantages > 0))).float()
-            parts["clip_ratio/region_mean"] = (
-                (region.sum(), mask.new_tensor(float(region.size(0)))) if region.size(1) == 1
-                else (token_sum(region), tokens))
-        totals = self.accelerator.reduce(torch.stack([value for pair in parts.values() for value in pair]),
-                                         reduction="sum").view(-1, 2)
-        for name, (total, count) in zip(parts, totals, strict=True):
-            self._metrics[mode][name].append(float(total / count.clamp(min=1.0)))
+        entropy = result.entropy[:, -width:].detach()
+        policy = None
+        if self._entropy_bonus_enabled:
+            bonus = (self.harts_config.grpo.entropy_coef * torch.where(mask.bool(), entropy, 0.0).sum()
+                     / entropy_normalizer)
+            policy = (result.policy_loss.detach() + bonus) * (1.0 if self.loss_type in TOKEN_NORMALIZED
+                                                              else accumulation)
+        parts = loss_metrics(
+            self.args, log_probs_BT=result.log_probs[:, -width:], old_log_probs_BT=inputs.get("old_per_token_logps"),
+            ref_log_probs_BT=inputs.get("ref_per_token_logps"), entropy_BT=entropy, advantages=inputs["advantages"],
+            mask_BT=mask, policy_loss=policy,
+        )
+        for name, value in reduce_over_processes(parts, self.accelerator.gather).items():
+            self._metrics[mode][name].append(value)
+        if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)

@@ -5,21 +5,26 @@ character tokenizer, 8 prompts of 5-11 tokens, 4 completions each of at most 8 t
 of completion tokens below 128), SGD (Adam would turn fp32 noise in near-zero gradients into whole learning-rate
 steps). Each case runs 3 GRPO steps of stock TRL and of the HARTS trainer from the same seed: the completions
 (recorded by the reward function) must be identical, the logged losses equal to fp32 rounding (1e-6 + 1e-5
-relative) and every parameter equal within 1e-4 of the largest parameter change plus 1e-6 of its own size (a few
-fp32 ulps of rounding per update); HARTS computes fewer rows than
-TRL's padded forwards (the group's prompt once). The cases cover gradient accumulation with TRL's per-step
-normalisers, reused generations (old log-probs from HARTS, off-policy ratios), the KL term (reference log-probs
-from HARTS on TRL's reference model), temperature, the entropy bonus and every loss type, with TRL's default
-gradient checkpointing (HARTS's recomputation, whose backward runs blocks again from the bound model) and without.
+relative), every metric of every micro-batch too (the same names, `harts/` counts and wall time apart; NaN where
+TRL's is), and every parameter equal within 1e-4 of the largest parameter change plus 1e-6 of its own size (a few
+fp32 ulps of rounding per update); HARTS computes fewer rows than TRL's padded forwards (the group's prompt once).
+The cases cover gradient accumulation with TRL's per-step normalisers, reused generations (old log-probs from
+HARTS, off-policy ratios), the KL term (reference log-probs from HARTS on TRL's reference model), temperature, the
+entropy bonus and every loss type, with TRL's default gradient checkpointing (HARTS's recomputation, whose backward
+runs blocks again from the bound model) and without.
 gdn-tiny (Qwen3-Next's layout) runs every case at TRL's default router_aux_loss_coef, its config's 0.001: TRL adds
 transformers' load-balancing loss, HARTS its pooled reading, and the logged `aux_loss` of every step must agree
 within 1e-6 relative (a shared prompt counted once per group instead of once per completion is off by ~2e-4).
+The off-policy cases (every loss type, kimi-tiny) add noise to the old log-probs and a tool mask, so that TRL's
+clip, CISPO and VESPO metrics are away from their on-policy values (tests/integrations/test_trl_metrics.py checks
+the same metrics against TRL's `_compute_loss` on set log-probs, edge cases and reductions over processes included).
 
 The HARTS reading of TRL's config (`grpo_config_from_trl`) equals the readings tests/objective/test_losses_readings
 checks against TRL's own loss function. Without trl (pip install 'harts[trl]') the module is skipped.
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -94,8 +99,10 @@ def prompts():
             for _ in range(NUM_PROMPTS)]
 
 
-def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
-    """(trainer, final parameters, completions seen by the reward, rows the log-prob computations ran)."""
+def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS, old_noise=0.0):
+    """(trainer, final parameters, completions seen by the reward, rows the log-prob computations ran); with
+    `old_noise`, the old log-probs of each generation batch are off by seeded noise of that scale
+    (`off_policy`). The trainer's `logged_metrics` holds what each `log` call averaged (`record_metrics`)."""
     seen, rows = [], []
 
     def reward(completions, completion_ids, **kwargs):
@@ -116,6 +123,9 @@ def train(trainer_class, checkpoint, output_dir, settings, steps=STEPS):
             checkpoint), train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
     )
     harts = issubclass(trainer_class, HARTSGRPOTrainer)
+    record_metrics(trainer)
+    if old_noise:
+        off_policy(trainer, old_noise)
     if not harts:  # the rows TRL's padded forwards compute
         compute = trainer._get_per_token_logps_and_entropies
 
@@ -148,17 +158,65 @@ CASES = {
 }
 
 
+def record_metrics(trainer) -> None:
+    """Has `trainer.logged_metrics` receive, at each `log` call, the metrics it averages: {name: the values of each
+    micro-batch (or step)}."""
+    trainer.logged_metrics = []
+    log = trainer.log
+
+    def recording(logs, *args, **kwargs):
+        mode = "train" if trainer.model.training else "eval"
+        trainer.logged_metrics.append({name: list(values) for name, values in trainer._metrics[mode].items()})
+        return log(logs, *args, **kwargs)
+
+    trainer.log = recording
+
+
+def off_policy(trainer, scale: float) -> None:
+    """Each generation batch off-policy, with tool tokens: seeded N(0, scale²) noise added to its old log-probs, so
+    that the ratios clip on both sides from the first step, and a tool mask (TRL's, of multi-turn tool calls) that
+    leaves a quarter of the tokens and every token of the first completion out of the loss (the toy model rarely
+    ends a completion early, so the loss mask would be all ones). The n-th batch of a process is changed alike in
+    every trainer."""
+    generate = trainer._generate_and_score_completions
+    batches = itertools.count()
+
+    def changed(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        old = output["old_per_token_logps"]
+        generator = torch.Generator().manual_seed(1000 * trainer.accelerator.process_index + next(batches))
+        output["old_per_token_logps"] = old + scale * torch.randn(old.shape, generator=generator).to(old)
+        tool_mask = (torch.rand(old.shape, generator=generator) > 0.25).to(output["completion_mask"])
+        tool_mask[0] = 0
+        output["tool_mask"] = tool_mask if "tool_mask" not in output else tool_mask * output["tool_mask"]
+        return output
+
+    trainer._generate_and_score_completions = changed
+
+
+UNCOMPARED = ("step_time",)
+"""Logged metrics that differ between runs (wall time); HARTS's own `harts/` counts are left out too."""
+
+
+def compared_metrics(trainer) -> list[dict]:
+    """What each `log` call of the trainer averaged, but UNCOMPARED and `harts/` metrics."""
+    return [{name: values for name, values in logged.items()
+             if name not in UNCOMPARED and not name.startswith("harts/")} for logged in trainer.logged_metrics]
+
+
+def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+    """The same metrics at every log call, each micro-batch's value within test_trl's tolerance (NaN where TRL's)."""
+    assert len(got) == len(want)
+    for step, (harts, stock) in enumerate(zip(got, want)):
+        assert set(harts) == set(stock), (step, sorted(set(harts) ^ set(stock)))
+        for name, values in stock.items():
+            assert len(harts[name]) == len(values) and all(
+                (g != g and w != w) or abs(g - w) <= 1e-6 + 1e-5 * abs(w) for g, w in zip(harts[name], values)), (
+                step, name, harts[name], values)
+
+
 def losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
-METRICS = ("entropy", "kl", "clip_ratio/region_mean")
-"""TRL's loss metrics that the HARTS trainer logs too (computed from HARTS's log-probs and entropies)."""
-
-
-def logged(trainer, name):
-    """The logged value of `name` at each step that logged it."""
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
 
 
 def aux_losses(trainer):
@@ -186,10 +244,7 @@ def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
     assert len(losses(stock)) == steps
     for got, want in zip(losses(harts), losses(stock), strict=True):
         assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), (losses(harts), losses(stock))
-    for metric in METRICS:  # kl with beta, the clip region with TRL's clipped losses
-        assert len(logged(harts, metric)) == len(logged(stock, metric)), metric
-        for got, want in zip(logged(harts, metric), logged(stock, metric), strict=True):
-            assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), (metric, logged(harts, metric), logged(stock, metric))
+    assert_same_metrics(compared_metrics(harts), compared_metrics(stock))
     initial = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     change = max(float((stock_parameters[n] - p.detach()).abs().max()) for n, p in initial.named_parameters())
     assert change > 1e-3
@@ -205,6 +260,47 @@ def test_harts_trainer_trains_as_trl(checkpoints, tmp_path, case, model):
             assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (harts_aux, stock_aux)
     assert harts.harts_counts["padded_rows"] == stock_rows
     assert harts_rows < 0.75 * harts.harts_counts["tokens"] < 0.75 * stock_rows, (harts.harts_counts, stock_rows)
+
+
+OFF_POLICY_CASES = {
+    # name: GRPOConfig settings, each with the KL term and the entropy bonus (TRL logs policy_loss, entropy_coef),
+    # a reused generation, old log-probs off by N(0, OLD_NOISE²) and a tool mask (`off_policy`).
+    "dapo-accumulate": dict(gradient_accumulation_steps=2),
+    "grpo-accumulate": dict(loss_type="grpo", gradient_accumulation_steps=2),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.2),
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.05),
+    "vespo": dict(loss_type="vespo"),
+    "gspo-delta": dict(importance_sampling_level="sequence", epsilon=0.05, delta=1.08),
+}
+OLD_NOISE = 0.5
+
+
+@pytest.mark.parametrize("case", OFF_POLICY_CASES)
+def test_harts_trainer_logs_trls_metrics_off_policy(checkpoint, tmp_path, case):
+    """Every metric both trainers log at each micro-batch (TRL's `_compute_loss` ones: entropy, kl, policy_loss,
+    entropy_coef and each loss type's own) agrees within the losses' tolerance, with ratios that clip on both
+    sides: the clip fractions are exact counts unless a ratio lies within fp32 rounding of a clip bound (then off
+    by a token of the batch, > 1e-3), the other metrics fp32 sums of the log-probs' functions."""
+    settings = dict(num_iterations=2, beta=0.04, entropy_coef=0.01, **OFF_POLICY_CASES[case])
+    runs = {name: train(trainer_class, checkpoint, tmp_path / name, settings, 2, old_noise=OLD_NOISE)
+            for name, trainer_class in (("trl", trl.GRPOTrainer), ("harts", HARTSGRPOTrainer))}
+    stock, harts = runs["trl"][0], runs["harts"][0]
+    assert runs["harts"][2] == runs["trl"][2]
+    want = compared_metrics(stock)
+    assert_same_metrics(compared_metrics(harts), want)
+    values = {name: [v for logged in want for v in logged.get(name, [])] for name in set().union(*want)}
+    assert {"kl", "entropy", "policy_loss", "entropy_coef"} <= set(values)
+    loss_type = settings.get("loss_type", "dapo")
+    if loss_type in ("dapo", "grpo", "dr_grpo", "bnpo", "luspo"):
+        assert max(values["clip_ratio/low_mean"]) > 0 and max(values["clip_ratio/high_mean"]) > 0, values
+        assert max(values["clip_ratio/high_max"]) > 0
+    if loss_type == "cispo":
+        assert max(values["cispo_clip_ratio"]) > 0, values
+    if loss_type == "vespo":
+        assert all(0 < v < 1 for v in values["vespo/phi_seq_mean"]), values
 
 
 @pytest.mark.parametrize("name", [name for name, reading in READINGS.items() if reading.library == "trl"])

@@ -5,15 +5,19 @@ torchrun (`python -m torch.distributed.run --standalone --nproc-per-node 2`, wha
 two CPU processes; accelerate reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK, joins a gloo group and wraps each
 trainer's model in DDP. Each rank runs this module's `main`: test_trl's checkpoint, prompts, toy reward and SGD, N
 GRPO steps of stock TRL and of the HARTS trainer from the same seed, and saves what it saw. Checked here, on both
-ranks: the same completions; the same logged losses and metrics TRL reduces over the processes (entropy, KL, clip
-region, aux loss) within test_trl's tolerances; every parameter within test_trl's tolerance of stock TRL's, and the
-two ranks' parameters bitwise equal (DDP keeps whole replicas); fewer rows than TRL's padded forwards.
-Cases: (default, ~30 s) kimi-tiny, dapo with 2 accumulation steps, reused generations (old log-probs) and the KL
-term: `num_items_in_batch` / the processes, `no_sync` on each step's first micro-batch (a comm hook that reduces as
+ranks: the same completions; the same logged losses, and every metric of every micro-batch as stock TRL logs it
+(test_trl's `assert_same_metrics`), reduced over the processes as TRL's (sums of values and counts, the min and
+max of per-sequence means over both ranks' sequences, a mean of the ranks' policy losses), within test_trl's
+tolerances; every parameter within test_trl's tolerance of stock TRL's, and the two ranks' parameters bitwise equal
+(DDP keeps whole replicas); fewer rows than TRL's padded forwards.
+Cases: (default, ~30 s) kimi-tiny, dapo with 2 accumulation steps, reused generations (old log-probs, off-policy
+and with a tool mask: both ranks' ratios clip on both sides), the KL term and the entropy bonus:
+`num_items_in_batch` / the processes, `no_sync` on each step's first micro-batch (a comm hook that reduces as
 DDP's default counts each bucket's reductions, which must be stock TRL's: one per optimizer step), no gradient
 clipping (which would hide a gradient scaled by the processes); slow: grpo with the entropy bonus and without
 gradient checkpointing (the Trainer's `find_unused_parameters=True`: DDP searches the graph of HARTS's loss; DDP's
-own reducer path), and gdn-tiny (Qwen3-Next) at its router_aux_loss_coef.
+own reducer path), luspo with a sequence-level ratio off-policy (clip metrics of one value per sequence), and
+gdn-tiny (Qwen3-Next) at its router_aux_loss_coef.
 
 In this process: torch's reducer on a one-rank gloo world (nothing reduced without the wrapper's forward, once per
 backward through `forward_through`, nothing under no_sync), the refusals of what is not DDP, by name.
@@ -39,24 +43,31 @@ pytest.importorskip("datasets", reason="datasets (a dependency of trl) is not in
 from harts.integrations.trl import (  # noqa: E402
     HARTSGRPOTrainer, data_parallel_wrapper, forward_through, parallelism_problems,
 )
-from tests.integrations.test_trl import logged, losses, make_checkpoint, train  # noqa: E402
+from tests.integrations.test_trl import (  # noqa: E402
+    OLD_NOISE, assert_same_metrics, compared_metrics, losses, make_checkpoint, train,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_PROCESSES = 2
 TIMEOUT_S = 300
-METRICS = ("entropy", "kl", "clip_ratio/region_mean", "aux_loss")
-"""Metrics both trainers log, each reduced over the processes by TRL."""
-
 CASES = {
-    # name: (model, GRPOConfig settings, steps, count the reductions). Each rank's micro-batch is
+    # name: (model, GRPOConfig settings, steps, count the reductions, off-policy). Each rank's micro-batch is
     # per_device_train_batch_size completions; a generation batch is that × 2 processes × accumulation steps.
-    "dapo-accumulate-reuse-kl": ("kimi-tiny", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                                   num_iterations=2, beta=0.04, max_grad_norm=0.0), 3, True),
+    # Off-policy: test_trl's `off_policy` (old log-probs off by noise, a tool mask) on each rank's generations.
+    "dapo-accumulate-reuse-kl-off-policy": ("kimi-tiny", dict(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2, beta=0.04, entropy_coef=0.01,
+        max_grad_norm=0.0), 3, True, True),
     "grpo-entropy-no-checkpointing": ("kimi-tiny", dict(per_device_train_batch_size=8, loss_type="grpo",
-                                                        entropy_coef=0.01, gradient_checkpointing=False), 2, False),
-    "gdn-aux-dapo": ("gdn-tiny", dict(per_device_train_batch_size=8), 2, False),
+                                                        entropy_coef=0.01, gradient_checkpointing=False), 2, False,
+                                      False),
+    "luspo-sequence-off-policy": ("kimi-tiny", dict(per_device_train_batch_size=8, loss_type="luspo",
+                                                    importance_sampling_level="sequence", epsilon=0.05,
+                                                    num_iterations=2), 2, False, True),
+    "gdn-aux-dapo": ("gdn-tiny", dict(per_device_train_batch_size=8), 2, False, False),
 }
-SLOW_CASES = ("grpo-entropy-no-checkpointing", "gdn-aux-dapo")
+SLOW_CASES = ("grpo-entropy-no-checkpointing", "luspo-sequence-off-policy", "gdn-aux-dapo")
+CLIP_METRICS = {"clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                "clip_ratio/region_mean"}
 
 
 def count_and_average(reductions: list, bucket):
@@ -88,16 +99,16 @@ def main() -> None:
     parser.add_argument("out")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _, settings, steps, count = CASES[args.case]
+    _, settings, steps, count, changed = CASES[args.case]
     rank = int(os.environ["RANK"])
     saved = {}
     for name, trainer_class in (("trl", trl.GRPOTrainer), ("harts", HARTSGRPOTrainer)):
         trainer_class = counting(trainer_class) if count else trainer_class
         trainer, parameters, completions, rows = train(trainer_class, args.checkpoint, Path(args.out) / name,
-                                                       settings, steps)
+                                                       settings, steps, old_noise=OLD_NOISE if changed else 0.0)
         saved[name] = {
             "num_processes": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__,
-            "losses": losses(trainer), "metrics": {metric: logged(trainer, metric) for metric in METRICS},
+            "losses": losses(trainer), "metrics": compared_metrics(trainer),
             "parameters": parameters, "completions": completions, "rows": rows,
             "counts": getattr(trainer, "harts_counts", None), "reductions": getattr(trainer, "reductions", None),
         }
@@ -129,7 +140,7 @@ def close(got: list[float], want: list[float]) -> bool:
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
                                   for case in CASES])
 def test_harts_trainer_trains_as_trl_on_two_processes(tmp_path, case):
-    model, settings, steps, count = CASES[case]
+    model, settings, steps, count, changed = CASES[case]
     checkpoint = make_checkpoint(tmp_path / "checkpoint", model)
     ranks = run_ranks(checkpoint, case, tmp_path / "runs")
     initial = dict(transformers.AutoModelForCausalLM.from_pretrained(checkpoint).named_parameters())
@@ -140,12 +151,15 @@ def test_harts_trainer_trains_as_trl_on_two_processes(tmp_path, case):
         assert harts["completions"] == stock["completions"] and stock["completions"], rank
         assert len(stock["losses"]) == steps
         assert close(harts["losses"], stock["losses"]), (rank, harts["losses"], stock["losses"])
-        for metric in METRICS:  # each as stock TRL logs it (kl with beta, aux_loss at gdn-tiny's coefficient)
-            assert close(harts["metrics"][metric], stock["metrics"][metric]), (
-                rank, metric, harts["metrics"][metric], stock["metrics"][metric])
-        assert {m for m in METRICS if stock["metrics"][m]} == (
-            {"entropy", "clip_ratio/region_mean"} | ({"kl"} if settings.get("beta") else set())
-            | ({"aux_loss"} if model == "gdn-tiny" else set()))
+        # Every metric of every micro-batch as stock TRL logs it, reduced over the processes.
+        assert_same_metrics(harts["metrics"], stock["metrics"])
+        names = set().union(*stock["metrics"])
+        assert CLIP_METRICS | {"entropy"} <= names
+        assert ("kl" in names, "aux_loss" in names, "policy_loss" in names) == (
+            bool(settings.get("beta")), model == "gdn-tiny", bool(settings.get("entropy_coef")))
+        if changed:  # the ratios clip on both sides
+            values = {name: [v for logged in stock["metrics"] for v in logged.get(name, [])] for name in names}
+            assert max(values["clip_ratio/low_mean"]) > 0 and max(values["clip_ratio/high_max"]) > 0, values
         change = max(float((stock["parameters"][n] - p.detach()).abs().max()) for n, p in initial.items())
         assert change > 1e-3
         for name, want in stock["parameters"].items():
