@@ -166,7 +166,7 @@ def test_readme_library_example_runs_and_prints_what_the_readme_says(capsys):
 
 NOT_KNOBS = {"-h", "--help", "--model", "--trees", "--steps", "--seed", "--max-trees", "--model-seed", "--repeats",
              "--variant", "--no-breakdown", "--profile", "--out", "--json", "--wandb-project", "--wandb-group",
-             "--wandb-mode", "--device", "--preset"}
+             "--wandb-mode", "--device", "--preset", "--no-reuse-baseline"}
 """`harts bench speedup` options that choose what to measure, where or where to write it, not how a step executes."""
 
 

@@ -2,9 +2,9 @@
 adding one. A fresh interpreter loads harts.config.execution from a copy of its source with a field `demo_rows`
 (an int >= 2 or null) added, before anything imports it, and reports what every surface then offers; nothing else
 is edited. The field must be a flag with the docstring as help on train-step, verify, harts train, harts rl and
-bench speedup (a `--variant` flag too), a key of harts train's YAML `execution` section (refused below its
-bound), a key of the pipeline's `speedup` section (its schema property made from the field, a job's flag), and a
-key of the bench speedup record's config.
+bench speedup (a `--variant` flag too, whose variant measures a baseline of its own rather than reusing the run's),
+a key of harts train's YAML `execution` section (refused below its bound), a key of the pipeline's `speedup`
+section (its schema property made from the field, a job's flag), and a key of the bench speedup record's config.
 """
 
 import json
@@ -58,11 +58,17 @@ def surface(name):
 
 
 from harts.bench.speedup.cli import parse_variant, pipeline_flags
+from harts.bench.speedup.reuse import baseline_settings
+from harts.bench.speedup.run import run_variants
 from harts.training.config import train_config_from_dict
 from harts.workflow.config import coerce_strings, load_schema, validate
 
 with surface("variant"):
     found["variant"] = parse_variant("demo-rows=5")
+with surface("reuse"):
+    own, variant = run_variants(build_parser().parse_args(["bench", "speedup", "--model", "tiny", "--trees", "t",
+                                                           "--variant", "demo-rows=5"]))
+    found["reuse"] = baseline_settings(own, "fp32") != baseline_settings(variant, "fp32")
 run = {"model": "tiny", "data": {"trees": "tiny"}}
 with surface("yaml"):
     found["yaml"] = train_config_from_dict({**run, "execution": {"demo_rows": 3}}, "run.yaml").execution.demo_rows
@@ -121,6 +127,10 @@ def test_bench_fidelity_takes_only_the_knobs_it_names(found):
 
 def test_it_is_a_variant_flag_of_bench_speedup(found):
     assert found["variant"] == {"demo_rows": 5, "variant": "demo-rows=5"}
+
+
+def test_a_variant_of_it_measures_its_own_baseline(found):
+    assert found["reuse"] is True
 
 
 def test_it_is_a_yaml_key_checked_against_its_bounds(found):

@@ -7,7 +7,7 @@ that depends on the CPU's kernels, compared within an absolute 1e-5 (a wrong exe
 Added to the bench record since, on purpose (issue 44's memory margin): `config.memory_margin` (0.05, the default)
 and `results.device_memory_bytes` (null on the CPU); the model config's `mtp` (null: no MTP layers);
 `config.mtp_loss_scaling_factor` (null: the model's); `config.gdn_kernel` ("gdn", the default: the kernel of a Gated
-DeltaNet baseline, none here). Changed on purpose: `results.flops_compression` 2.10496 ->
+DeltaNet baseline, none here); `results.baseline_reused_from` (null: the run's own case measured its baseline). Changed on purpose: `results.flops_compression` 2.10496 ->
 2.10556, the model FLOPs recounted (harts.model.flops: the chunked KDA's products as the kernel forms them and the
 short convs, docs/flops.md);
 the model config's `moe.balance_statistics` (false: the pooled load-balancing reading's statistics off). Added to

@@ -1,8 +1,8 @@
 """The `--parallel` commands started by torchrun (gloo on CPU): every rank runs the command, rank 0 alone
 prints and writes records, the others exit 0 quietly.
 
-One node (`--standalone --nproc-per-node 2`): `harts bench speedup` over two steps (two launches in one
-process: the process group is kept between them), `harts verify` (its JSON once, meeting the
+One node (`--standalone --nproc-per-node 2`): `harts bench speedup` over two steps and a variant (four launches
+in one process: the process group is kept between them; the variant's reuse the step's baseline), `harts verify` (its JSON once, meeting the
 thresholds), a rank that fails (one line per rank, one error record), and a world that does not fit
 (no --parallel). Two nodes simulated on this machine: two torchrun processes with `--nnodes 2
 --nproc-per-node 1` meeting at a c10d rendezvous on a free local port (c10d gives the ranks in
@@ -64,13 +64,16 @@ def _harts_lines(stderr: str) -> list[str]:
 
 
 def test_speedup_writes_the_records_once(tmp_path):
+    """Two steps, each with a variant that changes only the compact execution: its baseline is the step's first
+    case's on every rank (rank 0 decides; the ranks' program runs on its arguments)."""
     out = tmp_path / "speedup.json"
     code, stdout, stderr = _one_node(tmp_path, "bench", "speedup", "--model", "tiny", "--trees", TINY_TREES,
                                      "--steps", "0,1", "--repeats", "1", "--capacity", "1024", "--parallel", "dp2",
-                                     "--out", str(out), "--json")
+                                     "--variant", "compact-attention-backend=naive", "--out", str(out), "--json")
     assert code == 0, stderr[-3000:]
     records = json.loads(out.read_text())
-    assert [r["config"]["step"] for r in records] == [0, 1]
+    assert [(r["config"]["step"], r["config"]["variant"]) for r in records] == [
+        (0, None), (0, "compact-attention-backend=naive"), (1, None), (1, "compact-attention-backend=naive")]
     for record in records:
         assert "error" not in record, record["error"]
         config, results = record["config"], record["results"]
@@ -78,9 +81,14 @@ def test_speedup_writes_the_records_once(tmp_path):
         assert results["compression"] == pytest.approx(results["semantic_tokens"] / results["compact_tokens"])
         for execution in ("baseline", "compact"):
             assert [len(ranks) for ranks in results[execution]["samples"]] == [2]  # one repeat, both ranks
+    for own, variant in (records[:2], records[2:]):
+        assert (own["results"]["baseline_reused_from"], variant["results"]["baseline_reused_from"]) == (
+            None, "the run's own")
+        assert variant["results"]["baseline"] == own["results"]["baseline"]
+        assert variant["results"]["compact"]["samples"] != own["results"]["compact"]["samples"]
     (headlines,) = _json_lines(stdout)  # printed by rank 0 alone
     assert [h["semantic_tokens"] for h in headlines] == [r["results"]["semantic_tokens"] for r in records]
-    assert stdout.count("| paper |") == 1 and stderr.count("wrote 2 record(s)") == 1
+    assert stdout.count("| paper |") == 1 and stderr.count("wrote 4 record(s)") == 1
     assert stderr.count("step 0: ") == 1 and not _harts_lines(stderr)
 
 

@@ -128,40 +128,49 @@ def op_work(layout) -> dict[str, int]:
             "logprob_rows": len(layout.semantic_rows)}
 
 
-def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression) -> dict[str, Any]:
-    """Where the compact time goes beyond (C/S) × baseline, from op-level times on the real layouts."""
+def execution_op_seconds(model, step, microbatches, config, index, device, dtype) -> tuple[dict[str, float], float]:
+    """One execution's op seconds over the step (`op_times` on a sample of its `microbatches`, each op scaled by
+    its work) and the fraction of its microbatches sampled."""
     from harts.engine import Engine
 
+    engine = Engine(model, config)
+    sums: dict[str, float] = {}
+    nonempty = [m for m in microbatches if len(m)]
+    # Op times are measured on evenly spaced microbatches and scaled to the whole step by each op's own
+    # work (`op_work`): attention by (query, key) pairs, which grow as the square of a trajectory's length,
+    # so a sample's rows say little about them.
+    picks = set(range(0, len(nonempty), max(1, -(-len(nonempty) // BREAKDOWN_MICROBATCHES))))
+    work_all: dict[str, int] = {}
+    work_picked: dict[str, int] = {}
+    for k, members in enumerate(nonempty):
+        layout = engine.layout(step, members, index)
+        for key, value in op_work(layout).items():
+            work_all[key] = work_all.get(key, 0) + value
+            if k in picks:
+                work_picked[key] = work_picked.get(key, 0) + value
+        if k in picks:
+            times = op_times(model, layout.to(device), device, dtype, config.logprob_grad_precision)
+            for key, value in times.items():
+                sums[key] = sums.get(key, 0.0) + value
+    totals = {key: value * work_all[OP_WORK[key]] / work_picked[OP_WORK[key]] for key, value in sums.items()}
+    return totals, len(picks) / len(nonempty)
+
+
+def breakdown(model, step, microbatches, configs, index, device, dtype, base, comp, compression, *,
+              baseline_ops: tuple[dict[str, float], float] | None = None) -> dict[str, Any]:
+    """Where the compact time goes beyond (C/S) × baseline, from op-level times on the real layouts
+    (`execution_op_seconds`; the baseline's given as `baseline_ops` where its measurement is an earlier case's)."""
     config = model.config
     num_kda = sum(kind == config.linear_kind for kind in config.layer_kinds())
     num_mla = config.num_layers - num_kda
-    totals: dict[str, dict[str, float]] = {}
-    sampled: dict[str, float] = {}
+    ops = {} if baseline_ops is None else {"baseline": baseline_ops}
     for name in EXECUTIONS:
-        engine = Engine(model, configs[name])
-        sums: dict[str, float] = {}
-        nonempty = [m for m in microbatches[name] if len(m)]
-        # Op times are measured on evenly spaced microbatches and scaled to the whole step by each op's own
-        # work (`op_work`): attention by (query, key) pairs, which grow as the square of a trajectory's length,
-        # so a sample's rows say little about them.
-        picks = set(range(0, len(nonempty), max(1, -(-len(nonempty) // BREAKDOWN_MICROBATCHES))))
-        work_all: dict[str, int] = {}
-        work_picked: dict[str, int] = {}
-        for k, members in enumerate(nonempty):
-            layout = engine.layout(step, members, index)
-            for key, value in op_work(layout).items():
-                work_all[key] = work_all.get(key, 0) + value
-                if k in picks:
-                    work_picked[key] = work_picked.get(key, 0) + value
-            if k in picks:
-                times = op_times(model, layout.to(device), device, dtype, configs[name].logprob_grad_precision)
-                for key, value in times.items():
-                    sums[key] = sums.get(key, 0.0) + value
-        sampled[name] = len(picks) / len(nonempty)
-        totals[name] = {key: value * work_all[OP_WORK[key]] / work_picked[OP_WORK[key]] for key, value in sums.items()}
+        if name not in ops:
+            ops[name] = execution_op_seconds(model, step, microbatches[name], configs[name], index, device, dtype)
+    totals = {name: dict(ops[name][0]) for name in EXECUTIONS}
     return {
         **breakdown_terms(totals["baseline"], totals["compact"], num_kda, num_mla, base, comp, compression),
-        "sampled_microbatch_fraction": sampled,
+        "sampled_microbatch_fraction": {name: ops[name][1] for name in EXECUTIONS},
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from harts.args import index_list, non_negative_int, positive_int, positive_int_or
 from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
+from harts.bench.speedup.reuse import COMPACT_ONLY
 from harts.bench.speedup.run import run, run_variants
 from harts.config import execution
 from harts.tracking import wandb_log
@@ -41,7 +42,16 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "and compiled kernels), e.g. --variant recompute-blocks=14 "
                              "--variant recompute-blocks=14,keep-attention. Flags: "
                              + ", ".join(VARIANT_FLAGS) + " (booleans take =yes or =no; recompute-blocks=all or =auto; "
-                             "compact-recompute-blocks=same follows recompute-blocks)")
+                             "compact-recompute-blocks=same follows recompute-blocks). A variant whose baseline would "
+                             "run as an earlier case's of the step (it changes only "
+                             + " or ".join(execution.flag(name).removeprefix("--") for name in COMPACT_ONLY)
+                             + ", not repeats) takes that case's baseline measurement (timings, --recompute-blocks "
+                             "auto search, peak memory, the breakdown's and profile's baseline ops) and measures "
+                             "the compact execution alone; its record's results.baseline_reused_from names that "
+                             "case")
+    parser.add_argument("--no-reuse-baseline", action="store_true",
+                        help="measure every variant's baseline again, even where an earlier case of the step "
+                             "measured it with the same settings")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the op-level breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the largest microbatch of each execution (torch.profiler): the top "

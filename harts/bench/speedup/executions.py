@@ -30,14 +30,16 @@ def knobs_of(args, name: str, recompute_blocks: int | str | None = None):
     return ExecutionConfig(execution=name, dtype=args.dtype, **knobs)
 
 
-def step_configs(args, dtype_name: str, blocks: dict[str, int | None] | None = None) -> dict:
-    """Each execution's StepConfig; `blocks`: its recompute_blocks (default: the flags')."""
+def step_configs(args, dtype_name: str, blocks: dict[str, int | None] | None = None,
+                 names: tuple[str, ...] = EXECUTIONS) -> dict:
+    """The StepConfig of each execution of `names` (default: both); `blocks`: its recompute_blocks (default: the
+    flags')."""
     from harts.objective.step import step_config
 
     blocks = blocks or requested_blocks(args)
     return {name: step_config(knobs_of(args, name, blocks[name]), args.device, dtype=dtype_name,
                               recompute_blocks=blocks[name])
-            for name in EXECUTIONS}
+            for name in names}
 
 
 def compact_recompute_blocks(args) -> int | str | None:

@@ -3,25 +3,31 @@ compact one by `--planner`) on the same weights, each run by its `harts.engine.E
 searched where asked, a warm-up of each (on CUDA a whole untimed step, since Triton autotunes per sequence length; on
 CPU the first microbatch), then `--repeats` interleaved timed steps (`Engine.run` inside a `PeakMemory`); medians,
 peak memory, the device's total, the breakdown and, with `--profile`, the top ops of each execution's largest
-microbatch (`profile_microbatch`). `progress` keeps the phase reached and every finished step's seconds for an error
-row, and logs each step live. Tested end to end in tests/bench/speedup/test_run.py.
+microbatch (`profile_microbatch`). Given an earlier case's baseline (`reuse.ReusedBaseline`), only the compact
+execution is searched, warmed up and timed, and every figure of the baseline is that case's. `progress` keeps the
+phase reached and every finished step's seconds for an error row, and logs each step live. Tested end to end in
+tests/bench/speedup/test_run.py and test_reuse.py.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from harts.bench.speedup.breakdown import breakdown
 from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
 from harts.bench.speedup.recompute import SEARCHED, search_executions
+from harts.bench.speedup.reuse import ReusedBaseline
 from harts import engine_memory
 from harts.engine_memory import PeakMemory
 
 
-def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]) -> dict[str, Any]:
+def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any],
+                 reused: ReusedBaseline | None = None) -> dict[str, Any]:
     """The single-process record of one step; `progress` holds the current phase and the seconds of
-    every finished step (kept in the error row if the run fails or is terminated)."""
+    every finished step (kept in the error row if the run fails or is terminated); `reused`: the baseline of an
+    earlier case of the step, measured again only where None."""
     from harts.engine import Engine, PlannedStep
     from harts.objective.step import DTYPES
     from harts.planning.microbatch import plan
@@ -38,21 +44,28 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     planned = {name: PlannedStep(plan=p, microbatches=p.members(step), index=index, seconds=p.plan_seconds)
                for name, p in plans.items()}
     microbatches = {name: p.microbatches for name, p in planned.items()}
+    measured = EXECUTIONS if reused is None else ("compact",)
     requested = requested_blocks(args)
     num_blocks = model.config.num_layers
-    configs = step_configs(args, dtype_name, {k: num_blocks if v in SEARCHED else v for k, v in requested.items()})
+    blocks = {k: num_blocks if v in SEARCHED else v for k, v in requested.items()}
+    found = {} if reused is None or reused.search is None else {"baseline": copy.deepcopy(reused.search)}
+    if found:
+        blocks["baseline"] = found["baseline"]["recompute_blocks"]
+    configs = step_configs(args, dtype_name, blocks)
+    # The baseline's engine even when reused: within-baseline probes its peak where no search record gives it.
     engines = {name: Engine(model, configs[name]) for name in EXECUTIONS}
-    search = search_executions(engines, step, planned, requested, progress)
+    search = search_executions(engines, step, planned, {name: requested[name] for name in measured}, progress,
+                               found)
     configs = {name: engine.config for name, engine in engines.items()}
-    for name in EXECUTIONS:
+    for name in measured:
         progress["phase"] = f"{name} warm-up"
         _warm(engines[name], step, planned[name], progress)
 
-    samples: dict[str, list] = {"baseline": [], "compact": []}
-    peaks = {"baseline": 0, "compact": 0}
+    samples: dict[str, list] = {name: [] for name in measured}
+    peaks = dict.fromkeys(measured, 0)
     infos: dict[str, list] = {}
     for repeat in range(args.repeats):
-        for name in EXECUTIONS:
+        for name in measured:
             progress["phase"] = f"{name} {repeat + 1}/{args.repeats}"
             with PeakMemory(device) as memory:
                 result = engines[name].run(step, planned[name], progress=progress["phase"])
@@ -64,10 +77,12 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
             infos[name] = result.layout_info
 
     executions = {
-        name: execution_results(samples[name], plans[name].plan_seconds, peaks[name], infos[name], microbatches[name])
+        name: copy.deepcopy(reused.execution) if name not in measured else
+        execution_results(samples[name], plans[name].plan_seconds, peaks[name], infos[name], microbatches[name])
         for name in EXECUTIONS
     }
     results = step_results(model.config, step, index, executions, infos["compact"])
+    results["baseline_reused_from"] = None if reused is None else reused.source
     results["device_memory_bytes"] = engine_memory.device_memory_bytes(device)
     if search:
         results["recompute_search"] = search
@@ -78,12 +93,13 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     else:
         progress["phase"] = "breakdown"
         results["breakdown"] = breakdown(model, step, microbatches, configs, index, device, DTYPES[dtype_name],
-                                         executions["baseline"], executions["compact"], results["compression"])
+                                         executions["baseline"], executions["compact"], results["compression"],
+                                         baseline_ops=None if reused is None else reused.op_seconds)
     if args.profile:
         progress["phase"] = "profile"
         results["profile"] = {
-            name: profile_microbatch(engines[name], step,
-                                     max(microbatches[name], key=lambda m: int(step.lengths[m].sum())))
+            name: copy.deepcopy(reused.profile) if name not in measured else
+            profile_microbatch(engines[name], step, max(microbatches[name], key=lambda m: int(step.lengths[m].sum())))
             for name in EXECUTIONS
         }
     return results

@@ -32,13 +32,15 @@ def check_recompute_flags(run_args, where: str) -> None:
                              "--parallel")
 
 
-def search_executions(engines: dict, step, planned: dict, requested: dict[str, Any],
-                      progress: dict[str, Any]) -> dict[str, Any]:
+def search_executions(engines: dict, step, planned: dict, requested: dict[str, Any], progress: dict[str, Any],
+                      found: dict[str, Any] | None = None) -> dict[str, Any]:
     """Search each execution `requested` as AUTO or WITHIN_BASELINE with its engine (`Engine.fit_recompute_blocks`,
     which sets the engine's blocks), the baseline first; per execution searched, the search's record, with
     WITHIN_BASELINE also "baseline_probe" (the untimed baseline step that measured the peak to stay within, or
-    None: the baseline's own search did). ValueError naming the flag and the execution when one does not fit."""
-    search: dict[str, Any] = {}
+    None: the baseline's own search did), after the records of `found` (an earlier case's search of a baseline
+    reused here, which within-baseline takes as the baseline's own). ValueError naming the flag and the execution
+    when one does not fit."""
+    search: dict[str, Any] = dict(found or {})
     for name, value in requested.items():  # the baseline first: within-baseline needs its blocks
         if value not in SEARCHED:
             continue

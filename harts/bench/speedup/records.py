@@ -1,7 +1,7 @@
 """What `harts bench speedup` prints and keeps of its records: the headline figures of `--json` (`headline`), the
-Markdown table with the paper's row and the flagged timings (`format_table`), and the record of a failed case
-(`error_row`: the phase it reached, the error's first line and the seconds of every step it finished), so that a
-failure is a row, never a gap. Tested in tests/bench/speedup/test_records.py and test_run.py.
+Markdown table with the paper's row, the flagged timings and the reused baselines (`format_table`), and the record
+of a failed case (`error_row`: the phase it reached, the error's first line and the seconds of every step it
+finished), so that a failure is a row, never a gap. Tested in tests/bench/speedup/test_records.py and test_run.py.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import logging
 import os
 import traceback
 from typing import Any
+
+from harts.bench.speedup.reuse import case_name
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,8 @@ def headline(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    """The records as a Markdown table, the paper's row last, then a line per timing flag."""
+    """The records as a Markdown table, the paper's row last, then a line per timing flag and per record whose
+    baseline is an earlier case's (`results.baseline_reused_from`)."""
     lines = [
         "| step | parallel | S | C | S/C | baseline F+B+G s | compact F+B+G s | F/B/Grad speedup | Core speedup | "
         "efficiency |",
@@ -52,6 +55,9 @@ def format_table(records: list[dict[str, Any]]) -> str:
     )
     lines += [f"flagged: step {record['config'].get('step')}, {record['config'].get('parallel')}: {flag}"
               for record in records for flag in record.get("results", {}).get("timing_flags", [])]
+    lines += [f"baseline reused: step {record['config'].get('step')}, {record['config'].get('parallel')}, "
+              f"{case_name(record['config'].get('variant'))}: the baseline of {case_name(source)}, not measured again"
+              for record in records if (source := record.get("results", {}).get("baseline_reused_from"))]
     return "\n".join(lines)
 
 

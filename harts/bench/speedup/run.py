@@ -1,9 +1,11 @@
 """The `harts bench speedup` run (`run`): the model built once, then every step of the trees with the run's own
 settings and each `--variant`'s (`run_variants`, all checked before any model is built) measured in one process
 (`measure.measure_step`) or on the ranks of `--parallel` (`parallel.measure_parallel_step`), one record per step
-and variant, written after every case. A failed case (an error, out of memory, SIGTERM) is an error row and the run
-goes on (SIGTERM ends it, every record written; so does any failure under torchrun, whose ranks are then out of
-step); torchrun ranks other than 0 follow rank 0 quietly. Each record is one W&B run, opened before its step is
+and variant, written after every case. A variant whose baseline would run as an earlier case's of the step takes
+that case's baseline (`reuse.BaselineReuse`; not with `--no-reuse-baseline`) and measures the compact execution
+alone. A failed case (an error, out of memory, SIGTERM) is an error row and the run goes on (SIGTERM ends it, every
+record written; so does any failure under torchrun, whose ranks are then out of step); torchrun ranks other than 0
+follow rank 0 quietly. Each record is one W&B run, opened before its step is
 measured. Tested end to end in tests/bench/speedup/test_run.py.
 """
 
@@ -23,6 +25,7 @@ from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.parallel import measure_parallel_step
 from harts.bench.speedup.recompute import check_recompute_flags, found_blocks
 from harts.bench.speedup.records import error_row, format_table, headline
+from harts.bench.speedup.reuse import BaselineReuse, case_name
 from harts.config.execution import flag
 from harts.engine_memory import release_memory
 from harts.tracking import wandb_log
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # phase it reached and the seconds of every step it finished, and write every record.
     terminated = False
     current = None  # (config, progress) of the step being measured, until its row is written
+    reuse = BaselineReuse(not args.no_reuse_baseline, dtype_name)
     with sigterm_raises():
         try:
             for index, step, step_meta, run_args in _cases(args, variants):
@@ -103,18 +107,25 @@ def run(args: argparse.Namespace) -> int:
                 progress: dict[str, Any] = {"phase": "planning", "finished": [], "log": tracker.log}
                 current = (config, progress)
                 try:
+                    reused = reuse.find(index, run_args)
+                    if reused is not None:
+                        logger.info(f"step {index}{variant}: the baseline of {case_name(reused.source)} (the same "
+                                    "baseline settings), not measured again: measuring the compact execution only")
                     if parallel is None:
-                        results = measure_step(run_args, model, step, device, dtype_name, progress)
+                        results = measure_step(run_args, model, step, device, dtype_name, progress, reused)
                         config.update(found_blocks(results))
                     else:
                         progress["phase"] = f"--parallel {parallel.name}"
-                        results = measure_parallel_step(run_args, parallel, case_config, step, dtype_name)
-                        # The ranks' timings come back at the end: each repeat's history row then.
-                        for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in EXECUTIONS))):
+                        results = measure_parallel_step(run_args, parallel, case_config, step, dtype_name, reused)
+                        # The ranks' timings come back at the end: each repeat's history row then (of the
+                        # executions measured here).
+                        names = EXECUTIONS if reused is None else ("compact",)
+                        for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in names))):
                             tracker.log({"repeat": repeat + 1, **{name: {"fbg_s": value}
-                                                                  for name, value in zip(EXECUTIONS, pair)}})
+                                                                  for name, value in zip(names, pair)}})
                     keep(make_record("speedup", config, results))
                     current = None
+                    reuse.keep(index, run_args, results)
                 except (RuntimeError, ValueError, torch.OutOfMemoryError, Terminated) as error:
                     if current is not None:
                         keep(error_row(config, progress, error, device))
@@ -155,7 +166,7 @@ def run_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
         settings = tuple(sorted((k, repr(v)) for k, v in resolved.items() if k not in ("variant", "repeats")))
         if settings in measured:
             raise ValueError(f"{where}the same run settings as {measured[settings]} (only repeats differ)")
-        measured[settings] = f"--variant {run_args.variant}" if run_args.variant else "the run's own"
+        measured[settings] = case_name(run_args.variant)
         check_recompute_flags(run_args, where)
         for name, blocks in requested_blocks(run_args).items():
             try:
@@ -192,7 +203,9 @@ def parameter_dtype(requested: str | None, dtype_name: str, parallel: str | None
 
 def _follow_rank_zero(variants, parallel, dtype_name) -> int:
     """A torchrun rank other than 0: its part of every step's and variant's `--parallel` run, nothing printed or
-    written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line."""
+    written (rank 0 writes the records); it stops at a failure, as rank 0 does, with one line. The ranks' program
+    runs on rank 0's arguments (harts.parallel.launch broadcasts them), so that where rank 0 reuses a baseline
+    every rank measures the compact execution alone."""
     import torch
 
     from harts.model.config import load_model_config_with

@@ -1,12 +1,18 @@
-"""Running `harts bench speedup` on the tiny model and checking that a record's figures agree with each other."""
+"""Running `harts bench speedup` on the tiny model and checking that a record's figures agree with each other; the
+search for the recomputed blocks on the CPU against simulated memory (harts.config.execution's `SEARCH_DEVICES`
+widened, the device's total and its out-of-memory errors or its probes' answers simulated)."""
 
 import json
 
 import pytest
+import torch
 
+from harts import engine as engine_module
+from harts import engine_memory
 from harts.bench.speedup.metrics import execution_times, flops_metrics
 from harts.cli.main import main
-from harts.config import from_dict
+from harts.config import execution, from_dict
+from harts.engine import Engine
 from harts.model.config import ModelConfig
 from harts.trees.trie import PrefixIndex
 
@@ -42,3 +48,43 @@ def check_record(record, step, parallel: str, world_size: int):
     assert results["efficiency"] == pytest.approx(results["fbg_speedup"] / results["compression"])
     model_config = from_dict(ModelConfig, config["model_config"], "record")
     assert {k: results[k] for k in ("flops_compression", "flops_efficiency")} == flops_metrics(model_config, base, comp)
+
+
+def simulated_device(monkeypatch, total: int = 1 << 50) -> None:
+    """Let the CPU search (`SEARCH_DEVICES` widened) a device of `total` bytes (default: more than any probe's RSS,
+    so that only the simulated out-of-memory errors bind)."""
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: total)
+
+
+def simulated_memory(monkeypatch, fewest):
+    """run_step raises out of memory when an execution recomputes fewer blocks than `fewest[execution]`; the
+    (execution, blocks) of every step that ran, in order."""
+    simulated_device(monkeypatch)
+    ran = []
+    run_step = engine_module.run_step
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        if config.recompute_blocks < fewest[config.execution]:
+            raise torch.OutOfMemoryError(f"{config.execution} at {config.recompute_blocks} blocks (simulated)")
+        ran.append((config.execution, config.recompute_blocks))
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    return ran
+
+
+def simulated_probes(monkeypatch, fewest, peaks, total: int = 1 << 50):
+    """Engine.probe answers from tables: an execution fits from `fewest[execution]` blocks on, with the peak
+    `peaks[execution][blocks]`, on a device of `total` bytes; the (execution, blocks) of every probe, in order."""
+    simulated_device(monkeypatch, total)
+    probed = []
+
+    def simulated(engine, step, planned, blocks):
+        execution_name = engine.config.execution
+        probed.append((execution_name, blocks))
+        return {"recompute_blocks": blocks, "fits": blocks >= fewest[execution_name],
+                "peak_memory_bytes": peaks[execution_name][blocks], "seconds": 0.0}
+
+    monkeypatch.setattr(Engine, "probe", simulated)
+    return probed

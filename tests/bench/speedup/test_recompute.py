@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from harts import engine as engine_module
-from harts import engine_memory
 from harts.cli.main import main
 from harts.config import execution
 from harts.engine import Engine
 from harts.engine_memory import fewest_recomputed_blocks
-from tests.bench.speedup.helpers import speedup
+from tests.bench.speedup.helpers import simulated_memory, simulated_probes, speedup
 
 
 @pytest.mark.parametrize("num_blocks", [1, 2, 4, 24])
@@ -108,34 +107,10 @@ def test_a_probe_on_cuda_recovers_from_a_real_out_of_memory():
     assert engine.probe(step, planned, 2)["fits"] is True
 
 
-def _simulated_device(monkeypatch, total: int = 1 << 50) -> None:
-    """Let the CPU search (`SEARCH_DEVICES` widened) a device of `total` bytes (default: more than any probe's RSS,
-    so that only the simulated out-of-memory errors bind)."""
-    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: total)
-
-
-def _simulated_memory(monkeypatch, fewest):
-    """run_step raises out of memory when an execution recomputes fewer blocks than `fewest[execution]`; the
-    (execution, blocks) of every step that ran, in order."""
-    _simulated_device(monkeypatch)
-    ran = []
-    run_step = engine_module.run_step
-
-    def simulated(model, step, microbatches, config, **kwargs):
-        if config.recompute_blocks < fewest[config.execution]:
-            raise torch.OutOfMemoryError(f"{config.execution} at {config.recompute_blocks} blocks (simulated)")
-        ran.append((config.execution, config.recompute_blocks))
-        return run_step(model, step, microbatches, config, **kwargs)
-
-    monkeypatch.setattr(engine_module, "run_step", simulated)
-    return ran
-
-
 def test_recompute_blocks_auto_finds_each_executions_fewest(tree_step_path, tmp_path, capsys, monkeypatch):
     """`auto` searches each execution for itself (the tiny model's 4 blocks): the timed steps run the blocks found,
     the record's config holds them and names the executions searched, and results keep every probe."""
-    ran = _simulated_memory(monkeypatch, {"baseline": 3, "compact": 2})
+    ran = simulated_memory(monkeypatch, {"baseline": 3, "compact": 2})
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "2", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "auto", "--recompute-by-rows"], tmp_path, capsys)
@@ -159,7 +134,7 @@ def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_st
     """A given --compact-recompute-blocks is kept while the baseline's are searched; an execution that does not fit
     with every block recomputed is an error row that says so."""
     fewest = {"baseline": 3, "compact": 1}
-    _simulated_memory(monkeypatch, fewest)
+    simulated_memory(monkeypatch, fewest)
     path, _ = tree_step_path
     flags = ["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown", "--recompute",
              "--recompute-blocks", "auto", "--compact-recompute-blocks", "4"]
@@ -177,22 +152,6 @@ def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_st
             "of memory") in record["error"]
 
 
-def _simulated_probes(monkeypatch, fewest, peaks, total: int = 1 << 50):
-    """Engine.probe answers from tables: an execution fits from `fewest[execution]` blocks on, with the peak
-    `peaks[execution][blocks]`, on a device of `total` bytes; the (execution, blocks) of every probe, in order."""
-    _simulated_device(monkeypatch, total)
-    probed = []
-
-    def simulated(engine, step, planned, blocks):
-        execution_name = engine.config.execution
-        probed.append((execution_name, blocks))
-        return {"recompute_blocks": blocks, "fits": blocks >= fewest[execution_name],
-                "peak_memory_bytes": peaks[execution_name][blocks], "seconds": 0.0}
-
-    monkeypatch.setattr(Engine, "probe", simulated)
-    return probed
-
-
 @pytest.mark.parametrize(("baseline_flag", "fewest", "peaks", "found", "limit", "probed"), [
     # Memory alone would take 1 compact block; only 3 and 4 peak at or below the given baseline's 100 (3: equal).
     ("2", {"baseline": 1, "compact": 1}, {"baseline": {2: 100}, "compact": {4: 60, 3: 100, 2: 110, 1: 130}},
@@ -205,7 +164,7 @@ def test_compact_recompute_blocks_within_baseline(baseline_flag, fewest, peaks, 
                                                   tmp_path, capsys, monkeypatch):
     """within-baseline: the fewest compact blocks whose step fits and peaks no higher than a baseline step at the
     baseline's own blocks (a probe of its own when the baseline's blocks are given)."""
-    probes = _simulated_probes(monkeypatch, fewest, peaks)
+    probes = simulated_probes(monkeypatch, fewest, peaks)
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", baseline_flag,
@@ -233,7 +192,7 @@ def test_recompute_blocks_auto_leaves_the_memory_margin(margin, found, limit, tr
     --memory-margin of it (a probe that ran is refused above that); the record holds the margin, the device's total
     and the limit."""
     peaks = {"compact": {4: 700, 2: 901, 3: 900, 1: 960}}
-    _simulated_probes(monkeypatch, {"compact": 1}, peaks, total=1000)
+    simulated_probes(monkeypatch, {"compact": 1}, peaks, total=1000)
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "auto",
@@ -248,7 +207,7 @@ def test_recompute_blocks_auto_leaves_the_memory_margin(margin, found, limit, tr
 
 
 def test_compact_recompute_blocks_within_baseline_when_nothing_is(tree_step_path, tmp_path, capsys, monkeypatch):
-    _simulated_probes(monkeypatch, {"baseline": 1, "compact": 1}, {"baseline": {2: 50}, "compact": {4: 60}})
+    simulated_probes(monkeypatch, {"baseline": 1, "compact": 1}, {"baseline": {2: 50}, "compact": {4: 60}})
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "2",
