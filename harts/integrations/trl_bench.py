@@ -20,23 +20,35 @@ Each trainer runs `trainer.train()` for `--warmup` + `--repeats` steps of one mi
 dapo loss, on-policy); a callback times each step from `on_step_begin` to `on_step_end` (log-probs, loss, backward,
 gradient clipping at TRL's max_grad_norm, optimizer step; `torch.cuda.synchronize` at both ends on CUDA) and the
 median of the steps after the warm-up is the figure. The trainers run one after the other, each on a fresh copy of
-the checkpoint. The parameters stay fp32; on CUDA both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype
-bf16: HARTS's grouped experts take bf16 only), on the CPU in fp32.
+the checkpoint. The parameters stay fp32; both compute under bf16 autocast (TRL's `bf16=True`, HARTS's dtype bf16)
+or in fp32, `--dtype`: bf16 on CUDA by default (HARTS's grouped experts take bf16 only), fp32 on the CPU. bf16
+runs on the CPU too: HARTS's CPU paths (sdpa attention, the PyTorch KDA and GDN, the loop experts) and
+transformers' models all take CPU autocast.
 
-Fidelity, HARTS against stock TRL from the same weights: the per-token log-probs and entropies of the batch's
-completions (`_get_per_token_logps_and_entropies`, before training), the first step's loss (on-policy dapo: the
-ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients after
+Fidelity (`fidelity`), HARTS against stock TRL from the same weights: the per-token log-probs and entropies of the
+batch's completions (`_get_per_token_logps_and_entropies`, before training), the first step's loss (on-policy dapo:
+the ratio is 1, so the loss hardly depends on the log-probs; the gradients do), the first step's gradients after
 clipping (relative difference of the whole gradient vector) and the parameters after it (largest difference, beside
-the largest change the step made). One record per run (`harts.tracking.records`), written after each trainer; a
-trainer that fails leaves an `error` in its entry and the command exits 1.
+the largest change the step made). Two bf16 executions of different kernels differ by their rounding, so in bf16
+a third, untimed run follows the timed ones (`--no-fp32-reference` skips it): stock TRL in IEEE fp32 (`bf16=False`,
+no autocast) for one step, under `ieee_fp32`: torch's fp32 matmuls, convolutions and RNNs without TF32 or bf16
+passes (cuBLAS, cuDNN, oneDNN), and Triton's fp32 dots in IEEE (TRITON_F32_DEFAULT, for fla's kernels that
+transformers' models call on CUDA; a kernel compiled earlier in the process for the same argument types keeps its
+precision), restored after; the record holds these settings and the timed runs' own (`fp32_precision`). It records
+what the fidelity reads as the timed runs do, and `fidelity` gives each bf16 trainer's distance to it
+(`fidelity_vs_fp32`): the rounding noise that the HARTS-against-TRL figures are read against. One record per run
+(`harts.tracking.records`), written after each run; a run that fails leaves an `error` in its entry and the command
+exits 1.
 
 This lives beside the TRL integration rather than in harts.bench: the benchmarks must not import the
-integrations (tests/test_imports.py). Tested on the CPU in tests/integrations/test_trl_bench.py.
+integrations (tests/test_imports.py). Tested on the CPU in tests/integrations/test_trl_bench.py, in fp32 and, with
+the fp32 reference, in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -50,6 +62,16 @@ PAD, EOS, UNK = 0, 1, 2
 FIRST_TOKEN = 3
 """The batch's tokens are drawn from [FIRST_TOKEN, vocabulary): never the tokenizer's pad, eos or unknown ids."""
 TRAINERS = ("trl", "harts")
+REFERENCE = "fp32_reference"
+"""The results entry of the untimed fp32 run of stock TRL (module docstring)."""
+DTYPES = ("fp32", "bf16")
+PRECISION_BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+"""torch.backends' fp32 math settings (`fp32_precision`: ieee, tf32 or bf16 passes, none: the parent's) that the
+reference sets; the legacy settings (`allow_tf32`, `set_float32_matmul_precision`) read through them."""
+TRITON_F32_DEFAULT = "TRITON_F32_DEFAULT"
+"""Triton's default precision of fp32 dots (tf32 on NVIDIA GPUs when unset): fla's kernels, which transformers'
+models call on CUDA, take it."""
+LABELS = {"trl": "TRL", "harts": "HARTS"}
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd")
 """TRL's optimizer names the command takes (the first is TRL's default)."""
 
@@ -74,13 +96,37 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--router-aux-loss-coef", type=non_negative_float, default=None,
                         help="TRL's router_aux_loss_coef in both trainers (default: the model config's, as TRL's; 0 "
                         "turns the load-balancing loss off)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="the trainers' compute: bf16 autocast (TRL's "
+                        "bf16, HARTS's dtype) or fp32; the parameters stay fp32 (default: bf16 on CUDA, fp32 on the "
+                        "CPU)")
+    parser.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=None,
+                        help="a third, untimed run of stock TRL in IEEE fp32 (no autocast, no TF32) from the same "
+                        "weights and batch, and each trainer's fidelity figures against it (default: on with bf16; "
+                        "needs --dtype bf16)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model weights and batch")
     parser.add_argument("--out", default=None, help="JSON records (default reports/raw/trl/MODEL-DEVICE.json)")
     parser.set_defaults(run=run, files=lambda a: ([output_path(a)], []))
 
 
 def output_path(args: argparse.Namespace) -> str:
-    return args.out or f"reports/raw/trl/{Path(args.model).stem}-{args.device}.json"
+    """`--out`, else reports/raw/trl/MODEL-DEVICE.json (MODEL-DEVICE-DTYPE.json for a dtype not the device's
+    default)."""
+    dtype = "" if args.dtype in (None, default_dtype(args.device)) else f"-{args.dtype}"
+    return args.out or f"reports/raw/trl/{Path(args.model).stem}-{args.device}{dtype}.json"
+
+
+def default_dtype(device: str) -> str:
+    return "bf16" if device == "cuda" else "fp32"
+
+
+def resolved_precision(args: argparse.Namespace) -> tuple[str, bool]:
+    """(the trainers' dtype, whether the fp32 reference runs) of `args`; ValueError for a reference asked of fp32
+    trainers (stock TRL's own run is then the fp32 run)."""
+    dtype = args.dtype or default_dtype(args.device)
+    if args.fp32_reference and dtype == "fp32":
+        raise ValueError("--fp32-reference: the trainers run fp32 (--dtype fp32), so stock TRL's own run is the fp32 "
+                         "run: use --dtype bf16")
+    return dtype, dtype != "fp32" if args.fp32_reference is None else args.fp32_reference
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     trl = require("trl", "harts bench trl")
     import transformers  # a dependency of trl
 
-    dtype = "bf16" if args.device == "cuda" else "fp32"
+    dtype, reference = resolved_precision(args)
     config = trl_form(load_model_config(args.model))
     if config.vocab_size <= FIRST_TOKEN:
         raise ValueError(f"--model {args.model}: vocab_size {config.vocab_size} leaves no token besides the "
@@ -109,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(output_path(args))
     record_config = {
         "model": config.name, "model_config": config_to_dict(config), "device": args.device, "dtype": dtype,
-        "params": "fp32", "prompts": args.prompts, "generations": args.generations,
+        "fp32_reference": reference, "params": "fp32", "prompts": args.prompts, "generations": args.generations,
         "prompt_length": args.prompt_length, "completion_length": args.completion_length, "warmup": args.warmup,
         "repeats": args.repeats, "optim": args.optim, "lr": args.lr, "gradient_checkpointing":
         args.gradient_checkpointing, "loss_type": "dapo", "router_aux_loss_coef": coefficient,
@@ -120,14 +166,15 @@ def run(args: argparse.Namespace) -> int:
     }
     with sigterm_raises():
         try:
-            results = measure(args, config, dtype, coefficient, lambda partial: write_records(
+            results = measure(args, config, dtype, reference, coefficient, lambda partial: write_records(
                 [make_record("trl", record_config, partial)], out))
             record = make_record("trl", record_config, results)
         except Terminated as error:
             record = make_record("trl", record_config, error=error_message(error))
         write_records([record], out)
     logger.info(f"wrote {out}")
-    return 0 if "results" in record and all("error" not in record["results"][name] for name in TRAINERS) else 1
+    runs = TRAINERS + ((REFERENCE,) if reference else ())
+    return 0 if "results" in record and all("error" not in record["results"][name] for name in runs) else 1
 
 
 def trl_form(config):
@@ -251,26 +298,23 @@ def _cpu_copy(tensor):
     return tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
 
 
-def measure(args: argparse.Namespace, config, dtype: str, coefficient: float, progress) -> dict:
-    """Both trainers on the batch (module docstring) with router_aux_loss_coef `coefficient` (`args`' or the model
-    config's): {"rows", "trl", "harts", "speedup", "fidelity"}, a trainer that failed holding {"error"};
-    `progress(results)` is called with the results so far after each trainer."""
-    import gc
+def measure(args: argparse.Namespace, config, dtype: str, reference: bool, coefficient: float, progress) -> dict:
+    """Both trainers on the batch (module docstring) in `dtype` with router_aux_loss_coef `coefficient` (`args`' or
+    the model config's), then with `reference` the untimed fp32 run of stock TRL: {"rows", "trl", "harts",
+    "fp32_precision", "speedup", "fidelity"} and with `reference` {"fp32_reference", "fidelity_vs_fp32"}, a run that
+    failed holding {"error"}; `progress(results)` is called with the results so far after each run."""
     import tempfile
-    import traceback
-
-    import torch
 
     from harts.model.hf import save_hf_checkpoint
     from harts.model.model import HybridModel
-    from harts.tracking.records import error_message
 
     batch = grpo_batch(num_prompts=args.prompts, num_generations=args.generations, prompt_length=args.prompt_length,
                        completion_length=args.completion_length, vocab_size=config.vocab_size, seed=args.seed)
+    completion_mask = batch["completion_mask"].bool()
     num_rows = batch["prompt_ids"].size(0)
     rows = {"padded": num_rows * (args.prompt_length + args.completion_length),
             "tokens": num_rows * args.prompt_length + int(batch["num_items_in_batch"])}
-    results: dict[str, Any] = {"rows": rows}
+    results: dict[str, Any] = {"rows": rows, "fp32_precision": fp32_precision()}
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="harts-bench-trl-") as root:
         logger.info(f"trl bench: {config.name} ({hf_class(config)}): initialising and saving a Hugging Face "
@@ -281,26 +325,113 @@ def measure(args: argparse.Namespace, config, dtype: str, coefficient: float, pr
         save_hf_checkpoint(model, checkpoint)
         del model
         for name in TRAINERS:
-            try:
-                runs[name] = _train(name, args, dtype, coefficient, checkpoint, batch, Path(root) / name)
-                results[name] = _summary(runs[name], args.warmup)
-            except Exception as error:  # noqa: BLE001 - a failing trainer is an error entry, the other still runs
-                logger.info(f"trl bench: {name} failed:\n{traceback.format_exc().rstrip()}")
-                results[name] = {"error": error_message(error)}
-            finally:
-                gc.collect()  # a failed trainer's frames and the trainer's reference cycles hold the GPU memory
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            run = _guarded(name, results, lambda: _train(name, args, dtype, coefficient, checkpoint, batch,
+                                                         Path(root) / name))
+            if run is not None:
+                runs[name] = run
+                results[name] = _summary(run, args.warmup)
+            progress(dict(results))
+        if reference:  # after the timed runs, which it must not disturb (compiled kernels, the allocator)
+            run = _guarded(REFERENCE, results, lambda: _fp32_reference(args, coefficient, checkpoint, batch,
+                                                                        Path(root) / REFERENCE))
+            if run is not None:
+                runs[REFERENCE] = run
+                results[REFERENCE] = {"first_loss": run["losses"][0], "peak_memory_gib": run["peak_memory_gib"],
+                                      "ran": run["ran"], "fp32_precision": run["fp32_precision"]}
+                results["fidelity_vs_fp32"] = {name: fidelity(run, runs[name], completion_mask)
+                                               for name in TRAINERS if name in runs}
             progress(dict(results))
     if all(name in runs for name in TRAINERS):
         rows["compact"] = runs["harts"]["rows_per_step"]
         results["speedup"] = results["trl"]["step_seconds"] / results["harts"]["step_seconds"]
-        results["fidelity"] = fidelity(runs["trl"], runs["harts"], batch["completion_mask"].bool())
+        results["fidelity"] = fidelity(runs["trl"], runs["harts"], completion_mask)
         logger.info(f"trl bench: TRL {results['trl']['step_seconds']:.4f} s, HARTS "
                     f"{results['harts']['step_seconds']:.4f} s per step: {results['speedup']:.2f}x; rows padded "
                     f"{rows['padded']:,}, tokens {rows['tokens']:,}, compact {rows['compact']:,}; "
                     + ", ".join(f"{key} {value:.2e}" for key, value in results["fidelity"].items()))
+    against = results.get("fidelity_vs_fp32", {})
+    if against:
+        names = [name for name in TRAINERS if name in against]
+        logger.info(f"trl bench: against fp32, {' / '.join(LABELS[name] for name in names)} {dtype}: "
+                    + ", ".join(f"{key} " + " / ".join(f"{against[name][key]:.2e}" for name in names)
+                                for key in against[names[0]]))
     return results
+
+
+def _guarded(name: str, results: dict, compute) -> dict | None:
+    """`compute()`, or None with {"error"} as `results[name]` when it raises (the other runs still run); the
+    memory it held is freed either way."""
+    import gc
+    import traceback
+
+    import torch
+
+    from harts.tracking.records import error_message
+
+    try:
+        return compute()
+    except Exception as error:  # noqa: BLE001 - a failing run is an error entry, the others still run
+        logger.info(f"trl bench: {name} failed:\n{traceback.format_exc().rstrip()}")
+        results[name] = {"error": error_message(error)}
+        return None
+    finally:
+        gc.collect()  # a failed trainer's frames and the trainer's reference cycles hold the GPU memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _fp32_reference(args: argparse.Namespace, coefficient: float, checkpoint: Path, batch: dict,
+                    output_dir: Path) -> dict:
+    """Stock TRL's run in IEEE fp32 (`ieee_fp32`), with the settings it ran under."""
+    with ieee_fp32():
+        run = _train("trl", args, "fp32", coefficient, checkpoint, batch, output_dir, reference=True)
+        run["fp32_precision"] = fp32_precision()
+    return run
+
+
+def _precision_backend(name: str):
+    import torch
+
+    backend = torch.backends
+    for part in name.split("."):
+        backend = getattr(backend, part)
+    return backend
+
+
+def fp32_precision() -> dict:
+    """The fp32 math settings in force: torch.backends' `fp32_precision` (the parent of all, "backends") and each
+    of PRECISION_BACKENDS' (none: the parent's; cuDNN's default to tf32), and Triton's TRITON_F32_DEFAULT (None:
+    unset, tf32 on NVIDIA GPUs)."""
+    import os
+
+    import torch
+
+    return {"backends": torch.backends.fp32_precision,
+            **{name: _precision_backend(name).fp32_precision for name in PRECISION_BACKENDS},
+            "triton_f32_default": os.environ.get(TRITON_F32_DEFAULT)}
+
+
+@contextlib.contextmanager
+def ieee_fp32():
+    """IEEE fp32 inside: every one of PRECISION_BACKENDS (cuBLAS's matmuls, cuDNN's and oneDNN's convolutions and
+    RNNs: no TF32 or bf16 passes) and Triton's fp32 dots of kernels compiled inside (fla's); restored after. A
+    Triton kernel compiled earlier in the process for the same argument types keeps its precision."""
+    import os
+
+    saved = {name: _precision_backend(name).fp32_precision for name in PRECISION_BACKENDS}
+    saved_triton = os.environ.get(TRITON_F32_DEFAULT)
+    try:
+        for name in PRECISION_BACKENDS:
+            _precision_backend(name).fp32_precision = "ieee"
+        os.environ[TRITON_F32_DEFAULT] = "ieee"
+        yield
+    finally:
+        for name, value in saved.items():
+            _precision_backend(name).fp32_precision = value
+        if saved_triton is None:
+            os.environ.pop(TRITON_F32_DEFAULT, None)
+        else:
+            os.environ[TRITON_F32_DEFAULT] = saved_triton
 
 
 def _tokenizer():
@@ -315,11 +446,11 @@ def _tokenizer():
 
 
 def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, checkpoint: Path, batch: dict,
-           output_dir: Path) -> dict:
+           output_dir: Path, *, reference: bool = False) -> dict:
     """One trainer's run: its step seconds and losses, first gradients and parameters (and the initial ones for
-    TRL), log-probs and entropies of the batch, what it ran, HARTS's rows per step, peak memory on CUDA. The
-    trainer resolves router_aux_loss_coef itself from `args` (None: the model config's) and must find
-    `coefficient`."""
+    TRL), log-probs and entropies of the batch, what it ran, HARTS's rows per step, peak memory on CUDA; with
+    `reference` (stock TRL in fp32), one step only, which is all the fidelity reads. The trainer resolves
+    router_aux_loss_coef itself from `args` (None: the model config's) and must find `coefficient`."""
     import dataclasses
     import importlib.util
 
@@ -331,8 +462,10 @@ def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, 
     from harts.integrations.trl import HARTSGRPOTrainer
 
     base = HARTSGRPOTrainer if name == "harts" else trl.GRPOTrainer
-    label = "HARTS GRPOTrainer" if name == "harts" else "TRL GRPOTrainer"
-    total_steps = args.warmup + args.repeats
+    assert not reference or (name, dtype) == ("trl", "fp32"), "the reference is stock TRL in fp32"
+    label = "HARTS GRPOTrainer" if name == "harts" else "TRL GRPOTrainer, fp32 reference" if reference else (
+        "TRL GRPOTrainer")
+    total_steps = 1 if reference else args.warmup + args.repeats
     logger.info(f"trl bench: {label}: loading the checkpoint")
     device = torch.device(args.device)
     # use_kernels=False: with the `kernels` package installed, transformers >= 5.2x fetches its linear-attention
@@ -366,7 +499,7 @@ def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, 
         log_probs, entropy, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, input_ids, attention_mask, args.completion_length, compute_entropy=True)
     rows_before = trainer.harts_counts["rows"] if name == "harts" else 0
-    logger.info(f"trl bench: {label}: {total_steps} steps ({args.warmup} warm-up)")
+    logger.info(f"trl bench: {label}: {total_steps} steps ({0 if reference else args.warmup} warm-up)")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -377,7 +510,7 @@ def _train(name: str, args: argparse.Namespace, dtype: str, coefficient: float, 
         knobs = ("execution", "dtype", "recompute", "attention_backend", "kda_backend", "experts_backend")
         ran = {knob: getattr(trainer.harts_config, knob) for knob in knobs}
     else:  # what transformers' model runs: its KDA and conv fall back to PyTorch without these packages on CUDA
-        ran = {"attn_implementation": getattr(model.config, "_attn_implementation", None),
+        ran = {"bf16": trainer.args.bf16, "attn_implementation": getattr(model.config, "_attn_implementation", None),
                "experts_implementation": getattr(model.config, "_experts_implementation", None),
                **{f"{package}_installed": importlib.util.find_spec(package) is not None
                   for package in ("fla", "causal_conv1d")}}
@@ -410,24 +543,25 @@ def _summary(run: dict, warmup: int) -> dict:
     return summary
 
 
-def fidelity(trl_run: dict, harts_run: dict, completion_mask) -> dict:
-    """HARTS against TRL: log-prob and entropy (completion tokens), first loss, first gradients (relative), and
-    parameters after the first step, beside the largest change that step made."""
+def fidelity(reference: dict, run: dict, completion_mask) -> dict:
+    """`run` against `reference` from the same weights and batch (HARTS against TRL; each trainer against the fp32
+    run): log-prob and entropy (completion tokens), first loss, first gradients (relative to the reference's), and
+    parameters after the first step, beside the largest change the reference's step made."""
     import torch
 
     def masked_max(a, b) -> float:
         return float(torch.where(completion_mask, (a - b).abs(), 0.0).max())
 
-    assert set(harts_run["gradients"]) == set(trl_run["gradients"]), "the trainers' models differ"
-    gradient_error = sum(float((harts_run["gradients"][n] - g).square().sum()) for n, g in trl_run["gradients"].items())
-    gradient_norm = sum(float(g.square().sum()) for g in trl_run["gradients"].values())
+    assert set(run["gradients"]) == set(reference["gradients"]), "the trainers' models differ"
+    gradient_error = sum(float((run["gradients"][n] - g).square().sum()) for n, g in reference["gradients"].items())
+    gradient_norm = sum(float(g.square().sum()) for g in reference["gradients"].values())
     return {
-        "log_prob_max_abs_difference": masked_max(harts_run["log_probs"], trl_run["log_probs"]),
-        "entropy_max_abs_difference": masked_max(harts_run["entropy"], trl_run["entropy"]),
-        "first_loss_abs_difference": abs(harts_run["losses"][0] - trl_run["losses"][0]),
+        "log_prob_max_abs_difference": masked_max(run["log_probs"], reference["log_probs"]),
+        "entropy_max_abs_difference": masked_max(run["entropy"], reference["entropy"]),
+        "first_loss_abs_difference": abs(run["losses"][0] - reference["losses"][0]),
         "gradient_relative_difference": (gradient_error / gradient_norm) ** 0.5 if gradient_norm else gradient_error,
-        "parameter_max_abs_difference": max(float((harts_run["parameters"][n] - p).abs().max())
-                                            for n, p in trl_run["parameters"].items()),
-        "parameter_max_change": max(float((trl_run["parameters"][n] - p).abs().max())
-                                    for n, p in trl_run["initial"].items()),
+        "parameter_max_abs_difference": max(float((run["parameters"][n] - p).abs().max())
+                                            for n, p in reference["parameters"].items()),
+        "parameter_max_change": max(float((reference["parameters"][n] - p).abs().max())
+                                    for n, p in reference["initial"].items()),
     }
