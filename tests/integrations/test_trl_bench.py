@@ -7,8 +7,9 @@ GRPO groups sharing their prompt; the form of every shipped model exports and ch
 and a config its layout cannot express is refused by name; `fidelity` measures what it names. In bf16 on the CPU
 (`tiny`, SGD) the untimed fp32 run of stock TRL runs third, with TF32 off and the settings restored after, and the
 record holds each trainer's distance to it, through the same `fidelity`: non-zero and within bounds that HARTS
-with wrong advantages, a dropped token or a temperature 2% off exceeds while TRL stays inside; `--no-fp32-reference` and fp32 runs have
-no third run, and a reference of fp32 trainers is refused. On CUDA (`-m gpu`) the same run in bf16 completes.
+with wrong advantages, a dropped token or a temperature 2% off exceeds while TRL stays inside;
+`--no-fp32-reference` and fp32 runs have no third run, and a reference of fp32 trainers is refused. On CUDA
+(`-m gpu`) the same run in bf16 completes, with its fp32 run.
 """
 
 import dataclasses
