@@ -282,9 +282,12 @@ def topk_routing(
 
 
 def _weights(multiplicity_N: torch.Tensor | None, logits_NE: torch.Tensor) -> torch.Tensor:
+    """q per row in fp32 at least (fp64 for fp64 logits): under bf16 autocast the logits are bf16, and bf16 weights
+    would round the token count and the per-expert counts the losses divide by (exact only up to 256)."""
+    dtype = torch.promote_types(logits_NE.dtype, torch.float32)
     if multiplicity_N is None:
-        return logits_NE.new_ones(logits_NE.shape[0])
-    return multiplicity_N.to(logits_NE.dtype)
+        return torch.ones(logits_NE.shape[0], dtype=dtype, device=logits_NE.device)
+    return multiplicity_N.to(dtype)
 
 
 def router_z_loss(logits_NE: torch.Tensor, multiplicity_N: torch.Tensor | None, coeff: float) -> torch.Tensor:

@@ -473,6 +473,31 @@ def test_bad_inputs(case):
         module(x, multiplicity)
 
 
+@pytest.mark.parametrize("multiplicity", [False, True], ids=["no-q", "q"])
+def test_counts_and_token_total_stay_exact_under_bf16_autocast(multiplicity):
+    """Under bf16 autocast the router logits are bf16; the token total, the balance counts and the reductions of the
+    losses they normalise still run in fp32: 1,001 rows (bf16 would round the total to 1,000) with q up to 300."""
+    module = _module({**MODULES["softmax-shared"], "balance_statistics": True}, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(1001, 16, generator=generator)
+    q = torch.randint(1, 301, (1001,), generator=generator) if multiplicity else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, aux = module(x, q)
+        logits = module.router_logits(x)
+        scores, selected = aux_loss_scores(logits, top_k=2, score_function="softmax")
+        squared_lse = torch.logsumexp(logits, dim=-1).square()
+    total = 1001.0 if q is None else float(q.sum())
+    assert aux.num_tokens.dtype == torch.float32 and aux.num_tokens.item() == total
+    assert aux.balance_counts_E.dtype == torch.float32 and aux.balance_counts_E.sum().item() == total * 2
+    # The losses from the same autocast logits and scores, every reduction in fp64.
+    q64 = torch.ones(1001, dtype=torch.float64) if q is None else q.double()
+    mass, counts = (q64[:, None] * scores.double()).sum(0), (q64[:, None] * selected.double()).sum(0)
+    balance = (mass * counts).sum() * NUM_EXPERTS / 2 / total**2 * 1e-2
+    z_loss = (q64 * squared_lse.double()).sum() / total * 1e-3
+    assert aux.load_balancing_loss.item() == pytest.approx(balance.item(), rel=1e-5)
+    assert aux.z_loss.item() == pytest.approx(z_loss.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_router_logits_equal_the_cast_expression(dtype, autocast):
