@@ -133,11 +133,6 @@ def _check_pooled_balance(args: argparse.Namespace, model_config, config) -> Non
                          name=loss_flag("pooled_balance_coeff"))
 
 
-def _pooled_record(result) -> dict:
-    """The pooled load-balancing loss of a step's result (without its coefficient), when the step added it."""
-    return {} if result.pooled_balance_loss is None else {"pooled_balance_loss": result.pooled_balance_loss}
-
-
 def _loss_summary(config) -> dict:
     """The resolved loss of a StepConfig, for the printed results."""
     from harts.config import config_to_dict
@@ -148,6 +143,7 @@ def _loss_summary(config) -> dict:
 
 def run_train_step(args: argparse.Namespace) -> int:
     from harts.engine import Engine
+    from harts.objective.step import pooled_balance_record
     from harts.parallel.launch import check_torchrun
 
     if args.parallel:
@@ -166,7 +162,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         "loss": result.loss,
         "policy_loss": result.policy_loss,
         "moe_loss": result.moe_loss,
-        **_pooled_record(result),
+        **pooled_balance_record(result),
         "semantic_tokens": result.num_semantic_tokens,
         "rows": result.num_rows,
         **result.mtp_record(),
@@ -234,7 +230,7 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
 
     from harts.engine import parallel_train_step, plan_step
     from harts.model.config import load_model_config_with
-    from harts.objective.step import check_baseline_gdn_kernel
+    from harts.objective.step import check_baseline_gdn_kernel, pooled_balance_record
     from harts.parallel.config import load_parallel_config
     from harts.parallel.launch import RankFailed, check_torchrun, launch
     from harts.parallel.verify import verify_on_rank
@@ -276,8 +272,9 @@ def _run_parallel(args: argparse.Namespace, *, verify: bool) -> int:
                    **{report["execution"]: report for report in result}}
     else:
         summary = {**head, "execution": args.execution, "loss": result.loss, "policy_loss": result.policy_loss,
-                   "moe_loss": result.moe_loss, **_pooled_record(result), "semantic_tokens": result.num_semantic_tokens,
-                   "rows": result.num_rows, "plan_seconds": planned.plan.plan_seconds, "seconds": result.seconds}
+                   "moe_loss": result.moe_loss, **pooled_balance_record(result),
+                   "semantic_tokens": result.num_semantic_tokens, "rows": result.num_rows,
+                   "plan_seconds": planned.plan.plan_seconds, "seconds": result.seconds}
     _check_finite(summary, step, "verify" if verify else "train-step")
     if args.json:
         print(json.dumps(summary))

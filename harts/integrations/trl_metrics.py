@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from harts.objective.losses import k3_kl, vespo_phi
+
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 """TRL loss types of the clipped surrogate, which log the clip_ratio/ metrics."""
 REDUCTIONS = ("mean", "min", "max", "process_mean")
@@ -92,14 +94,10 @@ def importance_ratio(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor, level: s
 
 def gamma_weights(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor, advantages_BX: torch.Tensor,
                   args: Any) -> torch.Tensor:
-    """[B, X] VESPO's φ(w) = exp(κ + k·log w − κ·w) of each sequence's w = exp(Σ clamp(ρ, ±20)), log w clamped to
-    [log 1e-8, 20], (k, κ) of the advantage's sign (TRL's `get_gamma_weights` without vLLM's correction)."""
+    """[B, X] VESPO's φ(w) of each sequence's w = exp(Σ clamp(ρ, ±20)) (`harts.objective.losses.vespo_phi`: TRL's
+    `get_gamma_weights` without vLLM's correction)."""
     summed = torch.where(mask_BT.bool(), log_ratio_BT.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
-    log_w = summed.clamp(math.log(1e-8), 20.0)
-    nonnegative = advantages_BX >= 0
-    k = torch.where(nonnegative, args.vespo_k_pos, args.vespo_k_neg)
-    decay = torch.where(nonnegative, args.vespo_lambda_pos, args.vespo_lambda_neg).clamp(min=1e-4)
-    return torch.exp(decay + k * log_w - decay * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return vespo_phi(summed, advantages_BX, args)
 
 
 def loss_metrics(
@@ -124,8 +122,7 @@ def loss_metrics(
     if policy_loss is not None:
         parts["policy_loss"] = Part("process_mean", policy_loss.detach())
     if args.beta != 0.0:
-        delta_BT = ref_log_probs_BT - log_probs_BT
-        kl_BX = torch.exp(delta_BT) - delta_BT - 1.0
+        kl_BX = k3_kl(log_probs_BT, ref_log_probs_BT)
         parts["kl"] = mean_part(kl_BX * ratio_BX if args.use_bias_correction_kl else kl_BX, mask_BT)
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.loss_type in CLIP_LOSS_TYPES:

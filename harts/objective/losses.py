@@ -206,6 +206,12 @@ class PPOConfig(_PolicyLossConfig):
         self._check_shared()
 
 
+def check_pooled_balance_coeff(coeff, name: str) -> None:
+    """ValueError naming `name` unless `coeff` is a finite number >= 0 (a bool is not a number here)."""
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (math.isfinite(coeff) and coeff >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {coeff!r}")
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     """The step's loss: the policy loss (`name` picks which of the two sections is used) and the terms added to
@@ -223,9 +229,7 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
             raise ValueError(f"loss.name must be one of {LOSSES}, got {self.name!r}")
-        coeff = self.pooled_balance_coeff
-        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (math.isfinite(coeff) and coeff >= 0):
-            raise ValueError(f"loss.pooled_balance_coeff must be a finite number >= 0, got {coeff!r}")
+        check_pooled_balance_coeff(self.pooled_balance_coeff, "loss.pooled_balance_coeff")
 
 
 @dataclass(frozen=True, eq=False)
@@ -326,19 +330,26 @@ def _clip(
     return per_token, clipped > unclipped
 
 
+def vespo_phi(log_w: torch.Tensor, advantages: torch.Tensor, config) -> torch.Tensor:
+    """VESPO's φ(w) = exp(κ + k·log w − κ·w) of a sequence's log w = Σ_t clamp(ρ_t, ±20), clamped to
+    [log 1e-8, 20]; (k, κ) the pos pair where A ≥ 0, else the neg (κ at least 1e-4, as TRL's
+    `get_gamma_weights`). `config` holds vespo_k_pos/neg and vespo_lambda_pos/neg: a GRPOConfig or TRL's."""
+    log_w = log_w.clamp(math.log(1e-8), 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, advantages.new_tensor(config.vespo_k_pos), advantages.new_tensor(config.vespo_k_neg))
+    decay = torch.where(nonnegative, advantages.new_tensor(config.vespo_lambda_pos),
+                        advantages.new_tensor(config.vespo_lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(decay + k * log_w - decay * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _vespo_weights(
     log_ratio_S: torch.Tensor, advantages: torch.Tensor, loss_mask_S: torch.Tensor,
     trajectory_index_S: torch.Tensor, config: GRPOConfig,
 ) -> torch.Tensor:
     """VESPO's φ(w) (detached) at each position: w of its trajectory, (k, κ) of its advantage's sign."""
     log_w = _per_sequence(log_ratio_S.detach().clamp(-20.0, 20.0), loss_mask_S, trajectory_index_S, mean=False)
-    log_w = log_w.clamp(math.log(1e-8), 20.0)
-    nonnegative = advantages >= 0
-    k = torch.where(nonnegative, advantages.new_tensor(config.vespo_k_pos), advantages.new_tensor(config.vespo_k_neg))
-    decay = torch.where(nonnegative, advantages.new_tensor(config.vespo_lambda_pos),
-                        advantages.new_tensor(config.vespo_lambda_neg))
-    phi = torch.exp(decay + k * log_w - decay * torch.exp(log_w))
-    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return vespo_phi(log_w, advantages, config)
 
 
 def _masked_mean(values: torch.Tensor, loss_mask_S: torch.Tensor) -> torch.Tensor:

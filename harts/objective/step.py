@@ -18,7 +18,6 @@ layout building, forward and backward are returned per step (with device synchro
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -40,6 +39,7 @@ from harts.objective.losses import (
     LossConfig,
     PolicyLoss,
     PPOConfig,
+    check_pooled_balance_coeff,
     grpo_loss,
     ppo_loss,
 )
@@ -92,9 +92,7 @@ class StepConfig(ExecutionConfig):
                              f"{execution_config.AUTO!r} (harts.engine.Engine.build searches it)")
         if self.loss not in LOSSES:
             raise ValueError(f"{prefix}loss must be one of {LOSSES}, got {self.loss!r}")
-        coeff = self.pooled_balance_coeff
-        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (math.isfinite(coeff) and coeff >= 0):
-            raise ValueError(f"{prefix}pooled_balance_coeff must be a finite number >= 0, got {coeff!r}")
+        check_pooled_balance_coeff(self.pooled_balance_coeff, f"{prefix}pooled_balance_coeff")
 
 
 def check_pooled_balance(model_config: ModelConfig, config: StepConfig | LossConfig, caller: str, *, mtp: bool = False,
@@ -143,6 +141,12 @@ def step_config(knobs: ExecutionConfig, device: str, *, loss_config: LossConfig 
         extra.update({"loss" if f.name == "name" else f.name: getattr(loss_config, f.name)
                       for f in dataclasses.fields(loss_config)})
     return StepConfig(**resolved.knobs(), **extra)
+
+
+def pooled_balance_record(result) -> dict:
+    """The pooled load-balancing loss (without its coefficient) of a step result's record (a StepResult or a
+    harts.parallel.step.ParallelStepResult): nothing when the step did not add it."""
+    return {} if result.pooled_balance_loss is None else {"pooled_balance_loss": result.pooled_balance_loss}
 
 
 def runs_mtp(model_config: ModelConfig, knobs: ExecutionConfig) -> bool:

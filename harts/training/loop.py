@@ -71,7 +71,12 @@ from tqdm import tqdm
 
 from harts.config import config_to_dict
 from harts.files import write_text
-from harts.objective.step import check_baseline_gdn_kernel, check_pooled_balance, runs_mtp
+from harts.objective.step import (
+    check_baseline_gdn_kernel,
+    check_pooled_balance,
+    pooled_balance_record,
+    runs_mtp,
+)
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.update import apply_update
 from harts.tracking.wandb_log import WandbOptions
@@ -319,7 +324,7 @@ class _Run:
             "loss": result.loss,
             "policy_loss": result.policy_loss,
             "moe_loss": result.moe_loss,
-            **({} if result.pooled_balance_loss is None else {"pooled_balance_loss": result.pooled_balance_loss}),
+            **pooled_balance_record(result),
             "grad_norm": grad_norm,
             "lr": lr,
             "clip_fraction": result.clip_fraction,
