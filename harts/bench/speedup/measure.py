@@ -18,7 +18,7 @@ from harts.bench.speedup.breakdown import breakdown
 from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
 from harts.bench.speedup.recompute import SEARCHED, search_executions
-from harts.bench.speedup.reuse import ReusedBaseline
+from harts.bench.speedup.reuse import ReusedBaseline, measured_executions
 from harts import engine_memory
 from harts.engine_memory import PeakMemory
 
@@ -44,7 +44,7 @@ def measure_step(args, model, step, device, dtype_name, progress: dict[str, Any]
     planned = {name: PlannedStep(plan=p, microbatches=p.members(step), index=index, seconds=p.plan_seconds)
                for name, p in plans.items()}
     microbatches = {name: p.microbatches for name, p in planned.items()}
-    measured = EXECUTIONS if reused is None else ("compact",)
+    measured = measured_executions(reused)
     requested = requested_blocks(args)
     num_blocks = model.config.num_layers
     blocks = {k: num_blocks if v in SEARCHED else v for k, v in requested.items()}

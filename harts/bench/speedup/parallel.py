@@ -17,7 +17,7 @@ from typing import Any
 
 from harts.bench.speedup.executions import EXECUTIONS, step_configs
 from harts.bench.speedup.metrics import execution_results, mfu_metrics, step_results
-from harts.bench.speedup.reuse import ReusedBaseline
+from harts.bench.speedup.reuse import ReusedBaseline, measured_executions
 from harts import engine_memory
 from harts.engine_memory import PeakMemory, sync
 
@@ -115,7 +115,7 @@ def measure_parallel_step(args, parallel, model_config, step, dtype_name,
     microbatches = {name: p.members(step) for name, p in plans.items()}
     for name in EXECUTIONS:
         check_microbatches(step, microbatches[name], parallel.dp)
-    names = EXECUTIONS if reused is None else ("compact",)
+    names = measured_executions(reused)
     measured = launch(speedup_on_rank, parallel, model_config, args.model_seed, step, microbatches,
                       step_configs(args, dtype_name, names=names), args.repeats, names, device=args.device)
     if measured is None:  # a torchrun rank other than 0

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from harts.bench.speedup.executions import requested_blocks, step_configs
+from harts.bench.speedup.executions import EXECUTIONS, requested_blocks, step_configs
 from harts.bench.speedup.recompute import SEARCHED
 from harts.config.execution import FIELDS
 
@@ -51,6 +51,11 @@ class ReusedBaseline:
     """Its breakdown's baseline op seconds and sampled microbatch fraction (None without a breakdown)."""
     profile: dict[str, Any] | None = None
     """Its `results.profile.baseline` (with `--profile`)."""
+
+
+def measured_executions(reused: ReusedBaseline | None) -> tuple[str, ...]:
+    """The executions a case measures itself: both, or the compact one where it reuses a baseline."""
+    return EXECUTIONS if reused is None else ("compact",)
 
 
 def baseline_settings(run_args, dtype_name: str, found_blocks: int | None = None) -> tuple:

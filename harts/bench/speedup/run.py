@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import print_error
-from harts.bench.speedup.executions import (EXECUTIONS, RECORD_KNOBS, compact_recompute_blocks, knobs_of,
-                                            requested_blocks)
+from harts.bench.speedup.executions import RECORD_KNOBS, compact_recompute_blocks, knobs_of, requested_blocks
 from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.parallel import measure_parallel_step
 from harts.bench.speedup.recompute import check_recompute_flags, found_blocks
 from harts.bench.speedup.records import error_row, format_table, headline
-from harts.bench.speedup.reuse import BaselineReuse, case_name
+from harts.bench.speedup.reuse import BaselineReuse, case_name, measured_executions
 from harts.config.execution import flag
 from harts.engine_memory import release_memory
 from harts.tracking import wandb_log
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                         results = measure_parallel_step(run_args, parallel, case_config, step, dtype_name, reused)
                         # The ranks' timings come back at the end: each repeat's history row then (of the
                         # executions measured here).
-                        names = EXECUTIONS if reused is None else ("compact",)
+                        names = measured_executions(reused)
                         for repeat, pair in enumerate(zip(*(results[name]["fbg_repeats_s"] for name in names))):
                             tracker.log({"repeat": repeat + 1, **{name: {"fbg_s": value}
                                                                   for name, value in zip(names, pair)}})
