@@ -11,14 +11,15 @@ function of the row alone, so it is computed once per compact row (C values) and
 S positions.
 
 Legend: C compact rows, D hidden size, V vocabulary, S requested semantic positions, n rows of
-one chunk.
+one chunk, P the positions of one chunk.
 
 Work and memory. Rows are processed in chunks of `chunk_rows`. The forward computes each chunk's
-fp32 logits once (divided by T in place), their log-sum-exp, and reads every target logit out of
-the same chunk (exact: the value that entered the log-sum-exp, and an O(S) gather instead of an
-O(S·D) dot product per position); with entropy, the chunk's log-probs z − lse and one more n×V
-buffer give H_c = −Σ exp(z − lse)·(z − lse). It keeps only the inputs (hidden, weight: already
-alive), lse (and H) (C floats each) and the index arrays (O(S)); the chunk's logits are dropped
+fp32 logits once (divided by T in place), reads every target logit out of it (exact: the value
+that enters the log-sum-exp, and an O(S) gather instead of an O(S·D) dot product per position),
+then its log-sum-exp and, with entropy, H_c = −Σ exp(z − lse)·(z − lse) (`harts.ops.logsumexp`:
+for fp32 logits on CUDA one Triton pass reading each logit once; elsewhere `torch.logsumexp`,
+then the chunk's log-probs z − lse in place and one more n×V buffer). It keeps only the inputs
+(hidden, weight: already alive), lse (and H) (C floats each) and the index arrays (O(S)); the chunk's logits are dropped
 before the next chunk is formed. The backward recomputes each chunk's logits, turns them in place
 (`harts.ops.logit_grad`: one Triton pass on CUDA) into
     ∂L/∂z_c = Σ_{m(s)=c} g_s·onehot(y_s) − (Σ_{m(s)=c} g_s)·p_c − (Σ_{m(s)=c} h_s)·p_c ⊙ (log p_c + H_c)
@@ -66,6 +67,7 @@ import torch
 
 from harts.config.execution import DEFAULT_LOGPROB_CHUNK_ROWS, GRAD_PRECISIONS
 from harts.ops.logit_grad import logit_grad
+from harts.ops.logsumexp import logsumexp_entropy
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -180,13 +182,15 @@ class _CompactLogprobs(torch.autograd.Function):
             r0, r1, p0, p1 = starts[k], starts[k + 1], bounds[k], bounds[k + 1]
             hidden_nD = hidden_CD[r0:r1] if half else hidden_CD[r0:r1].to(dtype)
             logits_nV = _tempered_logits(hidden_nD, weight_f, temperature)
-            lse_C[r0:r1] = torch.logsumexp(logits_nV, dim=-1)
             local = rows_sorted_S[p0:p1] - r0
-            out_sorted_S[p0:p1] = logits_nV[local, targets_sorted_S[p0:p1]] - lse_C[r0:r1][local]
-            if return_entropy:
-                log_p_nV = logits_nV.sub_(lse_C[r0:r1, None])
-                entropy_C[r0:r1] = -(log_p_nV.exp().mul_(log_p_nV).sum(dim=-1))
+            # The targets' logits first: with entropy, the PyTorch form turns the chunk into log-probs in place.
+            target_logits_P = logits_nV[local, targets_sorted_S[p0:p1]]
+            lse_n, entropy_n = logsumexp_entropy(logits_nV, entropy=return_entropy)
             del logits_nV
+            lse_C[r0:r1] = lse_n
+            out_sorted_S[p0:p1] = target_logits_P - lse_n[local]
+            if return_entropy:
+                entropy_C[r0:r1] = entropy_n
         logprobs_S = torch.empty_like(out_sorted_S)
         logprobs_S[order_S] = out_sorted_S
 

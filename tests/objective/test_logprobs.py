@@ -88,6 +88,38 @@ def test_temperature_and_entropy_match_naive(dtype, chunk_rows, temperature, gra
     assert _relative(fast[3], naive[3]) <= grad_tol
 
 
+def _pytorch_passes_forward(hidden_CD, weight_VD, compact_index, targets, *, chunk_rows, temperature):
+    """The forward as `_CompactLogprobs` computed it before `harts.ops.logsumexp`: per chunk `torch.logsumexp`, the
+    targets' logits minus lse, then H from the log-probs formed in place."""
+    logprobs = torch.empty(len(targets), dtype=hidden_CD.dtype)
+    entropy = torch.empty(len(hidden_CD), dtype=hidden_CD.dtype)
+    for r0 in range(0, len(hidden_CD), chunk_rows):
+        logits_nV = hidden_CD[r0:r0 + chunk_rows] @ weight_VD.T
+        if temperature != 1.0:
+            logits_nV.div_(temperature)
+        lse_n = torch.logsumexp(logits_nV, dim=-1)
+        on_chunk = (compact_index >= r0) & (compact_index < r0 + chunk_rows)
+        local = compact_index[on_chunk] - r0
+        logprobs[on_chunk] = logits_nV[local, targets[on_chunk]] - lse_n[local]
+        log_p_nV = logits_nV.sub_(lse_n[:, None])
+        entropy[r0:r0 + chunk_rows] = -(log_p_nV.exp().mul_(log_p_nV).sum(dim=-1))
+    return logprobs, entropy[compact_index]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("chunk_rows", [1, 16, 1000], ids=lambda n: f"chunk{n}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_cpu_forward_is_the_pytorch_passes_bit_for_bit(dtype, chunk_rows, temperature):
+    """On CPU `harts.ops.logsumexp` dispatches to the same PyTorch ops as before it existed: the same bits."""
+    hidden_CD, weight_VD, compact_index, targets, _ = _random_problem(dtype)
+    expected = _pytorch_passes_forward(hidden_CD, weight_VD, compact_index, targets, chunk_rows=chunk_rows,
+                                       temperature=temperature)
+    kwargs = dict(chunk_rows=chunk_rows, temperature=temperature)
+    logprobs, entropy = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, return_entropy=True, **kwargs)
+    assert torch.equal(logprobs, expected[0]) and torch.equal(entropy, expected[1])
+    assert torch.equal(compact_logprobs(hidden_CD, weight_VD, compact_index, targets, **kwargs), expected[0])
+
+
 def test_temperature_is_a_logit_scale():
     """softmax(z / T) computed from scratch: λ at T equals λ of the weight divided by T at T = 1
     (fp64: the two differ only by the rounding of one division per logit)."""
@@ -356,3 +388,30 @@ def test_cuda_half_precision_grads(temperature):
     assert half[2].dtype == half[3].dtype == torch.bfloat16
     assert _relative(half[2].float(), exact[2]) <= 2e-2
     assert _relative(half[3].float(), exact[3]) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_forward_matches_the_pytorch_passes(dtype, monkeypatch):
+    """On CUDA the forward's log-sum-exp and entropy come from the fused pass (`harts.ops.logsumexp`), at the LM
+    head's vocabulary; log-probs and entropy as with the PyTorch passes that it replaces (fp32 rounding apart)."""
+    from harts.objective import logprobs as module
+    from harts.ops.logsumexp import fused, naive_logsumexp_entropy
+    from tests.ops.kda.interpreter import counting_calls
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(42)
+    num_rows, hidden, vocab = 4500, 256, 157184
+    hidden_CD = torch.randn(num_rows, hidden, device=device, generator=generator).to(dtype)
+    weight_VD = (torch.randn(vocab, hidden, device=device, generator=generator) * 2 / hidden**0.5).to(dtype)
+    compact_index = torch.arange(num_rows, device=device).repeat(2)
+    targets = torch.randint(0, vocab, compact_index.shape, device=device, generator=generator)
+    kwargs = dict(chunk_rows=2048, temperature=0.7, return_entropy=True)
+    with counting_calls(fused, "fused_logsumexp_entropy") as counts:
+        logprobs, entropy = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, **kwargs)
+    assert counts == {"fused_logsumexp_entropy": 3}
+    monkeypatch.setattr(module, "logsumexp_entropy", naive_logsumexp_entropy)
+    expected_logprobs, expected_entropy = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, **kwargs)
+    assert float((logprobs - expected_logprobs).abs().max()) <= 1e-5
+    assert float((entropy - expected_entropy).abs().max()) <= 1e-5
