@@ -150,7 +150,8 @@ def pooled_balance_record(result) -> dict:
 
 
 def runs_mtp(model_config: ModelConfig, knobs: ExecutionConfig) -> bool:
-    """Whether a step of `knobs` runs the model's MTP layers (their loss's factor is > 0)."""
+    """Whether a step of `knobs` runs the model's MTP layers (their loss's factor is > 0): `run_step`'s rule, which the
+    commands ask before building the model."""
     return model_config.mtp is not None and mtp_scaling_factor(model_config, knobs.mtp_loss_scaling_factor) > 0
 
 
@@ -422,9 +423,10 @@ def run_step(
     total_policy = total_moe = total_pooled = 0.0
     rows = 0
     model_config = unwrap_model(model).config
+    # runs_mtp says no for a model without MTP layers; mtp_scaling_factor refuses a factor asked of one.
     mtp_factor = mtp_scaling_factor(model_config, config.mtp_loss_scaling_factor)
     num_mtp_layers = 0 if model_config.mtp is None else model_config.mtp.num_layers
-    num_mtp = num_mtp_layers if mtp_factor > 0 else 0
+    num_mtp = num_mtp_layers if runs_mtp(model_config, config) else 0
     check_pooled_balance(model_config, config, "run_step", mtp=num_mtp > 0)
     mtp_norms = mtp_normalizers(step, targets, num_mtp) if num_mtp else []
     total_mtp, mtp_depth_losses, mtp_rows, mtp_semantic = 0.0, [0.0] * num_mtp, [0] * num_mtp, [0] * num_mtp

@@ -24,13 +24,13 @@ Sampling (2) and the reference forward (5) are outside the timed training step: 
 gives `seconds.sample`, `seconds.reference` and `seconds.train` = plan + layout + forward +
 backward + optimizer (each also on its own).
 
-Step record: step, reward (mean over the step's samples: the policy's success rate from the
-prompt), reward_all (over every trajectory, retries included), tool calls per sample, the fraction
-of samples that ended on a token outside the grammar (malformed), loss, policy
-and MoE loss, KL (mean k3 estimate over the loss tokens), gradient norm, lr, trajectories, samples,
-retries, S, C (the step's trie), S/C, rows computed, microbatches, seconds. Deterministic: a run
-is a function of its config and seed (tests/rl/test_loop.py repeats one); with `tracker`, every
-step is logged live (harts.rl.tracking).
+Step record: step, reward (mean over the step's samples: the policy's success rate from the prompt), reward_all (over
+every trajectory, retries included), tool calls per sample, the fraction of samples that ended on a token outside the
+grammar (malformed), loss, policy and MoE loss (with `loss.pooled_balance_coeff` > 0 also `pooled_balance_loss`: the
+pooled load-balancing loss, mean over microbatches, without its coefficient, as `harts train` records it), KL (mean k3
+estimate over the loss tokens), gradient norm, lr, trajectories, samples, retries, S, C (the step's trie), S/C, rows
+computed, microbatches, seconds. Deterministic: a run is a function of its config and seed (tests/rl/test_loop.py
+repeats one); with `tracker`, every step is logged live (harts.rl.tracking).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from harts.config.execution import ExecutionConfig
 from harts.engine import Engine
 from harts.model.model import HybridModel
 from harts.objective.losses import step_kl
+from harts.objective.step import pooled_balance_record
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.adamw import MasterWeightAdamW, make_scheduler
 from harts.optim.config import OptimizerConfig
@@ -246,6 +247,7 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         "loss": result.loss,
         "policy_loss": result.policy_loss,
         "moe_loss": result.moe_loss,
+        **pooled_balance_record(result),
         "kl": step_kl(step, result.logprobs),
         "grad_norm": grad_norm,
         "lr": lr if update else None,

@@ -11,7 +11,8 @@ On CPU in fp32, for the tiny model with 1 to 3 MTP depths whose block is MLA (Li
 - the loss's gradient = megatron-core's own `GPTModel._postprocess` (its label and loss-mask rolls, per-depth
   normalisation and scaling, driven on CPU with a plain LM head), and each layer's input = megatron-core's
   `MultiTokenPredictionLayer._concat_embeddings`;
-- MTP off: a model whose MTP loss is off (factor 0) runs the step of the model without MTP layers bit for bit.
+- MTP off: a model whose MTP loss is off (factor 0) runs the step of the model without MTP layers bit for bit;
+  run_step runs the MTP layers exactly when `runs_mtp` says (the model's factor, the step's, no MTP layers).
 """
 
 import types
@@ -26,7 +27,7 @@ from harts.model.config import MTPConfig, load_model_config
 from harts.model.model import HybridModel
 from harts.model.moe import updated_expert_bias
 from harts.objective.mtp import microbatch_mtp_loss, mtp_normalizers, reference_mtp_loss
-from harts.objective.step import StepConfig, run_step
+from harts.objective.step import StepConfig, run_step, runs_mtp
 from harts.objective.targets import semantic_targets_from_step
 from harts.optim.update import update_expert_biases
 from harts.runtime.mtp import mtp_layouts
@@ -294,6 +295,29 @@ def test_mtp_off_is_the_model_without_mtp():
         num_main = len(reference.tokens_per_expert)
         assert all(torch.equal(a, b) for a, b in zip(result.tokens_per_expert, reference.tokens_per_expert))
         assert [float(c.abs().sum()) for c in result.tokens_per_expert[num_main:]] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(("model_factor", "override", "runs"), [
+    (FACTOR, None, True), (FACTOR, 0.0, False), (0.0, None, False), (0.0, 0.5, True), (None, None, False),
+    (None, 0.0, False),
+], ids=["model-factor", "override-0", "model-factor-0", "override-on-model-factor-0", "no-mtp-layers",
+        "no-mtp-layers-override-0"])
+def test_run_step_runs_the_mtp_layers_when_runs_mtp_says(model_factor, override, runs):
+    """One rule for whether a step runs the MTP layers (`runs_mtp`, which the commands ask before building the model):
+    the StepConfig's factor when given, else the model config's (0 in a Hugging Face checkpoint without one), and
+    never for a model without MTP layers. run_step follows it, in both executions."""
+    config = _config()
+    mtp = None if model_factor is None else replace(config.mtp, loss_scaling_factor=model_factor)
+    config = replace(config, mtp=mtp)
+    model = _model(config)
+    step, microbatches = TREES["random-0"]
+    for execution in ("baseline", "compact"):
+        step_config = StepConfig(execution=execution, mtp_loss_scaling_factor=override)
+        assert runs_mtp(config, step_config) is runs
+        result = run_step(model, step, microbatches, step_config, backward=False)
+        assert (result.mtp_loss is not None) is runs and len(result.mtp_record()) == 4 * runs
+        if runs:
+            assert result.mtp_loss > 0 and len(result.num_mtp_rows) == config.mtp.num_layers
 
 
 def test_mtp_loss_needs_mtp_layers():

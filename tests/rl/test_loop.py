@@ -1,6 +1,7 @@
 """The online RL loop: both executions from the same initial policy agree at step 0 and train (also with
 bf16 parameters, the CUDA default); a run is deterministic per seed; the step built from trees (GRPO within each tree), the log-prob shift of the
-reference, the warm start; (slow) the reward rises over 40 steps in both executions."""
+reference, the warm start; the pooled load-balancing loss in both executions' step records; (slow) the reward rises
+over 40 steps in both executions."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -127,3 +128,23 @@ def test_the_reward_rises_in_both_executions():
     for execution, steps in records.items():
         rewards = np.array([s["reward"] for s in steps])
         assert rewards[-10:].mean() > rewards[:10].mean() + 0.1, (execution, rewards)
+
+
+def test_step_records_carry_the_pooled_balance_loss():
+    """With `loss.pooled_balance_coeff` c, both executions' step records give `pooled_balance_loss` as `harts train`'s
+    do (the mean over microbatches of the loss without c; c × it is in `moe_loss`); without it, no such key. Step 0
+    (the initial weights, the same trees, the same two microbatches) gives the same loss in both executions and c × it
+    more MoE loss than the run without."""
+    tiny = load_rl_config(TINY)
+    changes = dict(model="gdn-tiny", num_steps=1, warm_start=replace(tiny.warm_start, steps=0),
+                   execution=replace(tiny.execution, planner="harts", capacity=20))
+    records = run_seed(_config(**changes, loss=replace(tiny.loss, pooled_balance_coeff=0.5)), seed=0)[1]
+    plain = run_seed(_config(**changes), seed=0)[1]
+    for execution in ("compact", "baseline"):
+        assert all("pooled_balance_loss" not in r for r in plain[execution])
+        assert all(np.isfinite(r["pooled_balance_loss"]) and r["pooled_balance_loss"] > 0 for r in records[execution])
+        first, without = records[execution][0], plain[execution][0]
+        assert first["semantic_tokens"] == without["semantic_tokens"] and first["microbatches"] == 2
+        assert first["moe_loss"] - without["moe_loss"] == pytest.approx(0.5 * first["pooled_balance_loss"], rel=1e-5)
+    assert records["compact"][0]["pooled_balance_loss"] == pytest.approx(records["baseline"][0]["pooled_balance_loss"],
+                                                                         rel=1e-5)

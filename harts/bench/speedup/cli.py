@@ -45,7 +45,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "compact-recompute-blocks=same follows recompute-blocks). A variant whose baseline would "
                              "run as an earlier case's of the step (it changes only "
                              + " or ".join(execution.flag(name).removeprefix("--") for name in COMPACT_ONLY)
-                             + ", not repeats) takes that case's baseline measurement (timings, --recompute-blocks "
+                             + ", planner, or memory-margin where --recompute-blocks is not auto; not repeats) "
+                             "takes that case's baseline measurement (timings, --recompute-blocks "
                              "auto search, peak memory, the breakdown's and profile's baseline ops) and measures "
                              "the compact execution alone; its record's results.baseline_reused_from names that "
                              "case")

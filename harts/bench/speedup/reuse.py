@@ -1,17 +1,19 @@
 """A step's baseline measured once and reused by the later cases of the step whose baseline would run the same
 (`BaselineReuse`; off with `--no-reuse-baseline`): a `--variant` that changes only the compact execution (its own
-flags, `COMPACT_ONLY`) takes the baseline of the first case of the step that measured it (`ReusedBaseline`: its
-times and samples, peak memory, `--recompute-blocks auto` search record, the breakdown's baseline op times and the
-baseline's profile) and measures the compact execution alone.
+flags, `COMPACT_ONLY`, the planner, or the memory margin where the baseline's blocks are not searched) takes the
+baseline of the first case of the step that measured it (`ReusedBaseline`: its times and samples, peak memory,
+`--recompute-blocks auto` search record, the breakdown's baseline op times and the baseline's profile) and measures
+the compact execution alone.
 
 Invariant: two cases of a step share a baseline only when their `baseline_settings` are equal: the baseline engine's
 StepConfig as `executions.step_configs` builds it for `measure_step` and the parallel step (every execution knob
-that reaches the baseline is in it, one added later too), its recompute_blocks as requested (`auto` stands for the
-search), and every other setting of the case but `COMPACT_ONLY` and the variant's text (`repeats`; the run's own
-flags, the same in every case). A baseline that was searched is also shared, without its search record, with a
-later case that gives the blocks found. Only a case that wrote results is a source: after an error row, the next
-case with its settings measures its own baseline. Tested in tests/bench/speedup/test_reuse.py (a spy counting the
-baseline's steps and searches; every run flag changed one at a time).
+that reaches the baseline is in it, one added later too) but the fields its measurement does not read
+(`unread_by_baseline`), its recompute_blocks as requested (`auto` stands for the search), and every other setting of
+the case but `COMPACT_ONLY` and the variant's text (`repeats`; the run's own flags, the same in every case). A
+baseline that was searched is also shared, without its search record, with a later case that gives the blocks found.
+Only a case that wrote results is a source: after an error row, the next case with its settings measures its own
+baseline. Tested in tests/bench/speedup/test_reuse.py (a spy counting the baseline's steps and searches; every run
+flag changed one at a time).
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ from harts.config.execution import FIELDS
 COMPACT_ONLY = ("compact_recompute_blocks", "compact_attention_backend")
 """The run flags that reach the compact execution alone (`executions.knobs_of` and `executions.requested_blocks`
 give them to it, never to the baseline): a variant changing only these reuses the baseline. Every other run flag
-changes `baseline_settings` (tests/bench/speedup/test_reuse.py changes each, one at a time)."""
+changes `baseline_settings` but where the baseline does not read it (`unread_by_baseline`; tests/bench/speedup/
+test_reuse.py changes each, one at a time)."""
 THE_RUNS_OWN = "the run's own"
+
+
+def unread_by_baseline(blocks: int | str | None) -> tuple[str, ...]:
+    """The fields of the baseline's StepConfig that its measurement does not read, with its recompute_blocks
+    `blocks` as requested: the planner (the command plans the baseline per-trajectory whatever `--planner` says:
+    measure.py, parallel.py) and, unless its blocks are searched, the memory margin (only the search of the
+    recomputed blocks reads it)."""
+    return ("planner",) if blocks in SEARCHED else ("planner", "memory_margin")
 
 
 def case_name(source: str | None) -> str:
@@ -60,12 +71,14 @@ def measured_executions(reused: ReusedBaseline | None) -> tuple[str, ...]:
 
 def baseline_settings(run_args, dtype_name: str, found_blocks: int | None = None) -> tuple:
     """What a case's baseline measurement depends on, comparable between cases: the baseline's StepConfig
-    (`executions.step_configs`) with its recompute_blocks as requested (`auto`), or `found_blocks` (those a search
-    found), and every other setting of `run_args` but `COMPACT_ONLY` and the variant's text."""
+    (`executions.step_configs`) but `unread_by_baseline`, with its recompute_blocks as requested (`auto`), or
+    `found_blocks` (those a search found), and every other setting of `run_args` but `COMPACT_ONLY` and the variant's
+    text."""
     blocks = requested_blocks(run_args)["baseline"] if found_blocks is None else found_blocks
     config = step_configs(run_args, dtype_name, {"baseline": 1 if blocks in SEARCHED else blocks},
                           names=("baseline",))["baseline"]
-    engine = {**dataclasses.asdict(config), "recompute_blocks": blocks}
+    unread = unread_by_baseline(blocks)
+    engine = {**{k: v for k, v in dataclasses.asdict(config).items() if k not in unread}, "recompute_blocks": blocks}
     others = {name: value for name, value in vars(run_args).items()
               if name not in (*FIELDS, *COMPACT_ONLY, "variant")}
     return tuple(tuple(sorted((k, repr(v)) for k, v in part.items())) for part in (engine, others))

@@ -2,7 +2,9 @@
 .measure, .parallel, .run): spies count the baseline's steps, op-time measurements and searches; the reusing record
 holds the measuring case's baseline figures (times, samples, peak memory, search record, breakdown and profile
 baselines) and names it; a variant changing a baseline flag, `--no-reuse-baseline`, another step and an error row
-each mean a baseline measured again; every run flag is changed one at a time to find which reach the baseline."""
+each mean a baseline measured again, and a variant changing the planner or the memory margin does not (but the margin
+where the baseline's blocks are searched); every run flag is changed one at a time to find which reach the
+baseline."""
 
 import argparse
 import copy
@@ -19,7 +21,8 @@ from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.reuse import COMPACT_ONLY, THE_RUNS_OWN, baseline_settings
 from harts.bench.speedup.run import run_variants
 from harts.cli.main import build_parser, main
-from harts.config.execution import CHOICES
+from harts.config import execution
+from harts.config.execution import AUTO, CHOICES
 from harts.engine import Engine
 from tests.bench.speedup.helpers import check_record, simulated_memory, simulated_probes
 
@@ -71,10 +74,19 @@ def _check_reused(record, source_record, source: str) -> None:
         assert results["profile"]["baseline"] == measured["profile"]["baseline"]
 
 
-@pytest.mark.parametrize("variant", ["compact-attention-backend=naive", "compact-recompute-blocks=1"],
-                         ids=["attention-backend", "recompute-blocks"])
+@pytest.mark.parametrize("variant", ["compact-attention-backend=naive", "compact-recompute-blocks=1",
+                                     "planner=greedy-trie", "memory-margin=0.5"],
+                         ids=["attention-backend", "recompute-blocks", "planner", "memory-margin"])
 def test_a_compact_only_variant_measures_the_baseline_once(variant, tree_step_path, tmp_path, capsys, monkeypatch):
+    """A variant of the compact execution's own flags, of the planner (the command plans the baseline per-trajectory
+    whatever --planner says) or of the memory margin (the baseline's blocks given) reuses the run's own baseline."""
+    import harts.planning.microbatch as microbatch_module
+
     calls = _spy(monkeypatch)
+    planners = []
+    plan = microbatch_module.plan
+    monkeypatch.setattr(microbatch_module, "plan", lambda *a, planner, **k: planners.append(planner) or plan(
+        *a, planner=planner, **k))
     path, step = tree_step_path
     code, records, out, err = _run(["--trees", path, "--capacity", "80", "--repeats", "1", "--recompute",
                                     "--recompute-blocks", "2", "--profile", "--variant", variant], tmp_path, capsys)
@@ -83,6 +95,8 @@ def test_a_compact_only_variant_measures_the_baseline_once(variant, tree_step_pa
     # The baseline's warm-up, timed step and profile once; the compact execution's in both cases.
     assert Counter(calls["steps"]) == {"baseline": 3, "compact": 6}
     assert Counter(calls["ops"]) == {"baseline": 1, "compact": 2}
+    compact_planner = variant.removeprefix("planner=") if variant.startswith("planner=") else "harts"
+    assert planners == ["per-trajectory", "harts", "per-trajectory", compact_planner]
     assert own["results"]["baseline_reused_from"] is None
     _check_reused(reusing, own, THE_RUNS_OWN)
     for record in records:
@@ -94,12 +108,12 @@ def test_a_compact_only_variant_measures_the_baseline_once(variant, tree_step_pa
 
 
 @pytest.mark.parametrize(("variant", "flags", "baseline_steps"), [
-    ("attention-backend=naive", [], 4), ("capacity=100", [], 4), ("planner=greedy-trie", [], 4),
-    ("recompute-blocks=1", [], 4), ("logprob-chunk-rows=16", [], 4), ("experts-backend=grouped", [], 4),
+    ("attention-backend=naive", [], 4), ("capacity=100", [], 4), ("recompute-blocks=1", [], 4),
+    ("logprob-chunk-rows=16", [], 4), ("experts-backend=grouped", [], 4),
     ("repeats=2,compact-attention-backend=naive", [], 5),
     ("compact-attention-backend=naive", ["--no-reuse-baseline"], 4),
-], ids=["attention-backend", "capacity", "planner", "recompute-blocks", "logprob-chunk-rows", "experts-backend",
-        "repeats", "no-reuse-baseline"])
+], ids=["attention-backend", "capacity", "recompute-blocks", "logprob-chunk-rows", "experts-backend", "repeats",
+        "no-reuse-baseline"])
 def test_a_variant_changing_the_baseline_measures_its_own(variant, flags, baseline_steps, tree_step_path, tmp_path,
                                                           capsys, monkeypatch):
     calls = _spy(monkeypatch)
@@ -192,6 +206,34 @@ def test_a_searched_baseline_is_reused_with_its_search(tree_step_path, tmp_path,
         check_record(record, step, "single", 1)
 
 
+@pytest.mark.parametrize(("blocks", "reused", "searches"), [
+    (["--recompute-blocks", "auto"], False, ["baseline", "compact"] * 2),
+    (["--recompute-blocks", "2", "--compact-recompute-blocks", "auto"], True, ["compact"] * 2),
+], ids=["baseline-searched", "compact-searched"])
+def test_a_memory_margin_variant_reuses_a_baseline_whose_blocks_were_given(blocks, reused, searches, tree_step_path,
+                                                                           tmp_path, capsys, monkeypatch):
+    """The memory margin reaches a search of the recomputed blocks alone (simulated memory): a variant changing it
+    measures the baseline again where the baseline's blocks are searched, and reuses it where they are given (its
+    compact execution searched with its own margin)."""
+    simulated_memory(monkeypatch, {"baseline": 2, "compact": 2})
+    calls = _spy(monkeypatch)
+    path, step = tree_step_path
+    code, records, _, _ = _run(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
+                                "--recompute", *blocks, "--variant", "memory-margin=0.5"], tmp_path, capsys)
+    assert code == 0, records
+    own, variant = records
+    assert calls["searches"] == searches
+    assert variant["results"]["recompute_search"]["compact"]["memory_margin"] == 0.5
+    assert own["results"]["recompute_search"]["compact"]["memory_margin"] == execution.DEFAULT_MEMORY_MARGIN
+    if reused:
+        _check_reused(variant, own, THE_RUNS_OWN)
+    else:
+        assert variant["results"]["baseline_reused_from"] is None
+        assert variant["results"]["recompute_search"]["baseline"]["memory_margin"] == 0.5
+    for record in records:
+        check_record(record, step, "single", 1)
+
+
 @pytest.mark.parametrize(("baseline_flag", "fewest", "peaks", "probed", "limit", "found"), [
     # The reused baseline's search measured its peak at the blocks found (3): no probe of the baseline again.
     ("auto", {"baseline": 3, "compact": 1}, {"baseline": {4: 80, 3: 95, 2: 120}, "compact": {4: 60, 3: 90, 2: 96}},
@@ -248,13 +290,20 @@ def test_parallel_variants_reuse_the_baseline_on_every_rank(tree_step_path, tmp_
 
 
 # Each run flag is changed alone, from each of these run settings, to every value its `--variant` flag takes among
-# these (and its choices): a variant the command refuses is skipped.
-BASES = ([], ["--recompute"], ["--recompute", "--recompute-blocks", "2"], ["--recompute", "--kda-backend", "fla"])
+# these (and its choices): a variant the command refuses is skipped (the CPU may search the recomputed blocks here).
+BASES = ([], ["--recompute"], ["--recompute", "--recompute-blocks", "2"], ["--recompute", "--kda-backend", "fla"],
+         ["--recompute", "--recompute-blocks", "auto"])
 VALUES = ("yes", "no", "1", "2", "3", "16", "0", "0.1", "0.5", "auto", "all", "same", "within-baseline",
           *sorted({choice for choices in CHOICES.values() for choice in choices}))
 MEASUREMENT_FLAGS = {"repeats": "the baseline's timed steps"}
 """The run flags that reach neither execution's StepConfig, and what of the baseline's measurement each changes: a
 new one is refused below until it is named here or in `COMPACT_ONLY`."""
+READ_BY_THE_BASELINE_WHEN = {
+    "planner": lambda run_args: False,  # the baseline is planned per-trajectory whatever --planner says
+    "memory_margin": lambda run_args: requested_blocks(run_args)["baseline"] == AUTO,  # read by a search alone
+}
+"""The run flags that reach the baseline's StepConfig but not always its measurement, and when they do (of the run's
+settings): a change of one changes `baseline_settings` exactly then."""
 
 
 def _requested(run_args, name):
@@ -268,10 +317,13 @@ def _config(run_args, name):
 
 
 @pytest.mark.parametrize("flag", VARIANT_FLAGS)
-def test_every_run_flag_but_the_compact_ones_reaches_the_baseline(flag):
+def test_every_run_flag_but_the_compact_ones_reaches_the_baseline(flag, monkeypatch):
     """A variant changing only a flag of `COMPACT_ONLY` changes the compact execution and never `baseline_settings`;
-    one changing any other flag changes `baseline_settings` whenever it changes the baseline's StepConfig, and a
-    flag that changes neither StepConfig must be a `MEASUREMENT_FLAGS` one, which changes them every time."""
+    one changing a `READ_BY_THE_BASELINE_WHEN` flag changes them exactly where the baseline reads it; one changing
+    any other flag changes `baseline_settings` whenever it changes the baseline's StepConfig, and a flag that changes
+    neither StepConfig must be a `MEASUREMENT_FLAGS` one, which changes them every time."""
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    name = flag.replace("-", "_")
     changes = {"baseline_config": 0, "baseline_settings": 0, "compact_config": 0}
     tried = 0
     for base in BASES:
@@ -290,14 +342,19 @@ def test_every_run_flag_but_the_compact_ones_reaches_the_baseline(flag):
             tried += 1
             baseline_config = _config(own, "baseline") != _config(variant, "baseline")
             settings = baseline_settings(own, "fp32") != baseline_settings(variant, "fp32")
-            assert settings or not baseline_config, (base, value)
+            if name in READ_BY_THE_BASELINE_WHEN:
+                assert settings == (baseline_config and READ_BY_THE_BASELINE_WHEN[name](own)), (base, value)
+            else:
+                assert settings or not baseline_config, (base, value)
             changes["baseline_config"] += baseline_config
             changes["baseline_settings"] += settings
             changes["compact_config"] += _config(own, "compact") != _config(variant, "compact")
     assert tried, f"--variant {flag}: no value among VALUES is taken: add one"
-    name = flag.replace("-", "_")
     if name in COMPACT_ONLY:
         assert changes["baseline_settings"] == 0 and changes["compact_config"] > 0, changes
+    elif name in READ_BY_THE_BASELINE_WHEN:
+        # Some change of the baseline's config leaves its measurement as it was (else the flag is a plain one).
+        assert changes["baseline_settings"] < changes["baseline_config"] and changes["compact_config"] > 0, changes
     elif changes["baseline_config"] == 0:
         assert name in MEASUREMENT_FLAGS, (f"--variant {flag} changes neither execution's StepConfig: say how the "
                                            "baseline's measurement depends on it (MEASUREMENT_FLAGS) or that it "
@@ -309,7 +366,7 @@ def test_every_run_flag_but_the_compact_ones_reaches_the_baseline(flag):
 
 def test_the_flag_lists_name_run_flags():
     names = {flag.replace("-", "_") for flag in VARIANT_FLAGS}
-    assert set(COMPACT_ONLY) <= names and set(MEASUREMENT_FLAGS) <= names
+    assert set(COMPACT_ONLY) <= names and set(MEASUREMENT_FLAGS) <= names and set(READ_BY_THE_BASELINE_WHEN) <= names
 
 
 def test_a_case_that_reused_is_no_new_source():
