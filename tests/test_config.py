@@ -126,7 +126,7 @@ def test_a_path_stays_a_path(argument, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "folder, message",
     [("models", "unknown model 'nope' (known: bailing-tiny, cpu-small, gdn-h200, gdn-tiny, h200, kimi-tiny, "
-                "ling3-tiny, ling3-tiny-mtp, ling3-tiny-shape, tiny; or give a path)"),
+                "ling3-tiny, ling3-tiny-8l, ling3-tiny-mtp, ling3-tiny-shape, tiny; or give a path)"),
      ("trees", "unknown trees config 'nope' (known: cpu-deep, cpu-small, gpu-deep, paper, paper-4x, paper-capped, paper-slice, "
                 "tiny; or give a path)")],
     ids=["model", "trees"],

@@ -93,7 +93,7 @@ def test_installed_cli_resolves_a_model_name(installed):
     assert report["logit_cosine_min"] >= 0.99999
     result = _run_installed(installed, "-m", "harts", "verify", "--model", "nope", "--trees", str(STEP))
     assert result.returncode == 2
-    known = ("bailing-tiny, cpu-small, gdn-h200, gdn-tiny, h200, kimi-tiny, ling3-tiny, ling3-tiny-mtp, "
+    known = ("bailing-tiny, cpu-small, gdn-h200, gdn-tiny, h200, kimi-tiny, ling3-tiny, ling3-tiny-8l, ling3-tiny-mtp, "
              "ling3-tiny-shape, tiny")
     assert f"unknown model 'nope' (known: {known};" in result.stderr
 

@@ -48,7 +48,7 @@ def test_bad_sizes_and_epsilons_are_refused_by_file_and_key(tmp_path, case):
 
 
 @pytest.mark.parametrize("name", ["tiny", "cpu-small", "h200", "ling3-tiny", "ling3-tiny-mtp", "ling3-tiny-shape",
-                                  "kimi-tiny", "bailing-tiny", "gdn-tiny", "gdn-h200"])
+                                  "ling3-tiny-8l", "kimi-tiny", "bailing-tiny", "gdn-tiny", "gdn-h200"])
 def test_the_shipped_models_pass(name):
     assert load_model_config(name).name == name
 
@@ -59,6 +59,14 @@ def test_ling3_tiny_mtp_is_ling3_tiny_with_its_mtp_layer():
     assert with_mtp.mtp == MTPConfig(num_layers=1, loss_scaling_factor=0.1, layer_kind="mla")
     assert load_model_config("ling3-tiny").mtp is None
     assert replace(with_mtp, name="ling3-tiny", mtp=None) == load_model_config("ling3-tiny")
+
+
+def test_ling3_tiny_8l_is_ling3_tiny_with_8_layers():
+    """ling3-tiny-8l (for measuring Ling-3.0-tiny's layers on an 80 GB GPU) differs from ling3-tiny only in its name and
+    its first 8 of 24 layers, two whole layer groups."""
+    eight = load_model_config("ling3-tiny-8l")
+    assert eight.num_layers == 8 and eight.num_layers % eight.layers_per_group == 0
+    assert replace(eight, name="ling3-tiny", num_layers=24) == load_model_config("ling3-tiny")
 
 
 BAD_MTP = {

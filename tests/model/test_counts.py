@@ -46,8 +46,8 @@ def closed_form(config: ModelConfig) -> tuple[int, int]:
     return common + num_moe * routed, common + num_moe * routed * moe.top_k // moe.num_experts
 
 
-@pytest.mark.parametrize("name", ["tiny", "bailing-tiny", "ling3-tiny", "ling3-tiny-mtp", "ling3-tiny-shape",
-                                  "kimi-tiny", "cpu-small"])
+@pytest.mark.parametrize("name", ["tiny", "bailing-tiny", "ling3-tiny", "ling3-tiny-8l", "ling3-tiny-mtp",
+                                  "ling3-tiny-shape", "kimi-tiny", "cpu-small"])
 def test_counts_are_the_closed_form(name):
     config = load_model_config(name)
     counts = parameter_counts(config)
