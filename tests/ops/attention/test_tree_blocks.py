@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from harts.ops.attention import tree_blocks
 from harts.ops.attention.groups import visibility_mask
 from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import tile_lists, tree_mask_mismatch, tree_plan
 from tests.ops.attention.helpers import LAYOUTS, named_layout
+from tests.ops.kda.interpreter import counting_calls
 
 BLOCKS = [(16, 16), (32, 16), (16, 32), (64, 64), (1, 1), (3, 5)]
 
@@ -147,39 +149,23 @@ def test_plans_are_built_once_per_groups_and_tile_shape():
     assert torch.equal(plan.subtree_end.long(), groups.row_subtree_end)
 
 
-def _counting(monkeypatch, *names: str) -> dict[str, int]:
-    """Count the calls of tree_blocks' functions `names` (the builds behind a plan)."""
-    from harts.ops.attention import tree_blocks
-
-    counts = dict.fromkeys(names, 0)
-    for name in names:
-        original = getattr(tree_blocks, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(tree_blocks, name, counted)
-    return counts
-
-
-def test_moved_groups_build_their_plan_from_the_host_copy(monkeypatch):
+def test_moved_groups_build_their_plan_from_the_host_copy():
     """Groups moved off the host (here to the meta device, whose tensors hold no data: any read back fails) build
     their plan from the host groups they were moved from, checked and listed once however often they are moved;
     the plan is the host groups' own."""
-    counts = _counting(monkeypatch, "tile_lists", "tree_mask_mismatch")
     groups = named_layout("forest").groups
     moved = [groups.to("meta") for _ in range(2)]
     assert all(m.row_subtree_end.is_meta and m.on_host() is groups for m in moved)
-    plans = [tree_plan(m, 16, 16, "cpu") for m in moved]
-    assert plans[0] is not plans[1] and plans[0].lists is plans[1].lists
-    assert counts == {"tile_lists": 1, "tree_mask_mismatch": 1}
-    own = tree_plan(groups, 16, 16, "cpu")
+    with counting_calls(tree_blocks, "tile_lists", "tree_mask_mismatch") as counts:
+        plans = [tree_plan(m, 16, 16, "cpu") for m in moved]
+        assert plans[0] is not plans[1] and plans[0].lists is plans[1].lists
+        own = tree_plan(groups, 16, 16, "cpu")
     assert counts == {"tile_lists": 1, "tree_mask_mismatch": 1}
     for name in ("subtree_end", "q_ptr", "q_num_full", "q_tiles", "q_order", "k_ptr", "k_num_full", "k_tiles",
                  "k_order"):
         assert torch.equal(getattr(plans[1], name), getattr(own, name)), name
     assert groups.to("cpu").host is None and moved[0].to("meta").on_host() is groups
+    assert tree_mask_mismatch(moved[0]) is None
 
 
 def test_plan_arrays_start_16_byte_aligned():
