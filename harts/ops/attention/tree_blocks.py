@@ -135,10 +135,10 @@ def tree_mask_mismatch(groups: AttentionGroups) -> str | None:
         return "a group without queries, or with fewer keys than queries"
     for name, index, ptr in (("queries", q_index, q_ptr), ("keys", kv_index, kv_ptr)):
         step = np.diff(index, prepend=-1)
-        step[ptr[:-1]] = 1  # a group's first row follows another group's
+        step[ptr[:-1]] = 1  # a group's first row is not compared with the previous group's last
         if (step <= 0).any():
             return f"a group's {name} are not in ascending rows"
-    # Per key, over its group's: i0's position in q_index is max(q_ptr, key position − kv_ptr − h + q_ptr).
+    # Each key's i0 as a position in q_index: max(q_ptr, the key's position − kv_ptr − h + q_ptr) of its group.
     first_seen = q_index[np.maximum(np.repeat(q_ptr[:-1], keys),
                                     np.arange(len(kv_index)) + np.repeat(q_ptr[:-1] - kv_ptr[:-1] - ancestors, keys))]
     last_seen = np.repeat(q_index[q_ptr[1:] - 1], keys)
