@@ -15,7 +15,7 @@ other of them. Tested in tests/ops/attention/test_groups.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ class AttentionGroups:
     """q_index is 0..R−1 (the varlen backend then skips both query and output permutations)."""
     kv_in_order: bool = False
     """kv_index is 0..R−1 (no ancestors: the baseline's packed trajectories; no KV gather)."""
+    host: AttentionGroups | None = field(default=None, repr=False)
+    """These groups on the host, when `to` moved them from there: what host-side work reads (`on_host`)."""
 
     @property
     def num_groups(self) -> int:
@@ -58,13 +60,23 @@ class AttentionGroups:
         return int((own * ancestors + own * (own + 1) // 2).sum())
 
     def to(self, device: torch.device | str) -> AttentionGroups:
+        on_host = self.q_index.device.type == "cpu"
         return AttentionGroups(
             q_index=self.q_index.to(device), q_ptr=self.q_ptr.to(device),
             kv_index=self.kv_index.to(device), kv_ptr=self.kv_ptr.to(device),
             row_subtree_end=self.row_subtree_end.to(device), max_q=self.max_q, max_k=self.max_k,
             q_inverse=None if self.q_in_order else self.query_inverse().to(device),
             q_in_order=self.q_in_order, kv_in_order=self.kv_in_order,
+            host=None if torch.device(device).type == "cpu" else self if on_host else self.host,
         )
+
+    def on_host(self) -> AttentionGroups:
+        """These groups on the host: themselves, the host groups `to` moved them from, or else a copy (which waits
+        for the device). Host-side work per layout (the `triton_tree` backend's tile lists) reads these, so that it
+        neither waits for the device nor copies its arrays back."""
+        if self.q_index.device.type == "cpu":
+            return self
+        return self.host if self.host is not None else self.to("cpu")
 
     def query_inverse(self) -> torch.Tensor:
         if self.q_inverse is not None:

@@ -10,10 +10,13 @@ kernel needs no mask there; else *partial*, and the kernel masks by subtree_end.
 
 Key row c is seen by the query rows [c, subtree_end[c]); in preorder two such intervals are nested or disjoint,
 so a key tile's query tiles are the union of a few disjoint runs (its rows' intervals merged in one pass): the
-build is O(R + listed pairs) in numpy, once per layout (`tree_plan` caches it on the groups object, like the
-FlexAttention block mask it replaces, which is built per call). `tree_mask_mismatch` checks in O(R + Σ keys)
-that the groups' own query/key lists describe this same relation (a layout whose rows are not in preorder is
-refused, not computed wrongly).
+build is O(R + listed pairs) in numpy (two stable sorts of the pairs), once per layout (unlike the FlexAttention
+block mask it replaces, which is built per call): `tree_plan` caches the device's copy on the groups object, and
+`host_tile_lists` the lists on the groups' host copy, from which they are built, so that a layout moved to the
+GPU neither reads its groups back (a wait for the device, in the first attention layer's forward) nor builds its
+lists again when moved twice; the plan goes up in one asynchronous copy. `tree_mask_mismatch` checks in
+O(R + Σ keys), once per host groups, that the groups' own query/key lists describe this same relation (a layout
+whose rows are not in preorder is refused, not computed wrongly).
 Tested in tests/ops/attention/test_tree_blocks.py against the dense mask `visibility_mask` of the groups.
 Legend: R rows, Bq / Bk rows of a query / key tile, P listed tile pairs.
 """
@@ -84,14 +87,23 @@ def tile_lists(subtree_end: np.ndarray, block_q: int, block_k: int) -> TileLists
     stops = np.append(starts[1:], num_rows) - 1
     run_lo, run_hi, run_tile = first[starts], running[stops] - offset[stops], key_tile[starts]
     counts = run_hi - run_lo + 1
+    # The pairs come out by key tile, each key tile's query tiles ascending.
     pair_k = np.repeat(run_tile, counts)
     pair_q = np.repeat(run_lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-    min_end = np.minimum.reduceat(ends, np.arange(0, num_rows, block_k))
-    full = (((pair_k + 1) * block_k <= num_rows) & ((pair_k + 1) * block_k - 1 <= pair_q * block_q)
-            & (min_end[pair_k] >= np.minimum((pair_q + 1) * block_q, num_rows)))
+    # Key tile j (inside R) is full for the query tiles from the first whose rows all follow its last key row up to
+    # the last whose rows all lie below its rows' smallest subtree end.
+    tiles = np.arange(num_k_tiles, dtype=np.int64)
+    min_end = np.minimum.reduceat(ends, tiles * block_k)
+    key_stop = (tiles + 1) * block_k
+    lowest = np.where(key_stop <= num_rows, -(-(key_stop - 1) // block_q), num_q_tiles)
+    highest = np.where(min_end >= num_rows, num_q_tiles - 1, min_end // block_q - 1)
+    full = (pair_q >= lowest[pair_k]) & (pair_q <= highest[pair_k])
+    partial = ~full
 
     def csr(major: np.ndarray, minor: np.ndarray, num_major: int):
-        order = np.lexsort((minor, ~full, major))
+        # By major tile, full ones first; stable, so each part keeps the pairs' order, minor ascending (the pairs
+        # are by key tile, then query tile ascending: either way round, minor ascending within a major tile).
+        order = np.argsort(major * 2 + partial, kind="stable")
         lengths = np.bincount(major, minlength=num_major)
         ptr = np.zeros(num_major + 1, dtype=np.int64)
         np.cumsum(lengths, out=ptr[1:])
@@ -110,9 +122,10 @@ def tree_mask_mismatch(groups: AttentionGroups) -> str | None:
     twice), the groups' pairs are the tree mask's iff each one is in it and they are as many: key j is seen by
     the group's queries from i0 = max(0, j − h) to the last, the smallest and largest of them, so it lies in
     the tree mask iff key_j <= query_i0 and query_last < subtree_end[key_j]."""
-    q_index, q_ptr = groups.q_index.cpu().numpy(), groups.q_ptr.cpu().numpy()
-    kv_index, kv_ptr = groups.kv_index.cpu().numpy(), groups.kv_ptr.cpu().numpy()
-    ends = groups.row_subtree_end.cpu().numpy()
+    groups = groups.on_host()
+    q_index, q_ptr = groups.q_index.numpy(), groups.q_ptr.numpy()
+    kv_index, kv_ptr = groups.kv_index.numpy(), groups.kv_ptr.numpy()
+    ends = groups.row_subtree_end.numpy()
     num_rows = len(ends)
     if len(q_index) != num_rows or (np.bincount(q_index, minlength=num_rows) != 1).any():
         return f"the queries are not each of the {num_rows} rows once"
@@ -121,14 +134,14 @@ def tree_mask_mismatch(groups: AttentionGroups) -> str | None:
     if (own < 1).any() or (ancestors < 0).any():
         return "a group without queries, or with fewer keys than queries"
     for name, index, ptr in (("queries", q_index, q_ptr), ("keys", kv_index, kv_ptr)):
-        inside = np.ones(len(index), dtype=bool)
-        inside[ptr[:-1]] = False
-        if (np.diff(index, prepend=-1)[inside] <= 0).any():
+        step = np.diff(index, prepend=-1)
+        step[ptr[:-1]] = 1  # a group's first row is not compared with the previous group's last
+        if (step <= 0).any():
             return f"a group's {name} are not in ascending rows"
-    group = np.repeat(np.arange(len(own)), keys)
-    j = np.arange(len(kv_index)) - kv_ptr[group]
-    first_seen = q_index[q_ptr[group] + np.maximum(0, j - ancestors[group])]
-    last_seen = q_index[q_ptr[group + 1] - 1]
+    # Each key's i0 as a position in q_index: max(q_ptr, the key's position − kv_ptr − h + q_ptr) of its group.
+    first_seen = q_index[np.maximum(np.repeat(q_ptr[:-1], keys),
+                                    np.arange(len(kv_index)) + np.repeat(q_ptr[:-1] - kv_ptr[:-1] - ancestors, keys))]
+    last_seen = np.repeat(q_index[q_ptr[1:] - 1], keys)
     if not ((kv_index <= first_seen) & (last_seen < ends[kv_index])).all():
         return "a group sees a key row outside the tree mask (rows not in DFS preorder?)"
     if groups.num_pairs != int((ends - np.arange(num_rows)).sum()):
@@ -166,27 +179,59 @@ class TreePlan:
         return self.k_order, self.k_ptr, self.k_num_full, self.k_tiles
 
 
+_HOST_LISTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAN_ARRAYS = ("subtree_end", "q_ptr", "q_num_full", "q_tiles", "q_order", "k_ptr", "k_num_full", "k_tiles",
+                "k_order")
+_ALIGNMENT = 4
+"""int32 elements in 16 bytes: every array of a plan starts at a multiple of them in its buffer, as Triton
+specialises a kernel on whether each pointer is 16-byte aligned (a plan's arrays that were not would compile the
+kernels again, per layout)."""
+
+
+def host_tile_lists(groups: AttentionGroups, block_q: int, block_k: int) -> TileLists:
+    """The tile lists of `groups` built on the host from their host arrays (`AttentionGroups.on_host`: no read back
+    from the device, which would wait for it), once per host groups and tile shape, after checking once per host
+    groups that they are the tree mask (ValueError if not: `tree_mask_mismatch`)."""
+    host = groups.on_host()
+    built = _HOST_LISTS.setdefault(host, {})
+    if "mismatch" not in built:
+        built["mismatch"] = tree_mask_mismatch(host)
+    if built["mismatch"] is not None:
+        raise ValueError(f"attention backend 'triton_tree' reads the tree mask of rows in DFS preorder, and these "
+                         f"attention groups are not one: {built['mismatch']}")
+    if (block_q, block_k) not in built:
+        built[block_q, block_k] = tile_lists(host.row_subtree_end.numpy(), block_q, block_k)
+    return built[block_q, block_k]
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int32 copies of `arrays` on `device`: one host buffer (each array starting `_ALIGNMENT`-aligned) and one
+    copy, to a GPU from pinned memory and asynchronous, so that the host does not wait for the device."""
+    sizes = [len(x) for x in arrays]
+    starts = np.concatenate([[0], np.cumsum([-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes])])
+    buffer = np.zeros(int(starts[-1]), dtype=np.int32)
+    for x, start in zip(arrays, starts):
+        buffer[start : start + len(x)] = x
+    flat = torch.from_numpy(buffer)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [flat[start : start + size] for start, size in zip(starts.tolist(), sizes)]
 
 
 def tree_plan(groups: AttentionGroups, block_q: int, block_k: int, device: torch.device | str) -> TreePlan:
     """The tile lists of `groups` for tiles of block_q x block_k rows on `device`, built once per groups object
-    (a layout's) and tile shape; ValueError when the groups are not the tree mask (`tree_mask_mismatch`)."""
+    (a layout's) and tile shape from the host's copy of the groups (`host_tile_lists`: a layout moved to the device
+    builds them without waiting for it); ValueError when the groups are not the tree mask (`tree_mask_mismatch`)."""
     device = torch.device(device)
     plans = _PLANS.setdefault(groups, {})
     key = (block_q, block_k, device)
     if key not in plans:
-        mismatch = tree_mask_mismatch(groups)
-        if mismatch is not None:
-            raise ValueError(f"attention backend 'triton_tree' reads the tree mask of rows in DFS preorder, and "
-                             f"these attention groups are not one: {mismatch}")
-        ends = groups.row_subtree_end.cpu().numpy()
-        lists = tile_lists(ends, block_q, block_k)
-
-        def put(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
-
-        plans[key] = TreePlan(lists=lists, subtree_end=put(ends), **{
-            name: put(getattr(lists, name)) for name in
-            ("q_ptr", "q_num_full", "q_tiles", "q_order", "k_ptr", "k_num_full", "k_tiles", "k_order")})
+        host = groups.on_host()
+        lists = host_tile_lists(host, block_q, block_k)
+        arrays = [host.row_subtree_end.numpy(), *(getattr(lists, name) for name in _PLAN_ARRAYS[1:])]
+        tensors = _upload(arrays, device)
+        plans[key] = TreePlan(lists=lists, **dict(zip(_PLAN_ARRAYS, tensors)))
     return plans[key]

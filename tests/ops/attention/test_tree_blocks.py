@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from harts.ops.attention import tree_blocks
 from harts.ops.attention.groups import visibility_mask
 from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import tile_lists, tree_mask_mismatch, tree_plan
 from tests.ops.attention.helpers import LAYOUTS, named_layout
+from tests.ops.kda.interpreter import counting_calls
 
 BLOCKS = [(16, 16), (32, 16), (16, 32), (64, 64), (1, 1), (3, 5)]
 
@@ -145,3 +147,32 @@ def test_plans_are_built_once_per_groups_and_tile_shape():
     assert other is not plan and other.lists.block_q == 32
     assert plan.q_tiles.dtype == torch.int32 and torch.equal(plan.q_tiles.long(), torch.from_numpy(plan.lists.q_tiles))
     assert torch.equal(plan.subtree_end.long(), groups.row_subtree_end)
+
+
+def test_moved_groups_build_their_plan_from_the_host_copy():
+    """Groups moved off the host (here to the meta device, whose tensors hold no data: any read back fails) build
+    their plan from the host groups they were moved from, checked and listed once however often they are moved;
+    the plan is the host groups' own."""
+    groups = named_layout("forest").groups
+    moved = [groups.to("meta") for _ in range(2)]
+    assert all(m.row_subtree_end.is_meta and m.on_host() is groups for m in moved)
+    with counting_calls(tree_blocks, "tile_lists", "tree_mask_mismatch") as counts:
+        plans = [tree_plan(m, 16, 16, "cpu") for m in moved]
+        assert plans[0] is not plans[1] and plans[0].lists is plans[1].lists
+        own = tree_plan(groups, 16, 16, "cpu")
+    assert counts == {"tile_lists": 1, "tree_mask_mismatch": 1}
+    for name in ("subtree_end", "q_ptr", "q_num_full", "q_tiles", "q_order", "k_ptr", "k_num_full", "k_tiles",
+                 "k_order"):
+        assert torch.equal(getattr(plans[1], name), getattr(own, name)), name
+    assert groups.to("cpu").host is None and moved[0].to("meta").on_host() is groups
+    assert tree_mask_mismatch(moved[0]) is None
+
+
+def test_plan_arrays_start_16_byte_aligned():
+    """The plan's arrays share one buffer, each starting at a multiple of 16 bytes (Triton specialises kernels on
+    pointer alignment); rows and tiles here are not multiples of 4."""
+    plan = tree_plan(named_layout("fork-inside").groups, 16, 16, "cpu")
+    tensors = [plan.subtree_end, *plan.by_query, *plan.by_key]
+    assert len(plan.subtree_end) % 4 and len(plan.q_ptr) % 4
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() and t.dtype == torch.int32 for t in tensors)

@@ -3,7 +3,8 @@
 On the CPU its kernels run under the Triton interpreter (a subprocess: tests/ops/attention/interpreter.py): output,
 log-sum-exp, dq, dk and dv against `naive_group_attention` in fp64 on tiny trees, head dims, tile shapes and dtypes,
 and the kept-output recomputation. They are also compiled for Hopper (sm_90) here, without a GPU, which catches
-what the interpreter does not check (types the compiler infers, shared memory per block). On CUDA (`-m gpu`):
+what the interpreter does not check (types the compiler infers, shared memory per block). A model's step with the
+kernels stood in for by the dense mask counts the plan's builds (one per microbatch). On CUDA (`-m gpu`):
 MLA's and other head dims at realistic sizes, against the dense reference and, on a `paper-slice` microbatch of
 65,536 rows, against the varlen backend.
 """
@@ -117,6 +118,76 @@ def test_the_backend_refuses_cpu_tensors():
     x = torch.randn(layout.num_rows, 2, 16)
     with pytest.raises(ValueError, match="attention backend 'triton_tree' runs Triton kernels on CUDA .* on cpu"):
         group_attention(x, x, x, layout.groups, 0.25, "triton_tree")
+
+
+def _dense_tree_forward(q, k, v, plan, scale):
+    """The kernels' forward, (out, lse [H, R]), from the dense tree mask of the plan's subtree ends (a stand-in)."""
+    ends = plan.subtree_end.long()
+    rows = torch.arange(len(ends))
+    visible = (rows[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :])
+    scores = (scale * torch.einsum("rhe,che->hrc", q, k)).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("hrc,chf->rhf", torch.exp(scores - lse[..., None]), v), lse
+
+
+def _dense_tree_backward(dout, q, k, v, out, lse, plan, scale):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with torch.enable_grad():
+        again, _ = _dense_tree_forward(*leaves, plan, scale)
+    return torch.autograd.grad(again, leaves, dout)
+
+
+def test_a_step_builds_one_plan_per_microbatch(monkeypatch):
+    """A compact step of two microbatches through a model of two MLA layers, every block recomputed and the attention
+    kept (as `bench speedup --recompute --keep-attention` runs it): each microbatch's layout is checked and its tile
+    lists built once, not per layer, recomputation or backward, and all its attention calls read that one plan. On
+    the CPU the kernels are stood in for by the plan's dense tree mask; the loss is the sdpa backend's."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+    from harts.objective.step import StepConfig, run_step
+    from harts.ops.attention import groups as groups_module
+    from harts.ops.attention import tree_blocks, tree_triton
+    from tests.ops.attention.helpers import random_step
+    from tests.ops.kda.interpreter import counting_calls
+
+    config = replace(load_model_config("tiny"), num_layers=8)
+    assert config.layer_kinds().count("mla") == 2
+    model = HybridModel(config)
+    model.init_weights(seed=42)
+    step = random_step(3, num=12, max_len=60, vocab=3)
+    halves = np.array_split(np.arange(step.num_trajectories), 2)
+    read = []
+
+    def forward(q, k, v, plan, scale):
+        read.append(plan)
+        return _dense_tree_forward(q, k, v, plan, scale)
+
+    def backward(dout, q, k, v, out, lse, plan, scale):
+        read.append(plan)
+        return _dense_tree_backward(dout, q, k, v, out, lse, plan, scale)
+
+    monkeypatch.setattr(tree_triton, "tree_attention_forward", forward)
+    monkeypatch.setattr(tree_triton, "tree_attention_backward", backward)
+    # The backend itself, past its check for CUDA tensors.
+    monkeypatch.setitem(groups_module.BACKENDS, "triton_tree", tree_triton.triton_tree_attention)
+    losses = {}
+    for backend in ("triton_tree", "sdpa"):
+        step_config = StepConfig(execution="compact", attention_backend=backend, kda_backend="torch", recompute=True,
+                                 keep_attention=True)
+        with counting_calls(tree_blocks, "tile_lists", "tree_mask_mismatch") as builds, \
+                counting_calls(tree_triton, "tree_plan") as lookups:
+            losses[backend] = run_step(model, step, halves, step_config).loss
+        model.zero_grad(set_to_none=True)
+        if backend == "triton_tree":
+            assert builds == {"tile_lists": 2, "tree_mask_mismatch": 2}
+            # Per microbatch and MLA layer: looked up in the forward and the recomputation; its forward kernel once
+            # (kept), its backward once.
+            assert lookups == {"tree_plan": 2 * 2 * 2} and len(read) == 2 * 2 * 2
+            assert len({id(plan) for plan in read}) == 2
+    assert losses["triton_tree"] == pytest.approx(losses["sdpa"], rel=1e-5)
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
