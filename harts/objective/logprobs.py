@@ -29,8 +29,8 @@ upstream gradients h_s, ∂H/∂z = −p ⊙ (log p + H); then ∂L/∂(hidden @
 dhidden = that @ W and dW += thatᵀ @ hidden chunk by chunk. So the largest temporary is one n×V
 fp32 buffer (two with entropy gradients; plus an fp32 copy of W and an fp32 dW accumulator of V×D
 when the inputs are not fp32; with grad_precision="input" no copy of W, but the n×V bf16 gradient
-beside the fp32 logits and, on CUDA, each chunk's dW sum written to a new V×D fp32 tensor before
-the previous one is freed); nothing S×V is ever built and no C×V tensor outlives its chunk.
+beside the fp32 logits, and dW summed in place into its fp32 accumulator); nothing S×V is ever
+built and no C×V tensor outlives its chunk.
 Vocabulary work: O(C·V·D) matmuls + O(S).
 
 Precision: logits are computed in fp32 (fp64 inputs stay fp64) whatever the input dtype, so
@@ -254,7 +254,7 @@ class _CompactLogprobs(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[r0:r1] = _half_matmul(grad_logits_nV, weight_VD).to(hidden_CD.dtype)
                 if need_weight:
-                    grad_weight_f = _half_addmm(grad_weight_f, grad_logits_nV.T, hidden_nD)
+                    _half_addmm_(grad_weight_f, grad_logits_nV.T, hidden_nD)
                 del grad_logits_nV
                 continue
             grad_logits_nV = logit_grad(logits_nV, *row_terms)
@@ -294,10 +294,11 @@ def _half_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _half_addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b into fp32 `acc` (see `_half_matmul`)."""
+def _half_addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b in place into fp32 `acc` (see `_half_matmul`). In place on CUDA too: given a result
+    other than `acc`, addmm first copies `acc` into it, a V×D fp32 copy per chunk beside a second V×D buffer."""
     if a.is_cuda:
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.addmm_(a.float(), b.float())
 
 

@@ -415,3 +415,39 @@ def test_cuda_forward_matches_the_pytorch_passes(dtype, monkeypatch):
     expected_logprobs, expected_entropy = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, **kwargs)
     assert float((logprobs - expected_logprobs).abs().max()) <= 1e-5
     assert float((entropy - expected_entropy).abs().max()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_half_weight_gradient_accumulates_in_place():
+    """grad_precision="input" on CUDA sums each chunk's bf16 dW GEMM into one fp32 V×D buffer in place: the same
+    values as the out-of-place sum, and peak memory holds that buffer once (a new sum per chunk would hold it
+    twice and copy it per chunk)."""
+    from harts.objective.logprobs import _half_addmm_
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(42)
+    a = torch.randn(1024, 256, device=device, generator=generator).bfloat16()
+    b = torch.randn(256, 512, device=device, generator=generator).bfloat16()
+    acc = torch.randn(1024, 512, device=device, generator=generator)
+    expected = torch.addmm(acc, a, b, out_dtype=torch.float32)
+    pointer = acc.data_ptr()
+    assert _half_addmm_(acc, a, b) is acc and acc.data_ptr() == pointer
+    assert torch.equal(acc, expected)
+
+    num_rows, hidden, vocab = 2048, 1024, 32768
+    hidden_CD = torch.randn(num_rows, hidden, device=device, generator=generator).bfloat16()
+    weight_VD = (torch.randn(vocab, hidden, device=device, generator=generator) / hidden**0.5).bfloat16()
+    weight_VD.requires_grad_()
+    compact_index = torch.arange(num_rows, device=device)
+    targets = torch.randint(0, vocab, compact_index.shape, device=device, generator=generator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logprobs = compact_logprobs(hidden_CD, weight_VD, compact_index, targets, chunk_rows=256, grad_precision="input")
+    logprobs.sum().backward()
+    torch.cuda.synchronize()
+    accumulator_bytes = vocab * hidden * 4
+    # In place: the fp32 accumulator, then its bf16 result beside it (1.5x), plus a chunk's buffers (0.375x).
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 2 * accumulator_bytes, (peak, accumulator_bytes)
