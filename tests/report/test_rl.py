@@ -50,6 +50,16 @@ def test_rows_one_per_execution_seed_and_step():
                         "error": "ValueError: seed 1, baseline, step 3: the loss is nan"}
 
 
+def test_rows_carry_the_pooled_balance_loss():
+    """With `loss.pooled_balance_coeff` > 0 the steps carry `pooled_balance_loss`; the CSV keeps it (empty without)."""
+    record = rl_record("compact", 0, constant(0.25))
+    for t, step in enumerate(record["results"]["steps"]):
+        step["pooled_balance_loss"] = 1.0 + t
+    rows = rl_rows([record, rl_record("baseline", 0, constant(0.25))])
+    assert [r["pooled_balance_loss"] for r in rows[:NUM_STEPS + 1]] == [1.0 + t for t in range(NUM_STEPS + 1)]
+    assert all("pooled_balance_loss" not in r for r in rows[NUM_STEPS + 1:])
+
+
 def test_smoothing_and_checkpoints():
     assert smooth(np.array([0.0, 0, 0, 9, 0, 0, 0]), window=3).tolist() == [0, 0, 3, 3, 3, 0, 0]
     # The window shrinks at the ends: the first value averages itself and its right neighbour.
