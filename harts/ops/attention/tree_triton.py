@@ -18,7 +18,7 @@ Inputs bf16, fp16 or fp32 (one dtype), products accumulated in fp32 (fp32 inputs
 TF32); P and dS are rounded to the inputs' dtype for their matmuls, as FlashAttention does. Head dims: any E for
 q/k, split in two power-of-two parts for the tensor cores (MLA's 192 = 128 + 64, no padding; others pad the
 second part), any F for v (padded to a power of two). K and V have q's heads (GQA repeats its KV heads first).
-Tiles and warps: `TILE_ROWS`, `tile_rows`, `NUM_WARPS` (timed on an H100).
+Tiles, warps and stages: `TILE_ROWS`, `tile_rows`, `KERNEL_LAUNCH` (timed on an H100).
 Tested against `naive_group_attention` (output, lse, dq, dk, dv) under the Triton interpreter on the CPU
 (tests/ops/attention/interpreter.py) and on CUDA (tests/ops/attention/test_tree_triton.py).
 Legend: R rows, H heads, E query/key head dim, F value head dim; tiles of BLOCK_M query and BLOCK_N key rows.
@@ -47,8 +47,16 @@ backend on the baseline's rows, 32 x 64 in 222 ms; 128 x 64, 64 x 128 and 128 x 
 WIDE_HEADS = 320
 """Padded q/k plus v head dims above which 16-bit tiles are halved (MLA's 128 + 64 + 128 is the widest that fits
 64 x 64 tiles; the gated GQA's 256 + 256 does not)."""
-NUM_WARPS = 4
-"""Warps of every kernel: at MLA's dims 4 warps ran the H100's forward 26% and the backward 24% faster than 8."""
+KERNEL_LAUNCH = {
+    "forward": {"num_warps": 4, "num_stages": 2},
+    "backward_kv": {"num_warps": 4, "num_stages": 3},
+    "backward_q": {"num_warps": 4, "num_stages": 1},
+}
+"""Warps and software-pipeline stages of each kernel, timed on an H100 (triton 3.6, bf16, MLA's dims, 16 heads) over
+the two compact microbatches of a `paper` tree (65,536 and 40,682 rows), each kernel alone, 4 and 8 warps by 1-4
+stages: the forward 71 ms at 2 stages against 102 at Triton's default 3, dQ 105 ms at 1 against 113, dK/dV 156 ms
+at 3 (216 at 2); 8 warps were slower in every kernel (forward 137-188 ms). Fewer stages never take more shared
+memory, so every dtype's tiles still fit (tests/ops/attention/test_tree_triton.py compiles them for sm_90)."""
 LOG2E = 1.0 / math.log(2.0)
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 """log2(e) in the kernels: they take exponents base 2, and the log-sum-exp is stored in natural units."""
@@ -395,7 +403,7 @@ def _prepared(q, k, v, plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor, torc
     assert plan.num_rows == q.shape[0], (plan.num_rows, q.shape[0])
     for rows in (lists.block_q, lists.block_k):
         assert rows >= 16 and rows & (rows - 1) == 0, f"tiles of {rows} rows: tl.dot takes powers of two >= 16"
-    return q, k, v, dict(shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k, num_warps=NUM_WARPS)
+    return q, k, v, dict(shapes, BLOCK_M=lists.block_q, BLOCK_N=lists.block_k)
 
 
 def _row_head_strides(*tensors: torch.Tensor) -> list[int]:
@@ -411,7 +419,7 @@ def tree_attention_forward(q, k, v, plan: TreePlan, scale: float) -> tuple[torch
     lse = torch.empty(num_heads, num_rows, dtype=torch.float32, device=q.device)
     _tree_forward[(plan.lists.num_q_tiles, num_heads)](
         q, k, v, out, lse, plan.subtree_end, *plan.by_query, *_row_head_strides(q, k, v, out), num_rows,
-        scale * LOG2E, **constants,
+        scale * LOG2E, **constants, **KERNEL_LAUNCH["forward"],
     )
     return out, lse
 
@@ -428,9 +436,9 @@ def tree_attention_backward(dout, q, k, v, out, lse, plan: TreePlan, scale: floa
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     scalars = (*_row_head_strides(q, k, v, dout), num_rows, scale * LOG2E, scale)
     _tree_backward_kv[key_grid](q, k, v, dout, lse, delta, dk, dv, plan.subtree_end, *plan.by_key, *scalars,
-                                **constants)
+                                **constants, **KERNEL_LAUNCH["backward_kv"])
     _tree_backward_q[query_grid](q, k, v, dout, lse, delta, dq, plan.subtree_end, *plan.by_query, *scalars,
-                                 **constants)
+                                 **constants, **KERNEL_LAUNCH["backward_q"])
     return dq, dk, dv
 
 

@@ -66,7 +66,7 @@ HOPPER_SHARED_MEMORY = 232448
 """Bytes of shared memory one block may take on sm_90."""
 
 
-def _compile_for_hopper(kernel, dtype, constants: dict, num_warps: int):
+def _compile_for_hopper(kernel, dtype, constants: dict, launch: dict):
     """`kernel` compiled for sm_90 with pointers of `dtype` (fp32 log-sum-exp and delta, int32 tile lists) and the
     given constexprs, without a GPU."""
     import triton
@@ -87,7 +87,7 @@ def _compile_for_hopper(kernel, dtype, constants: dict, num_warps: int):
             signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", HOPPER, 32), options={"num_warps": num_warps})
+    return triton.compile(source, target=GPUTarget("cuda", HOPPER, 32), options=launch)
 
 
 @pytest.mark.parametrize("dims, dtype", [
@@ -105,10 +105,13 @@ def test_kernels_compile_for_hopper(dims, dtype):
     shapes = tree_triton._shapes(q, q, torch.empty(1, 1, v_dim, dtype=dtype, device="meta"))
     rows = tree_triton.tile_rows(dtype, qk_dim, v_dim)
     tiles = dict(BLOCK_M=rows, BLOCK_N=rows)
-    compiled = [_compile_for_hopper(kernel, dtype, {**shapes, **tiles}, tree_triton.NUM_WARPS)
-                for kernel in (tree_triton._tree_forward, tree_triton._tree_backward_kv, tree_triton._tree_backward_q)]
+    kernels = {"forward": tree_triton._tree_forward, "backward_kv": tree_triton._tree_backward_kv,
+               "backward_q": tree_triton._tree_backward_q}
+    assert set(kernels) == set(tree_triton.KERNEL_LAUNCH)
+    compiled = [_compile_for_hopper(kernel, dtype, {**shapes, **tiles}, tree_triton.KERNEL_LAUNCH[name])
+                for name, kernel in kernels.items()]
     compiled.append(_compile_for_hopper(tree_triton._tree_delta, dtype, dict(
-        F=shapes["F"], BLOCK_F=shapes["BLOCK_F"], BLOCK_M=rows), 4))
+        F=shapes["F"], BLOCK_F=shapes["BLOCK_F"], BLOCK_M=rows), {"num_warps": 4}))
     for kernel in compiled:
         assert 0 < kernel.metadata.shared <= HOPPER_SHARED_MEMORY, (kernel.name, kernel.metadata.shared)
 
