@@ -28,9 +28,9 @@ from harts.report.render import footer, page, save_pdf, table_pages, wrap_header
 
 RL_COLUMNS = [
     "name", "model", "execution", "seed", "step", "update", "reward", "reward_all", "tool_calls", "loss",
-    "policy_loss", "moe_loss", "pooled_balance_loss", "kl", "grad_norm", "trajectories", "retries", "semantic_tokens", "compact_tokens",
-    "compression", "rows", "train_seconds", "plan_seconds", "layout_seconds", "forward_seconds", "backward_seconds",
-    "optimizer_seconds", "sample_seconds", "reference_seconds", "error",
+    "policy_loss", "moe_loss", "pooled_balance_loss", "kl", "grad_norm", "trajectories", "retries", "semantic_tokens",
+    "compact_tokens", "compression", "rows", "train_seconds", "plan_seconds", "layout_seconds", "forward_seconds",
+    "backward_seconds", "optimizer_seconds", "sample_seconds", "reference_seconds", "error",
 ]
 PAPER_STATEMENT = ("Paper (§5.3, τ³-Bench, first 120 steps): reward curves of HARTS and the baseline "
                    "with similar trend and spread.")
