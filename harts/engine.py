@@ -3,7 +3,9 @@
 `Engine(model, config)` holds a model and its `StepConfig` (harts.config.execution's knobs resolved for a device,
 and the loss; `Engine.build` makes one from an `ExecutionConfig`), and on the ranks of a parallel configuration the
 model's cut for this rank (`parallel`: harts.parallel.parallelize's `ParallelModel`; `parallel_train_step` is the
-rank program of `harts train-step --parallel`). It answers at three grains:
+rank program of `harts train-step --parallel`). Before it runs the model, the config's
+experts_backend (when it names one) is set on the model's MoE layers, whatever the model's config says. It answers
+at three grains:
 - a step: `plan(step)` plans the microbatches with the config's planner and capacity, for the parallel config's DP
   degree (`PlannedStep`: the plan, each microbatch's members in the step's batch order, the prefix index and the
   planning seconds; `plan_step` without a model); `run(step, planned)` runs one training step over them (layouts,
@@ -141,6 +143,7 @@ class Engine:
         """This rank's cut of the model (harts.parallel.parallelize); None in one process."""
         self.search_pending = search_pending
         """recompute_blocks auto, not yet searched: `fit_recompute_blocks` finds them (until then every block)."""
+        self._select_experts()
 
     @classmethod
     def build(cls, model: torch.nn.Module, knobs: ExecutionConfig, device: str, *,
@@ -152,6 +155,15 @@ class Engine:
         if pending:
             fields = {**fields, "recompute_blocks": len(unwrap_model(model).blocks)}
         return cls(model, step_config(knobs, device, loss_config=loss_config, **fields), search_pending=pending)
+
+    def _select_experts(self) -> None:
+        """The config's experts_backend, when it names one, on the model's MoE layers: the knob is the execution's,
+        the backend a layer attribute (`HybridModel.set_experts_backend`). Set again before every run, since engines
+        of different configs may share a model."""
+        backend = self.config.experts_backend
+        model = unwrap_model(self.model)
+        if backend is not None and model.config.moe.experts_backend != backend:
+            model.set_experts_backend(backend)
 
     @property
     def device(self) -> torch.device:
@@ -184,6 +196,7 @@ class Engine:
         """`run` over microbatches given by hand (each an int64 array of trajectories in the step's batch order,
         together covering the step once; under a parallel config K = S·D of them in (slot, replica) order, none
         empty): a benchmark's one microbatch alone, or its warm-up."""
+        self._select_experts()
         if self.parallel is not None:
             return run_parallel_step(self.parallel, step, microbatches, self.config, index=index, backward=backward,
                                      collect=collect_logprobs)
@@ -214,6 +227,7 @@ class Engine:
         and without the LM head: (final hidden states [R, D], per MoE layer its aux). Gradients flow unless called
         under `torch.no_grad()`. In one process only, as `forward_microbatch` and `balance_counts`."""
         self._in_one_process("forward")
+        self._select_experts()
         with autocast_context(self.device, self.config):
             return self.model(layout.input_ids, layout)
 
@@ -228,6 +242,7 @@ class Engine:
         device or an array (default: the step's own, `semantic_targets_from_step`); `capacity`: `OverCapacity` for a
         layout of more rows, before the model runs."""
         self._in_one_process("forward_microbatch")
+        self._select_experts()
         members = np.asarray(members, dtype=np.int64)
         layout = self.layout(step, members, index)
         if capacity is not None and layout.num_rows > capacity:
@@ -273,6 +288,7 @@ class Engine:
         """One untimed step of `planned` with `recompute_blocks` recomputed (`engine_memory.probe_step`: whether
         it ran in the device's memory, its peak and seconds); the model's gradients are freed after it."""
         config = replace(self.config, recompute_blocks=recompute_blocks)
+        self._select_experts()
         answer = engine_memory.probe_step(
             lambda: run_step(self.model, step, planned.microbatches, config, index=planned.index), self.device,
             self.model)

@@ -69,6 +69,33 @@ def test_a_run_is_run_step_over_the_planned_members(step):
     assert forward_only.loss == expected.loss and all(p.grad is None for p in model.parameters())
 
 
+def test_the_configs_experts_backend_is_the_one_that_runs(step, monkeypatch):
+    """An engine runs its config's experts_backend whatever the model's config says (a checkpoint loaded by a trainer
+    adapter carries "auto"), and each of two engines sharing a model runs its own; without one, the model's."""
+    from harts.model.moe import MoE
+
+    calls = []
+    for name in ("lean_experts", "loop_experts"):
+        original = getattr(MoE, name)
+        monkeypatch.setattr(MoE, name, lambda self, *a, name=name, original=original: (calls.append(name),
+                                                                                          original(self, *a))[1])
+    torch.manual_seed(0)
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    members = np.arange(2)
+    lean = Engine.build(model, ExecutionConfig(experts_backend="lean"), "cpu", execution="compact")
+    loop = Engine.build(model, ExecutionConfig(experts_backend="loop"), "cpu", execution="compact")
+    own = Engine.build(model, ExecutionConfig(), "cpu", execution="compact")
+    for engine, expected in [(lean, "lean_experts"), (loop, "loop_experts"), (lean, "lean_experts"),
+                             (own, "lean_experts")]:
+        calls.clear()
+        engine.forward_microbatch(step, members)
+        assert calls and set(calls) == {expected}, (engine.config.experts_backend, calls)
+    calls.clear()
+    loop.run(step)
+    assert calls and set(calls) == {"loop_experts"}
+
+
 def test_recompute_blocks_auto_is_every_block_until_the_search_sets_the_fewest_that_fit(step, monkeypatch):
     """An engine built with recompute_blocks auto recomputes every block until `fit_recompute_blocks`, which probes
     untimed steps (out of memory below 3 blocks, simulated), sets the fewest that fit and returns the search's
