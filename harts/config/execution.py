@@ -32,10 +32,11 @@ PLANNERS = ("harts", "treetrain-ortools", "greedy-trie", "per-trajectory")
 """The microbatch planners (harts.planning.microbatch)."""
 DTYPES = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree")
+ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree", "flash4_tree")
 """The MLA backends (harts.ops.attention.groups.BACKENDS)."""
 CUDA_ATTENTION_BACKENDS = {"varlen": "torch's varlen flash-attention kernel", "cudnn": "cuDNN's attention kernels",
-                           "flash4": "FlashAttention-4's kernels", "triton_tree": "Triton kernels"}
+                           "flash4": "FlashAttention-4's kernels", "triton_tree": "Triton kernels",
+                           "flash4_tree": "FlashAttention-4's kernels"}
 """The MLA backends whose kernels run on CUDA only, and what they run: a config resolved for another device refuses
 them before a model is built."""
 KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree")
@@ -151,8 +152,9 @@ class ExecutionConfig:
     q/k, chunk states) from the recomputation for the backward instead of computing them a third time (a transient
     of one block's intermediates)."""
     attention_backend: str | None = None
-    """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree, CUDA only: Triton kernels reading the
-    ancestors' keys and values in place through the tree mask, no ancestor-KV copies)."""
+    """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree and flash4_tree, CUDA only: Triton kernels,
+    or FlashAttention-4's through FlexAttention, reading the ancestors' keys and values in place through the tree
+    mask, no ancestor-KV copies)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
     gdn_kernel: str = "gdn"

@@ -10,8 +10,8 @@ Backends (all compute the same function, tested against `naive_group_attention`)
   c4ff385, before which 3-D calls always took its math path).
 - `varlen_group_attention`: all groups packed into one `torch.nn.attention.varlen.varlen_attn`
   call with `window_size=(-1, 0)` (causal, bottom-right aligned) over gathered KV (GPU).
-- `flex_tree_attention`: FlexAttention over the rows in place with the DFS tree mask (GPU; no
-  ancestor KV copies).
+- `flex_tree_attention`: FlexAttention (its Triton kernels) over the rows in place with the DFS tree mask (GPU; no
+  ancestor KV copies; the block mask from the tile lists, `tree_blocks.tree_block_mask`).
 - `cudnn`: cuDNN's fused attention, one dense call per group (two for a group with ancestors,
   merged by log-sum-exp; `harts.ops.attention.split`), bf16/fp16 on CUDA.
 - `flash4`: FlashAttention-4's CuTe kernels (the optional `flash-attn-4` package; Hopper and
@@ -20,6 +20,9 @@ Backends (all compute the same function, tested against `naive_group_attention`)
 - `triton_tree`: Triton kernels over the rows in place with the DFS tree mask, walking precomputed lists of the
   key tiles each query tile sees (harts.ops.attention.tree_triton, .tree_blocks; CUDA; no ancestor KV copies,
   no per-call mask build).
+- `flash4_tree`: FlashAttention-4's CuTe kernels over the rows in place with the DFS tree mask, through
+  FlexAttention's FLASH backend with a block mask of the same tile lists (`tree_blocks.tree_block_mask`; CUDA, the
+  optional flash-attn-4 package; no ancestor KV copies).
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -198,21 +201,57 @@ _compiled_flex = None
 
 
 def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from harts.ops.attention.tree_blocks import tree_block_mask
 
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    subtree_end = groups.row_subtree_end
-
-    def tree_mask(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
-
-    num_rows = q_RHE.shape[0]
-    block_mask = create_block_mask(tree_mask, None, None, num_rows, num_rows, device=q_RHE.device)
     out = _compiled_flex(
         q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
-        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=block_mask, scale=scale,
+        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=tree_block_mask(groups, 128, 128, q_RHE.device), scale=scale,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+_compiled_flash_flex = None
+
+
+def flash4_tree_blocks(qk_dim: int, v_dim: int, device: torch.device) -> tuple[int, int]:
+    """The tiles of `flash4_tree`'s block mask: query tiles of 128 rows, key tiles as wide as FlashAttention-4's
+    backward key tile on Hopper (its block sparsity takes no other width: 96 at MLA's head dims 192/128), else 128."""
+    if torch.cuda.get_device_capability(device)[0] == 9:
+        from flash_attn.cute.interface import _tile_size_bwd_sm90
+
+        return 128, _tile_size_bwd_sm90(qk_dim, v_dim, False, False, sparse_block_size_q=128).n_block_size
+    return 128, 128
+
+
+def flash4_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    """The `flash4_tree` backend: FlexAttention with FlashAttention-4's CuTe kernels (`BACKEND="FLASH"`, which
+    compiles the mask into them) over the rows in place with the tree mask (`tree_block_mask`)."""
+    dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
+    if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention backend 'flash4_tree' runs FlashAttention-4's kernels on CUDA over q, k and v of "
+                         f"one dtype of bf16 or fp16 (got {', '.join(sorted(str(d) for d in dtypes))} on "
+                         f"{q_RHE.device.type}); on the CPU use sdpa")
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"attention backend 'flash4_tree' needs the optional flash-attn-4 package: {error}") from None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from harts.ops.attention.tree_blocks import tree_block_mask
+
+    global _compiled_flash_flex
+    if _compiled_flash_flex is None:
+        _compiled_flash_flex = torch.compile(flex_attention, dynamic=True)
+    blocks = flash4_tree_blocks(q_RHE.shape[-1], v_RHF.shape[-1], q_RHE.device)
+    out = _compiled_flash_flex(
+        q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
+        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=tree_block_mask(groups, *blocks, q_RHE.device), scale=scale,
+        kernel_options={"BACKEND": "FLASH"},
     )
     return out.squeeze(0).transpose(0, 1)
 
@@ -249,6 +288,7 @@ BACKENDS = {
     "cudnn": cudnn_group_attention,
     "flash4": flash4_group_attention,
     "triton_tree": triton_tree_group_attention,
+    "flash4_tree": flash4_tree_attention,
 }
 
 

@@ -181,6 +181,7 @@ class TreePlan:
 
 _HOST_LISTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLAN_ARRAYS = ("subtree_end", "q_ptr", "q_num_full", "q_tiles", "q_order", "k_ptr", "k_num_full", "k_tiles",
                 "k_order")
 _ALIGNMENT = 4
@@ -198,8 +199,8 @@ def host_tile_lists(groups: AttentionGroups, block_q: int, block_k: int) -> Tile
     if "mismatch" not in built:
         built["mismatch"] = tree_mask_mismatch(host)
     if built["mismatch"] is not None:
-        raise ValueError(f"attention backend 'triton_tree' reads the tree mask of rows in DFS preorder, and these "
-                         f"attention groups are not one: {built['mismatch']}")
+        raise ValueError(f"attention backends 'flex', 'triton_tree' and 'flash4_tree' read the tree mask of rows in DFS "
+                         f"preorder, and these attention groups are not one: {built['mismatch']}")
     if (block_q, block_k) not in built:
         built[block_q, block_k] = tile_lists(host.row_subtree_end.numpy(), block_q, block_k)
     return built[block_q, block_k]
@@ -235,3 +236,52 @@ def tree_plan(groups: AttentionGroups, block_q: int, block_k: int, device: torch
         tensors = _upload(arrays, device)
         plans[key] = TreePlan(lists=lists, **dict(zip(_PLAN_ARRAYS, tensors)))
     return plans[key]
+
+
+def block_mask_arrays(lists: TileLists) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The query tiles' lists in FlexAttention's `BlockMask` form (int32, left-packed, key tiles ascending, padding
+    0): (partial counts [Mq], partial key tiles [Mq, Mk], full counts [Mq], full key tiles [Mq, Mk]). A query tile
+    reaching past R has no full tiles there (FlexAttention's full tiles have all their rows inside R)."""
+    num_q, num_k = lists.num_q_tiles, lists.num_k_tiles
+    lengths = np.diff(lists.q_ptr)
+    tile = np.repeat(np.arange(num_q), lengths)
+    full = np.arange(lists.num_pairs) - np.repeat(lists.q_ptr[:-1], lengths) < lists.q_num_full[tile]
+    if lists.num_rows % lists.block_q:
+        full &= tile < num_q - 1
+    arrays = []
+    for part in (~full, full):
+        order = np.lexsort((lists.q_tiles[part], tile[part]))
+        keys, tiles = lists.q_tiles[part][order], tile[part][order]
+        counts = np.bincount(tiles, minlength=num_q)
+        dense = np.zeros((num_q, num_k), dtype=np.int32)
+        dense[tiles, np.arange(len(tiles)) - np.repeat(np.cumsum(counts) - counts, counts)] = keys
+        arrays += [counts.astype(np.int32), dense]
+    return tuple(arrays)
+
+
+def tree_block_mask(groups: AttentionGroups, block_q: int, block_k: int, device: torch.device | str):
+    """FlexAttention's `BlockMask` of the tree mask for tiles of block_q x block_k rows on `device`, from the tile
+    lists (`host_tile_lists`: O(R + listed pairs) on the host, where `create_block_mask` evaluates the mask over all
+    R x R pairs on every call), built once per groups object and tile shape; its mask_mod, which the kernels apply
+    in the partial tiles, reads the subtree ends on `device`."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = torch.device(device)
+    masks = _BLOCK_MASKS.setdefault(groups, {})
+    key = (block_q, block_k, device)
+    if key not in masks:
+        host = groups.on_host()
+        lists = host_tile_lists(host, block_q, block_k)
+        arrays = block_mask_arrays(lists)
+        tensors = _upload([host.row_subtree_end.numpy(), *(a.reshape(-1) for a in arrays)], device)
+        ends = tensors[0]
+        partial_counts, partial_tiles, full_counts, full_tiles = (
+            t.view(1, 1, *a.shape) for t, a in zip(tensors[1:], arrays))
+
+        def tree_mask(batch, head, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+
+        masks[key] = BlockMask.from_kv_blocks(partial_counts, partial_tiles, full_counts, full_tiles,
+                                              BLOCK_SIZE=(block_q, block_k), mask_mod=tree_mask,
+                                              seq_lengths=(lists.num_rows, lists.num_rows))
+    return masks[key]

@@ -102,7 +102,7 @@ def test_unknown_backend():
     x = torch.zeros(layout.num_rows, 1, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         group_attention(x, x, x, layout.groups, 1.0, "fast")
-    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree"}
+    assert set(BACKENDS) == {"naive", "sdpa", "varlen", "flex", "cudnn", "flash4", "triton_tree", "flash4_tree"}
 
 
 def test_flash4_refuses_cpu_tensors():
@@ -234,13 +234,14 @@ def test_flash4_unsupported_head_dims_are_a_value_error():
 @pytest.mark.parametrize(
     "backend, dims",
     [("varlen", (64, 32)), ("flex", (64, 32)), ("cudnn", (64, 32)), ("flash4", (64, 64)), ("flash4", (192, 128)),
-     ("triton_tree", (64, 32)), ("triton_tree", (192, 128))],
-    ids=["varlen", "flex", "cudnn", "flash4-64", "flash4-mla", "triton-tree-64", "triton-tree-mla"],
+     ("triton_tree", (64, 32)), ("triton_tree", (192, 128)), ("flash4_tree", (64, 64)), ("flash4_tree", (192, 128))],
+    ids=["varlen", "flex", "cudnn", "flash4-64", "flash4-mla", "triton-tree-64", "triton-tree-mla", "flash4-tree-64",
+         "flash4-tree-mla"],
 )
 def test_gpu_backends_match_naive(backend, dims, execution):
     # FA4 on Hopper does not compile v head dim 32 (a CuTe layout error), so it runs at equal dims and at MLA's.
-    if backend == "flash4":
-        pytest.importorskip("flash_attn.cute", reason="flash4 needs the optional flash-attn-4 package")
+    if backend in ("flash4", "flash4_tree"):
+        pytest.importorskip("flash_attn.cute", reason=f"{backend} needs the optional flash-attn-4 package")
     qk_dim, v_dim = dims
     step = random_step(3, num=16, max_len=200, vocab=3)
     layout = _layout(step, execution)

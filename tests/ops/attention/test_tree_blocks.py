@@ -1,6 +1,8 @@
 """The tile lists of the tree mask (harts.ops.attention.tree_blocks) against the dense mask of the groups, the check
 that groups are the tree mask, and the plans' cache: no Triton, no GPU."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -135,7 +137,7 @@ def test_groups_that_are_not_the_tree_mask_are_refused(corrupt, message):
     backend's plan refuses them with a ValueError instead of computing another attention."""
     groups = corrupt(named_layout("fork-inside").groups)
     assert tree_mask_mismatch(groups) is not None
-    with pytest.raises(ValueError, match=f"attention backend 'triton_tree' .*({message})"):
+    with pytest.raises(ValueError, match=f"attention backends .*'triton_tree'.* read the tree mask .*({message})"):
         tree_plan(groups, 16, 16, "cpu")
 
 
@@ -176,3 +178,38 @@ def test_plan_arrays_start_16_byte_aligned():
     assert len(plan.subtree_end) % 4 and len(plan.q_ptr) % 4
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() and t.dtype == torch.int32 for t in tensors)
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 48), (128, 96)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_block_masks_are_flex_attentions_own(name, blocks):
+    """`tree_block_mask` (from the tile lists) holds the partial and the full tiles of each query tile that
+    FlexAttention's `create_block_mask` finds by evaluating the tree mask over every pair, in both directions; its
+    mask_mod is the tree mask (eager FlexAttention on the CPU applies it to every pair: the naive attention's
+    values)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from harts.ops.attention.groups import naive_group_attention
+
+    groups = named_layout(name).groups
+    ends, num_rows = groups.row_subtree_end, len(groups.row_subtree_end)
+    ours = tree_blocks.tree_block_mask(groups, *blocks, "cpu")
+    assert tree_blocks.tree_block_mask(groups, *blocks, "cpu") is ours
+    expected = create_block_mask(lambda b, h, q, k: (k <= q) & (q < ends[k]), None, None, num_rows, num_rows,
+                                 device="cpu", BLOCK_SIZE=blocks)
+
+    def listed(counts, indices):
+        return [sorted(row[:count].tolist()) for count, row in zip(counts[0, 0], indices[0, 0])]
+
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        assert listed(getattr(ours, counts), getattr(ours, indices)) == \
+            listed(getattr(expected, counts), getattr(expected, indices)), counts
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, num_rows, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, num_rows, 4, generator=generator, dtype=torch.float64)
+    with warnings.catch_warnings():  # eager FlexAttention's advice to compile it
+        warnings.simplefilter("ignore", UserWarning)
+        out = flex_attention(q, k, v, block_mask=ours, scale=0.5)
+    expected_out = naive_group_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), groups, 0.5)
+    torch.testing.assert_close(out[0].transpose(0, 1), expected_out, rtol=1e-12, atol=1e-12)
