@@ -220,7 +220,8 @@ _compiled_flash_flex = None
 
 def flash4_tree_blocks(qk_dim: int, v_dim: int, device: torch.device) -> tuple[int, int]:
     """The tiles of `flash4_tree`'s block mask: query tiles of 128 rows, key tiles as wide as FlashAttention-4's
-    backward key tile on Hopper (its block sparsity takes no other width: 96 at MLA's head dims 192/128), else 128."""
+    backward key tile on Hopper (its block sparsity takes no other width: 96 at MLA's head dims 192/128), else 128
+    (Blackwell's tiles; not yet run there)."""
     if torch.cuda.get_device_capability(device)[0] == 9:
         from flash_attn.cute.interface import _tile_size_bwd_sm90
 
