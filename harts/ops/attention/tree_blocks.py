@@ -226,16 +226,24 @@ def tree_plan(groups: AttentionGroups, block_q: int, block_k: int, device: torch
     """The tile lists of `groups` for tiles of block_q x block_k rows on `device`, built once per groups object
     (a layout's) and tile shape from the host's copy of the groups (`host_tile_lists`: a layout moved to the device
     builds them without waiting for it); ValueError when the groups are not the tree mask (`tree_mask_mismatch`)."""
+    def build(host: AttentionGroups, lists: TileLists, device: torch.device) -> TreePlan:
+        tensors = _upload([host.row_subtree_end.numpy(), *(getattr(lists, name) for name in _PLAN_ARRAYS[1:])],
+                          device)
+        return TreePlan(lists=lists, **dict(zip(_PLAN_ARRAYS, tensors)))
+
+    return _per_layout(_PLANS, groups, block_q, block_k, device, build)
+
+
+def _per_layout(cache: weakref.WeakKeyDictionary, groups: AttentionGroups, block_q: int, block_k: int,
+                device: torch.device | str, build):
+    """`build(host groups, their tile lists, device)`, once per groups object, tile shape and device in `cache`."""
     device = torch.device(device)
-    plans = _PLANS.setdefault(groups, {})
+    built = cache.setdefault(groups, {})
     key = (block_q, block_k, device)
-    if key not in plans:
+    if key not in built:
         host = groups.on_host()
-        lists = host_tile_lists(host, block_q, block_k)
-        arrays = [host.row_subtree_end.numpy(), *(getattr(lists, name) for name in _PLAN_ARRAYS[1:])]
-        tensors = _upload(arrays, device)
-        plans[key] = TreePlan(lists=lists, **dict(zip(_PLAN_ARRAYS, tensors)))
-    return plans[key]
+        built[key] = build(host, host_tile_lists(host, block_q, block_k), device)
+    return built[key]
 
 
 def block_mask_arrays(lists: TileLists) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -266,12 +274,7 @@ def tree_block_mask(groups: AttentionGroups, block_q: int, block_k: int, device:
     in the partial tiles, reads the subtree ends on `device`."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    device = torch.device(device)
-    masks = _BLOCK_MASKS.setdefault(groups, {})
-    key = (block_q, block_k, device)
-    if key not in masks:
-        host = groups.on_host()
-        lists = host_tile_lists(host, block_q, block_k)
+    def build(host: AttentionGroups, lists: TileLists, device: torch.device) -> BlockMask:
         arrays = block_mask_arrays(lists)
         tensors = _upload([host.row_subtree_end.numpy(), *(a.reshape(-1) for a in arrays)], device)
         ends = tensors[0]
@@ -281,7 +284,8 @@ def tree_block_mask(groups: AttentionGroups, block_q: int, block_k: int, device:
         def tree_mask(batch, head, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
 
-        masks[key] = BlockMask.from_kv_blocks(partial_counts, partial_tiles, full_counts, full_tiles,
-                                              BLOCK_SIZE=(block_q, block_k), mask_mod=tree_mask,
-                                              seq_lengths=(lists.num_rows, lists.num_rows))
-    return masks[key]
+        return BlockMask.from_kv_blocks(partial_counts, partial_tiles, full_counts, full_tiles,
+                                        BLOCK_SIZE=(block_q, block_k), mask_mod=tree_mask,
+                                        seq_lengths=(lists.num_rows, lists.num_rows))
+
+    return _per_layout(_BLOCK_MASKS, groups, block_q, block_k, device, build)
