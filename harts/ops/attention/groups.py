@@ -208,11 +208,28 @@ def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: flo
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    out = _compiled_flex(
-        q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
-        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=tree_block_mask(groups, 128, 128, q_RHE.device), scale=scale,
-    )
+    return _flex_over_rows(_compiled_flex, q_RHE, k_RHE, v_RHF, tree_block_mask(groups, 128, 128, q_RHE.device),
+                           scale)
+
+
+def _flex_over_rows(flex, q_RHE, k_RHE, v_RHF, block_mask, scale: float, **options) -> torch.Tensor:
+    """A (compiled) `flex_attention` over the rows as one sequence of a batch of one, heads first."""
+    out = flex(q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
+               v_RHF.transpose(0, 1).unsqueeze(0), block_mask=block_mask, scale=scale, **options)
     return out.squeeze(0).transpose(0, 1)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _check_cuda_inputs(backend: str, runs: str, dtypes: tuple[torch.dtype, ...], q_RHE, k_RHE, v_RHF) -> None:
+    """ValueError unless q, k and v are on CUDA in one dtype of `dtypes` (`runs`: what the backend runs)."""
+    given = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
+    if q_RHE.device.type != "cuda" or len(given) > 1 or q_RHE.dtype not in dtypes:
+        names = [_DTYPE_NAMES[d] for d in dtypes]
+        raise ValueError(f"attention backend '{backend}' runs {runs} on CUDA over q, k and v of one dtype of "
+                         f"{', '.join(names[:-1])} or {names[-1]} (got {', '.join(sorted(str(d) for d in given))} on "
+                         f"{q_RHE.device.type}); on the CPU use sdpa")
 
 
 _compiled_flash_flex = None
@@ -232,11 +249,8 @@ def flash4_tree_blocks(qk_dim: int, v_dim: int, device: torch.device) -> tuple[i
 def flash4_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
     """The `flash4_tree` backend: FlexAttention with FlashAttention-4's CuTe kernels (`BACKEND="FLASH"`, which
     compiles the mask into them) over the rows in place with the tree mask (`tree_block_mask`)."""
-    dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
-    if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention backend 'flash4_tree' runs FlashAttention-4's kernels on CUDA over q, k and v of "
-                         f"one dtype of bf16 or fp16 (got {', '.join(sorted(str(d) for d in dtypes))} on "
-                         f"{q_RHE.device.type}); on the CPU use sdpa")
+    _check_cuda_inputs("flash4_tree", "FlashAttention-4's kernels", (torch.bfloat16, torch.float16), q_RHE, k_RHE,
+                       v_RHF)
     try:
         import flash_attn.cute  # noqa: F401
     except ImportError as error:
@@ -249,24 +263,16 @@ def flash4_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: f
     if _compiled_flash_flex is None:
         _compiled_flash_flex = torch.compile(flex_attention, dynamic=True)
     blocks = flash4_tree_blocks(q_RHE.shape[-1], v_RHF.shape[-1], q_RHE.device)
-    out = _compiled_flash_flex(
-        q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
-        v_RHF.transpose(0, 1).unsqueeze(0), block_mask=tree_block_mask(groups, *blocks, q_RHE.device), scale=scale,
-        kernel_options={"BACKEND": "FLASH"},
-    )
-    return out.squeeze(0).transpose(0, 1)
+    return _flex_over_rows(_compiled_flash_flex, q_RHE, k_RHE, v_RHF, tree_block_mask(groups, *blocks, q_RHE.device),
+                           scale, kernel_options={"BACKEND": "FLASH"})
 
 
 def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
                                 tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """The `triton_tree` backend (harts.ops.attention.tree_triton); `tiles` (query rows, key rows) other than its
     own (`tile_rows`), for benchmarks."""
-    dtypes = {q_RHE.dtype, k_RHE.dtype, v_RHF.dtype}
-    if q_RHE.device.type != "cuda" or len(dtypes) > 1 or q_RHE.dtype not in (torch.bfloat16, torch.float16,
-                                                                               torch.float32):
-        raise ValueError(f"attention backend 'triton_tree' runs Triton kernels on CUDA over q, k and v of one dtype "
-                         f"of bf16, fp16 or fp32 (got {', '.join(sorted(str(d) for d in dtypes))} on "
-                         f"{q_RHE.device.type}); on the CPU use sdpa")
+    _check_cuda_inputs("triton_tree", "Triton kernels", (torch.bfloat16, torch.float16, torch.float32), q_RHE,
+                       k_RHE, v_RHF)
     try:
         from harts.ops.attention.tree_triton import triton_tree_attention
     except ImportError as error:
