@@ -20,12 +20,10 @@ stand-in FA4 module for the autograd formula and for a recomputation that keeps 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
-from harts.ops.attention.keep import active_keeper
+from harts.ops.attention.keep import AttentionKernels, active_keeper, kept_attention
 
 
 @torch.library.custom_op("harts::flash4_varlen", mutates_args=())
@@ -53,52 +51,24 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k):
+def _kernels_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                      deterministic):
     from flash_attn.cute.interface import _flash_attn_bwd
 
     dq, dk, dv = _flash_attn_bwd(
-        q, k, v, out, dout, lse, ctx.scale, True, 0.0, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=ctx.lengths[0], max_seqlen_k=ctx.lengths[1], deterministic=ctx.deterministic,
+        q, k, v, out, dout, lse, scale, True, 0.0, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    return _kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k)
+    return (*_kernels_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, ctx.scale,
+                               ctx.deterministic), None, None, None, None, None, None)
 
 
 flash4_varlen.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _KeptFlash4(torch.autograd.Function):
-    """`flash4_varlen` inside a checkpoint whose keeper is active (harts.ops.attention.keep): the forward runs the
-    kernel and records (out, lse), a recomputation replays them. Inputs are saved through the checkpoint (in the
-    same order in both, so its recomputation matches them); the backward reads out and lse from the keeper, held
-    by a weak reference and an index."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic, keeper,
-                replaying):
-        if replaying:
-            (out, lse), index = keeper.replay()
-        else:
-            out, lse = flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                     deterministic)
-            index = keeper.record((out.detach(), lse.detach()))
-        # A weak reference: the node outlives its backward (a caller may hold the loss), the kept values must not.
-        ctx.keeper, ctx.index = weakref.ref(keeper), index
-        ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        ctx.lengths, ctx.scale, ctx.deterministic = (max_seqlen_q, max_seqlen_k), scale, deterministic
-        out, lse = out.detach(), lse.detach()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors  # alive while the keeper is
-        out, lse = ctx.keeper().kept[ctx.index]
-        return (*_kernels_backward(ctx, q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k), None, None)
 
 
 def flash4_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -108,6 +78,10 @@ def flash4_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     active = active_keeper()
     if active is None or not torch.is_grad_enabled():
         return flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic)[0]
-    keeper, replaying = active
-    return _KeptFlash4.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, deterministic,
-                             keeper, replaying)[0]
+    options = (max_seqlen_q, max_seqlen_k, scale, deterministic)
+    kernels = AttentionKernels(
+        lambda q, k, v: flash4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options),
+        lambda dout, q, k, v, out, lse: _kernels_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
+                                                          *options),
+    )
+    return kept_attention(q, k, v, kernels, *active)

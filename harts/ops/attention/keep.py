@@ -3,7 +3,7 @@
 `keeper_contexts()` is a `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it makes
 one `AttentionKeeper` per checkpointed call and returns its two contexts, entered around the forward and around
 each recomputation. While one is entered, `active_keeper()` returns the keeper, and an attention that supports it
-(the `flash4` and `triton_tree` backends, harts.ops.attention.flash4 and .tree_triton) records its output and
+(the `flash4`, `triton_tree` and `flash4_tree` backends, through `kept_attention`) records its output and
 log-sum-exp in the forward (`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order
 (`replay`) instead of running its kernel again. Its autograd node saves only its inputs through the checkpoint,
 which recomputes those, and reads the kept values from the keeper, which lives exactly as long as the checkpoint's
@@ -22,8 +22,11 @@ once instead of twice and gives the same gradients bit for bit, also when the ba
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable, NamedTuple
+
+import torch
 
 _ACTIVE = threading.local()
 
@@ -98,3 +101,42 @@ def keeper_contexts() -> tuple[_Context, _Context]:
     """A checkpoint `context_fn`: the forward and recomputation contexts of a new keeper."""
     keeper = AttentionKeeper()
     return _Context(keeper, False), _Context(keeper, True)
+
+
+class AttentionKernels(NamedTuple):
+    """An attention's two kernels: `forward(q, k, v) -> (out, lse)` and `backward(dout, q, k, v, out, lse) -> (dq,
+    dk, dv)`, closed over everything else they take (lengths, tile lists, scale)."""
+
+    forward: Callable
+    backward: Callable
+
+
+class _KeptAttention(torch.autograd.Function):
+    """An attention inside a checkpoint whose keeper is active: the forward runs the kernel and records (out, lse),
+    a recomputation replays them. The node saves q, k and v through the checkpoint (in the same order in both, so
+    that its recomputation matches them) and reads out and lse from the keeper, held by a weak reference and an
+    index: the node outlives its backward (a caller may hold the loss), the kept values must not."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels: AttentionKernels, keeper: AttentionKeeper, replaying: bool):
+        if replaying:
+            (out, lse), index = keeper.replay()
+        else:
+            out, lse = kernels.forward(q, k, v)
+            index = keeper.record((out.detach(), lse.detach()))
+        ctx.keeper, ctx.index, ctx.kernels = weakref.ref(keeper), index, kernels
+        ctx.save_for_backward(q, k, v)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors  # alive while the keeper is
+        out, lse = ctx.keeper().kept[ctx.index]
+        return (*ctx.kernels.backward(dout, q, k, v, out, lse), None, None, None)
+
+
+def kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: AttentionKernels,
+                   keeper: AttentionKeeper, replaying: bool) -> torch.Tensor:
+    """out of `kernels` on q, k and v, differentiable in them, under the active keeper (`active_keeper()`): its
+    forward kernel runs in the checkpoint's forward only, and each recomputation replays the output."""
+    return _KeptAttention.apply(q, k, v, kernels, keeper, replaying)

@@ -27,13 +27,12 @@ Legend: R rows, H heads, E query/key head dim, F value head dim; tiles of BLOCK_
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from harts.ops.attention.keep import active_keeper
+from harts.ops.attention.keep import AttentionKernels, active_keeper, kept_attention
 from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import TreePlan, tree_plan
 
@@ -456,30 +455,6 @@ class _TreeAttention(torch.autograd.Function):
         return (*tree_attention_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
 
 
-class _KeptTreeAttention(torch.autograd.Function):
-    """`tree_attention` inside a checkpoint whose keeper is active (harts.ops.attention.keep), as for flash4: the
-    forward runs the kernel and records (out, lse), the recomputation replays them; the node saves q, k and v
-    through the checkpoint and reads out and lse from the keeper (held by a weak reference and an index)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: TreePlan, scale: float, keeper, replaying: bool):
-        if replaying:
-            (out, lse), index = keeper.replay()
-        else:
-            out, lse = tree_attention_forward(q, k, v, plan, scale)
-            index = keeper.record((out, lse))
-        ctx.keeper, ctx.index = weakref.ref(keeper), index
-        ctx.save_for_backward(q, k, v)
-        ctx.plan, ctx.scale = plan, scale
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
-        out, lse = ctx.keeper().kept[ctx.index]
-        return (*tree_attention_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None, None, None)
-
-
 def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor, plan: TreePlan,
                    scale: float) -> torch.Tensor:
     """Softmax attention of rows in DFS preorder under the tree mask of `plan` (`tree_plan`), differentiable in q,
@@ -499,7 +474,10 @@ def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor
     active = active_keeper()
     if active is None or not torch.is_grad_enabled():
         return _TreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale)
-    return _KeptTreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale, *active)
+    kernels = AttentionKernels(lambda q, k, v: tree_attention_forward(q, k, v, plan, scale),
+                               lambda dout, q, k, v, out, lse: tree_attention_backward(dout, q, k, v, out, lse, plan,
+                                                                                       scale))
+    return kept_attention(q_RHE, k_RHE, v_RHF, kernels, *active)
 
 
 def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
