@@ -39,7 +39,7 @@ CUDA_ATTENTION_BACKENDS = {"varlen": "torch's varlen flash-attention kernel", "c
                            "flash4_tree": "FlashAttention-4's kernels"}
 """The MLA backends whose kernels run on CUDA only, and what they run: a config resolved for another device refuses
 them before a model is built."""
-KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree")
+KEEPABLE_ATTENTION_BACKENDS = ("naive", "sdpa", "varlen", "flash4", "triton_tree", "flash4_tree")
 """The MLA backends whose outputs a recomputation can keep (harts.ops.attention.groups.KEEPABLE_BACKENDS)."""
 KDA_BACKENDS = ("torch", "fla")
 """The KDA backends (harts.ops.kda.compact)."""
@@ -153,8 +153,8 @@ class ExecutionConfig:
     of one block's intermediates)."""
     attention_backend: str | None = None
     """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree and flash4_tree, CUDA only: Triton kernels,
-    or FlashAttention-4's through FlexAttention, reading the ancestors' keys and values in place through the tree
-    mask, no ancestor-KV copies)."""
+    or FlashAttention-4's with the tree mask as their block sparsity, reading the ancestors' keys and values in place
+    through the tree mask, no ancestor-KV copies)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
     gdn_kernel: str = "gdn"

@@ -44,7 +44,7 @@ from harts.ops.kda.keep import keeping_kda_intermediates
 from harts.runtime.layout import Layout
 
 
-KEEPER_BACKENDS = ("flash4", "triton_tree")
+KEEPER_BACKENDS = ("flash4", "triton_tree", "flash4_tree")
 """The attention backends kept through harts.ops.attention.keep's keeper instead of torch's selective policy."""
 ATTENTION_KINDS = ("mla", "gqa")
 """The layer kinds that run the layout's attention (whose kernels a recomputation may keep)."""

@@ -217,29 +217,37 @@ def test_bad_recompute_blocks(bad):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["varlen", "flash4"])
+@pytest.mark.parametrize("backend", ["varlen", "flash4", "flash4_tree"])
 @pytest.mark.parametrize("execution", ["baseline", "compact"])
-def test_kept_attention_on_cuda(model_and_step, backend, execution):
-    """On CUDA in bf16 each backend's kernel is an op the recomputation keeps: it runs once per attention call
-    instead of twice, the loss is the same bits (FA4's and flash's backward may add dq in another order: the
+def test_kept_attention_on_cuda(model_and_step, monkeypatch, backend, execution):
+    """On CUDA in bf16 each backend's forward kernel runs once per attention call instead of twice when the
+    recomputation keeps it (varlen's and flash4's ops, counted at the dispatcher; flash4_tree's kernel calls,
+    which are not an op), the loss is the same bits (FA4's and flash's backward may add dq in another order: the
     gradients are compared closely, not bitwise)."""
-    if backend == "flash4":
-        pytest.importorskip("flash_attn.cute", reason="flash4 needs the optional flash-attn-4 package")
+    if backend.startswith("flash4"):
+        pytest.importorskip("flash_attn.cute", reason=f"{backend} needs the optional flash-attn-4 package")
     _, step = model_and_step
     config = load_model_config("tiny")
     mla = replace(config.mla, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)  # head dims FA4 runs
     with torch.device("cuda"):
         model = HybridModel(replace(config, mla=mla))
     model.init_weights(seed=42)
+    tree_calls = []
+    if backend == "flash4_tree":
+        from harts.ops.attention import flash4_tree
+
+        forward = flash4_tree.flash4_tree_forward
+        monkeypatch.setattr(flash4_tree, "flash4_tree_forward", lambda *a: tree_calls.append(1) or forward(*a))
     counts, losses, grads = {}, {}, {}
     for keep in (False, True):
         # The KDA backend plays no part here; torch's runs the tiny model's chunks of 16 without fla's autotuning.
         config = StepConfig(execution=execution, attention_backend=backend, kda_backend="torch", dtype="bf16",
                             recompute=True, keep_attention=keep)
         model.zero_grad(set_to_none=True)
+        tree_calls.clear()
         with _AttentionKernelCalls() as calls:
             losses[keep] = run_step(model, step, [np.arange(step.num_trajectories)], config).loss
-        counts[keep] = calls.calls
+        counts[keep] = calls.calls + len(tree_calls)
         grads[keep] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert counts[True] > 0 and counts[False] == 2 * counts[True]
     assert losses[True] == losses[False]

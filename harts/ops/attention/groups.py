@@ -20,9 +20,9 @@ Backends (all compute the same function, tested against `naive_group_attention`)
 - `triton_tree`: Triton kernels over the rows in place with the DFS tree mask, walking precomputed lists of the
   key tiles each query tile sees (harts.ops.attention.tree_triton, .tree_blocks; CUDA; no ancestor KV copies,
   no per-call mask build).
-- `flash4_tree`: FlashAttention-4's CuTe kernels over the rows in place with the DFS tree mask, through
-  FlexAttention's FLASH backend with a block mask of the same tile lists (`tree_blocks.tree_block_mask`; CUDA, the
-  optional flash-attn-4 package; no ancestor KV copies).
+- `flash4_tree`: FlashAttention-4's CuTe kernels over the rows in place with the DFS tree mask as their block
+  sparsity and mask_mod, from the same tile lists (harts.ops.attention.flash4_tree; CUDA, the optional
+  flash-attn-4 package; no ancestor KV copies).
 Legend: R rows, H heads, E query/key head dim, F value head dim.
 """
 
@@ -208,14 +208,10 @@ def flex_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: flo
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _flex_over_rows(_compiled_flex, q_RHE, k_RHE, v_RHF, tree_block_mask(groups, 128, 128, q_RHE.device),
-                           scale)
-
-
-def _flex_over_rows(flex, q_RHE, k_RHE, v_RHF, block_mask, scale: float, **options) -> torch.Tensor:
-    """A (compiled) `flex_attention` over the rows as one sequence of a batch of one, heads first."""
-    out = flex(q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
-               v_RHF.transpose(0, 1).unsqueeze(0), block_mask=block_mask, scale=scale, **options)
+    block_mask = tree_block_mask(groups, 128, 128, q_RHE.device)
+    # The rows as one sequence of a batch of one, heads first.
+    out = _compiled_flex(q_RHE.transpose(0, 1).unsqueeze(0), k_RHE.transpose(0, 1).unsqueeze(0),
+                         v_RHF.transpose(0, 1).unsqueeze(0), block_mask=block_mask, scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -232,9 +228,6 @@ def _check_cuda_inputs(backend: str, runs: str, dtypes: tuple[torch.dtype, ...],
                          f"{q_RHE.device.type}); on the CPU use sdpa")
 
 
-_compiled_flash_flex = None
-
-
 def flash4_tree_blocks(qk_dim: int, v_dim: int, device: torch.device) -> tuple[int, int]:
     """The tiles of `flash4_tree`'s block mask: query tiles of 128 rows, key tiles as wide as FlashAttention-4's
     backward key tile on Hopper (its block sparsity takes no other width: 96 at MLA's head dims 192/128), else 128
@@ -246,25 +239,19 @@ def flash4_tree_blocks(qk_dim: int, v_dim: int, device: torch.device) -> tuple[i
     return 128, 128
 
 
-def flash4_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
-    """The `flash4_tree` backend: FlexAttention with FlashAttention-4's CuTe kernels (`BACKEND="FLASH"`, which
-    compiles the mask into them) over the rows in place with the tree mask (`tree_block_mask`)."""
+def flash4_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float) -> torch.Tensor:
+    """The `flash4_tree` backend: FlashAttention-4's kernels called with the tree mask as their block sparsity and
+    mask_mod (harts.ops.attention.flash4_tree), with the groups' tiles (`flash4_tree_blocks`, once per layout)."""
     _check_cuda_inputs("flash4_tree", "FlashAttention-4's kernels", (torch.bfloat16, torch.float16), q_RHE, k_RHE,
                        v_RHF)
     try:
-        import flash_attn.cute  # noqa: F401
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401 (flash4_tree's kernels)
     except ImportError as error:
         raise ValueError(f"attention backend 'flash4_tree' needs the optional flash-attn-4 package: {error}") from None
-    from torch.nn.attention.flex_attention import flex_attention
+    from harts.ops.attention.flash4_tree import flash4_tree_attention, flash4_tree_plan
 
-    from harts.ops.attention.tree_blocks import tree_block_mask
-
-    global _compiled_flash_flex
-    if _compiled_flash_flex is None:
-        _compiled_flash_flex = torch.compile(flex_attention, dynamic=True)
     blocks = flash4_tree_blocks(q_RHE.shape[-1], v_RHF.shape[-1], q_RHE.device)
-    return _flex_over_rows(_compiled_flash_flex, q_RHE, k_RHE, v_RHF, tree_block_mask(groups, *blocks, q_RHE.device),
-                           scale, kernel_options={"BACKEND": "FLASH"})
+    return flash4_tree_attention(q_RHE, k_RHE, v_RHF, flash4_tree_plan(groups, *blocks, q_RHE.device), scale)
 
 
 def triton_tree_group_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
@@ -295,7 +282,7 @@ BACKENDS = {
     "cudnn": cudnn_group_attention,
     "flash4": flash4_group_attention,
     "triton_tree": triton_tree_group_attention,
-    "flash4_tree": flash4_tree_attention,
+    "flash4_tree": flash4_tree_group_attention,
 }
 
 
@@ -305,8 +292,9 @@ KEEPABLE_BACKENDS = KEEPABLE_ATTENTION_BACKENDS
 log-sum-exp as outputs: an activation recomputation can keep those instead of running the kernels again
 (`HybridModel.run_blocks(keep_attention=True)`; varlen's output has v padded to the q/k head dim). Not cudnn: its
 pieces' outputs are padded to bucketed shapes and chunked over ancestors, several times the attention's output,
-and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy. flash4
-and triton_tree keep their outputs through their own keeper instead of the policy (harts.ops.attention.keep)."""
+and its backward reads only the merged one. Not flex: a compiled higher-order op, not seen by the policy. flash4,
+triton_tree and flash4_tree keep their outputs through their own keeper instead of the policy
+(harts.ops.attention.keep)."""
 
 
 def attention_kernel_ops() -> frozenset:

@@ -272,9 +272,15 @@ def tree_block_mask(groups: AttentionGroups, block_q: int, block_k: int, device:
     lists (`host_tile_lists`: O(R + listed pairs) on the host, where `create_block_mask` evaluates the mask over all
     R x R pairs on every call), built once per groups object and tile shape; its mask_mod, which the kernels apply
     in the partial tiles, reads the subtree ends on `device`."""
+    return tree_block_sparsity(groups, block_q, block_k, device)[0]
+
+
+def tree_block_sparsity(groups: AttentionGroups, block_q: int, block_k: int, device: torch.device | str):
+    """(`tree_block_mask`'s BlockMask, the int32 subtree ends [R] on `device` that its mask_mod reads), once per
+    groups object, tile shape and device."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    def build(host: AttentionGroups, lists: TileLists, device: torch.device) -> BlockMask:
+    def build(host: AttentionGroups, lists: TileLists, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
         arrays = block_mask_arrays(lists)
         tensors = _upload([host.row_subtree_end.numpy(), *(a.reshape(-1) for a in arrays)], device)
         ends = tensors[0]
@@ -284,8 +290,9 @@ def tree_block_mask(groups: AttentionGroups, block_q: int, block_k: int, device:
         def tree_mask(batch, head, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
 
-        return BlockMask.from_kv_blocks(partial_counts, partial_tiles, full_counts, full_tiles,
-                                        BLOCK_SIZE=(block_q, block_k), mask_mod=tree_mask,
-                                        seq_lengths=(lists.num_rows, lists.num_rows))
+        block_mask = BlockMask.from_kv_blocks(partial_counts, partial_tiles, full_counts, full_tiles,
+                                              BLOCK_SIZE=(block_q, block_k), mask_mod=tree_mask,
+                                              seq_lengths=(lists.num_rows, lists.num_rows))
+        return block_mask, ends
 
     return _per_layout(_BLOCK_MASKS, groups, block_q, block_k, device, build)
