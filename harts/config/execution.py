@@ -201,8 +201,9 @@ class ExecutionConfig:
             raise ValueError(f"{key('recompute_by_rows')} scales the blocks {key('recompute_blocks')} keeps: it needs "
                              f"{key('recompute_blocks')}")
         if self.keep_attention and self.attention_backend not in (None, *KEEPABLE_ATTENTION_BACKENDS):
-            raise ValueError(f"{key('keep_attention')} needs an attention backend whose output a recomputation can "
-                             f"keep, among {', '.join(KEEPABLE_ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
+            raise ValueError(f"{key('keep_attention')} needs an attention backend among "
+                             f"{', '.join(KEEPABLE_ATTENTION_BACKENDS)} (those whose output a recomputation can keep), "
+                             f"got {self.attention_backend!r}")
         if self.keep_kda_intermediates and self.kda_backend not in (None, "fla"):
             raise ValueError(f"{key('keep_kda_intermediates')} keeps fla's KDA intermediates: it needs "
                              f"{key('kda_backend')} 'fla', got {self.kda_backend!r}")
