@@ -26,7 +26,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from harts.ops.attention.keep import AttentionKernels, active_keeper, kept_attention
+from harts.ops.attention.keep import AttentionKernels, keepable_attention
 from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import tree_block_sparsity
 
@@ -103,20 +103,6 @@ def flash4_tree_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     return dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
 
 
-class _Flash4Tree(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: Flash4TreePlan, scale: float):
-        out, lse = flash4_tree_forward(q, k, v, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*flash4_tree_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
-
-
 def flash4_tree_attention(q_RHE: Tensor, k_RHE: Tensor, v_RHF: Tensor, plan: Flash4TreePlan, scale: float) -> Tensor:
     """Softmax attention of rows in DFS preorder under the tree mask of `plan` (`flash4_tree_plan`), differentiable
     in q, k and v: out [R, H, F]. q, k, v: [R, H, E], [R, H, E], [R, H, F] in bf16 or fp16 on a GPU that FA4 runs
@@ -124,10 +110,7 @@ def flash4_tree_attention(q_RHE: Tensor, k_RHE: Tensor, v_RHF: Tensor, plan: Fla
     if torch.are_deterministic_algorithms_enabled():
         raise ValueError("attention backend 'flash4_tree' has no deterministic backward (FlashAttention-4's block-"
                          "sparse one needs write orders of dQ that harts does not build); use triton_tree")
-    active = active_keeper()
-    if active is None or not torch.is_grad_enabled():
-        return _Flash4Tree.apply(q_RHE, k_RHE, v_RHF, plan, scale)
     kernels = AttentionKernels(lambda q, k, v: flash4_tree_forward(q, k, v, plan, scale),
                                lambda dout, q, k, v, out, lse: flash4_tree_backward(dout, q, k, v, out, lse, plan,
                                                                                     scale))
-    return kept_attention(q_RHE, k_RHE, v_RHF, kernels, *active)
+    return keepable_attention(q_RHE, k_RHE, v_RHF, kernels)

@@ -3,9 +3,10 @@
 `keeper_contexts()` is a `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it makes
 one `AttentionKeeper` per checkpointed call and returns its two contexts, entered around the forward and around
 each recomputation. While one is entered, `active_keeper()` returns the keeper, and an attention that supports it
-(the `flash4`, `triton_tree` and `flash4_tree` backends, through `kept_attention`) records its output and
-log-sum-exp in the forward (`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order
-(`replay`) instead of running its kernel again. Its autograd node saves only its inputs through the checkpoint,
+(`triton_tree` and `flash4_tree` through `keepable_attention`; `flash4` through `kept_attention`, since its plain
+path is a dispatcher op for torch's selective policy) records its output and log-sum-exp in the forward
+(`AttentionKeeper.record`) and, in the recomputation, takes them back in the same order (`replay`) instead of
+running its kernel again. Its autograd node saves only its inputs through the checkpoint,
 which recomputes those, and reads the kept values from the keeper, which lives exactly as long as the checkpoint's
 saved tensors (it is freed with them after the backward, or kept with them by `retain_graph`).
 
@@ -111,6 +112,22 @@ class AttentionKernels(NamedTuple):
     backward: Callable
 
 
+class _Attention(torch.autograd.Function):
+    """An attention outside a keeper: the forward kernel's out and lse saved for the backward kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels: AttentionKernels):
+        out, lse = kernels.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels = kernels
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.kernels.backward(dout, q, k, v, out, lse), None)
+
+
 class _KeptAttention(torch.autograd.Function):
     """An attention inside a checkpoint whose keeper is active: the forward runs the kernel and records (out, lse),
     a recomputation replays them. The node saves q, k and v through the checkpoint (in the same order in both, so
@@ -140,3 +157,12 @@ def kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: A
     """out of `kernels` on q, k and v, differentiable in them, under the active keeper (`active_keeper()`): its
     forward kernel runs in the checkpoint's forward only, and each recomputation replays the output."""
     return _KeptAttention.apply(q, k, v, kernels, keeper, replaying)
+
+
+def keepable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: AttentionKernels) -> torch.Tensor:
+    """out of `kernels` on q, k and v, differentiable in them: `kept_attention` under an active keeper while
+    gradients are on, else a plain node that saves out and lse for the backward kernel."""
+    active = active_keeper()
+    if active is None or not torch.is_grad_enabled():
+        return _Attention.apply(q, k, v, kernels)
+    return kept_attention(q, k, v, kernels, *active)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from harts.ops.attention.keep import AttentionKernels, active_keeper, kept_attention
+from harts.ops.attention.keep import AttentionKernels, keepable_attention
 from harts.ops.attention.query_groups import AttentionGroups
 from harts.ops.attention.tree_blocks import TreePlan, tree_plan
 
@@ -441,20 +441,6 @@ def tree_attention_backward(dout, q, k, v, out, lse, plan: TreePlan, scale: floa
     return dq, dk, dv
 
 
-class _TreeAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: TreePlan, scale: float):
-        out, lse = tree_attention_forward(q, k, v, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*tree_attention_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
-
-
 def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor, plan: TreePlan,
                    scale: float) -> torch.Tensor:
     """Softmax attention of rows in DFS preorder under the tree mask of `plan` (`tree_plan`), differentiable in q,
@@ -471,13 +457,10 @@ def tree_attention(q_RHE: torch.Tensor, k_RHE: torch.Tensor, v_RHF: torch.Tensor
         >>> plan = tree_plan(layout.groups, 64, 64, "cuda")  # a compact or baseline layout's groups
         >>> out = tree_attention(q, k, v, plan, q.shape[-1] ** -0.5)
     """
-    active = active_keeper()
-    if active is None or not torch.is_grad_enabled():
-        return _TreeAttention.apply(q_RHE, k_RHE, v_RHF, plan, scale)
     kernels = AttentionKernels(lambda q, k, v: tree_attention_forward(q, k, v, plan, scale),
                                lambda dout, q, k, v, out, lse: tree_attention_backward(dout, q, k, v, out, lse, plan,
                                                                                        scale))
-    return kept_attention(q_RHE, k_RHE, v_RHF, kernels, *active)
+    return keepable_attention(q_RHE, k_RHE, v_RHF, kernels)
 
 
 def triton_tree_attention(q_RHE, k_RHE, v_RHF, groups: AttentionGroups, scale: float,
