@@ -19,7 +19,8 @@ at three grains:
   (on a rank's cut of the model they are refused: its rows, blocks or experts are a part);
 - memory: `fit_recompute_blocks` is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed
   blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
-  auto recomputes every block until it has searched (`search_pending`).
+  auto recomputes every block until it has searched (`search_pending`), and `unsearched_extent` names a later step's
+  microbatch that the searched steps' microbatches do not cover (search again on that step).
 `harts train-step`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`, `harts.api` and
 the verl engine run through it, `harts verify` plans through it (its comparisons are harts.objective.verify's and
 harts.parallel.verify's, the layers' checks of their steps); tests/test_engine_bypass.py fails on a module that
@@ -52,6 +53,7 @@ from harts.objective.step import (
     StepResult,
     autocast_context,
     build_layout,
+    microbatch_extent,
     microbatch_logprobs,
     run_step,
     semantic_index,
@@ -143,6 +145,8 @@ class Engine:
         """This rank's cut of the model (harts.parallel.parallelize); None in one process."""
         self.search_pending = search_pending
         """recompute_blocks auto, not yet searched: `fit_recompute_blocks` finds them (until then every block)."""
+        self.searched_extents: list[tuple[int, int, int]] = []
+        """The `microbatch_extent` of every microbatch of the steps `fit_recompute_blocks` searched on."""
         self._select_experts()
 
     @classmethod
@@ -302,8 +306,10 @@ class Engine:
         less `reserved_bytes` (what the caller will hold that a probe does not: an optimizer's state not yet
         allocated), and at most `within_bytes` where given (`within` names it in the error); return the search's
         record (`engine_memory.fit_recompute_blocks`: the blocks, the limit's terms, every `probe`).
-        `on_probe(n)` runs before the probe of n blocks. ValueError on a device without a total (the CPU's) and
-        under a parallel config (one process searches)."""
+        `on_probe(n)` runs before the probe of n blocks. A search after an earlier one (for a step with a microbatch
+        outside the searched ones: `unsearched_extent`) tries the blocks found first and bisects above them only, so
+        they never decrease and the steps searched before still fit. ValueError on a device without a total (the
+        CPU's) and under a parallel config (one process searches)."""
         if self.parallel is not None:
             raise ValueError(f"recompute_blocks {AUTO} is searched in one process, not under a parallel config")
         planned = self.plan(step) if planned is None else planned
@@ -317,13 +323,33 @@ class Engine:
                 on_probe(n)
             return self.probe(step, planned, n)
 
+        extents = self.extents(step, planned)
         search = engine_memory.fit_recompute_blocks(
             probe, len(unwrap_model(self.model).blocks), device_memory_bytes=total,
             memory_margin=self.config.memory_margin, reserved_bytes=reserved_bytes, within_bytes=within_bytes,
-            within=within)
+            within=within, at_least=self.config.recompute_blocks if self.searched_extents else 1)
         self.config = replace(self.config, recompute_blocks=search["recompute_blocks"])
         self.search_pending = False
-        return search
+        self.searched_extents += extents
+        return {**search, "extents": [list(extent) for extent in extents]}
+
+    def extents(self, step: Step, planned: PlannedStep) -> list[tuple[int, int, int]]:
+        """Each microbatch's `microbatch_extent` (what its kept activations scale with: rows, KDA rows, key/value
+        rows), from its host layout."""
+        return [microbatch_extent(self.layout(step, members, planned.index))
+                for members in planned.microbatches if len(members)]
+
+    def unsearched_extent(self, step: Step, planned: PlannedStep) -> tuple[int, int, int] | None:
+        """After `fit_recompute_blocks`: the extent of the first microbatch of `planned` that no microbatch searched
+        on covers in every extent (its kept activations may need more memory than any probe measured: search again
+        on this step), None when each is covered or nothing was searched."""
+        if not self.searched_extents:
+            return None
+        for extent in self.extents(step, planned):
+            if not any(all(mine <= theirs for mine, theirs in zip(extent, searched))
+                       for searched in self.searched_extents):
+                return extent
+        return None
 
 
 def parallel_engine(groups: ParallelGroups, model_config: ModelConfig, seed: int, config: StepConfig) -> Engine:

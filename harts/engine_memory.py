@@ -6,7 +6,8 @@ figure stands for a device's). `fit_recompute_blocks(probe, num_blocks, ...)` is
 `recompute_blocks: auto` (`harts.engine.Engine.fit_recompute_blocks` probes with untimed steps, `probe_step`): the
 fewest blocks n whose probe ran without running out of memory and peaked at most `memory_limit_bytes`, the
 device's total less `memory_margin` of it (less what the caller will hold that a probe does not, and within a
-given peak where one is given), by bisection from every block (`fewest_recomputed_blocks`). An answer n means that n
+given peak where one is given), by bisection from every block (`fewest_recomputed_blocks`; a search again after an
+earlier one, from the blocks that one found). An answer n means that n
 blocks fit and n - 1 do not (fits monotone in n). Torch is imported where used: the command lines import this.
 
 Tested in tests/test_engine_memory.py against fake probes (the margin and its boundary, the reserved bytes, the
@@ -107,13 +108,22 @@ def memory_limit_bytes(device_memory_bytes: int, memory_margin: float, reserved_
     return device_memory_bytes - margin_bytes - reserved_bytes
 
 
-def fewest_recomputed_blocks(fits: Callable[[int], bool], num_blocks: int, where: str = "in memory") -> int:
-    """The fewest recomputed blocks n in 1..num_blocks with `fits(n)` true, fits being monotone (more recomputed
-    blocks, less memory), by bisection. The first try is every block (on the GPU it also compiles and autotunes,
-    with the most memory to spare); if that does not fit (`where`: the limit, for the message), ValueError."""
-    if not fits(num_blocks):
+def fewest_recomputed_blocks(fits: Callable[[int], bool], num_blocks: int, where: str = "in memory", *,
+                             at_least: int = 1) -> int:
+    """The fewest recomputed blocks n in at_least..num_blocks with `fits(n)` true, fits being monotone (more
+    recomputed blocks, less memory), by bisection. The first try is every block (on the GPU it also compiles and
+    autotunes, with the most memory to spare); if that does not fit (`where`: the limit, for the message),
+    ValueError. With `at_least` > 1 (a search again, from the blocks an earlier one found) that number is tried
+    first, and is the answer when it fits: one step more instead of a bisection."""
+    assert 1 <= at_least <= num_blocks, "at_least is one of the blocks"
+    too_few = 0
+    if at_least > 1:
+        if fits(at_least):
+            return at_least
+        too_few = at_least
+    if too_few == num_blocks or not fits(num_blocks):
         raise ValueError(f"the step does not fit {where} even with every block ({num_blocks}) recomputed")
-    too_few, enough = 0, num_blocks
+    enough = num_blocks
     while enough - too_few > 1:
         middle = (too_few + enough) // 2
         if fits(middle):
@@ -141,11 +151,11 @@ def probe_step(run: Callable[[], Any], device, model) -> dict[str, Any]:
 
 def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int, *, device_memory_bytes: int,
                          memory_margin: float, reserved_bytes: int = 0, within_bytes: int | None = None,
-                         within: str = "a given peak") -> dict[str, Any]:
-    """The search's record: the fewest `recompute_blocks` n of 1..num_blocks whose `probe(n)` (`probe_step`'s
+                         within: str = "a given peak", at_least: int = 1) -> dict[str, Any]:
+    """The search's record: the fewest `recompute_blocks` n of at_least..num_blocks whose `probe(n)` (`probe_step`'s
     answer) fits and peaks at most `memory_limit_bytes` (and at most `within_bytes` where given: `within` names
-    it in the error), with the limit's terms and every probe in order. ValueError when even every block does not,
-    naming the limit, the margin and what the step did with every block."""
+    it in the error), with the limit's terms and every probe in order (`fewest_recomputed_blocks`). ValueError when
+    no number does, naming the limit, the margin and what the step did with the most blocks tried."""
     limit = memory_limit_bytes(device_memory_bytes, memory_margin, reserved_bytes)
     probes: list[dict[str, Any]] = []
 
@@ -159,10 +169,10 @@ def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int
     if within_bytes is not None:
         where += f" and within {within} ({within_bytes / 1e9:.2f} GB)"
     try:
-        found = fewest_recomputed_blocks(fits, num_blocks, where)
+        found = fewest_recomputed_blocks(fits, num_blocks, where, at_least=at_least)
     except ValueError as error:
-        first = probes[0]
-        did = "ran out of memory" if not first["fits"] else f"peaked at {first['peak_memory_bytes'] / 1e9:.2f} GB"
+        last = probes[-1]
+        did = "ran out of memory" if not last["fits"] else f"peaked at {last['peak_memory_bytes'] / 1e9:.2f} GB"
         raise ValueError(f"{error}: with every block it {did}") from None
     search = {"recompute_blocks": found, "memory_margin": memory_margin, "device_memory_bytes": device_memory_bytes,
               "reserved_bytes": reserved_bytes, "memory_limit_bytes": limit, "probes": probes}

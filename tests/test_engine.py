@@ -132,6 +132,47 @@ def test_recompute_blocks_auto_is_every_block_until_the_search_sets_the_fewest_t
     assert all(p.grad is None for p in model.parameters())  # the probes' gradients freed
     engine.run(step, planned)
     assert ran[-1] == 3
+    assert search["extents"] == [list(extent) for extent in engine.extents(step, planned)]
+    assert engine.unsearched_extent(step, planned) is None
+
+
+def test_a_step_outside_the_searched_microbatches_is_searched_again_from_the_blocks_found(step, monkeypatch):
+    """After a search on small microbatches, a plan of larger ones is not covered (`unsearched_extent`: the first
+    microbatch that no searched one covers in rows, KDA rows and key/value rows); searching it tries the blocks found
+    first and bisects above them only, and then both plans are covered."""
+    from harts import engine as engine_module
+    from harts import engine_memory
+
+    model = HybridModel(load_model_config("tiny"))
+    model.init_weights(0)
+    knobs = ExecutionConfig(recompute=True, recompute_blocks="auto", capacity=300)
+    engine = Engine.build(model, knobs, "cpu", execution="compact")
+    small = engine.plan(step)
+    large = plan_step(step, replace(knobs, capacity=1024, recompute_blocks=4).resolved("cpu", "compact"))
+    run_step_of = engine_module.run_step
+    ran = []
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        # More rows need more blocks: 2 for the small plan's microbatches, 4 for the large plan's.
+        ran.append(config.recompute_blocks)
+        if config.recompute_blocks < (4 if len(microbatches) < len(small.microbatches) else 2):
+            raise torch.OutOfMemoryError("simulated")
+        return run_step_of(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
+    assert engine.unsearched_extent(step, large) is None  # nothing searched yet
+    assert engine.fit_recompute_blocks(step, small)["recompute_blocks"] == 2 and ran == [4, 2, 1]
+    assert engine.unsearched_extent(step, small) is None
+    outside = engine.unsearched_extent(step, large)
+    assert outside in engine.extents(step, large) and outside[0] > max(engine.extents(step, small))[0]
+    ran.clear()
+    again = engine.fit_recompute_blocks(step, large)
+    assert again["recompute_blocks"] == 4 and ran == [2, 4, 3]
+    assert engine.searched_extents == engine.extents(step, small) + engine.extents(step, large)
+    assert engine.unsearched_extent(step, small) is None and engine.unsearched_extent(step, large) is None
+    ran.clear()
+    assert engine.fit_recompute_blocks(step, small)["recompute_blocks"] == 4 and ran == [4]  # never fewer
 
 
 def test_an_engine_built_with_given_blocks_does_not_search():

@@ -105,3 +105,27 @@ def test_every_threshold_of_the_limit(num_blocks):
         search = fit_recompute_blocks(probe, num_blocks, device_memory_bytes=2 * limit, memory_margin=0.5)
         assert search["recompute_blocks"] == fewest, (fewest, probed)
         assert len(probed) <= 1 + math.ceil(math.log2(num_blocks))
+
+
+@pytest.mark.parametrize(("at_least", "found", "probed"), [
+    (3, 3, [3]),  # the blocks found before still fit: one probe
+    (1, 3, [8, 4, 2, 3]),  # a first search bisects from every block
+    (2, 3, [2, 8, 5, 3]),  # they do not: every block, then a bisection above them
+    (6, 6, [6]),
+    (8, 8, [8]),
+], ids=["still-fit", "first-search", "above-them", "more-than-needed", "every-block"])
+def test_a_search_again_starts_from_the_blocks_found(at_least, found, probed):
+    """A search after an earlier one tries the blocks it found first and never answers fewer."""
+    probe, asked = _probes({n: 1000 - 100 * n for n in range(1, 9)})
+    search = fit_recompute_blocks(probe, 8, device_memory_bytes=1400, memory_margin=0.5, at_least=at_least)
+    assert (search["recompute_blocks"], asked) == (found, probed)
+    assert [p["recompute_blocks"] for p in search["probes"]] == probed
+
+
+@pytest.mark.parametrize(("at_least", "probed"), [(3, [3, 4]), (4, [4])], ids=["below-every-block", "every-block"])
+def test_a_search_again_that_nothing_fits_is_an_error(at_least, probed):
+    probe, asked = _probes({n: 800 for n in range(1, 5)}, out_of_memory=(1, 2, 3, 4))
+    with pytest.raises(ValueError, match=re.escape("even with every block (4) recomputed: with every block it ran out "
+                                                   "of memory")):
+        fit_recompute_blocks(probe, 4, device_memory_bytes=1000, memory_margin=0.25, at_least=at_least)
+    assert asked == probed

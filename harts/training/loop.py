@@ -20,7 +20,9 @@ Step t (0-based; records and checkpoints count the steps done, t + 1):
 With `execution.recompute_blocks: auto` (CUDA), each start first searches the fewest recomputed blocks with which
 its first step fits (`Engine.fit_recompute_blocks`: untimed steps, peaking at most the GPU's memory less
 `execution.memory_margin` of it and less the AdamW moments the optimizer has yet to allocate), before the step's
-gradients are zeroed, and trains with them.
+gradients are zeroed, and trains with them. A later step with a microbatch that no searched microbatch covers in
+rows, KDA rows and key/value rows (`Engine.unsearched_extent`: a first step smaller than T, a deeper tree) is
+searched on again first, from the blocks found: they only grow.
 
 Exact resume: the checkpoint holds everything later steps read (weights, fp32 masters, AdamW
 moments and step counts, the scheduler's step, the RNG states, the epoch's order, the step
@@ -38,8 +40,8 @@ its first) starts again from step 0 and keeps the log. With `wandb`, each step r
 
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
 and combined sha256 of the data steps), "device_memory_bytes" (the GPU's total; null on CPU), "environment"};
-with recompute_blocks auto then {"event": "recompute_search", ...} (the blocks found, the margin, the limit and
-every probe); then one {"event": "step", ...} per step (loss, policy and MoE loss, with `loss.pooled_balance_coeff`
+with recompute_blocks auto then {"event": "recompute_search", ...} (why, the blocks found, the margin, the limit,
+every probe and the searched microbatches' extents), again before a step searched on again; then one {"event": "step", ...} per step (loss, policy and MoE loss, with `loss.pooled_balance_coeff`
 the pooled load-balancing loss without its coefficient, pre-clip gradient norm, lr,
 clip fraction, KL to the reference policy, S, C, rows, seconds, peak_memory_bytes: the CUDA allocator's peak
 over the step, optimizer included, null on CPU) and {"event": "checkpoint", ...} per checkpoint. On resume the
@@ -164,8 +166,9 @@ def train(
                 if position == 0:
                     order = epoch_order(source.num_steps, config.data.shuffle)
                 assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
-                if run.engine.search_pending:
-                    _write(log, {"event": "recompute_search", "step": t, "data_step": order[position],
+                reason = run.search_reason(order[position])
+                if reason is not None:
+                    _write(log, {"event": "recompute_search", "step": t, "data_step": order[position], "reason": reason,
                                  **run.fit_recompute_blocks(order[position])})
                 record = {"event": "step", "step": t + 1, "epoch": epoch, **run.step(t + 1, order[position])}
                 _write(log, record)
@@ -276,6 +279,22 @@ class _Run:
         """Data step `data_index` as the run trains on it (without old log-probs if `data.on_policy`)."""
         step = self.source.step(data_index)
         return replace(step, old_logprobs=None) if self.config.data.on_policy else step
+
+    def search_reason(self, data_index: int) -> str | None:
+        """Why recompute_blocks auto searches before data step `data_index`: the start's first step, or a microbatch
+        of this step larger in some extent than every microbatch searched on (the blocks found might not hold it);
+        None: no search (a number of blocks, or every microbatch covered)."""
+        if self.engine.search_pending:
+            return "the start's first step"
+        if not self.engine.searched_extents:
+            return None
+        step = self.data_step(data_index)
+        extent = self.engine.unsearched_extent(step, self.engine.plan(step))
+        if extent is None:
+            return None
+        rows, kda_rows, kv_rows = extent
+        return (f"a microbatch of {rows} rows, {kda_rows} KDA rows and {kv_rows} key/value rows that no microbatch "
+                "searched on covers")
 
     def fit_recompute_blocks(self, data_index: int) -> dict[str, Any]:
         """recompute_blocks auto: the engine's blocks searched on data step `data_index` (before any of its

@@ -167,16 +167,53 @@ def test_recompute_blocks_auto_trains_with_the_fewest_blocks_that_fit(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(_weights(tmp_path / "auto", 4).values(),
                                                  _weights(tmp_path / "given", 4).values()))
     searches = [r for r in _log(tmp_path / "auto") if r["event"] == "recompute_search"]
-    assert [(r["step"], r["recompute_blocks"]) for r in searches] == [(0, 3), (2, 3)]
+    # Data step 1's microbatch has more key/value rows than step 0's: searched again, from the 3 blocks found.
+    assert [(r["step"], r["recompute_blocks"], r["reason"].split(" ")[0]) for r in searches] == [
+        (0, 3, "the"), (1, 3, "a"), (2, 3, "the")]
     parameters = sum(p.numel() for p in HybridModel(load_model_config("tiny")).parameters())
-    assert [r["reserved_bytes"] for r in searches] == [2 * 4 * parameters, 0]  # fp32 moments, then loaded
-    for search in searches:
+    assert [r["reserved_bytes"] for r in searches] == [2 * 4 * parameters, 0, 0]  # fp32 moments, then allocated
+    assert [p["recompute_blocks"] for p in searches[1]["probes"]] == [3]
+    for search in searches[::2]:
         assert [(p["recompute_blocks"], p["fits"]) for p in search["probes"]] == [(4, True), (2, False), (3, True)]
         assert (search["memory_margin"], search["device_memory_bytes"]) == (0.125, 1 << 50)
         assert search["memory_limit_bytes"] == (1 << 50) - (1 << 47) - search["reserved_bytes"]
     starts = [r for r in _log(tmp_path / "auto") if r["event"] == "start"]
     assert [r["device_memory_bytes"] for r in starts] == [1 << 50] * 2
     assert starts[0]["config"]["train"]["execution"]["recompute_blocks"] == "auto"
+
+
+def test_recompute_blocks_auto_searches_again_before_a_step_outside_the_searched_ones(tmp_path, monkeypatch):
+    """The micro steps in order (two epochs), their microbatches (rows, KDA rows, key/value rows) (380, 428, 588),
+    (355, 410, 826) and (380, 438, 886); in the simulated memory the last needs 3 recomputed blocks, the others 2.
+    The first step's search finds 2; each later step that its microbatches do not cover is searched on again before
+    it runs, from the blocks found (step 2: one probe that fits; step 3: 2 run out, then 4 and 3 fit), and the second
+    epoch's steps, covered, are not. Without the search again step 3 would run with 2 blocks and run out of memory."""
+    from harts import engine_memory
+    from harts.config import execution
+
+    run_step = engine_module.run_step
+    ran = []
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        ran.append(config.recompute_blocks)
+        if config.recompute_blocks < (3 if int(step.lengths.sum()) == 886 else 2):
+            raise torch.OutOfMemoryError("simulated")
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
+    records = train(_config(**{"data.shuffle": False, "execution.recompute": True,
+                               "execution.recompute_blocks": "auto", "checkpoint.every": 0}), tmp_path)
+    assert len(records) == 6
+    searches = [r for r in _log(tmp_path) if r["event"] == "recompute_search"]
+    assert [(r["step"], r["data_step"], r["recompute_blocks"]) for r in searches] == [(0, 0, 2), (1, 1, 2), (2, 2, 3)]
+    assert [[p["recompute_blocks"] for p in r["probes"]] for r in searches] == [[4, 2, 1], [2], [2, 4, 3]]
+    assert [r["extents"] for r in searches] == [[[380, 428, 588]], [[355, 410, 826]], [[380, 438, 886]]]
+    assert searches[0]["reason"] == "the start's first step"
+    assert searches[2]["reason"] == ("a microbatch of 380 rows, 438 KDA rows and 886 key/value rows that no "
+                                     "microbatch searched on covers")
+    assert ran == [4, 2, 1, 2, 2, 2, 2, 4, 3, 3, 3, 3, 3]  # each search's probes, then its step
 
 
 @pytest.mark.gpu
