@@ -232,10 +232,12 @@ def test_cuda_records_the_peak_memory_of_every_step_and_the_search(tmp_path):
     assert all(isinstance(r["peak_memory_bytes"], int) and weights < r["peak_memory_bytes"] < total for r in records)
     log = _log(tmp_path)
     (start,) = [r for r in log if r["event"] == "start"]
-    (search,) = [r for r in log if r["event"] == "recompute_search"]
+    search, *again = [r for r in log if r["event"] == "recompute_search"]
     assert start["device_memory_bytes"] == search["device_memory_bytes"] == total
     assert search["recompute_blocks"] == 1 and search["memory_margin"] == 0.05
     assert all(p["fits"] and p["peak_memory_bytes"] <= search["memory_limit_bytes"] for p in search["probes"])
+    # Steps with a microbatch outside the searched ones: one try of the 1 block found, which fits.
+    assert all([(p["recompute_blocks"], p["fits"]) for p in r["probes"]] == [(1, True)] for r in again)
 
 
 def test_a_non_finite_loss_stops_before_any_update(tmp_path):
