@@ -19,8 +19,9 @@ at three grains:
   (on a rank's cut of the model they are refused: its rows, blocks or experts are a part);
 - memory: `fit_recompute_blocks` is the search of recompute_blocks `auto` (harts.engine_memory: the fewest recomputed
   blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
-  auto recomputes every block until it has searched (`search_pending`), and `unsearched_extent` names a later step's
-  microbatch that the searched steps' microbatches do not cover (search again on that step).
+  auto recomputes every block until it has searched (`search_pending`), and `search_reason` says when a step must be
+  searched on (again) before it runs: not searched yet, or a microbatch that the searched steps' microbatches do not
+  cover (`unsearched_extent`).
 `harts train-step`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`, `harts.api` and
 the verl engine run through it, `harts verify` plans through it (its comparisons are harts.objective.verify's and
 harts.parallel.verify's, the layers' checks of their steps); tests/test_engine_bypass.py fails on a module that
@@ -338,6 +339,19 @@ class Engine:
         rows), from its host layout."""
         return [microbatch_extent(self.layout(step, members, planned.index))
                 for members in planned.microbatches if len(members)]
+
+    def search_reason(self, step: Step, planned: PlannedStep) -> str | None:
+        """Why recompute_blocks auto searches on `planned` before running it: not searched yet (`search_pending`),
+        or a microbatch that no microbatch searched on covers (`unsearched_extent`: the blocks found might not hold
+        it); None: no search (a number of blocks, or every microbatch covered)."""
+        if self.search_pending:
+            return "not searched yet"
+        extent = self.unsearched_extent(step, planned)
+        if extent is None:
+            return None
+        rows, kda_rows, kv_rows = extent
+        return (f"a microbatch of {rows} rows, {kda_rows} KDA rows and {kv_rows} key/value rows that no microbatch "
+                "searched on covers")
 
     def unsearched_extent(self, step: Step, planned: PlannedStep) -> tuple[int, int, int] | None:
         """After `fit_recompute_blocks`: the extent of the first microbatch of `planned` that no microbatch searched

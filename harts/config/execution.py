@@ -59,7 +59,7 @@ DEFAULT_MEMORY_MARGIN = 0.05
 
 AUTO = "auto"
 """recompute_blocks `auto`: the fewest recomputed blocks that fit, found by `harts.engine.Engine.fit_recompute_blocks`
-(harts train and bench speedup search; the other commands take a number)."""
+(harts train, harts rl and bench speedup search; the other commands take a number)."""
 SEARCH_DEVICES = ("cuda",)
 """The devices where recompute_blocks `auto` can search: it probes for out-of-memory errors, which only a GPU's
 allocator raises (on the CPU the system would kill the process). Tests widen it to search simulated memory."""

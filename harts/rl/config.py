@@ -21,7 +21,7 @@ from pathlib import Path
 
 from harts.config import load_config, shipped_config_path
 from harts.config.execution import (
-    AUTO, DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_planner, resolved_for_run,
+    DEVICES, DTYPES, EXECUTIONS, ExecutionConfig, check_run_dtype, default_planner, resolved_for_run,
 )
 from harts.model.config import load_model_config, with_experts_backend
 from harts.objective.losses import LossConfig
@@ -95,9 +95,6 @@ class RLConfig:
         if self.execution.execution is not None:
             raise ValueError(f"execution.execution: harts rl runs the executions of `executions` (got "
                              f"{self.execution.execution!r}); leave it out")
-        if self.execution.recompute_blocks == AUTO:
-            raise ValueError(f"execution.recompute_blocks: harts rl takes a number of blocks, not {AUTO!r} (harts "
-                             "train and harts bench speedup search it)")
         check_run_dtype(self.dtype, self.execution)
         if self.loss.name != "grpo":
             raise ValueError(f"loss.name must be 'grpo' (the RL loop computes GRPO advantages), got {self.loss.name!r}")
@@ -119,7 +116,10 @@ def load_rl_config(name_or_path: str | Path) -> RLConfig:
 def resolve(config: RLConfig, where: str | Path = "rl config") -> RLConfig:
     """`config` with the device-dependent defaults (dtype, backends) made explicit; a ValueError
     (starting with `where`) for a choice the model cannot run."""
-    execution = resolved_for_run(config.dtype, config.execution, config.device)
+    try:
+        execution = resolved_for_run(config.dtype, config.execution, config.device)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     model = model_config_of(config)
     env_vocab = LookupEnv(config.env).vocab_size
     if env_vocab > model.vocab_size:

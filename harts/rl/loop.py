@@ -24,6 +24,11 @@ Sampling (2) and the reference forward (5) are outside the timed training step: 
 gives `seconds.sample`, `seconds.reference` and `seconds.train` = plan + layout + forward +
 backward + optimizer (each also on its own).
 
+With `execution.recompute_blocks: auto` (CUDA) a learner's engine searches the fewest recomputed blocks that fit
+(`Engine.fit_recompute_blocks`, leaving room for the AdamW moments of every learner not yet allocated) before its
+first update, and again before an update with a microbatch that no searched microbatch covers (rollouts vary in
+size; the blocks only grow): that step's record holds it under `recompute_search`, outside its timed phases.
+
 Step record: step, reward (mean over the step's samples: the policy's success rate from the prompt), reward_all (over
 every trajectory, retries included), tool calls per sample, the fraction of samples that ended on a token outside the
 grammar (malformed), loss, policy and MoE loss (with `loss.pooled_balance_coeff` > 0 also `pooled_balance_loss`: the
@@ -186,7 +191,10 @@ def run_seed(config: RLConfig, seed: int, *, progress: bool = False,
             order = learners if t % 2 == 0 else learners[::-1]
             logged = {}
             for learner in order:
-                record = _step(config, env, learner, reference, tasks, seed, t)
+                # A search before this learner's update leaves room for every learner's AdamW moments not yet
+                # allocated (the other learner's may come after it).
+                reserved = sum(each.optimizer.pending_state_bytes() for each in learners)
+                record = _step(config, env, learner, reference, tasks, seed, t, reserved)
                 records[learner.execution].append(record)
                 logged[learner.execution] = record
             if tracker is not None:
@@ -201,7 +209,7 @@ def run_seed(config: RLConfig, seed: int, *, progress: bool = False,
 
 
 def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: HybridModel, tasks, seed: int,
-          t: int) -> dict[str, Any]:
+          t: int, reserved_bytes: int = 0) -> dict[str, Any]:
     where = f"seed {seed}, {learner.execution}, step {t}"
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(_generator_seed(seed, t))
@@ -210,13 +218,14 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
     sample_seconds = time.perf_counter() - start
 
     planned = learner.engine.plan(step)
+    update = t < config.num_steps
+    search = _search(learner.engine, step, planned, reserved_bytes) if update else None
 
     start = time.perf_counter()
     ref = Engine(reference, learner.engine.config).run(step, planned, backward=False, collect_logprobs=True)
     step = replace(step, ref_logprobs=target_logprobs(step, ref.logprobs))
     reference_seconds = time.perf_counter() - start
 
-    update = t < config.num_steps
     lr = learner.scheduler.get_last_lr()[0]
     learner.optimizer.zero_grad()
     result = learner.engine.run(step, planned, backward=update, collect_logprobs=True)
@@ -261,7 +270,20 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
         **result.mtp_record(),
         "microbatches": planned.num_microbatches,
         "seconds": seconds,
+        **({"recompute_search": search} if search is not None else {}),
     }
+
+
+def _search(engine: Engine, step, planned, reserved_bytes: int) -> dict[str, Any] | None:
+    """recompute_blocks auto: the engine's search on this step before its update when `Engine.search_reason` gives a
+    reason (the first update, or a microbatch outside those searched on), leaving `reserved_bytes` free; its record
+    (why, the blocks found, every untimed try, seconds: outside the step's timed phases), else None."""
+    reason = engine.search_reason(step, planned)
+    if reason is None:
+        return None
+    start = time.perf_counter()
+    search = engine.fit_recompute_blocks(step, planned, reserved_bytes=reserved_bytes)
+    return {"reason": reason, **search, "seconds": time.perf_counter() - start}
 
 
 def run_config(config: RLConfig, seed: int) -> dict[str, Any]:

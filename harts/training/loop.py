@@ -281,20 +281,12 @@ class _Run:
         return replace(step, old_logprobs=None) if self.config.data.on_policy else step
 
     def search_reason(self, data_index: int) -> str | None:
-        """Why recompute_blocks auto searches before data step `data_index`: the start's first step, or a microbatch
-        of this step larger in some extent than every microbatch searched on (the blocks found might not hold it);
-        None: no search (a number of blocks, or every microbatch covered)."""
-        if self.engine.search_pending:
-            return "the start's first step"
-        if not self.engine.searched_extents:
-            return None
+        """Why recompute_blocks auto searches before data step `data_index` (`Engine.search_reason`: the start's
+        first step, or a microbatch larger in some extent than every microbatch searched on); None: no search."""
+        if not (self.engine.search_pending or self.engine.searched_extents):
+            return None  # a number of blocks: nothing to plan here
         step = self.data_step(data_index)
-        extent = self.engine.unsearched_extent(step, self.engine.plan(step))
-        if extent is None:
-            return None
-        rows, kda_rows, kv_rows = extent
-        return (f"a microbatch of {rows} rows, {kda_rows} KDA rows and {kv_rows} key/value rows that no microbatch "
-                "searched on covers")
+        return self.engine.search_reason(step, self.engine.plan(step))
 
     def fit_recompute_blocks(self, data_index: int) -> dict[str, Any]:
         """recompute_blocks auto: the engine's blocks searched on data step `data_index` (before any of its

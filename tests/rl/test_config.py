@@ -63,12 +63,10 @@ def test_resolve_refuses_backends_the_model_cannot_run(tmp_path, text, message):
     ("name: x\nmodel: tiny\nexecution: {attention_backend: flash}\n", "execution.attention_backend must be one of"),
     ("name: x\nmodel: tiny\nexecution: {recompute: true, keep_attention: true, attention_backend: flex}\n",
      "execution.keep_attention needs an attention backend among"),
-    ("name: x\nmodel: tiny\ndevice: cuda\nexecution: {recompute: true, recompute_blocks: auto}\n",
-     "execution.recompute_blocks: harts rl takes a number of blocks, not 'auto'"),
 ], ids=["no-name", "unknown-key", "repeated-seed", "unknown-execution", "no-steps", "ppo", "planner", "execution-given",
         "dtype-differs", "zero-capacity", "accuracy",
         "values", "top-p", "recompute-blocks-alone", "by-rows-without-blocks", "grad-precision", "kda-backend", "attention-backend",
-        "keep-attention-flex", "recompute-blocks-auto"])
+        "keep-attention-flex"])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "rl.yaml"
     path.write_text(text)
@@ -84,7 +82,10 @@ def test_bad_configs_name_the_file_and_key(tmp_path, text, message):
     ("loss: {pooled_balance_coeff: 0.5}\n",
      "loss.pooled_balance_coeff 0.5 on model 'tiny': transformers' load-balancing loss is the softmax one; the model "
      "routes with sigmoid scores"),
-], ids=["env-vocab-over-the-model", "temperature", "top-p", "pooled-balance-sigmoid"])
+    ("execution: {recompute: true, recompute_blocks: auto}\n",
+     "execution.recompute_blocks auto searches a GPU's memory (it probes for out-of-memory errors): it needs device "
+     "cuda, got 'cpu'"),
+], ids=["env-vocab-over-the-model", "temperature", "top-p", "pooled-balance-sigmoid", "recompute-blocks-auto-on-cpu"])
 def test_resolve_refuses_what_the_run_would_get_wrong(tmp_path, text, message):
     """Before the warm start: an environment the model cannot embed (an IndexError minutes later), sampling that
     would make the on-policy GRPO step silently off-policy, and a pooled load-balancing loss the model cannot give."""

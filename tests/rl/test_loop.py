@@ -81,6 +81,67 @@ def test_bf16_parameters():
     assert compact[1]["kl"] > 0 and baseline[1]["kl"] > 0
 
 
+def test_recompute_blocks_auto_searches_before_each_learners_first_update(monkeypatch):
+    """With recompute_blocks auto (the CPU allowed to search a simulated device where fewer than 3 of the tiny model's
+    4 blocks run out of memory), each learner searches before its first update, leaving room for every learner's
+    AdamW moments not yet allocated (at step 0 the compact learner goes first: both learners' moments; then the
+    baseline's alone); a later search only for a microbatch outside those searched on (each update's, when the
+    searched ones are forgotten), from the blocks found; the final forward-only step searches nothing. The run is the
+    run with 3 blocks given, bit for bit."""
+    from harts import engine as engine_module
+    from harts import engine_memory
+    from harts.config import execution
+    from harts.model.config import load_model_config
+    from harts.model.model import HybridModel
+
+    run_step = engine_module.run_step
+
+    def simulated(model, step, microbatches, config, **kwargs):
+        if config.recompute_blocks is not None and config.recompute_blocks < 3:  # the warm start recomputes none
+            raise torch.OutOfMemoryError("simulated")
+        return run_step(model, step, microbatches, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_step", simulated)
+    monkeypatch.setattr(execution, "SEARCH_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
+    tiny = load_rl_config(TINY)
+
+    def run(blocks):
+        config = _config(execution=replace(tiny.execution, recompute=True, recompute_blocks=blocks))
+        return run_seed(config, seed=0)[1]
+
+    given, auto = run(3), run("auto")
+    moments = 2 * 4 * sum(p.numel() for p in HybridModel(load_model_config("tiny")).parameters())  # fp32 masters
+    for execution_name, reserved in (("compact", 2 * moments), ("baseline", moments)):
+        records = auto[execution_name]
+        first = records[0]["recompute_search"]
+        assert (first["reason"], first["recompute_blocks"], first["reserved_bytes"]) == ("not searched yet", 3,
+                                                                                         reserved)
+        assert [(p["recompute_blocks"], p["fits"]) for p in first["probes"]] == [(4, True), (2, False), (3, True)]
+        later = [r["recompute_search"] for r in records[1:] if "recompute_search" in r]
+        assert all(s["reason"].startswith("a microbatch of ") and s["recompute_blocks"] == 3 for s in later)
+        assert "recompute_search" not in records[-1] and not records[-1]["update"]
+        assert _without_seconds([{k: v for k, v in r.items() if k != "recompute_search"} for r in records]) == (
+            _without_seconds(given[execution_name]))
+
+    # Rollouts of other sizes: with the searched microbatches forgotten after each search, every later update's
+    # microbatch is outside them, so each update searches again (one try, of the 3 blocks found), no other step.
+    fit = engine_module.Engine.fit_recompute_blocks
+
+    def fit_and_forget(self, *args, **kwargs):
+        search = fit(self, *args, **kwargs)
+        self.searched_extents = [(1, 1, 1)]
+        return search
+
+    monkeypatch.setattr(engine_module.Engine, "fit_recompute_blocks", fit_and_forget)
+    again = run("auto")
+    for execution_name in ("compact", "baseline"):
+        searches = [r.get("recompute_search") for r in again[execution_name]]
+        assert searches[0]["reason"] == "not searched yet" and searches[-1] is None
+        assert all(s["reason"].startswith("a microbatch of ") and s["reserved_bytes"] == 0
+                   and [(p["recompute_blocks"], p["fits"]) for p in s["probes"]] == [(3, True)] for s in searches[1:-1])
+
+
 def test_step_from_trajectories():
     def trajectory(tree, sample, retry, tokens, reward):
         return Trajectory(tree=tree, sample=sample, retry=retry, tokens=tokens, loss_mask=[0] + [1] * (len(tokens) - 1),

@@ -169,7 +169,7 @@ def test_recompute_blocks_auto_trains_with_the_fewest_blocks_that_fit(tmp_path, 
     searches = [r for r in _log(tmp_path / "auto") if r["event"] == "recompute_search"]
     # Data step 1's microbatch has more key/value rows than step 0's: searched again, from the 3 blocks found.
     assert [(r["step"], r["recompute_blocks"], r["reason"].split(" ")[0]) for r in searches] == [
-        (0, 3, "the"), (1, 3, "a"), (2, 3, "the")]
+        (0, 3, "not"), (1, 3, "a"), (2, 3, "not")]
     parameters = sum(p.numel() for p in HybridModel(load_model_config("tiny")).parameters())
     assert [r["reserved_bytes"] for r in searches] == [2 * 4 * parameters, 0, 0]  # fp32 moments, then allocated
     assert [p["recompute_blocks"] for p in searches[1]["probes"]] == [3]
@@ -210,7 +210,7 @@ def test_recompute_blocks_auto_searches_again_before_a_step_outside_the_searched
     assert [(r["step"], r["data_step"], r["recompute_blocks"]) for r in searches] == [(0, 0, 2), (1, 1, 2), (2, 2, 3)]
     assert [[p["recompute_blocks"] for p in r["probes"]] for r in searches] == [[4, 2, 1], [2], [2, 4, 3]]
     assert [r["extents"] for r in searches] == [[[380, 428, 588]], [[355, 410, 826]], [[380, 438, 886]]]
-    assert searches[0]["reason"] == "the start's first step"
+    assert searches[0]["reason"] == "not searched yet"
     assert searches[2]["reason"] == ("a microbatch of 380 rows, 438 KDA rows and 886 key/value rows that no "
                                      "microbatch searched on covers")
     assert ran == [4, 2, 1, 2, 2, 2, 2, 4, 3, 3, 3, 3, 3]  # each search's probes, then its step
