@@ -339,15 +339,31 @@ def gradient_comparison(model, step, microbatches, configs, index) -> dict[str, 
             config = replace(configs[name], recompute=recompute, recompute_blocks=None, recompute_by_rows=False)
             result = Engine(model, config).run_microbatches(step, microbatches[name], index=index)
             losses[name] = result.loss
-            grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+            # The gradients themselves, set aside: no flat fp32 copy (44 GB at 11B parameters).
+            grads[name] = [p.grad for p in model.parameters() if p.grad is not None]
         model.zero_grad(set_to_none=True)
         rows["recompute" if recompute else "no-recompute"] = {
             "loss_baseline": losses["baseline"], "loss_compact": losses["compact"],
             "abs_dloss": abs(losses["compact"] - losses["baseline"]),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(
-                grads["baseline"].double(), grads["compact"].double(), dim=0)),
+            "grad_cosine": gradient_cosine(grads["baseline"], grads["compact"]),
         }
+        del grads
     return rows
+
+
+def gradient_cosine(first: list, second: list) -> float:
+    """The cosine of two models' gradients as one flat vector each, summed parameter by parameter in fp64 (one
+    parameter's fp64 copies at a time, where a flat copy of every gradient would need 8 bytes a parameter)."""
+    import torch
+
+    assert len(first) == len(second), "the same parameters have gradients"
+    dot = norm_first = norm_second = torch.zeros((), dtype=torch.float64, device=first[0].device)
+    for a, b in zip(first, second):
+        a, b = a.double().flatten(), b.double().flatten()
+        dot = dot + a @ b
+        norm_first = norm_first + a @ a
+        norm_second = norm_second + b @ b
+    return float(dot / (norm_first.sqrt() * norm_second.sqrt()))
 
 
 def _phase(progress: dict[str, str], name: str) -> None:
@@ -372,9 +388,10 @@ def gradient_subset(step, max_tokens: int | None, multiple_of: int = 1):
     return step if len(keep) == step.num_trajectories else step.subset(keep)
 
 
-def single_process_results(args, model, step, knobs, device, store_dtype,
-                           progress: dict[str, str]) -> dict[str, Any]:
-    """(a) the replay ablation and (b) logit fidelity, loss and gradients in one process."""
+def single_process_results(args, model, step, knobs, device, store_dtype, progress: dict[str, Any]) -> dict[str, Any]:
+    """(a) the replay ablation and (b) logit fidelity, loss and gradients in one process. The results of (a) and
+    of the logit fidelity go into `progress["finished"]` before the loss and gradients run, so that a record of
+    their failure (out of memory: they keep every activation) still holds them."""
     import numpy as np
     import torch
 
@@ -437,6 +454,7 @@ def single_process_results(args, model, step, knobs, device, store_dtype,
         "logit_cosine": cosine,
         "paper": PAPER,
     }
+    progress["finished"] = results
     if not args.no_gradients:
         # The same microbatches for both executions (MoE losses depend on a microbatch's rows):
         # trajectories packed by semantic tokens up to the longest one's length, so the baseline,
@@ -564,7 +582,7 @@ def run(args: argparse.Namespace) -> int:
               "execution": {name: getattr(knobs, name) for name in KNOBS}}
     suffix = f"-{parallel.name}" if parallel else ""
     out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
-    progress = {"phase": "setup"}  # the single-process phase an error row names
+    progress: dict[str, Any] = {"phase": "setup"}  # the single-process phase an error row names, what it finished
     try:
         with sigterm_raises():
             check_vocabulary(step, model_config.vocab_size)
@@ -580,6 +598,8 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("HARTS_DEBUG"):
             traceback.print_exc()
         records = [make_record("fidelity", config, error=message)]
+        if "finished" in progress:
+            records[0]["finished_results"] = progress["finished"]
         if isinstance(error, Terminated):
             write_records(records, out)
             return 128 + signal.SIGTERM
@@ -591,7 +611,9 @@ def run(args: argparse.Namespace) -> int:
 
 def format_fidelity(record: dict[str, Any]) -> str:
     if "error" in record:
-        return f"fidelity: error: {record['error']}"
+        finished = " (the replay ablation and logit fidelity finished: the record's finished_results)" if (
+            "finished_results" in record) else ""
+        return f"fidelity: error: {record['error']}{finished}"
     r = record["results"]
     if "parallel_fidelity" in r:
         return _format_parallel(record["config"]["parallel"], r["parallel_fidelity"])

@@ -323,8 +323,13 @@ def test_gradient_comparison_on_the_short_trajectories(tree_step_path, tmp_path,
     for row in results["loss_and_gradients"].values():
         assert row["abs_dloss"] <= 1e-6 * abs(row["loss_baseline"]) and row["grad_cosine"] >= 0.99999
 
-    code, records, _ = _fidelity(["--trees", path, "--capacity", "80", "--grad-max-tokens", "1"], tmp_path, capsys)
-    assert code == 1 and records[0]["error"].startswith("loss and gradients: ValueError: --grad-max-tokens 1")
+    code, failed, printed = _fidelity(["--trees", path, "--capacity", "80", "--grad-max-tokens", "1"], tmp_path,
+                                      capsys)
+    assert code == 1 and failed[0]["error"].startswith("loss and gradients: ValueError: --grad-max-tokens 1")
+    # What finished before the gradients stays in the error record (the same numbers: same weights and inputs).
+    finished = {k: v for k, v in results.items() if k not in ("loss_and_gradients", "gradient_inputs")}
+    assert failed[0]["finished_results"] == finished and "results" not in failed[0]
+    assert "the record's finished_results" in printed
 
 
 def test_sigterm_writes_an_error_row_naming_the_phase(tree_step_path, tmp_path, capsys, monkeypatch):
@@ -336,6 +341,7 @@ def test_sigterm_writes_an_error_row_naming_the_phase(tree_step_path, tmp_path, 
     monkeypatch.setattr(fidelity, "path_hidden", sigterm_on_call(fidelity.path_hidden, 2))
     code, records, _ = _fidelity(["--trees", path, "--capacity", "80"], tmp_path, capsys)
     assert code == 128 + signal.SIGTERM and records[0]["error"] == "rerun forward: Terminated: SIGTERM"
+    assert "finished_results" not in records[0]
 
 
 def _parallel_record(name, tree_step_path, tmp_path, capsys):
@@ -442,3 +448,20 @@ def test_gradient_subset_keeps_a_multiple_of_the_replicas(multiple_of):
     assert gradient_subset(step, None) is step
     with pytest.raises(ValueError, match="--grad-max-tokens 1: no trajectory is that short"):
         gradient_subset(step, 1, multiple_of=multiple_of)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradient_cosine_is_the_cosine_of_the_flat_gradients(dtype):
+    """Summed parameter by parameter, the cosine of every gradient as one vector (torch's cosine_similarity of the
+    flat fp64 concatenations), for gradients of several shapes that point partly alike."""
+    from harts.bench.fidelity import gradient_cosine
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (13,), (3, 4, 2), (1,)]
+    first = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    second = [(a.float() + 0.7 * torch.randn(a.shape, generator=generator)).to(dtype) for a in first]
+    flat = [torch.cat([g.double().flatten() for g in grads]) for grads in (first, second)]
+    expected = float(torch.nn.functional.cosine_similarity(*flat, dim=0))
+    assert 0.3 < expected < 0.95
+    assert gradient_cosine(first, second) == pytest.approx(expected, rel=1e-12)
+    assert gradient_cosine(first, first) == pytest.approx(1.0, rel=1e-12)
