@@ -328,7 +328,7 @@ class Engine:
         search = engine_memory.fit_recompute_blocks(
             probe, len(unwrap_model(self.model).blocks), device_memory_bytes=total,
             memory_margin=self.config.memory_margin, reserved_bytes=reserved_bytes, within_bytes=within_bytes,
-            within=within, at_least=self.config.recompute_blocks if self.searched_extents else 1)
+            within=within, at_least=self.config.recompute_blocks if self.searched_extents else None)
         self.config = replace(self.config, recompute_blocks=search["recompute_blocks"])
         self.search_pending = False
         self.searched_extents += extents
@@ -354,9 +354,10 @@ class Engine:
                 "searched on covers")
 
     def unsearched_extent(self, step: Step, planned: PlannedStep) -> tuple[int, int, int] | None:
-        """After `fit_recompute_blocks`: the extent of the first microbatch of `planned` that no microbatch searched
-        on covers in every extent (its kept activations may need more memory than any probe measured: search again
-        on this step), None when each is covered or nothing was searched."""
+        """After `fit_recompute_blocks`: the extent of the first microbatch of `planned` that no single microbatch
+        searched on covers (at least as large in rows, KDA rows and key/value rows alike: its kept activations may
+        need more memory than any probe measured, so search again on this step), None when each is covered or
+        nothing was searched."""
         if not self.searched_extents:
             return None
         for extent in self.extents(step, planned):

@@ -108,21 +108,26 @@ def memory_limit_bytes(device_memory_bytes: int, memory_margin: float, reserved_
     return device_memory_bytes - margin_bytes - reserved_bytes
 
 
+class DoesNotFit(ValueError):
+    """No number of recomputed blocks fits (`fewest_recomputed_blocks`): told apart from a ValueError of a probe's
+    own step, which the search passes on as it is."""
+
+
 def fewest_recomputed_blocks(fits: Callable[[int], bool], num_blocks: int, where: str = "in memory", *,
-                             at_least: int = 1) -> int:
-    """The fewest recomputed blocks n in at_least..num_blocks with `fits(n)` true, fits being monotone (more
-    recomputed blocks, less memory), by bisection. The first try is every block (on the GPU it also compiles and
-    autotunes, with the most memory to spare); if that does not fit (`where`: the limit, for the message),
-    ValueError. With `at_least` > 1 (a search again, from the blocks an earlier one found) that number is tried
-    first, and is the answer when it fits: one step more instead of a bisection."""
-    assert 1 <= at_least <= num_blocks, "at_least is one of the blocks"
+                             at_least: int | None = None) -> int:
+    """The fewest recomputed blocks n in 1..num_blocks (at_least..num_blocks) with `fits(n)` true, fits being
+    monotone (more recomputed blocks, less memory), by bisection. The first try is every block (on the GPU it also
+    compiles and autotunes, with the most memory to spare); if that does not fit (`where`: the limit, for the
+    message), `DoesNotFit`. With `at_least` (a search again, from the blocks an earlier one found) that number is
+    tried first, and is the answer when it fits: one step more instead of a bisection."""
     too_few = 0
-    if at_least > 1:
+    if at_least is not None:
+        assert 1 <= at_least <= num_blocks, "at_least is one of the blocks"
         if fits(at_least):
             return at_least
         too_few = at_least
     if too_few == num_blocks or not fits(num_blocks):
-        raise ValueError(f"the step does not fit {where} even with every block ({num_blocks}) recomputed")
+        raise DoesNotFit(f"the step does not fit {where} even with every block ({num_blocks}) recomputed")
     enough = num_blocks
     while enough - too_few > 1:
         middle = (too_few + enough) // 2
@@ -151,11 +156,12 @@ def probe_step(run: Callable[[], Any], device, model) -> dict[str, Any]:
 
 def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int, *, device_memory_bytes: int,
                          memory_margin: float, reserved_bytes: int = 0, within_bytes: int | None = None,
-                         within: str = "a given peak", at_least: int = 1) -> dict[str, Any]:
-    """The search's record: the fewest `recompute_blocks` n of at_least..num_blocks whose `probe(n)` (`probe_step`'s
+                         within: str = "a given peak", at_least: int | None = None) -> dict[str, Any]:
+    """The search's record: the fewest `recompute_blocks` n of 1..num_blocks (at_least..num_blocks) whose `probe(n)` (`probe_step`'s
     answer) fits and peaks at most `memory_limit_bytes` (and at most `within_bytes` where given: `within` names
-    it in the error), with the limit's terms and every probe in order (`fewest_recomputed_blocks`). ValueError when
-    no number does, naming the limit, the margin and what the step did with the most blocks tried."""
+    it in the error), with the limit's terms and every probe in order (`fewest_recomputed_blocks`). `DoesNotFit` (a
+    ValueError) when no number does, naming the limit, the margin and what the step did with every block; a probe's
+    own error passes through."""
     limit = memory_limit_bytes(device_memory_bytes, memory_margin, reserved_bytes)
     probes: list[dict[str, Any]] = []
 
@@ -170,7 +176,7 @@ def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int
         where += f" and within {within} ({within_bytes / 1e9:.2f} GB)"
     try:
         found = fewest_recomputed_blocks(fits, num_blocks, where, at_least=at_least)
-    except ValueError as error:
+    except DoesNotFit as error:
         last = probes[-1]
         did = "ran out of memory" if not last["fits"] else f"peaked at {last['peak_memory_bytes'] / 1e9:.2f} GB"
         raise ValueError(f"{error}: with every block it {did}") from None

@@ -109,7 +109,7 @@ def test_every_threshold_of_the_limit(num_blocks):
 
 @pytest.mark.parametrize(("at_least", "found", "probed"), [
     (3, 3, [3]),  # the blocks found before still fit: one probe
-    (1, 3, [8, 4, 2, 3]),  # a first search bisects from every block
+    (None, 3, [8, 4, 2, 3]),  # a first search bisects from every block
     (2, 3, [2, 8, 5, 3]),  # they do not: every block, then a bisection above them
     (6, 6, [6]),
     (8, 8, [8]),
@@ -120,6 +120,23 @@ def test_a_search_again_starts_from_the_blocks_found(at_least, found, probed):
     search = fit_recompute_blocks(probe, 8, device_memory_bytes=1400, memory_margin=0.5, at_least=at_least)
     assert (search["recompute_blocks"], asked) == (found, probed)
     assert [p["recompute_blocks"] for p in search["probes"]] == probed
+
+
+def test_a_search_again_from_one_block_is_one_probe():
+    """1 block found before (the tiny model on a GPU): a search again tries 1 alone, not every block first."""
+    probe, asked = _probes({n: 100 for n in range(1, 5)})
+    assert fit_recompute_blocks(probe, 4, device_memory_bytes=1000, memory_margin=0.05, at_least=1)[
+        "recompute_blocks"] == 1 and asked == [1]
+
+
+def test_an_error_of_a_probes_own_step_passes_through():
+    """A ValueError of the step itself (a loss that needs inputs the step lacks) is not "does not fit"."""
+
+    def probe(n: int) -> dict:
+        raise ValueError("the step's own error")
+
+    with pytest.raises(ValueError, match="^the step's own error$"):
+        fit_recompute_blocks(probe, 4, device_memory_bytes=1000, memory_margin=0.05)
 
 
 @pytest.mark.parametrize(("at_least", "probed"), [(3, [3, 4]), (4, [4])], ids=["below-every-block", "every-block"])

@@ -91,7 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 defaults, spelled out; the least activation memory at a small cost in time (recomputation, the lean experts, a
 smaller LM-head chunk); the fastest measured on one H200 (docs/results.md "A stronger baseline": FlashAttention-4,
 which needs flash-attn-4, bf16 LM-head gradients, the lean experts; give the recomputed blocks for your model and
-capacity, `--recompute-blocks N`, or `auto` on harts train and bench speedup). Flags given beside a
+capacity, `--recompute-blocks N`, or `auto` on harts train, harts rl and bench speedup). Flags given beside a
 preset win."""
 
 
@@ -133,8 +133,8 @@ class ExecutionConfig:
     """Per-layer activation recomputation."""
     recompute_blocks: int | str | None = None
     """With recompute: recompute only blocks 0..N-1 (of each pipeline stage), the others keep their activations
-    (Megatron's block method: less recomputation for more memory; default: every block). auto (harts train and
-    bench speedup, on CUDA): the fewest with which a step runs and leaves memory_margin of the GPU free."""
+    (Megatron's block method: less recomputation for more memory; default: every block). auto (harts train, harts
+    rl and bench speedup, on CUDA): the fewest with which a step runs and leaves memory_margin of the GPU free."""
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     """With recompute_blocks auto: the share of the GPU's total memory (>= 0, < 1) the search leaves free, for the
     allocator's fragmentation and for steps larger than the one searched: it takes the fewest recomputed blocks

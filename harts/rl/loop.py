@@ -219,12 +219,17 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
 
     planned = learner.engine.plan(step)
     update = t < config.num_steps
-    search = _search(learner.engine, step, planned, reserved_bytes) if update else None
 
     start = time.perf_counter()
-    ref = Engine(reference, learner.engine.config).run(step, planned, backward=False, collect_logprobs=True)
+    # The reference forward is for its log-probs; its loss is unused, and a KL term would read the very log-probs
+    # it is computing.
+    engine_config = learner.engine.config
+    reference_config = replace(engine_config, grpo=replace(engine_config.grpo, kl_coef=0.0))
+    ref = Engine(reference, reference_config).run(step, planned, backward=False, collect_logprobs=True)
     step = replace(step, ref_logprobs=target_logprobs(step, ref.logprobs))
     reference_seconds = time.perf_counter() - start
+    # After the reference log-probs: the probes run the step's loss, whose KL term reads them.
+    search = _search(learner.engine, step, planned, reserved_bytes) if update else None
 
     lr = learner.scheduler.get_last_lr()[0]
     learner.optimizer.zero_grad()
@@ -236,6 +241,9 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
     if update:
         grad_norm = apply_update(learner.model, learner.optimizer, learner.scheduler, config.optimizer.max_grad_norm,
                                  result.tokens_per_expert, where)
+        # Freed now rather than at this learner's next step: the other learner's step (and its search) runs in
+        # between, and a recompute search leaves room only for the moments not yet allocated.
+        learner.optimizer.zero_grad()
         # The optimizer's kernels are asynchronous on CUDA: its time is up to their end, as run_step's phases.
         if learner.model.embed.weight.is_cuda:
             torch.cuda.synchronize(learner.model.embed.weight.device)

@@ -20,9 +20,9 @@ Step t (0-based; records and checkpoints count the steps done, t + 1):
 With `execution.recompute_blocks: auto` (CUDA), each start first searches the fewest recomputed blocks with which
 its first step fits (`Engine.fit_recompute_blocks`: untimed steps, peaking at most the GPU's memory less
 `execution.memory_margin` of it and less the AdamW moments the optimizer has yet to allocate), before the step's
-gradients are zeroed, and trains with them. A later step with a microbatch that no searched microbatch covers in
-rows, KDA rows and key/value rows (`Engine.unsearched_extent`: a first step smaller than T, a deeper tree) is
-searched on again first, from the blocks found: they only grow.
+gradients are zeroed, and trains with them. A later step with a microbatch that no single searched microbatch
+covers (at least as large in rows, KDA rows and key/value rows alike; `Engine.unsearched_extent`: after a first step
+smaller than T, a deeper tree) is searched on again first, from the blocks found: they only grow.
 
 Exact resume: the checkpoint holds everything later steps read (weights, fp32 masters, AdamW
 moments and step counts, the scheduler's step, the RNG states, the epoch's order, the step
@@ -96,7 +96,7 @@ from harts.training.data import StepSource, epoch_order
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from harts.engine import Engine
+    from harts.engine import Engine, PlannedStep
     from harts.model.model import HybridModel
     from harts.trees.step import Step
 
@@ -223,6 +223,9 @@ class _Run:
     optimizer: MasterWeightAdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: Engine
+    staged: tuple[int, Step, PlannedStep, float] | None = None
+    """The data step loaded last, its plan and the seconds its loading took (a search's check, the search and the
+    step share them: one load and one plan a step)."""
 
     @classmethod
     def build(cls, config: TrainConfig, model_config, resolved: dict[str, Any], source: StepSource,
@@ -280,21 +283,31 @@ class _Run:
         step = self.source.step(data_index)
         return replace(step, old_logprobs=None) if self.config.data.on_policy else step
 
+    def planned_step(self, data_index: int) -> tuple[Step, PlannedStep, float]:
+        """Data step `data_index` as the run trains on it, its plan (which the recomputed blocks do not change) and
+        the seconds its loading took, loaded and planned once (`staged`)."""
+        if self.staged is None or self.staged[0] != data_index:
+            started = time.perf_counter()
+            step = self.data_step(data_index)
+            seconds = time.perf_counter() - started
+            self.staged = (data_index, step, self.engine.plan(step), seconds)
+        return self.staged[1:]
+
     def search_reason(self, data_index: int) -> str | None:
         """Why recompute_blocks auto searches before data step `data_index` (`Engine.search_reason`: the start's
-        first step, or a microbatch larger in some extent than every microbatch searched on); None: no search."""
+        first step, or a microbatch that no single microbatch searched on covers in rows, KDA rows and key/value
+        rows); None: no search."""
         if not (self.engine.search_pending or self.engine.searched_extents):
             return None  # a number of blocks: nothing to plan here
-        step = self.data_step(data_index)
-        return self.engine.search_reason(step, self.engine.plan(step))
+        step, planned, _ = self.planned_step(data_index)
+        return self.engine.search_reason(step, planned)
 
     def fit_recompute_blocks(self, data_index: int) -> dict[str, Any]:
         """recompute_blocks auto: the engine's blocks searched on data step `data_index` (before any of its
         gradients: the probes' are freed and the step zeroes the masters'), leaving the memory the optimizer's
         moments will take once allocated; the search's record."""
-        step = self.data_step(data_index)
-        return self.engine.fit_recompute_blocks(step, self.engine.plan(step),
-                                                reserved_bytes=self.optimizer.pending_state_bytes())
+        step, planned, _ = self.planned_step(data_index)
+        return self.engine.fit_recompute_blocks(step, planned, reserved_bytes=self.optimizer.pending_state_bytes())
 
     def step(self, number: int, data_index: int) -> dict[str, Any]:
         """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements, with the CUDA
@@ -311,10 +324,8 @@ class _Run:
         from harts.objective.losses import step_kl
 
         config = self.config
+        step, planned, data_seconds = self.planned_step(data_index)
         started = time.perf_counter()
-        step = self.data_step(data_index)
-        data_seconds = time.perf_counter() - started
-        planned = self.engine.plan(step)
 
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
@@ -346,7 +357,8 @@ class _Run:
             **result.mtp_record(),
             "microbatches": planned.num_microbatches,
             "seconds": {"data": data_seconds, "plan": planned.seconds, **result.seconds,
-                        "optimizer": optimizer_seconds, "total": time.perf_counter() - started},
+                        "optimizer": optimizer_seconds,
+                        "total": data_seconds + planned.seconds + time.perf_counter() - started},
         }
 
 

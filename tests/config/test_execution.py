@@ -169,7 +169,7 @@ SURFACES = {
     "train-step": ("memory_margin",),  # no search of the recomputed blocks
     "verify": ("execution", "memory_margin"),  # runs both; no search
     "train": (),  # --dtype is the run's: parameters and autocast
-    "rl": ("execution", "memory_margin"),  # runs the config's executions; no search
+    "rl": ("execution",),  # runs the config's executions
     "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "memory_margin", "recompute_by_rows",
                        "keep_attention", "keep_kda_intermediates",  # its paths fix these
                        "mtp_loss_scaling_factor"),  # it compares the decoder's logits; MTP runs at the model's factor
@@ -193,6 +193,9 @@ BAD = {
     "rl": ["rl", "--config", "tiny", "--out", "{tmp}/rl.json", "--recompute", "--keep-kda-intermediates"],
     "train-auto-on-cpu": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--recompute",
                           "--recompute-blocks", "auto"],
+    "rl-auto-on-cpu": ["rl", "--config", "tiny", "--out", "{tmp}/rl.json", "--recompute", "--recompute-blocks",
+                       "auto"],
+    "rl-margin": ["rl", "--config", "tiny", "--out", "{tmp}/rl.json", "--memory-margin", "1"],
     "train-margin": ["train", "--model", "tiny", "--trees", "tiny", "--out", "{tmp}/run", "--memory-margin", "1"],
     "train-step-auto": ["train-step", "--model", "tiny", "--trees", "data/samples/tiny-step.jsonl.gz", "--execution",
                         "compact", "--recompute", "--recompute-blocks", "auto"],

@@ -107,7 +107,9 @@ def test_recompute_blocks_auto_searches_before_each_learners_first_update(monkey
     tiny = load_rl_config(TINY)
 
     def run(blocks):
-        config = _config(execution=replace(tiny.execution, recompute=True, recompute_blocks=blocks))
+        # A KL term: the probes run the step's loss, which then reads the reference log-probs.
+        config = _config(execution=replace(tiny.execution, recompute=True, recompute_blocks=blocks),
+                         loss=replace(tiny.loss, grpo=replace(tiny.loss.grpo, kl_coef=0.05)))
         return run_seed(config, seed=0)[1]
 
     given, auto = run(3), run("auto")
@@ -126,14 +128,24 @@ def test_recompute_blocks_auto_searches_before_each_learners_first_update(monkey
 
     # Rollouts of other sizes: with the searched microbatches forgotten after each search, every later update's
     # microbatch is outside them, so each update searches again (one try, of the 3 blocks found), no other step.
-    fit = engine_module.Engine.fit_recompute_blocks
+    # Every learner's gradients are freed after its update, so no search runs beside another's (the search leaves
+    # room for moments, not gradients).
+    import harts.rl.loop as rl_loop
+
+    fit, update, updated = engine_module.Engine.fit_recompute_blocks, rl_loop.apply_update, []
 
     def fit_and_forget(self, *args, **kwargs):
+        assert all(p.grad is None for model in updated for p in model.parameters())
         search = fit(self, *args, **kwargs)
         self.searched_extents = [(1, 1, 1)]
         return search
 
+    def tracked_update(model, *args, **kwargs):
+        updated.append(model)
+        return update(model, *args, **kwargs)
+
     monkeypatch.setattr(engine_module.Engine, "fit_recompute_blocks", fit_and_forget)
+    monkeypatch.setattr(rl_loop, "apply_update", tracked_update)
     again = run("auto")
     for execution_name in ("compact", "baseline"):
         searches = [r.get("recompute_search") for r in again[execution_name]]
