@@ -269,10 +269,19 @@ def position_handoff_depth(step, microbatches, index, chunk_size: int):
     return depth
 
 
-def compare(weight, reference, candidate, targets, has_target, chunk: int = 4096) -> dict[str, Any]:
-    """Per-position SymKL, |ΔNLL| and logit cosine of candidate vs reference hidden states."""
+LOGIT_CHUNK_ELEMENTS = 1 << 28
+"""Logits of a path formed at a time in the comparison (rows x vocabulary): with their fp64 copies for the cosine
+and the softmax terms, a chunk's transients stay near 12 GB whatever the vocabulary (4,096 rows of gdn-h200's
+248,320 would be 8 GB a copy)."""
+
+
+def compare(weight, reference, candidate, targets, has_target, chunk: int | None = None) -> dict[str, Any]:
+    """Per-position SymKL, |ΔNLL| and logit cosine of candidate vs reference hidden states, `chunk` positions at a
+    time (default: `LOGIT_CHUNK_ELEMENTS` logits, at most 4,096 rows)."""
     import torch
 
+    if chunk is None:
+        chunk = max(1, min(4096, LOGIT_CHUNK_ELEMENTS // weight.shape[0]))
     with torch.no_grad():
         return _compare(weight, reference, candidate, targets, has_target, chunk)
 
@@ -435,6 +444,10 @@ def single_process_results(args, model, step, knobs, device, store_dtype, progre
                                       blocks["no-replay"])
     chunk_size = model.config.linear_attention.chunk_size
     depth = torch.from_numpy(position_handoff_depth(step, compact_mbs, index, chunk_size))
+    # The baseline's block outputs ([L, S, D] fp32: 41 GB for gdn-h200 on 2 trees) are done with once every path has
+    # been measured against them; each path's BlockOutputs holds them too.
+    for path_blocks in blocks.values():
+        path_blocks.reference = None
     del reference
     targets = semantic_targets_from_step(step)
     next_token = torch.from_numpy(targets.targets).to(device)

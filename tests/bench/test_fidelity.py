@@ -174,6 +174,57 @@ def test_compare_on_hand_computed_logits():
     assert result["cosine"].tolist() == pytest.approx([cosine, 1.0, cosine], abs=1e-6)
 
 
+@pytest.mark.parametrize(("elements", "rows"), [(1 << 28, 4096), (6, 3), (1, 1)], ids=["at-most-4096", "by-vocab",
+                                                                                     "one-row"])
+def test_compare_forms_a_bounded_number_of_logits_at_a_time(elements, rows, monkeypatch):
+    """The default chunk is LOGIT_CHUNK_ELEMENTS logits (at most 4,096 rows), and the results do not depend on it."""
+    import harts.bench.fidelity as fidelity
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2, 3, generator=generator)  # vocabulary 2
+    reference, candidate = (torch.randn(7, 3, generator=generator) for _ in range(2))
+    targets, has_target = torch.tensor([0, 1, 1, 0, 1, 0, 0]), torch.ones(7, dtype=torch.bool)
+    used = []
+    inner = fidelity._compare
+    monkeypatch.setattr(fidelity, "LOGIT_CHUNK_ELEMENTS", elements)
+    monkeypatch.setattr(fidelity, "_compare", lambda *args: used.append(args[-1]) or inner(*args))
+    result = fidelity.compare(weight, reference, candidate, targets, has_target)
+    assert used == [rows]
+    whole = fidelity.compare(weight, reference, candidate, targets, has_target, chunk=7)
+    for key in ("symkl", "abs_dnll", "cosine"):
+        torch.testing.assert_close(result[key], whole[key], rtol=1e-12, atol=1e-15)
+
+
+def test_the_baseline_block_outputs_are_freed_before_the_logit_comparison(tree_step_path, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The [L, S, D] fp32 block outputs of the baseline path are no longer held (by any path's BlockOutputs) when
+    the logits are compared."""
+    import gc
+    import weakref
+
+    import harts.bench.fidelity as fidelity
+
+    kept, alive = [], []
+    init, compare = fidelity.BlockOutputs.__init__, fidelity.compare
+
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.kept is not None:
+            kept.append(weakref.ref(self.kept))
+
+    def checked_compare(*args, **kwargs):
+        gc.collect()
+        alive.append(any(ref() is not None for ref in kept))
+        return compare(*args, **kwargs)
+
+    monkeypatch.setattr(fidelity.BlockOutputs, "__init__", tracked_init)
+    monkeypatch.setattr(fidelity, "compare", checked_compare)
+    path, _ = tree_step_path
+    code, records, _ = _fidelity(["--trees", path, "--capacity", "80", "--no-gradients"], tmp_path, capsys)
+    assert code == 0, records[0]
+    assert len(kept) == 1 and alive and not any(alive)
+
+
 def _report(execution, recompute, loss, rel):
     return {
         "execution": execution, "recompute": recompute, "loss": loss, "loss_rel_diff": rel,
