@@ -21,7 +21,7 @@ at three grains:
   blocks whose untimed step peaks at most the device's memory less the config's memory_margin); an engine built with
   auto recomputes every block until it has searched (`search_pending`), and `search_reason` says when a step must be
   searched on (again) before it runs: not searched yet, or a microbatch that the searched steps' microbatches do not
-  cover (`unsearched_extent`).
+  cover (`unsearched_extent`); `search_if_needed` searches then.
 `harts train-step`, `harts train`, `harts rl`, `harts bench speedup` and `harts bench fidelity`, `harts.api` and
 the verl engine run through it, `harts verify` plans through it (its comparisons are harts.objective.verify's and
 harts.parallel.verify's, the layers' checks of their steps); tests/test_engine_bypass.py fails on a module that
@@ -352,6 +352,14 @@ class Engine:
         rows, kda_rows, kv_rows = extent
         return (f"a microbatch of {rows} rows, {kda_rows} KDA rows and {kv_rows} key/value rows that no microbatch "
                 "searched on covers")
+
+    def search_if_needed(self, step: Step, planned: PlannedStep, *, reserved_bytes: int = 0) -> dict[str, Any] | None:
+        """`fit_recompute_blocks` on `planned` when `search_reason` gives a reason, and its record with that `reason`
+        first; None otherwise (the loops of harts train and harts rl call it before each step)."""
+        reason = self.search_reason(step, planned)
+        if reason is None:
+            return None
+        return {"reason": reason, **self.fit_recompute_blocks(step, planned, reserved_bytes=reserved_bytes)}
 
     def unsearched_extent(self, step: Step, planned: PlannedStep) -> tuple[int, int, int] | None:
         """After `fit_recompute_blocks`: the extent of the first microbatch of `planned` that no single microbatch

@@ -283,15 +283,12 @@ def _step(config: RLConfig, env: LookupEnv, learner: _Learner, reference: Hybrid
 
 
 def _search(engine: Engine, step, planned, reserved_bytes: int) -> dict[str, Any] | None:
-    """recompute_blocks auto: the engine's search on this step before its update when `Engine.search_reason` gives a
-    reason (the first update, or a microbatch outside those searched on), leaving `reserved_bytes` free; its record
-    (why, the blocks found, every untimed try, seconds: outside the step's timed phases), else None."""
-    reason = engine.search_reason(step, planned)
-    if reason is None:
-        return None
+    """recompute_blocks auto: `Engine.search_if_needed` on this step before its update (the first update, or a
+    microbatch outside those searched on), leaving `reserved_bytes` free; its record with its seconds (outside the
+    step's timed phases), or None."""
     start = time.perf_counter()
-    search = engine.fit_recompute_blocks(step, planned, reserved_bytes=reserved_bytes)
-    return {"reason": reason, **search, "seconds": time.perf_counter() - start}
+    search = engine.search_if_needed(step, planned, reserved_bytes=reserved_bytes)
+    return None if search is None else {**search, "seconds": time.perf_counter() - start}
 
 
 def run_config(config: RLConfig, seed: int) -> dict[str, Any]:

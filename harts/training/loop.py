@@ -41,8 +41,9 @@ its first) starts again from step 0 and keeps the log. With `wandb`, each step r
 RUN/train.jsonl: each start writes {"event": "start", "resumed_from", "config", "data" (number
 and combined sha256 of the data steps), "device_memory_bytes" (the GPU's total; null on CPU), "environment"};
 with recompute_blocks auto then {"event": "recompute_search", ...} (why, the blocks found, the margin, the limit,
-every probe and the searched microbatches' extents), again before a step searched on again; then one {"event": "step", ...} per step (loss, policy and MoE loss, with `loss.pooled_balance_coeff`
-the pooled load-balancing loss without its coefficient, pre-clip gradient norm, lr,
+every probe and the searched microbatches' extents), again before a step searched on again; then one
+{"event": "step", ...} per step (loss, policy and MoE loss, with `loss.pooled_balance_coeff` the pooled
+load-balancing loss without its coefficient, pre-clip gradient norm, lr,
 clip fraction, KL to the reference policy, S, C, rows, seconds, peak_memory_bytes: the CUDA allocator's peak
 over the step, optimizer included, null on CPU) and {"event": "checkpoint", ...} per checkpoint. On resume the
 records of steps after the checkpoint (done before the stop, about to be redone) are removed from the log, and
@@ -166,10 +167,9 @@ def train(
                 if position == 0:
                     order = epoch_order(source.num_steps, config.data.shuffle)
                 assert order is not None and len(order) == source.num_steps, "the epoch's order comes from the checkpoint"
-                reason = run.search_reason(order[position])
-                if reason is not None:
-                    _write(log, {"event": "recompute_search", "step": t, "data_step": order[position], "reason": reason,
-                                 **run.fit_recompute_blocks(order[position])})
+                search = run.search_if_needed(order[position])
+                if search is not None:
+                    _write(log, {"event": "recompute_search", "step": t, "data_step": order[position], **search})
                 record = {"event": "step", "step": t + 1, "epoch": epoch, **run.step(t + 1, order[position])}
                 _write(log, record)
                 records.append(record)
@@ -203,8 +203,8 @@ def model_config_of(config: TrainConfig):
 
 
 def engine_of(config: TrainConfig, model: torch.nn.Module) -> Engine:
-    """The engine of a (resolved) training config's steps (recompute_blocks auto: searched at a start's first step,
-    `_Run.fit_recompute_blocks`)."""
+    """The engine of a (resolved) training config's steps (recompute_blocks auto: searched at a start's first step
+    and again where a step outgrows the search, `_Run.search_if_needed`)."""
     from harts.engine import Engine
 
     return Engine.build(model, config.execution, config.device, loss_config=config.loss)
@@ -293,21 +293,15 @@ class _Run:
             self.staged = (data_index, step, self.engine.plan(step), seconds)
         return self.staged[1:]
 
-    def search_reason(self, data_index: int) -> str | None:
-        """Why recompute_blocks auto searches before data step `data_index` (`Engine.search_reason`: the start's
-        first step, or a microbatch that no single microbatch searched on covers in rows, KDA rows and key/value
-        rows); None: no search."""
+    def search_if_needed(self, data_index: int) -> dict[str, Any] | None:
+        """recompute_blocks auto: `Engine.search_if_needed` on data step `data_index` (the start's first step, or a
+        microbatch that no single microbatch searched on covers in rows, KDA rows and key/value rows), before any
+        of its gradients (the probes' are freed and the step zeroes the masters'), leaving the memory the
+        optimizer's moments will take once allocated; the search's record, or None."""
         if not (self.engine.search_pending or self.engine.searched_extents):
-            return None  # a number of blocks: nothing to plan here
+            return None  # a number of blocks: nothing to load or plan ahead of the step
         step, planned, _ = self.planned_step(data_index)
-        return self.engine.search_reason(step, planned)
-
-    def fit_recompute_blocks(self, data_index: int) -> dict[str, Any]:
-        """recompute_blocks auto: the engine's blocks searched on data step `data_index` (before any of its
-        gradients: the probes' are freed and the step zeroes the masters'), leaving the memory the optimizer's
-        moments will take once allocated; the search's record."""
-        step, planned, _ = self.planned_step(data_index)
-        return self.engine.fit_recompute_blocks(step, planned, reserved_bytes=self.optimizer.pending_state_bytes())
+        return self.engine.search_if_needed(step, planned, reserved_bytes=self.optimizer.pending_state_bytes())
 
     def step(self, number: int, data_index: int) -> dict[str, Any]:
         """Optimizer step `number` (1-based) on data step `data_index`; its record's measurements, with the CUDA
