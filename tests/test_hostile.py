@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from harts.trees.io import write_step
-from tests.trees.helpers import make_step
+from tests.trees.helpers import make_step, save_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = (REPO / "configs/models/tiny.yaml").read_text()
@@ -107,12 +107,7 @@ def _chat(name: str, *messages_or_records: dict) -> Callable[[Path], None]:
 
 def _tokenizer(vocab: dict[str, int], unk: str | None) -> Callable[[Path], None]:
     def setup(d: Path) -> None:
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-        tokenizer.save(str(d / "tokenizer.json"))
+        save_word_tokenizer(d / "tokenizer.json", vocab, unk)
         _chat("logs.jsonl", {"messages": [{"role": "user", "content": "hi"},
                                           {"role": "assistant", "content": "yo zz"}]})(d)
     return setup

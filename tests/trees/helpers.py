@@ -1,8 +1,9 @@
 """Small step builders, a brute-force dict trie (the oracle of the vectorised structures) and the
-checks of a refused bad input (library message, CLI line)."""
+checks of a refused bad input (library message, CLI line), word-level tokenizer files."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -118,3 +119,25 @@ def cli_error(argv: list[str], capsys) -> str:
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("harts: error: "), err
     return lines[0]
+
+
+HUGE_TOKEN_ID = 2**24
+
+
+def save_word_tokenizer(path: Path, vocab: dict[str, int], unk: str | None) -> Path:
+    """A whitespace WordLevel tokenizer.json over `vocab` with the ChatML markers as special tokens, at `path`.
+    Ids of at least HUGE_TOKEN_ID are written into the saved file in place of free small ones: tokenizers' save
+    walks every id up to the largest (35 s for one id of 2^31)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    top = max((i for i in vocab.values() if i < HUGE_TOKEN_ID), default=-1)
+    huge = sorted((token for token, i in vocab.items() if i >= HUGE_TOKEN_ID), key=vocab.__getitem__)
+    tokenizer = Tokenizer(models.WordLevel({**vocab, **{t: top + 1 + n for n, t in enumerate(huge)}}, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(path))
+    if huge:
+        saved = json.loads(path.read_text())
+        saved["model"]["vocab"].update({token: vocab[token] for token in huge})
+        path.write_text(json.dumps(saved))
+    return path

@@ -9,7 +9,7 @@ from harts.trees.ingest import RECORD_FIELDS, ByteTokenizer, FileTokenizer, inge
 from harts.trees.io import TrajectoryFormatError, read_step
 from harts.trees.trie import PrefixIndex
 
-from .helpers import BAD_INPUTS, assert_message, cli_error
+from .helpers import BAD_INPUTS, assert_message, cli_error, save_word_tokenizer
 
 SAMPLES = "data/samples"
 
@@ -230,15 +230,8 @@ def test_content_that_encodes_to_a_marker_is_refused(tmp_path, capsys):
 
 def _word_tokenizer(tmp_path, vocab: dict, unk: str | None, name: str = "tokenizer.json"):
     """A whitespace WordLevel tokenizer.json over `vocab` with the ChatML markers as special tokens."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers
-
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    path = tmp_path / name
-    tok.save(str(path))
-    return path
+    pytest.importorskip("tokenizers")
+    return save_word_tokenizer(tmp_path / name, vocab, unk)
 
 
 ROLE_WORDS = {"system": 0, "user": 1, "assistant": 2, "tool": 3, "hi": 4, "yo": 5}
