@@ -70,7 +70,6 @@ def case_packed_kda() -> dict[str, float]:
     # 4 value heads over 2 query/key heads, K = 16 != V = 8: a gate broadcast or a head repeat over the wrong axis
     # fails on shapes or values.
     lengths, cu, leaves = _packed_inputs(value_dim=8)
-    total = sum(lengths)
 
     def recurrence(q, k, v, g, beta):
         q, k = (x / (x.square().sum(-1, keepdim=True) + 1e-6).sqrt() for x in (q, k))  # fla's L2 norm
@@ -86,15 +85,18 @@ def case_packed_kda() -> dict[str, float]:
     errors = {f"{reference}.{name}": relative_error(actual, expected)
               for reference in ("torch", "recurrence")
               for name, expected, actual in zip(names, results[reference], results["kda"])}
-    # A baseline layout's GDN layers share one device plan of the call (built by the first).
-    layout = packed_layout(np.zeros(total, dtype=np.int64), np.array(lengths), np.arange(len(lengths)), conv_size=4,
+    # A baseline layout's GDN layers share one device plan of the call (built by the first). On the first two
+    # sequences only (70 rows over a chunk boundary and 1): the interpreter's time grows with the rows, and the layout
+    # ran two thirds of this case's on all four.
+    lengths, rows = lengths[:2], sum(lengths[:2])
+    layout = packed_layout(np.zeros(rows, dtype=np.int64), np.array(lengths), np.arange(len(lengths)), conv_size=4,
                            chunk_size=64, kda_backend="fla", gdn_kernel="kda")
     with torch.no_grad():
-        first = layout.gated_delta_rule(*leaves)
+        first = layout.gated_delta_rule(*(x[:rows] for x in leaves))
         call = layout._packed_kda_call
-        again = layout.gated_delta_rule(*leaves)
+        again = layout.gated_delta_rule(*(x[:rows] for x in leaves))
     assert call is not None and layout._packed_kda_call is call
-    errors["layout.o"] = relative_error(first, results["kda"][0])
+    errors["layout.o"] = relative_error(first, results["kda"][0][:rows])
     errors["layout.again.o"] = relative_error(again, first)
     assert np.isfinite(list(errors.values())).all()
     return errors
