@@ -158,10 +158,10 @@ def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int
                          memory_margin: float, reserved_bytes: int = 0, within_bytes: int | None = None,
                          within: str = "a given peak", at_least: int | None = None) -> dict[str, Any]:
     """The search's record: the fewest `recompute_blocks` n of 1..num_blocks (at_least..num_blocks) whose
-    `probe(n)` (`probe_step`'s answer) fits and peaks at most `memory_limit_bytes` (and at most `within_bytes` where given: `within` names
-    it in the error), with the limit's terms and every probe in order (`fewest_recomputed_blocks`). `DoesNotFit` (a
-    ValueError) when no number does, naming the limit, the margin and what the step did with every block; a probe's
-    own error passes through."""
+    `probe(n)` (`probe_step`'s answer) fits and peaks at most `memory_limit_bytes` (and at most `within_bytes`
+    where given: `within` names it in the error), with the limit's terms and every probe in order
+    (`fewest_recomputed_blocks`). `DoesNotFit` (a ValueError) when no number does, naming the limit, the margin and
+    what the step did with every block; a probe's own error passes through."""
     limit = memory_limit_bytes(device_memory_bytes, memory_margin, reserved_bytes)
     probes: list[dict[str, Any]] = []
 

@@ -89,12 +89,13 @@ def case_packed_kda() -> dict[str, float]:
     # sequences only (70 rows over a chunk boundary and 1): the interpreter's time grows with the rows, and the layout
     # ran two thirds of this case's on all four.
     lengths, rows = lengths[:2], sum(lengths[:2])
+    prefix = [x[:rows] for x in leaves]
     layout = packed_layout(np.zeros(rows, dtype=np.int64), np.array(lengths), np.arange(len(lengths)), conv_size=4,
                            chunk_size=64, kda_backend="fla", gdn_kernel="kda")
     with torch.no_grad():
-        first = layout.gated_delta_rule(*(x[:rows] for x in leaves))
+        first = layout.gated_delta_rule(*prefix)
         call = layout._packed_kda_call
-        again = layout.gated_delta_rule(*(x[:rows] for x in leaves))
+        again = layout.gated_delta_rule(*prefix)
     assert call is not None and layout._packed_kda_call is call
     errors["layout.o"] = relative_error(first, results["kda"][0][:rows])
     errors["layout.again.o"] = relative_error(again, first)
