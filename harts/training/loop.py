@@ -73,7 +73,7 @@ import torch
 from tqdm import tqdm
 
 from harts.config import config_to_dict
-from harts.files import write_text
+from harts.files import write_bytes
 from harts.objective.step import (
     check_baseline_gdn_kernel,
     check_pooled_balance,
@@ -263,7 +263,7 @@ class _Run:
         dropped, damaged = _truncate_log(self.run_dir / LOG_NAME, trainer["step"])
         logger.info(f"resuming {self.run_dir} from {checkpoint.name}"
                     + (f"; {dropped} logged step(s) after it are redone" if dropped else "")
-                    + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""))
+                    + (f"; the torn last line of {LOG_NAME} removed" if damaged else ""))
         return trainer["step"], trainer["epoch_order"]
 
     def save(self, step: int, order: list[int]) -> dict[str, Any]:
@@ -415,24 +415,39 @@ def _restart(run_dir: Path) -> None:
     dropped, damaged = _truncate_log(run_dir / LOG_NAME, 0)
     logger.info(f"{run_dir}: no checkpoint to resume from, starting from step 0"
                 + (f"; {dropped} logged step(s) are redone" if dropped else "")
-                + (f"; {damaged} unreadable line(s) of {LOG_NAME} removed" if damaged else ""))
+                + (f"; the torn last line of {LOG_NAME} removed" if damaged else ""))
 
 
 def first_start_record(log: Path) -> dict[str, Any] | None:
-    """The first start record of a run's log (None when there is no log or it holds none; damaged lines skipped)."""
+    """The first start record of a run's log (None when there is no log or it holds none)."""
     if not log.exists():
         return None
-    with log.open(encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and record.get("event") == "start":
-                if not isinstance(record.get("config"), dict) or not isinstance(record["config"].get("train"), dict):
-                    raise ValueError(f"{log}: the first start record has no config.train object")
-                return record
+    for _, record in _log_records(log):
+        if isinstance(record, dict) and record.get("event") == "start":
+            if not isinstance(record.get("config"), dict) or not isinstance(record["config"].get("train"), dict):
+                raise ValueError(f"{log}: the first start record has no config.train object")
+            return record
     return None
+
+
+def _log_records(path: Path) -> list[tuple[bytes, dict[str, Any] | None]]:
+    """Each line of a run's log as (its bytes, its record), the record None for a damaged last line: a kill or a full
+    disk can tear only the line being appended. A damaged line before the last is refused, not dropped: the log was
+    altered by something else."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            if number < len(lines):
+                raise ValueError(f"{path}: line {number}: not a JSON record (only the last line of a run's log can "
+                                 "be torn, by a kill or a full disk); repair or remove the line")
+            record = None
+        records.append((line, record))
+    return records
 
 
 def _with_new_defaults(saved: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -473,24 +488,18 @@ def first_difference(then: Any, now: Any, prefix: str = "") -> tuple[str, Any, A
 
 
 def _truncate_log(path: Path, step: int) -> tuple[int, int]:
-    """Keep the records of `path` up to step `step`; return (step records removed, unreadable lines removed)."""
+    """Keep the records of `path` up to step `step`; return (step records removed, torn last lines removed)."""
     if not path.exists():
         return 0, 0
     kept, dropped, damaged = [], 0, 0
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if not isinstance(record, dict):
-                damaged += 1  # a line cut short by a kill
-                continue
-            if isinstance(record.get("step"), int) and record["step"] > step:
-                dropped += record.get("event") == "step"
-                continue
-            kept.append(line if line.endswith("\n") else line + "\n")
-    write_text(path, "".join(kept))
+    for line, record in _log_records(path):
+        if record is None:
+            damaged += 1
+        elif isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += record.get("event") == "step"
+        else:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    write_bytes(path, b"".join(kept))
     return dropped, damaged
 
 

@@ -367,6 +367,23 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_from_step_0(tmp_path)
     assert [(r["event"], r.get("resumed_from")) for r in lines if r["event"] == "start"] == [("start", None)] * 2
 
 
+@pytest.mark.parametrize("damage", ["middle", "non-utf8-middle"])
+def test_a_damaged_log_line_before_the_last_is_refused_and_kept(tmp_path, damage):
+    """Only the line being appended can be torn (a kill, a full disk): a damaged earlier line means the log was
+    altered, so a resume refuses it by line number and leaves the log as it was (a torn last line is removed:
+    tests/test_files.py)."""
+    one_step = {"num_steps": 2, "schedule.warmup_steps": 0}
+    train(_config(**one_step), tmp_path / "run", max_steps=1)
+    log = tmp_path / "run" / LOG_NAME
+    lines = log.read_bytes().splitlines(keepends=True)
+    bad = b'{"event": "step", "note": "caf\xe9"}\n' if damage == "non-utf8-middle" else b'{"event": "st\n'
+    damaged = b"".join([lines[0], bad, *lines[1:]])
+    log.write_bytes(damaged)
+    with pytest.raises(ValueError, match=rf"{LOG_NAME}: line 2: not a JSON record"):
+        train(_config(**one_step), tmp_path / "run", resume=True)
+    assert log.read_bytes() == damaged
+
+
 def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     one_step = {"num_steps": 2, "schedule.warmup_steps": 0}
     train(_config(**one_step), tmp_path / "run", max_steps=1)
