@@ -10,7 +10,11 @@ file stem (`stem:line` for JSONL), the default tree is the id, the default rewar
 the GRPO normalisation of rewards within each tree. A record may carry only the fields of
 `RECORD_FIELDS`: the ones above and the metadata that SWE-agent `.traj` files carry next to
 `history` (`environment`, `info`, `replay_config`, `trajectory`, read past); any other field is an
-error, so a typo such as `rewrad` cannot silently zero a reward. A reward must be finite and fit
+error, so a typo such as `rewrad` cannot silently zero a reward. Likewise a message may carry only
+`MESSAGE_FIELDS`: `role`, `content`, `tool_calls` and, read past, the OpenAI fields `name` and
+`tool_call_id` and SWE-agent's per-message metadata (`thought` and `action` repeat the content or the
+tool call); a field that would carry text this rendering leaves out (`function_call`,
+`reasoning_content`, ...) is an error, not dropped. A reward must be finite and fit
 float32. Bad input raises `TrajectoryFormatError` naming the file, line and field (the readers of
 harts.trees.io are shared: UTF-8, gzip and duplicate JSON keys are checked the same way).
 
@@ -48,6 +52,10 @@ MARKERS = ("<|im_start|>", "<|im_end|>")
 RECORD_FIELDS = (
     "id", "tree", "instance_id", "reward", "messages", "history",
     "environment", "info", "replay_config", "trajectory",
+)
+MESSAGE_FIELDS = (
+    "role", "content", "tool_calls",
+    "name", "tool_call_id", "tool_call_ids", "agent", "message_type", "thought", "action", "is_demo",
 )
 
 
@@ -175,9 +183,9 @@ def _content_text(message: dict, where: str) -> str:
     else:
         raise TrajectoryFormatError(f"{where}: field 'content': expected a string or a list of text parts")
     calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise TrajectoryFormatError(f"{where}: field 'tool_calls': expected a list")
     if calls:
-        if not isinstance(calls, list):
-            raise TrajectoryFormatError(f"{where}: field 'tool_calls': expected a list")
         text += "".join("\n" + json.dumps(call, sort_keys=True, ensure_ascii=False) for call in calls)
     elif content is None:
         raise TrajectoryFormatError(f"{where}: field 'content': missing")
@@ -207,6 +215,11 @@ def render(messages: list, tokenizer, where: str) -> tuple[np.ndarray, np.ndarra
         at = f"{where}: message {k}"
         if not isinstance(message, dict):
             raise TrajectoryFormatError(f"{at}: expected an object")
+        unknown = sorted(set(message) - set(MESSAGE_FIELDS))
+        if unknown:
+            raise TrajectoryFormatError(
+                f"{at}: field '{unknown[0]}': unknown field (known: {', '.join(MESSAGE_FIELDS)})"
+            )
         role = message.get("role")
         if role not in ROLES:
             raise TrajectoryFormatError(f"{at}: field 'role': {role!r} is not one of {', '.join(ROLES)}")

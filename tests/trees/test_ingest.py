@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from harts.cli.main import main
-from harts.trees.ingest import RECORD_FIELDS, ByteTokenizer, FileTokenizer, ingest_messages, render
+from harts.trees.ingest import MESSAGE_FIELDS, RECORD_FIELDS, ByteTokenizer, FileTokenizer, ingest_messages, render
 from harts.trees.io import TrajectoryFormatError, read_step
 from harts.trees.trie import PrefixIndex
 
@@ -78,7 +78,14 @@ def test_real_swe_agent_logs(tmp_path):
     ({"turns": []}, "field 'messages': missing"),
     ({"id": 5, "messages": [{"role": "user", "content": "x"}]}, "field 'id'"),
     ({"messages": []}, "empty conversation"),
-])
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "ls", "arguments": "{}"}}]},
+     "message 0: field 'function_call': unknown field (known: role, content, tool_calls, name, tool_call_id, "),
+    ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": "why"}]},
+     "message 0: field 'reasoning_content': unknown field"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": {}}]}, "field 'tool_calls': expected a list"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": ""}]}, "field 'tool_calls': expected a list"),
+], ids=["role", "content-missing", "image-part", "history-not-list", "no-messages", "id-not-string", "empty",
+        "function-call", "reasoning-content", "tool-calls-object", "tool-calls-empty-string"])
 def test_bad_messages(tmp_path, record, fragment):
     path = tmp_path / "logs.jsonl"
     path.write_text(json.dumps(record) + "\n")
@@ -139,6 +146,16 @@ def test_real_logs_use_only_known_record_fields():
     fields = {key for path in Path(f"{SAMPLES}/swe-agent").glob("*.traj") for key in json.loads(path.read_text())}
     fields |= {key for line in open(f"{SAMPLES}/messages.jsonl") for key in json.loads(line)}
     assert fields == set(RECORD_FIELDS) - {"tree"}
+
+
+def test_real_logs_use_only_known_message_fields():
+    """MESSAGE_FIELDS reads past every message field of the real SWE-agent logs (../shared/data's own are the same
+    kind) and of the JSONL sample, and nothing those logs do not use beyond the OpenAI fields."""
+    records = [json.loads(path.read_text()) for path in Path(f"{SAMPLES}/swe-agent").glob("*.traj")]
+    records += [json.loads(line) for line in open(f"{SAMPLES}/messages.jsonl")]
+    fields = {key for record in records for message in record.get("history", record.get("messages", []))
+              for key in message}
+    assert fields | {"name", "tool_call_id"} == set(MESSAGE_FIELDS)
 
 
 def _chatml_tokenizer(tmp_path, vocabulary_markers: bool = False):
