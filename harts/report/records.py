@@ -34,12 +34,21 @@ def load_records(paths: list[str | Path] | tuple[str | Path, ...], benchmark: st
 
 def _read(path: Path) -> list[Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such records file") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})") from None
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno})") from None
+        return records
     try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None

@@ -44,6 +44,21 @@ def test_bad_files_name_file_record_and_field(tmp_path, case):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("name, data, message", [
+    ("records.jsonl", b'{"benchmark": "speedup"}\n\n{"benchmark": \n', "records.jsonl:3: invalid JSON (Expecting value at column 15)"),
+    ("records.jsonl", b'{"benchmark": "caf\xe9"}\n', "records.jsonl: not UTF-8 text (byte 0xe9 at offset 18)"),
+    ("records.json", b'[{"benchmark": "caf\xe9"}]', "records.json: not UTF-8 text (byte 0xe9 at offset 19)"),
+], ids=["jsonl-line-3", "jsonl-not-utf8", "json-not-utf8"])
+def test_unreadable_lines_are_named(tmp_path, name, data, message):
+    """A JSONL error names its own line (json.loads of one line always said line 1); bytes that are not UTF-8 are a
+    one-line error naming the file, not a UnicodeDecodeError."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError) as error:
+        load_records([path], "speedup")
+    assert str(error.value) == f"{tmp_path}/{message}"
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match="no such records file"):
         load_records([tmp_path / "absent.json"], "speedup")
