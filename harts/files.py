@@ -107,9 +107,16 @@ def _files(path: Path) -> list[Path]:
 
 
 def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:
-    """ValueError naming `command` if an output is one of the inputs (or a file of an input folder)."""
+    """ValueError naming `command` if an output is one of the inputs (or a file of an input folder), or two outputs
+    are one file (e.g. records given a table's suffix: the table would replace them)."""
     inputs = [Path(p) for p in inputs if p is not None]
-    for output in (Path(p) for p in outputs if p is not None):
+    outputs = [Path(p) for p in outputs if p is not None]
+    for k, output in enumerate(outputs):
+        for other in outputs[:k]:
+            if _same(output, other):
+                which = (f"output {output} is written twice" if output == other
+                         else f"outputs {other} and {output} are one file")
+                raise ValueError(f"{command}: {which} (one would overwrite the other); choose another name")
         for given in inputs:
             for existing in _files(given):
                 if _same(output, existing):

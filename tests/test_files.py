@@ -198,8 +198,26 @@ def test_outputs_that_are_inputs_are_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"output {folder / 'step_000.npz'} is {folder / 'step_000.npz'}, a file of "
                                          rf"its input {folder}"):
         check_outputs("harts x", [folder / "step_000.npz"], [folder])
+    (tmp_path / "records.md").write_text("")
+    (tmp_path / "link.md").symlink_to(tmp_path / "records.md")
+    with pytest.raises(ValueError, match=rf"^harts x: outputs {tmp_path / 'records.md'} and {tmp_path / 'link.md'} are "
+                                         r"one file \(one would overwrite the other\); choose another name$"):
+        check_outputs("harts x", [tmp_path / "records.md", tmp_path / "link.md"], [])
     # New files, other files and config names are fine.
     check_outputs("harts x", [tmp_path / "new.json", tmp_path / "other.npz", None], [step, "tiny", None, folder])
+
+
+@pytest.mark.parametrize("suffix", [".md", ".csv"])
+def test_records_named_like_their_own_table_are_refused_before_any_work(tmp_path, capsys, suffix):
+    """`bench planning --out x.md` would write its records, then its .md table over them."""
+    from harts.cli.main import main
+
+    out = tmp_path / f"planning{suffix}"
+    argv = ["bench", "planning", "--trees", "tiny", "--steps", "0", "--dp", "1", "--out", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"harts: error: harts bench planning: output {out} is written twice (one would "
+                                       "overwrite the other); choose another name\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv", [
