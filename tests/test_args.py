@@ -124,6 +124,22 @@ BAD_OPTIONS = {
         ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--recompute-blocks", "most", "--out", "{tmp}/s.json"],
         "bench speedup", "argument --recompute-blocks: expected a positive integer below 2^62 or auto, got 'most'",
     ),
+    "plan-kda-chunk-beyond-int64": (
+        ["plan", "kda", STEP, "--chunk", "9" * 23],
+        "plan kda", f"argument --chunk: expected a positive integer below 2^62, got '{'9' * 23}'",
+    ),
+    "plan-kda-chunk-zero": (
+        ["plan", "kda", STEP, "--chunk", "0"],
+        "plan kda", "argument --chunk: expected a positive integer below 2^62, got '0'",
+    ),
+    "unknown-option-of-a-command": (
+        ["train-step", "--model", "tiny", "--trees", STEP, "--execution", "compact", "--memory-margin", "0.1"],
+        "train-step", "unrecognized arguments: --memory-margin 0.1",
+    ),
+    "unknown-option-of-a-subcommand": (
+        ["plan", "kda", STEP, "--chunk", "64", "--out", "{tmp}/k.json"],
+        "plan kda", "unrecognized arguments: --out {tmp}/k.json",
+    ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }
 
@@ -132,8 +148,10 @@ BAD_OPTIONS = {
 def test_bad_option_is_refused_in_one_line(case, tmp_path, capsys):
     argv, command, message = BAD_OPTIONS[case]
     out = tmp_path / "plan.json"
-    argv = [arg.format(tmp=tmp_path) for arg in argv] + (["--out", str(out)] if argv[:1] == ["plan"] else [])
+    with_out = argv[:2] == ["plan", "microbatches"]
+    argv = [arg.format(tmp=tmp_path) for arg in argv] + (["--out", str(out)] if with_out else [])
     prefix, prog = (f"{command}: ", f"harts {command}") if command else ("", "harts")
+    message = message.format(tmp=tmp_path)
     assert cli_error(argv, capsys) == f"harts: error: {prefix}{message} (see '{prog} --help')"
     assert not out.exists() and not (tmp_path / "synth").exists()
     assert not any(tmp_path.glob("?.json"))

@@ -31,8 +31,15 @@ from harts.files import check_outputs, output_locks
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `harts: error: COMMAND: MESSAGE (see ... --help)`.
 
-    Subcommand parsers are of the same class (add_subparsers builds them with type(parent)).
+    Subcommand parsers are of the same class (add_subparsers builds them with type(parent)). `innermost` is the last
+    parser that parsed (the subcommand's), so that an unknown option points to the subcommand's help.
     """
+
+    innermost: _Parser | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        _Parser.innermost = self
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:
         command = self.prog.removeprefix("harts").strip()
@@ -56,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    _Parser.innermost = None
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (_Parser.innermost or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     standard_output = sys.stdout
     if standard_output is not None:
         sys.stdout = _StandardOutput(standard_output)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from harts.args import positive_int
+
 SUMMARY_KEYS = ("calls", "sequences", "replay_tokens", "compact_tokens", "semantic_tokens")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("kda", help="plan the linear-attention calls of a step taken as one microbatch")
     parser.add_argument("path", help="a step: .jsonl, .jsonl.gz, .npz or a directory of them")
-    parser.add_argument("--chunk", type=int, required=True, help="chunk size B of the chunked kernel (64 in fla)")
+    parser.add_argument("--chunk", type=positive_int, required=True, help="chunk size B of the chunked kernel (64 in fla)")
     parser.add_argument("--no-replay", action="store_true",
                         help="the ablation: side branches start at the fork from the exact state, no replay")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -28,8 +30,6 @@ def run(args: argparse.Namespace) -> int:
     from harts.trees.io import read_step
     from harts.trees.trie import PrefixIndex
 
-    if args.chunk < 1:
-        raise ValueError(f"--chunk must be a positive integer, got {args.chunk}")
     step = read_step(args.path)
     tree = PrefixIndex.from_step(step).segment_tree()
     schedule = plan_kda_calls(tree, args.chunk, replay=not args.no_replay)
