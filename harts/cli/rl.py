@@ -27,7 +27,8 @@ from harts.tracking import wandb_log
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("rl", help="online GRPO on self-sampled rollout trees, both executions side by side")
     parser.add_argument("--config", required=True,
-                        help="RL config (harts.rl.config.RLConfig): a shipped one by name (cpu, tiny, h200) or a YAML path")
+                        help="RL config (harts.rl.config.RLConfig): a shipped one by name (cpu, tiny, gdn-tiny, h200) "
+                             "or a YAML path")
     parser.add_argument("--out", required=True, help="records file (.json: a list; .jsonl: one record per line)")
     parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
                         help="run these seeds (default: the config's seeds)")

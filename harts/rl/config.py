@@ -109,7 +109,7 @@ def model_config_of(config: RLConfig):
 
 
 def load_rl_config(name_or_path: str | Path) -> RLConfig:
-    """A shipped RL config by name (configs/rl/NAME.yaml: cpu, tiny, h200) or a YAML file."""
+    """A shipped RL config by name (configs/rl/NAME.yaml: cpu, tiny, gdn-tiny, h200) or a YAML file."""
     return load_config(shipped_config_path(str(name_or_path), "rl"), RLConfig)
 
 
