@@ -40,6 +40,7 @@ labels, temperature, `logprobs_from_logits`, `entropy_from_logits`) for log-prob
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from collections.abc import Callable, Generator
 from contextlib import nullcontext
@@ -361,23 +362,33 @@ class HartsEngine(BaseEngine):
                         max_ckpt_to_keep: int | None = None, **kwargs) -> None:
         """`local_path`/huggingface (the model, `save_hf_checkpoint`) and `local_path`/harts_optimizer.pt (AdamW,
         fp32 masters, schedule), written by rank 0; older checkpoints of this engine beyond `max_ckpt_to_keep`
-        are removed."""
+        are removed. Both are written beside the ones they replace (hidden `.NAME.partial`) and renamed over them
+        only when complete: a kill or a full disk mid-save leaves the earlier checkpoint at `local_path`."""
         if hdfs_path is not None:
             raise ValueError(f"{_where('save_checkpoint')}: hdfs_path is not supported")
         root = Path(local_path)
         if self.get_data_parallel_rank() == 0:
-            model_dir = root / "huggingface"
-            if model_dir.exists():
-                shutil.rmtree(model_dir)
+            model_dir, state_file = root / "huggingface", root / OPTIMIZER_STATE
+            staged, staged_state = root / ".huggingface.partial", root / f".{OPTIMIZER_STATE}.partial"
+            replaced = root / ".huggingface.replaced"
+            for stale in (staged, replaced):  # left by a save that was killed
+                if stale.exists():
+                    shutil.rmtree(stale)
             root.mkdir(parents=True, exist_ok=True)
-            save_hf_checkpoint(self.module, model_dir)
+            save_hf_checkpoint(self.module, staged)
             if self.optimizer is not None:
-                from harts.files import atomic_path
-
                 state = {"optimizer": self.optimizer.optimizer.state_dict(), "masters": self.optimizer.copies,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "global_step": global_step}
-                with atomic_path(root / OPTIMIZER_STATE) as temporary:
-                    torch.save(state, temporary)
+                torch.save(state, staged_state)
+                with open(staged_state, "rb+") as handle:
+                    os.fsync(handle.fileno())
+            if model_dir.exists():
+                model_dir.rename(replaced)
+            staged.rename(model_dir)
+            if self.optimizer is not None:
+                os.replace(staged_state, state_file)
+            if replaced.exists():
+                shutil.rmtree(replaced)
             if str(root) not in self._saved_checkpoints:
                 self._saved_checkpoints.append(str(root))
             while max_ckpt_to_keep and len(self._saved_checkpoints) > max_ckpt_to_keep:

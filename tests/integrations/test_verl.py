@@ -485,6 +485,36 @@ def test_checkpoint_round_trip(checkpoint, tmp_path):
     assert (tmp_path / "global_step_2" / "actor" / "huggingface" / "config.json").exists()
 
 
+def test_a_save_that_fails_midway_keeps_the_earlier_checkpoint(checkpoint, tmp_path, monkeypatch):
+    """Saving again to a checkpoint's path (a full disk while the model is written): the earlier checkpoint stays
+    whole and loadable, byte for byte; the next save replaces it and clears what the failed one left."""
+    import harts.integrations.verl as harts_verl
+
+    worker = make_worker(checkpoint, actor_config())
+    path = tmp_path / "global_step_1" / "actor"
+    worker.engine.save_checkpoint(str(path), global_step=1)
+
+    def files() -> dict[str, bytes]:
+        return {str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)}
+
+    before = files()
+
+    def full_disk(module, directory):
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "model.safetensors").write_bytes(b"cut short")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(harts_verl, "save_hf_checkpoint", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        worker.engine.save_checkpoint(str(path), global_step=1)
+    assert files() == before
+    make_worker(checkpoint, actor_config()).engine.load_checkpoint(str(path))
+    monkeypatch.undo()
+    worker.engine.save_checkpoint(str(path), global_step=1)
+    assert sorted(f.name for f in path.iterdir()) == ["harts_optimizer.pt", "huggingface"]
+
+
 # ---------------------------------------------------------------------------------------------
 # What the engine refuses
 
