@@ -371,6 +371,8 @@ class HartsEngine(BaseEngine):
             model_dir, state_file = root / "huggingface", root / OPTIMIZER_STATE
             staged, staged_state = root / ".huggingface.partial", root / f".{OPTIMIZER_STATE}.partial"
             replaced = root / ".huggingface.replaced"
+            if replaced.exists() and not model_dir.exists():  # a save killed between its two renames
+                replaced.rename(model_dir)
             for stale in (staged, replaced):  # left by a save that was killed
                 if stale.exists():
                     shutil.rmtree(stale)
