@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.extras import require
-from harts.files import write_text
+from harts.files import atomic_path, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -263,12 +263,18 @@ class BenchLogger:
 
     def _close_run(self, name: str, kind: str, paths: list[Path], exit_code: int) -> None:
         """Log `paths` as one artifact of the open run (copied into its directory first), then finish it."""
+        names = [path.name for path in paths]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise ValueError(f"artifact {artifact_name(name)}: two files named {twice} "
+                             f"({', '.join(str(p) for p in paths if p.name == twice)}); one would replace the other")
         folder = self._artifact_folder()
         artifact = self._wandb.Artifact(artifact_name(name), type=kind)
         for path in paths:
             copy = folder / path.name
             if copy != path:
-                shutil.copyfile(path, copy)
+                with atomic_path(copy) as temporary:
+                    shutil.copyfile(path, temporary)
             # The copy stays in the run's directory, unchanged until synced: no second copy in W&B's staging area.
             artifact.add_file(str(copy), name=path.name, policy="immutable")
         run, self.run = self.run, None

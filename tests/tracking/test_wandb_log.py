@@ -312,6 +312,19 @@ def test_report_artifact(clean_env, tmp_path):
     assert Path(files["speedup.pdf"]).read_bytes() == b"%PDF-1.4 not a real figure"
 
 
+def test_report_files_of_one_name_are_one_warning_not_one_lost(clean_env, tmp_path, capsys):
+    """Two report files named alike would be one file in the artifact: refused in one warning, the report kept."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "table.csv").write_text(f"source\n{folder}\n", encoding="utf-8")
+    paths = [tmp_path / "a" / "table.csv", tmp_path / "b" / "table.csv"]
+    assert log_report("tables", paths, directory=tmp_path / "wb") == []
+    assert capsys.readouterr().err == (
+        f"harts: warning: W&B logging skipped (ValueError: artifact report-tables: two files named table.csv "
+        f"({paths[0]}, {paths[1]}); one would replace the other)\n")
+    assert [p.read_text() for p in paths] == ["source\na\n", "source\nb\n"]
+
+
 def test_bench_planning_offline_runs_per_step_and_planner(clean_env, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     out = tmp_path / "planning.json"
