@@ -69,7 +69,9 @@ def _table_or_note(paths: list[str | Path], make, what: str) -> str:
     existing = [p for p in paths if Path(p).is_file()]
     if not existing:
         return f"{what}: not measured (no records)."
-    return make(existing)
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    note = f"\n\nNot in this table (no records file): {', '.join(f'`{p}`' for p in missing)}." if missing else ""
+    return make(existing) + note
 
 
 def write_summary(path: str | Path, *, speedup: list[str | Path], planning: list[str | Path],
@@ -115,7 +117,8 @@ def write_summary(path: str | Path, *, speedup: list[str | Path], planning: list
                                  markdown_table(header, rows) if rows else "no job benchmark files found."))
     sections.append(_section("Files", "\n".join(
         [f"- report: `{p}`" for p in reports]
-        + [f"- records: `{p}`" for p in [*speedup, *planning, *fidelity, *trees]])))
+        + [f"- records: `{p}`" + ("" if Path(p).is_file() else " (absent)")
+           for p in [*speedup, *planning, *fidelity, *trees]])))
     sections.append(_section("Pipeline config", "```yaml\n" + yaml.safe_dump(pipeline_config, sort_keys=False)
                              + "```"))
     text = "\n".join(sections)

@@ -21,14 +21,17 @@ def test_summary_sections(tmp_path):
     benchmarks.mkdir(parents=True)
     (benchmarks / "step_000.tsv").write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t300.2\n", encoding="utf-8")
     out = tmp_path / "summary.md"
-    text = write_summary(out, speedup=[speedup], planning=[planning], fidelity=[tmp_path / "absent.json"],
+    text = write_summary(out, speedup=[speedup, tmp_path / "absent-speedup.json"], planning=[planning],
+                         fidelity=[tmp_path / "absent.json"],
                          trees=[trees], reports=["reports/speedup.pdf"], pipeline_config={"seed": 0, "speedup": {}},
                          benchmarks_dir=tmp_path / "benchmarks")
     assert out.read_text(encoding="utf-8") == text
     for expected in ("## Provenance", "## Datasets", "| data/trees/tiny/step_000.npz | 10 | 1,971 | 920 | 2.14 |",
                      "## Speedup", "| paper | Ling-3.0-tiny |", "## Planning quality", "77,581,958",
                      "fidelity: not measured (no records)", "| speedup/step_000 | 12.5 | 300 |", "```yaml\nseed: 0",
-                     f"summary written at git {git_state()['sha']}"):
+                     f"summary written at git {git_state()['sha']}",
+                     f"Not in this table (no records file): `{tmp_path / 'absent-speedup.json'}`.",
+                     f"- records: `{tmp_path / 'absent.json'}` (absent)", f"- records: `{speedup}`\n"):
         assert expected in text, expected
 
 
