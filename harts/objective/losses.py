@@ -164,11 +164,12 @@ class GRPOConfig(_PolicyLossConfig):
         _check_aggregation(self.aggregation)
         # cispo's lower bound 1 − ε_low may be 0 (TRL's cispo has none); the clip surrogate's may not.
         low_ok = 0 <= self.clip_ratio_low < 1 or (self.surrogate == "cispo" and self.clip_ratio_low == 1)
-        if not (low_ok and self.clip_ratio_high >= 0 and self.kl_coef >= 0):
-            raise ValueError(
-                f"GRPOConfig: need 0 <= clip_ratio_low < 1 (<= 1 with surrogate 'cispo'), clip_ratio_high >= 0, "
-                f"kl_coef >= 0, got {self}"
-            )
+        if not low_ok:
+            raise ValueError(f"GRPOConfig: need 0 <= clip_ratio_low < 1 (<= 1 with surrogate 'cispo'), "
+                             f"got clip_ratio_low {self.clip_ratio_low}")
+        for name in ("clip_ratio_high", "kl_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"GRPOConfig: need {name} >= 0, got {getattr(self, name)}")
         self._check_shared()
         if self.surrogate not in SURROGATES:
             raise ValueError(f"GRPOConfig: surrogate must be one of {SURROGATES}, got {self.surrogate!r}")
@@ -201,8 +202,10 @@ class PPOConfig(_PolicyLossConfig):
 
     def __post_init__(self) -> None:
         _check_aggregation(self.aggregation)
-        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
-            raise ValueError(f"PPOConfig: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {self}")
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"PPOConfig: need 0 <= clip_ratio_low < 1, got clip_ratio_low {self.clip_ratio_low}")
+        if not self.clip_ratio_high >= 0:
+            raise ValueError(f"PPOConfig: need clip_ratio_high >= 0, got {self.clip_ratio_high}")
         self._check_shared()
 
 

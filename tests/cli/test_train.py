@@ -137,7 +137,11 @@ BAD = {
     "yaml-importance-weighted-not-bool": ("kl_importance_weighted: 1\n", [], "{path}: key 'kl_importance_weighted': "
                                           "expected true or false"),
     "yaml-wrong-type": ("kl_coef: a lot\n", [], "{path}: key 'kl_coef': expected a number, got str 'a lot'"),
-    "yaml-out-of-range": ("clip_ratio_low: 1.5\n", [], "{path}: GRPOConfig: need 0 <= clip_ratio_low < 1"),
+    "yaml-out-of-range": ("clip_ratio_low: 1.5\n", [], "{path}: GRPOConfig: need 0 <= clip_ratio_low < 1 (<= 1 with "
+                          "surrogate 'cispo'), got clip_ratio_low 1.5"),
+    "yaml-kl-negative": ("kl_coef: -0.5\n", [], "{path}: GRPOConfig: need kl_coef >= 0, got -0.5"),
+    "yaml-ppo-clip-high-negative": ("clip_ratio_high: -0.2\n", ["--loss", "ppo"],
+                                    "{path}: PPOConfig: need clip_ratio_high >= 0, got -0.2"),
     "yaml-missing": (None, ["--loss-config", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such config file"),
     "flag-out-of-range": (None, ["--clip-ratio-low", "1"], "loss options: GRPOConfig: need 0 <= clip_ratio_low < 1"),
     "surrogate-under-ppo": (None, ["--loss", "ppo", "--surrogate", "cispo"],
