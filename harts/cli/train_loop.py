@@ -131,6 +131,9 @@ def build_config(args: argparse.Namespace):
             raise ValueError(f"harts train: {flag} applies to the {' and '.join(losses)} loss, not {loss!r}")
         set_dotted(data, f"loss.{loss}.{key}", value, where)
     if where == "command line" and not (("model" in data or "init_from" in data) and "trees" in data.get("data", {})):
+        if args.resume:
+            raise ValueError(f"harts train --resume: {args.out} holds no run to resume (no checkpoint, no start "
+                             f"record in {LOG_NAME}); give --config FILE, or --model and --trees, to start one")
         raise ValueError("harts train: give --config FILE, or --model and --trees (or --init-from DIR and --trees)")
     return train_config_from_dict(data, where)
 

@@ -80,7 +80,8 @@ def test_config_file_with_flag_overrides(capsys, tmp_path):
         (["--model", "tiny", "--trees", "tiny", "--loss", "ppo", "--kl-coef", "0.1"],
          "harts: error: harts train: --kl-coef applies to the grpo loss, not 'ppo'"),
         (["--model", "tiny", "--trees", "tiny", "--lr", "nan"], "harts: error: command line: optimizer.lr must be a finite"),
-        (["--resume"], "harts: error: harts train: give --config FILE, or --model and --trees"),
+        (["--resume"], "harts: error: harts train --resume: {tmp}/run holds no run to resume (no checkpoint, no start "
+                       "record in train.jsonl); give --config FILE, or --model and --trees, to start one"),
         (["--model", "tiny", "--trees", "tiny", "--accept-changed-data"],
          "harts: error: harts train: --accept-changed-data applies to --resume"),
     ],
