@@ -66,8 +66,9 @@ def load_schema(path: str | Path) -> dict:
 
 
 def validate(config: dict, schema: dict) -> None:
-    """jsonschema.ValidationError unless `config` is valid; fills in, in place, the defaults of the properties it
-    lacks, in every object the validation visits (Snakemake's `validate(..., set_default=True)`)."""
+    """ValueError naming the key and what is wrong (jsonschema's best match, one line; its own error prints the whole
+    schema) unless `config` is valid; fills in, in place, the defaults of the properties it lacks, in every object
+    the validation visits (Snakemake's `validate(..., set_default=True)`)."""
     import jsonschema
 
     base = jsonschema.Draft202012Validator
@@ -81,7 +82,10 @@ def validate(config: dict, schema: dict) -> None:
         yield from check_properties(validator, properties, instance, schema)
 
     validator = jsonschema.validators.extend(base, {"properties": properties_with_defaults})
-    validator(schema).validate(config)
+    error = jsonschema.exceptions.best_match(validator(schema).iter_errors(config))
+    if error is not None:
+        key = ".".join(str(part) for part in error.absolute_path)
+        raise ValueError(f"pipeline config: {f'key {key!r}' if key else 'top level'}: {error.message}")
 
 
 def coerce_strings(config: dict, schema: dict) -> dict:

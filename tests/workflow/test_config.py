@@ -75,3 +75,20 @@ def test_the_schema_offers_every_experts_backend():
     config = coerce_strings(_config(experts_backend="null"), SCHEMA)
     jsonschema.validate(config, SCHEMA)
     assert config["speedup"]["experts_backend"] is None
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["speedup"].update(bogus=1), "pipeline config: key 'speedup': Additional properties are not allowed "
+                                             "('bogus' was unexpected)"),
+    (lambda c: c["speedup"].update(capacity="5x12"), "pipeline config: key 'speedup.capacity': '5x12' is not of "
+                                                     "type 'integer'"),
+], ids=["unknown-key", "wrong-type"])
+def test_a_bad_pipeline_config_is_one_line_naming_the_key(change, message):
+    """Snakemake prints the error of the Snakefile's validate: jsonschema's own is the whole schema (340 lines)."""
+    from harts.workflow.config import validate
+
+    config = coerce_strings(_config(), SCHEMA)
+    change(config)
+    with pytest.raises(ValueError) as error:
+        validate(config, SCHEMA)
+    assert str(error.value) == message
