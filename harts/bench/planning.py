@@ -91,14 +91,17 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _load_step(args: argparse.Namespace, synth: Any, index: int):
-    from harts.trees.io import read_step
+    from harts.trees.io import JSONL_SUFFIXES, NPZ_SUFFIX, read_step
     from harts.trees.synth import generate_step
 
     if args.data is None:
         return generate_step(synth, args.seed, index)
-    matches = sorted(p for p in Path(args.data).glob(f"step_{index:03d}.*") if not p.name.endswith(".tmp"))
+    names = [f"step_{index:03d}{suffix}" for suffix in (NPZ_SUFFIX, *JSONL_SUFFIXES)]
+    matches = [Path(args.data) / name for name in names if (Path(args.data) / name).exists()]
     if not matches:
-        raise ValueError(f"{args.data}: no file step_{index:03d}.* (generate it with harts trees synth)")
+        raise ValueError(f"{args.data}: no file {' or '.join(names)} (generate it with harts trees synth)")
+    if len(matches) > 1:
+        raise ValueError(f"{args.data}: step {index} is given twice ({matches[0].name}, {matches[1].name})")
     return read_step(matches[0])
 
 

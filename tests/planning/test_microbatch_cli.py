@@ -153,3 +153,17 @@ def test_bench_planning_reads_data_dir(tmp_path):
     assert record["config"]["data"] == str(data) and record["results"]["trajectories"] > 0
     assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--data", str(data), "--steps", "0",
                  "--planners", "harts", "--out", str(out)]) == 2
+
+
+def test_bench_planning_refuses_a_step_given_twice(tmp_path, capsys):
+    """step_001.npz beside step_001.jsonl: which one is step 1 is not guessed (the first by name was taken)."""
+    data = tmp_path / "steps"
+    assert main(["trees", "synth", "--config", "configs/trees/tiny.yaml", "--steps", "1", "--out", str(data)]) == 0
+    (written,) = data.glob("step_001.*")
+    other = data / ("step_001.jsonl" if written.suffix == ".npz" else "step_001.npz")
+    other.write_bytes(written.read_bytes())
+    capsys.readouterr()
+    assert main(["bench", "planning", "--trees", "configs/trees/tiny.yaml", "--data", str(data), "--steps", "1",
+                 "--planners", "harts", "--dp", "2", "--out", str(tmp_path / "records.json")]) == 2
+    names = sorted([written.name, other.name], key=lambda n: not n.endswith(".npz"))
+    assert capsys.readouterr().err == f"harts: error: {data}: step 1 is given twice ({names[0]}, {names[1]})\n"
