@@ -34,6 +34,12 @@ def index_list(text: str) -> list[int]:
     return values
 
 
+def records_file(text: str) -> str:
+    """argparse type of a records output (`--out`): a path ending .json (a list) or .jsonl (one record per line),
+    refused before any work rather than written in a format its readers (harts.report) do not take."""
+    if not text.endswith((".json", ".jsonl")):
+        raise argparse.ArgumentTypeError(f"expected a records file ending .json or .jsonl, got {text!r}")
+    return text
 
 
 def name_list(names: tuple[str, ...], what: str = "name"):

@@ -140,6 +140,14 @@ BAD_OPTIONS = {
         ["plan", "kda", STEP, "--chunk", "64", "--out", "{tmp}/k.json"],
         "plan kda", "unrecognized arguments: --out {tmp}/k.json",
     ),
+    "rl-out-not-records": (
+        ["rl", "--config", "tiny", "--out", "{tmp}/rl.txt"],
+        "rl", "argument --out: expected a records file ending .json or .jsonl, got '{tmp}/rl.txt'",
+    ),
+    "bench-speedup-out-csv": (
+        ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--out", "{tmp}/s.csv"],
+        "bench speedup", "argument --out: expected a records file ending .json or .jsonl, got '{tmp}/s.csv'",
+    ),
     "no-command": ([], "", "the following arguments are required: COMMAND"),
 }
 

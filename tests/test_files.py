@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
 from harts.tracking.records import write_records
@@ -230,10 +231,11 @@ def test_records_named_like_their_own_table_are_refused_before_any_work(tmp_path
 def test_commands_refuse_to_write_over_their_input_before_any_work(tmp_path, argv, capsys):
     from harts.cli.main import main
 
-    files = {"logs": tmp_path / "logs.jsonl", "step": tmp_path / "step.jsonl", "config": tmp_path / "rl.yaml"}
+    # The RL config as JSON (YAML reads it): a records --out must end .json or .jsonl.
+    files = {"logs": tmp_path / "logs.jsonl", "step": tmp_path / "step.jsonl", "config": tmp_path / "rl.json"}
     files["logs"].write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
     files["step"].write_bytes(STEP.read_bytes())
-    files["config"].write_text((REPO / "configs/rl/tiny.yaml").read_text())
+    files["config"].write_text(json.dumps(yaml.safe_load((REPO / "configs/rl/tiny.yaml").read_text())))
     before = {name: digest(path) for name, path in files.items()}
     argv = [a.format(**files) for a in argv]
     assert main(argv) == 2

@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harts.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int, records_file
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "default: its own, tile_rows)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--out", default="reports/raw/attention/backends.json")
+    parser.add_argument("--out", type=records_file, default="reports/raw/attention/backends.json")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 

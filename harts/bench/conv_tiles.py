@@ -16,7 +16,7 @@ import logging
 from functools import partial
 from pathlib import Path
 
-from harts.args import positive_int
+from harts.args import positive_int, records_file
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--rows", type=positive_int, default=65536, help="rows of the timed call (T)")
     parser.add_argument("--tiles", default=DEFAULT_TILES, help="comma-separated ROWSxCHANNELSxWARPS")
     parser.add_argument("--repeats", type=positive_int, default=10)
-    parser.add_argument("--out", default="reports/raw/kernels/conv_tiles.json")
+    parser.add_argument("--out", type=records_file, default="reports/raw/kernels/conv_tiles.json")
     parser.set_defaults(run=run)
 
 

@@ -73,7 +73,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harts.args import non_negative_int, positive_int, print_error
+from harts.args import non_negative_int, positive_int, print_error, records_file
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -116,7 +116,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="configs/parallel NAME or a YAML path: logit fidelity of both executions +/- "
                              "recomputation on its ranks vs the single-process baseline (no replay ablation); "
                              "spawned here, or started by torchrun: rank 0 writes the record")
-    parser.add_argument("--out", default=None, help="records file (default reports/raw/fidelity/MODEL.json)")
+    parser.add_argument("--out", type=records_file, default=None,
+                        help="records file (default reports/raw/fidelity/MODEL.json)")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harts.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int, records_file
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="segment lengths are uniform on 1..this (default B)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--out", default="reports/raw/planning/kda_calls.json")
+    parser.add_argument("--out", type=records_file, default="reports/raw/planning/kda_calls.json")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run)
 

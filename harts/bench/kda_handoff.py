@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from harts.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int, records_file
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--device", default="cuda", help="a CUDA device (cuda, cuda:N)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--out", default="reports/raw/kda/handoff.json")
+    parser.add_argument("--out", type=records_file, default="reports/raw/kda/handoff.json")
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
 
 

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.args import index_list, name_list, non_negative_int, positive_int
+from harts.args import index_list, name_list, non_negative_int, positive_int, records_file
 from harts.extras import require
 from harts.files import atomic_open, write_text
 from harts.tracking import wandb_log
@@ -83,7 +83,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         default=["harts", "treetrain-ortools"],
                         help=f"comma-separated, the first is compared with the others ({', '.join(PLANNER_NAMES)})")
     add_treetrain_options(parser)
-    parser.add_argument("--out", default="reports/raw/planning/planning.json",
+    parser.add_argument("--out", type=records_file, default="reports/raw/planning/planning.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: (

@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harts.args import index_list, name_list, positive_int
+from harts.args import index_list, name_list, positive_int, records_file
 from harts.extras import require
 from harts.files import atomic_open, write_text
 
@@ -85,7 +85,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--reference", default=None,
                         help="also plan with the HARTS planner of this git commit (first in the table)")
     add_treetrain_options(parser)
-    parser.add_argument("--out", default="reports/raw/planning/planning-grpo.json",
+    parser.add_argument("--out", type=records_file, default="reports/raw/planning/planning-grpo.json",
                         help="records (.json or .jsonl); the table goes beside it as .md and .csv")
     parser.set_defaults(run=run, files=lambda a: (
         [a.out, *(Path(a.out).with_suffix(suffix) for suffix in (".md", ".csv"))], []))

@@ -16,7 +16,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from harts.args import non_negative_int, positive_int
+from harts.args import non_negative_int, positive_int, records_file
 from harts.tracking import wandb_log
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--step", type=non_negative_int, default=0, help="step index to generate (with --trees)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--out", default="reports/raw/trees/build.json")
+    parser.add_argument("--out", type=records_file, default="reports/raw/trees/build.json")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees, a.data]))
 

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from harts.args import index_list, positive_int
+from harts.args import index_list, positive_int, records_file
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -29,7 +29,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", required=True,
                         help="RL config (harts.rl.config.RLConfig): a shipped one by name (cpu, tiny, gdn-tiny, h200) "
                              "or a YAML path")
-    parser.add_argument("--out", required=True, help="records file (.json: a list; .jsonl: one record per line)")
+    parser.add_argument("--out", type=records_file, required=True,
+                        help="records file (.json: a list; .jsonl: one record per line)")
     parser.add_argument("--seeds", type=index_list, default=None, metavar="S,S,...",
                         help="run these seeds (default: the config's seeds)")
     parser.add_argument("--num-steps", type=positive_int, default=None, metavar="N", help="override num_steps")

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harts.args import non_negative_float, non_negative_int, positive_float, positive_int
+from harts.args import non_negative_float, non_negative_int, positive_float, positive_int, records_file
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "weights and batch, and each trainer's fidelity figures against it (default: on with bf16; "
                         "needs --dtype bf16)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model weights and batch")
-    parser.add_argument("--out", default=None, help="JSON records (default reports/raw/trl/MODEL-DEVICE.json)")
+    parser.add_argument("--out", type=records_file, default=None,
+                        help="JSON records (default reports/raw/trl/MODEL-DEVICE.json)")
     parser.set_defaults(run=run, files=lambda a: ([output_path(a)], []))
 
 

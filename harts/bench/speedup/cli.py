@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.args import index_list, non_negative_int, positive_int, positive_int_or
+from harts.args import index_list, non_negative_int, positive_int, positive_int_or, records_file
 from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
 from harts.bench.speedup.reuse import COMPACT_ONLY
@@ -60,7 +60,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--parallel", default=None, metavar="NAME",
                         help="configs/parallel NAME or a YAML path: run both executions on its ranks (spawned here, "
                              "or started by torchrun: rank 0 writes the records)")
-    parser.add_argument("--out", default=None, help="records file (default reports/raw/speedup/MODEL.json)")
+    parser.add_argument("--out", type=records_file, default=None,
+                        help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     wandb_log.add_arguments(parser)
     parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
