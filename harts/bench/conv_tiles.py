@@ -44,7 +44,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--tiles", default=DEFAULT_TILES, help="comma-separated ROWSxCHANNELSxWARPS")
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--out", type=records_file, default="reports/raw/kernels/conv_tiles.json")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], []))
 
 
 def run(args: argparse.Namespace) -> int:

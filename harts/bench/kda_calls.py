@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", type=records_file, default="reports/raw/planning/kda_calls.json")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, files=lambda a: ([a.out], []))
 
 
 def random_segment_tree(num_segments: int, max_length: int, seed: int) -> SegmentTree:
