@@ -242,4 +242,5 @@ def launch(fn: Callable, config: ParallelConfig, *args: Any, device: str = "cpu"
         except mp.ProcessExitedException as error:
             cause = _first_failure(directory) or f"rank {error.error_index}: exited with code {error.exit_code}"
             raise RankFailed(cause) from None
+        # Rank 0's own return value (any object `fn` returns), in this call's private temporary folder: not input.
         return torch.load(Path(directory, "rank0.pt"), weights_only=False)
