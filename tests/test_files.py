@@ -23,7 +23,7 @@ import yaml
 from harts.files import atomic_open, atomic_path, check_outputs, output_locks, write_text
 from harts.tracking.records import write_records
 from harts.trees.io import read_step, write_step
-from tests.trees.helpers import make_step
+from tests.trees.helpers import cli_error, make_step
 
 REPO = Path(__file__).resolve().parents[1]
 STEP = REPO / "data/samples/tiny-step.jsonl.gz"
@@ -210,14 +210,12 @@ def test_outputs_that_are_inputs_are_refused(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".md", ".csv"])
 def test_records_named_like_their_own_table_are_refused_before_any_work(tmp_path, capsys, suffix):
-    """`bench planning --out x.md` would write its records, then its .md table over them."""
-    from harts.cli.main import main
-
+    """`bench planning --out x.md` would write its records, then its .md table over them: a records --out must end
+    .json or .jsonl (check_outputs also refuses two outputs that are one file: test_outputs_that_are_inputs_...)."""
     out = tmp_path / f"planning{suffix}"
     argv = ["bench", "planning", "--trees", "tiny", "--steps", "0", "--dp", "1", "--out", str(out)]
-    assert main(argv) == 2
-    assert capsys.readouterr().err == (f"harts: error: harts bench planning: output {out} is written twice (one would "
-                                       "overwrite the other); choose another name\n")
+    assert cli_error(argv, capsys) == (f"harts: error: bench planning: argument --out: expected a records file ending "
+                                       f".json or .jsonl, got '{out}' (see 'harts bench planning --help')")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -251,8 +251,10 @@ def test_cli_table_and_bad_chunk(step_file, capsys):
     assert main(["plan", "kda", str(step_file), "--chunk", "64"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[0] == "calls" and "max handoff" in out
-    assert main(["plan", "kda", str(step_file), "--chunk", "0"]) == 2
-    assert "--chunk must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage_error:
+        main(["plan", "kda", str(step_file), "--chunk", "0"])
+    assert usage_error.value.code == 2
+    assert "argument --chunk: expected a positive integer below 2^62, got '0'" in capsys.readouterr().err
 
 
 def test_cli_imports_no_torch(step_file):
