@@ -18,7 +18,8 @@ SUMMARY_KEYS = ("calls", "sequences", "replay_tokens", "compact_tokens", "semant
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("kda", help="plan the linear-attention calls of a step taken as one microbatch")
     parser.add_argument("path", help="a step: .jsonl, .jsonl.gz, .npz or a directory of them")
-    parser.add_argument("--chunk", type=positive_int, required=True, help="chunk size B of the chunked kernel (64 in fla)")
+    parser.add_argument("--chunk", type=positive_int, required=True,
+                        help="chunk size B of the chunked kernel (64 in fla)")
     parser.add_argument("--no-replay", action="store_true",
                         help="the ablation: side branches start at the fork from the exact state, no replay")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

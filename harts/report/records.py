@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from harts.trees.io import read_lines, read_text
+
 NOT_MEASURED = "not measured"
 ERROR = "error"
 NOT_REPORTED = "not reported"
@@ -33,15 +35,12 @@ def load_records(paths: list[str | Path] | tuple[str | Path, ...], benchmark: st
 
 
 def _read(path: Path) -> list[Any]:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such records file") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})") from None
+    """The file's records; its text is read as steps are (`harts.trees.io`: invalid UTF-8 named by line and column)."""
+    if not path.exists():
+        raise ValueError(f"{path}: no such records file")
     if path.suffix == ".jsonl":
         records = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in read_lines(path):
             if line.strip():
                 try:
                     records.append(json.loads(line))
@@ -49,7 +48,7 @@ def _read(path: Path) -> list[Any]:
                     raise ValueError(f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno})") from None
         return records
     try:
-        data = json.loads(text)
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(data, list):

@@ -45,13 +45,16 @@ def test_bad_files_name_file_record_and_field(tmp_path, case):
 
 
 @pytest.mark.parametrize("name, data, message", [
-    ("records.jsonl", b'{"benchmark": "speedup"}\n\n{"benchmark": \n', "records.jsonl:3: invalid JSON (Expecting value at column 15)"),
-    ("records.jsonl", b'{"benchmark": "caf\xe9"}\n', "records.jsonl: not UTF-8 text (byte 0xe9 at offset 18)"),
-    ("records.json", b'[{"benchmark": "caf\xe9"}]', "records.json: not UTF-8 text (byte 0xe9 at offset 19)"),
+    ("records.jsonl", b'{"benchmark": "speedup"}\n\n{"benchmark": \n',
+     "records.jsonl:3: invalid JSON (Expecting value at column 15)"),
+    ("records.jsonl", b'{"benchmark": 1}\n{"benchmark": "caf\xe9"}\n',
+     "records.jsonl:2: not UTF-8 text (byte 0xe9 at column 19: invalid continuation byte)"),
+    ("records.json", b'[\n{"benchmark": "caf\xe9"}]',
+     "records.json:2: not UTF-8 text (byte 0xe9 at column 19: invalid continuation byte)"),
 ], ids=["jsonl-line-3", "jsonl-not-utf8", "json-not-utf8"])
 def test_unreadable_lines_are_named(tmp_path, name, data, message):
     """A JSONL error names its own line (json.loads of one line always said line 1); bytes that are not UTF-8 are a
-    one-line error naming the file, not a UnicodeDecodeError."""
+    one-line error naming the file and line, not a UnicodeDecodeError."""
     path = tmp_path / name
     path.write_bytes(data)
     with pytest.raises(ValueError) as error:
