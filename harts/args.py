@@ -76,19 +76,20 @@ def positive_int(text: str) -> int:
     return _number(text, int, 1, True, "a positive integer below 2^62")
 
 
-def positive_int_or(text: str, words: tuple[str, ...]) -> int | str:
-    """argparse type of a count that also takes one of a few `words` (kept as the text), the error naming both."""
+def non_negative_int_or(text: str, words: tuple[str, ...]) -> int | str:
+    """argparse type of a count (0 included) that also takes one of a few `words` (kept as the text), the error
+    naming both."""
     if text in words:
         return text
     try:
-        return positive_int(text)
+        return non_negative_int(text)
     except argparse.ArgumentTypeError as error:
         listed = f" or {words[0]}" if len(words) == 1 else f", {', '.join(words[:-1])} or {words[-1]}"
         raise argparse.ArgumentTypeError(str(error).replace(", got", f"{listed}, got", 1)) from None
 
 
 def non_negative_int(text: str) -> int:
-    """argparse type of a seed: an integer >= 0 (numpy's seeds are non-negative)."""
+    """argparse type of a seed or of a count that may be 0: an integer >= 0 (numpy's seeds are non-negative)."""
     return _number(text, int, 0, True, "a non-negative integer below 2^62")
 
 

@@ -115,14 +115,14 @@ class DoesNotFit(ValueError):
 
 def fewest_recomputed_blocks(fits: Callable[[int], bool], num_blocks: int, where: str = "in memory", *,
                              at_least: int | None = None) -> int:
-    """The fewest recomputed blocks n in 1..num_blocks (at_least..num_blocks) with `fits(n)` true, fits being
+    """The fewest recomputed blocks n in 0..num_blocks (at_least..num_blocks) with `fits(n)` true, fits being
     monotone (more recomputed blocks, less memory), by bisection. The first try is every block (on the GPU it also
     compiles and autotunes, with the most memory to spare); if that does not fit (`where`: the limit, for the
     message), `DoesNotFit`. With `at_least` (a search again, from the blocks an earlier one found) that number is
     tried first, and is the answer when it fits: one step more instead of a bisection."""
-    too_few = 0
+    too_few = -1  # the most blocks known not to fit: none known yet, so 0 blocks is tried too
     if at_least is not None:
-        assert 1 <= at_least <= num_blocks, "at_least is one of the blocks"
+        assert 0 <= at_least <= num_blocks, "at_least is a number of the blocks"
         if fits(at_least):
             return at_least
         too_few = at_least
@@ -157,7 +157,7 @@ def probe_step(run: Callable[[], Any], device, model) -> dict[str, Any]:
 def fit_recompute_blocks(probe: Callable[[int], dict[str, Any]], num_blocks: int, *, device_memory_bytes: int,
                          memory_margin: float, reserved_bytes: int = 0, within_bytes: int | None = None,
                          within: str = "a given peak", at_least: int | None = None) -> dict[str, Any]:
-    """The search's record: the fewest `recompute_blocks` n of 1..num_blocks (at_least..num_blocks) whose
+    """The search's record: the fewest `recompute_blocks` n of 0..num_blocks (at_least..num_blocks) whose
     `probe(n)` (`probe_step`'s answer) fits and peaks at most `memory_limit_bytes` (and at most `within_bytes`
     where given: `within` names it in the error), with the limit's terms and every probe in order
     (`fewest_recomputed_blocks`). `DoesNotFit` (a ValueError) when no number does, naming the limit, the margin and

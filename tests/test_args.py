@@ -122,7 +122,7 @@ BAD_OPTIONS = {
     ),
     "bench-speedup-recompute-blocks-word": (
         ["bench", "speedup", "--model", "tiny", "--trees", STEP, "--recompute-blocks", "most", "--out", "{tmp}/s.json"],
-        "bench speedup", "argument --recompute-blocks: expected a positive integer below 2^62 or auto, got 'most'",
+        "bench speedup", "argument --recompute-blocks: expected a non-negative integer below 2^62 or auto, got 'most'",
     ),
     "plan-kda-chunk-beyond-int64": (
         ["plan", "kda", STEP, "--chunk", "9" * 23],

@@ -124,8 +124,8 @@ def test_recompute_blocks_auto_is_every_block_until_the_search_sets_the_fewest_t
     monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
     announced = []
     search = engine.fit_recompute_blocks(step, planned, reserved_bytes=7, on_probe=announced.append)
-    assert announced == ran == [4, 2, 3]
-    assert search["recompute_blocks"] == 3 and [p["fits"] for p in search["probes"]] == [True, False, True]
+    assert announced == ran == [4, 1, 2, 3]
+    assert search["recompute_blocks"] == 3 and [p["fits"] for p in search["probes"]] == [True, False, False, True]
     assert (search["memory_margin"], search["reserved_bytes"]) == (0.25, 7)
     assert search["memory_limit_bytes"] == (1 << 50) - (1 << 48) - 7
     assert engine.config.recompute_blocks == 3 and not engine.search_pending
@@ -162,7 +162,7 @@ def test_a_step_outside_the_searched_microbatches_is_searched_again_from_the_blo
     monkeypatch.setattr(engine_module, "run_step", simulated)
     monkeypatch.setattr(engine_memory, "device_memory_bytes", lambda device: 1 << 50)
     assert engine.unsearched_extent(step, large) is None  # nothing searched yet
-    assert engine.fit_recompute_blocks(step, small)["recompute_blocks"] == 2 and ran == [4, 2, 1]
+    assert engine.fit_recompute_blocks(step, small)["recompute_blocks"] == 2 and ran == [4, 1, 2]
     assert engine.unsearched_extent(step, small) is None
     outside = engine.unsearched_extent(step, large)
     assert outside in engine.extents(step, large) and outside[0] > max(engine.extents(step, small))[0]

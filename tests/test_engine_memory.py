@@ -39,13 +39,14 @@ def test_the_limit_is_the_total_less_the_margin_and_the_reserved_bytes(total, ma
 
 
 @pytest.mark.parametrize(("margin", "found", "probed"), [
-    (0.1, 3, [4, 2, 3]),  # limit 900: 2 blocks peak at 901
-    (0.099, 2, [4, 2, 1]),  # limit 901: 2 blocks fit exactly at it, 1 block's 960 does not
-    (0.04, 1, [4, 2, 1]),  # limit 960: every probe fits
-    (0.3, 4, [4, 2, 3]),  # limit 700: only every block (700)
-], ids=["one-byte-over", "at-the-limit", "all-fit", "only-every-block"])
+    (0.1, 3, [4, 1, 2, 3]),  # limit 900: 2 blocks peak at 901
+    (0.099, 2, [4, 1, 2]),  # limit 901: 2 blocks fit exactly at it, 1 block's 960 does not
+    (0.04, 1, [4, 1, 0]),  # limit 960: every probe but none recomputed (1,000) fits
+    (0.0, 0, [4, 1, 0]),  # limit 1,000: no recomputation fits
+    (0.3, 4, [4, 1, 2, 3]),  # limit 700: only every block (700)
+], ids=["one-byte-over", "at-the-limit", "all-but-none-fit", "none-recomputed", "only-every-block"])
 def test_the_fewest_blocks_whose_peak_leaves_the_margin(margin, found, probed):
-    probe, asked = _probes({4: 700, 3: 900, 2: 901, 1: 960})
+    probe, asked = _probes({4: 700, 3: 900, 2: 901, 1: 960, 0: 1000})
     search = fit_recompute_blocks(probe, 4, device_memory_bytes=1000, memory_margin=margin)
     assert search["recompute_blocks"] == found and asked == probed
     assert search["memory_limit_bytes"] == memory_limit_bytes(1000, margin)
@@ -61,7 +62,7 @@ def test_a_probe_that_ran_out_of_memory_never_fits():
 
 
 def test_reserved_bytes_and_a_peak_to_stay_within_lower_the_limit():
-    peaks = {8: 500, 4: 700, 6: 600, 5: 651, 7: 550}
+    peaks = {8: 500, 3: 750, 6: 600, 5: 651, 7: 550}
     probe, _ = _probes(peaks)
     search = fit_recompute_blocks(probe, 8, device_memory_bytes=1000, memory_margin=0.1, reserved_bytes=250)
     assert (search["recompute_blocks"], search["memory_limit_bytes"], search["reserved_bytes"]) == (6, 650, 250)
@@ -95,28 +96,29 @@ def test_the_error_names_the_reserved_bytes_and_the_peak_to_stay_within():
 
 @pytest.mark.parametrize("num_blocks", [1, 3, 24])
 def test_every_threshold_of_the_limit(num_blocks):
-    """Peaks falling by 10 bytes a block: for every limit, the answer is the fewest blocks under it, in at most
-    1 + ceil(log2(num_blocks)) probes."""
-    peaks = {n: 1000 - 10 * n for n in range(1, num_blocks + 1)}
-    for fewest in range(1, num_blocks + 1):
+    """Peaks falling by 10 bytes a block: for every limit, the answer is the fewest blocks under it (0 included),
+    in at most 1 + ceil(log2(num_blocks + 1)) probes."""
+    peaks = {n: 1000 - 10 * n for n in range(num_blocks + 1)}
+    for fewest in range(num_blocks + 1):
         limit = peaks[fewest]
         probe, probed = _probes(peaks)
         # A device whose 50% margin leaves exactly `limit`.
         search = fit_recompute_blocks(probe, num_blocks, device_memory_bytes=2 * limit, memory_margin=0.5)
         assert search["recompute_blocks"] == fewest, (fewest, probed)
-        assert len(probed) <= 1 + math.ceil(math.log2(num_blocks))
+        assert len(probed) <= 1 + math.ceil(math.log2(num_blocks + 1))
 
 
 @pytest.mark.parametrize(("at_least", "found", "probed"), [
     (3, 3, [3]),  # the blocks found before still fit: one probe
-    (None, 3, [8, 4, 2, 3]),  # a first search bisects from every block
+    (None, 3, [8, 3, 1, 2]),  # a first search bisects from every block
     (2, 3, [2, 8, 5, 3]),  # they do not: every block, then a bisection above them
     (6, 6, [6]),
     (8, 8, [8]),
-], ids=["still-fit", "first-search", "above-them", "more-than-needed", "every-block"])
+    (0, 3, [0, 8, 4, 2, 3]),  # none recomputed before (a smaller step): every block, then a bisection
+], ids=["still-fit", "first-search", "above-them", "more-than-needed", "every-block", "from-none"])
 def test_a_search_again_starts_from_the_blocks_found(at_least, found, probed):
     """A search after an earlier one tries the blocks it found first and never answers fewer."""
-    probe, asked = _probes({n: 1000 - 100 * n for n in range(1, 9)})
+    probe, asked = _probes({n: 1000 - 100 * n for n in range(9)})
     search = fit_recompute_blocks(probe, 8, device_memory_bytes=1400, memory_margin=0.5, at_least=at_least)
     assert (search["recompute_blocks"], asked) == (found, probed)
     assert [p["recompute_blocks"] for p in search["probes"]] == probed

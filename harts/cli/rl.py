@@ -39,7 +39,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="override dtype (bf16: bf16 parameters with fp32 master weights)")
     knobs = parser.add_argument_group("execution (override the config's execution section)")
     execution.add_arguments(knobs, exclude=("execution", "dtype"), overrides=True,
-                            recompute_blocks={"type": execution.auto_or_positive_int})
+                            recompute_blocks={"type": execution.auto_or_blocks_count})
     parser.add_argument("--wandb", action="store_true",
                         help="log every step to W&B (offline unless WANDB_MODE or WANDB_API_KEY say otherwise; "
                              "implied by any --wandb-* flag)")

@@ -58,7 +58,7 @@ LOSS_OVERRIDES = [(loss_flag(field), field, {**keywords, "help": keywords["help"
                   for field, losses, keywords in LOSS_OPTIONS]
 """The loss fields' flags (harts.args.LOSS_OPTIONS), set under the config's loss.name."""
 EXECUTION_OVERRIDES = [(option, f"execution.{name}", {**keywords, **(
-    {"type": execution.auto_or_positive_int} if name == "recompute_blocks" else {})})
+    {"type": execution.auto_or_blocks_count} if name == "recompute_blocks" else {})})
                        for name in execution.FIELDS if name != "dtype"
                        for option, keywords in [execution.argument(name, default=False, negatable=True)]]
 """Every execution knob's flag (harts.config.execution; --dtype is the run's; --recompute-blocks also takes auto)."""

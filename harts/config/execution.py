@@ -72,7 +72,7 @@ CHOICES = {
 """The fields that take one of a few names, and those names."""
 
 BOUNDS: dict[str, tuple[float, float | None]] = {
-    "capacity": (1, None), "recompute_blocks": (1, None), "memory_margin": (0, 1), "logprob_chunk_rows": (1, None),
+    "capacity": (1, None), "recompute_blocks": (0, None), "memory_margin": (0, 1), "logprob_chunk_rows": (1, None),
     "mtp_loss_scaling_factor": (0, None),
 }
 """The numeric fields' bounds: (minimum, maximum exclusive or None). An int field takes integers, a float field
@@ -133,8 +133,9 @@ class ExecutionConfig:
     """Per-layer activation recomputation."""
     recompute_blocks: int | str | None = None
     """With recompute: recompute only blocks 0..N-1 (of each pipeline stage), the others keep their activations
-    (Megatron's block method: less recomputation for more memory; default: every block). auto (harts train, harts
-    rl and bench speedup, on CUDA): the fewest with which a step runs and leaves memory_margin of the GPU free."""
+    (Megatron's block method: less recomputation for more memory; default: every block; 0: none, the MTP layers
+    still recomputed). auto (harts train, harts rl and bench speedup, on CUDA): the fewest, 0 included, with which
+    a step runs and leaves memory_margin of the GPU free."""
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     """With recompute_blocks auto: the share of the GPU's total memory (>= 0, < 1) the search leaves free, for the
     allocator's fragmentation and for steps larger than the one searched: it takes the fewest recomputed blocks
@@ -313,11 +314,18 @@ def _positive_int(text: str) -> int:
     return positive_int(text)
 
 
-def auto_or_positive_int(text: str) -> int | str:
-    """argparse type of recompute blocks where a command searches them: a positive int or auto."""
-    from harts.args import positive_int_or
+def blocks_count(text: str) -> int:
+    """argparse type of recompute blocks: a non-negative int (0: none recomputed)."""
+    from harts.args import non_negative_int
 
-    return positive_int_or(text, (AUTO,))
+    return non_negative_int(text)
+
+
+def auto_or_blocks_count(text: str) -> int | str:
+    """argparse type of recompute blocks where a command searches them: a non-negative int or auto."""
+    from harts.args import non_negative_int_or
+
+    return non_negative_int_or(text, (AUTO,))
 
 
 def _fraction(text: str) -> float:
@@ -336,13 +344,15 @@ def argument(name: str, *, default: bool = True, negatable: bool = False) -> tup
     """The flag of field `name` and its argparse keywords: its type or choices, its help (the field's docstring)
     and, with `default`, the field's default (a boolean is a store_true flag, or with `negatable` a
     --flag/--no-flag pair whose default is None: an override of a config file). recompute_blocks takes a number
-    here: a command that searches (`AUTO`) gives it `auto_or_positive_int`."""
+    here (`blocks_count`): a command that searches (`AUTO`) gives it `auto_or_blocks_count`."""
     field = next(f for f in dataclasses.fields(ExecutionConfig) if f.name == name)
     keywords: dict[str, Any] = {"help": field_help()[name].replace("%", "%%")}
     if field.type == "bool":
         keywords["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
     elif name in CHOICES:
         keywords["choices"] = CHOICES[name]
+    elif name == "recompute_blocks":
+        keywords.update(type=blocks_count, metavar="N")
     elif field.type in ("int", "int | None", "int | str | None"):
         keywords.update(type=_positive_int, metavar="N")
     elif field.type == "float":

@@ -1,6 +1,6 @@
 """Activation recomputation of all blocks or of the first N (`StepConfig.recompute_blocks`, Megatron's
 block method): the same step gives the same loss and bitwise the same gradients as without
-recomputation (the recomputed forward repeats the same ops on CPU), and exactly blocks 0 … N − 1 run
+recomputation (the recomputed forward repeats the same ops on CPU), and exactly blocks 0 … N − 1 (none for 0) run
 their forward twice (a pre-forward hook counts: the recomputation stops early, after the last saved
 tensor). With `keep_attention` the recomputed MLA blocks keep their attention kernels' outputs: the same
 bits again, and each MLA layer's kernel runs once (a dispatch mode counts the kernel calls), not twice."""
@@ -20,7 +20,8 @@ from harts.ops.kda.keep import kda_intermediates_kept
 from harts.trees.trie import PrefixIndex
 from tests.objective.helpers import random_tree_step
 
-SETTINGS = {"none": {}, "all": {"recompute": True}, "first-1": {"recompute": True, "recompute_blocks": 1},
+SETTINGS = {"none": {}, "all": {"recompute": True}, "first-0": {"recompute": True, "recompute_blocks": 0},
+            "first-1": {"recompute": True, "recompute_blocks": 1},
             "first-3": {"recompute": True, "recompute_blocks": 3}, "over": {"recompute": True, "recompute_blocks": 99},
             "all-keep-attention": {"recompute": True, "keep_attention": True},
             "first-3-keep-attention": {"recompute": True, "recompute_blocks": 3, "keep_attention": True}}
@@ -54,7 +55,7 @@ def test_recomputed_blocks_and_gradients(model_and_step, name):
     num_blocks = len(model.blocks)
     loss, grads, calls = _run(model, step, SETTINGS[name])
     reference_loss, reference_grads, _ = _run(model, step, SETTINGS["none"])
-    recomputed = {"none": 0, "all": num_blocks, "first-1": 1, "first-3": 3, "over": num_blocks,
+    recomputed = {"none": 0, "all": num_blocks, "first-0": 0, "first-1": 1, "first-3": 3, "over": num_blocks,
                   "all-keep-attention": num_blocks, "first-3-keep-attention": 3}[name]
     assert calls == [2] * recomputed + [1] * (num_blocks - recomputed)
     assert loss == reference_loss
@@ -207,9 +208,9 @@ def test_bad_recompute_by_rows(bad, message):
         StepConfig(**bad)
 
 
-@pytest.mark.parametrize("bad", [{"recompute_blocks": 1}, {"recompute": True, "recompute_blocks": 0},
+@pytest.mark.parametrize("bad", [{"recompute_blocks": 1}, {"recompute": True, "recompute_blocks": -1},
                                  {"recompute": True, "recompute_blocks": True}],
-                         ids=["without-recompute", "zero", "bool"])
+                         ids=["without-recompute", "negative", "bool"])
 def test_bad_recompute_blocks(bad):
     with pytest.raises(ValueError, match="recompute_blocks"):
         StepConfig(**bad)

@@ -56,7 +56,7 @@ def test_nullable_fields_take_their_type_or_null():
     jsonschema.validate(config, SCHEMA)
     assert config["speedup"]["recompute_blocks"] == config["speedup"]["compact_recompute_blocks"] == "auto"
     for key, value in (("recompute_blocks", "all"), ("compact_recompute_blocks", "automatic"),
-                       ("recompute_blocks", "0")):
+                       ("recompute_blocks", "-1"), ("compact_recompute_blocks", "-1")):
         config = coerce_strings(_config(**{key: value}), SCHEMA)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(config, SCHEMA)

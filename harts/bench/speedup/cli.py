@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.args import index_list, non_negative_int, positive_int, positive_int_or, records_file
+from harts.args import index_list, non_negative_int, non_negative_int_or, positive_int, records_file
 from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
 from harts.bench.speedup.reuse import COMPACT_ONLY
@@ -83,7 +83,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, variant: bool = False) -> No
         "planner": dict(default="harts", help="The compact execution's microbatch planner (the baseline's is "
                                               "per-trajectory; default: harts)."),
         "recompute_blocks": dict(
-            type=all_auto_or_positive_int if variant else execution.auto_or_positive_int,
+            type=all_auto_or_blocks_count if variant else execution.auto_or_blocks_count,
             help=help_of["recompute_blocks"] + " Here auto searches each execution for itself (untimed steps; one "
                                                "process on CUDA)."),
     }
@@ -117,13 +117,13 @@ def yes_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
 
 
-def all_auto_or_positive_int(text: str) -> int | str | None:
-    return None if text == "all" else execution.auto_or_positive_int(text)
+def all_auto_or_blocks_count(text: str) -> int | str | None:
+    return None if text == "all" else execution.auto_or_blocks_count(text)
 
 
 def compact_blocks(text: str) -> int | str:
-    """--compact-recompute-blocks: a positive int, auto or within-baseline."""
-    return positive_int_or(text, SEARCHED)
+    """--compact-recompute-blocks: a non-negative int, auto or within-baseline."""
+    return non_negative_int_or(text, SEARCHED)
 
 
 def same_or_compact_blocks(text: str) -> int | str | None:

@@ -21,9 +21,10 @@ from tests.bench.speedup.helpers import simulated_memory, simulated_probes, spee
 
 @pytest.mark.parametrize("num_blocks", [1, 2, 4, 24])
 def test_fewest_recomputed_blocks_bisects_from_every_block(num_blocks):
-    """Against every threshold k (n fits when n >= k): the answer is k, the first try is every block, and the
-    tries are at most 1 + ceil(log2(num_blocks)); with k above num_blocks nothing fits, a ValueError."""
-    for k in range(1, num_blocks + 2):
+    """Against every threshold k (n fits when n >= k, 0 included: no recomputation): the answer is k, the first
+    try is every block, and the tries are at most 1 + ceil(log2(num_blocks + 1)); with k above num_blocks nothing
+    fits, a ValueError."""
+    for k in range(num_blocks + 2):
         tried = []
         fits = lambda n: tried.append(n) or n >= k  # noqa: E731
         if k > num_blocks:
@@ -32,8 +33,8 @@ def test_fewest_recomputed_blocks_bisects_from_every_block(num_blocks):
             assert tried == [num_blocks]
             continue
         assert fewest_recomputed_blocks(fits, num_blocks) == k, (k, tried)
-        assert tried[0] == num_blocks and len(tried) <= 1 + math.ceil(math.log2(num_blocks))
-        assert all(1 <= n <= num_blocks for n in tried)
+        assert tried[0] == num_blocks and len(tried) <= 1 + math.ceil(math.log2(num_blocks + 1))
+        assert all(0 <= n <= num_blocks for n in tried)
 
 
 def test_a_probe_answers_no_on_out_of_memory_and_frees_the_gradients(tree_step_path, monkeypatch):
@@ -108,25 +109,26 @@ def test_a_probe_on_cuda_recovers_from_a_real_out_of_memory():
 
 
 def test_recompute_blocks_auto_finds_each_executions_fewest(tree_step_path, tmp_path, capsys, monkeypatch):
-    """`auto` searches each execution for itself (the tiny model's 4 blocks): the timed steps run the blocks found,
-    the record's config holds them and names the executions searched, and results keep every probe."""
-    ran = simulated_memory(monkeypatch, {"baseline": 3, "compact": 2})
+    """`auto` searches each execution for itself (the tiny model's 4 blocks, 0 among the answers): the timed steps
+    run the blocks found, the record's config holds them and names the executions searched, and results keep every
+    probe."""
+    ran = simulated_memory(monkeypatch, {"baseline": 3, "compact": 0})
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "2", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "auto", "--recompute-by-rows"], tmp_path, capsys)
     assert code == 0, records
     config, search = records[0]["config"], records[0]["results"]["recompute_search"]
-    assert (config["recompute_blocks"], config["compact_recompute_blocks"]) == (3, 2)
+    assert (config["recompute_blocks"], config["compact_recompute_blocks"]) == (3, 0)
     assert config["recompute_blocks_auto"] == ["baseline", "compact"]
-    for name, found, tries in (("baseline", 3, [(4, True), (2, False), (3, True)]),
-                               ("compact", 2, [(4, True), (2, True), (1, False)])):
+    for name, found, tries in (("baseline", 3, [(4, True), (1, False), (2, False), (3, True)]),
+                               ("compact", 0, [(4, True), (1, True), (0, True)])):
         assert search[name]["recompute_blocks"] == found
         assert [(p["recompute_blocks"], p["fits"]) for p in search[name]["probes"]] == tries
         assert (search[name]["memory_margin"], search[name]["device_memory_bytes"]) == (0.05, 1 << 50)
         assert search[name]["memory_limit_bytes"] == (1 << 50) - math.ceil((1 << 50) / 20)
     assert config["memory_margin"] == 0.05 and records[0]["results"]["device_memory_bytes"] == 1 << 50
     # After the search: one warm-up and two timed steps of each execution, with the blocks found.
-    assert ran[-6:] == [("baseline", 3), ("compact", 2)] + [("baseline", 3), ("compact", 2)] * 2
+    assert ran[-6:] == [("baseline", 3), ("compact", 0)] + [("baseline", 3), ("compact", 0)] * 2
 
 
 def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_step_path, tmp_path, capsys,
@@ -155,10 +157,12 @@ def test_recompute_blocks_auto_beside_given_blocks_and_when_nothing_fits(tree_st
 @pytest.mark.parametrize(("baseline_flag", "fewest", "peaks", "found", "limit", "probed"), [
     # Memory alone would take 1 compact block; only 3 and 4 peak at or below the given baseline's 100 (3: equal).
     ("2", {"baseline": 1, "compact": 1}, {"baseline": {2: 100}, "compact": {4: 60, 3: 100, 2: 110, 1: 130}},
-     3, 100, [("baseline", 2), ("compact", 4), ("compact", 2), ("compact", 3)]),
+     3, 100, [("baseline", 2), ("compact", 4), ("compact", 1), ("compact", 2), ("compact", 3)]),
     # The baseline searched first (3 blocks): the limit is its probe at 3, not its first probe at 4.
-    ("auto", {"baseline": 3, "compact": 1}, {"baseline": {4: 80, 3: 95, 2: 120}, "compact": {4: 60, 3: 90, 2: 96}},
-     3, 95, [("baseline", 4), ("baseline", 2), ("baseline", 3), ("compact", 4), ("compact", 2), ("compact", 3)]),
+    ("auto", {"baseline": 3, "compact": 1},
+     {"baseline": {4: 80, 3: 95, 2: 120, 1: 150}, "compact": {4: 60, 3: 90, 2: 96, 1: 99}},
+     3, 95, [("baseline", 4), ("baseline", 1), ("baseline", 2), ("baseline", 3), ("compact", 4), ("compact", 1),
+             ("compact", 2), ("compact", 3)]),
 ], ids=["given-baseline-blocks", "searched-baseline-blocks"])
 def test_compact_recompute_blocks_within_baseline(baseline_flag, fewest, peaks, found, limit, probed, tree_step_path,
                                                   tmp_path, capsys, monkeypatch):
@@ -184,15 +188,15 @@ def test_compact_recompute_blocks_within_baseline(baseline_flag, fewest, peaks, 
 @pytest.mark.parametrize(("margin", "found", "limit"), [
     ("0.1", 3, 900),  # 2 blocks peak at 901: one byte over
     ("0.05", 2, 950),  # 1 block peaks at 960
-    ("0", 1, 1000),
+    ("0", 1, 1000),  # 0 blocks ran, but peaks at 1,001
 ], ids=["margin-binds-at-3", "margin-binds-at-2", "no-margin"])
 def test_recompute_blocks_auto_leaves_the_memory_margin(margin, found, limit, tree_step_path, tmp_path, capsys,
                                                         monkeypatch):
     """auto takes the fewest blocks whose step peaks at most the device's total (1,000 bytes here) less
     --memory-margin of it (a probe that ran is refused above that); the record holds the margin, the device's total
     and the limit."""
-    peaks = {"compact": {4: 700, 2: 901, 3: 900, 1: 960}}
-    simulated_probes(monkeypatch, {"compact": 1}, peaks, total=1000)
+    peaks = {"compact": {4: 700, 2: 901, 3: 900, 1: 960, 0: 1001}}
+    simulated_probes(monkeypatch, {"compact": 0}, peaks, total=1000)
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--recompute", "--recompute-blocks", "2", "--compact-recompute-blocks", "auto",

@@ -236,11 +236,13 @@ def test_a_memory_margin_variant_reuses_a_baseline_whose_blocks_were_given(block
 
 @pytest.mark.parametrize(("baseline_flag", "fewest", "peaks", "probed", "limit", "found"), [
     # The reused baseline's search measured its peak at the blocks found (3): no probe of the baseline again.
-    ("auto", {"baseline": 3, "compact": 1}, {"baseline": {4: 80, 3: 95, 2: 120}, "compact": {4: 60, 3: 90, 2: 96}},
-     [("baseline", 4), ("baseline", 2), ("baseline", 3), ("compact", 4), ("compact", 2), ("compact", 3)], 95, 3),
+    ("auto", {"baseline": 3, "compact": 1},
+     {"baseline": {4: 80, 3: 95, 2: 120, 1: 150}, "compact": {4: 60, 3: 90, 2: 96, 1: 99}},
+     [("baseline", 4), ("baseline", 1), ("baseline", 2), ("baseline", 3), ("compact", 4), ("compact", 1),
+      ("compact", 2), ("compact", 3)], 95, 3),
     # Given blocks: no search record, so one untimed probe of the baseline's peak, as without a reused baseline.
     ("2", {"baseline": 1, "compact": 1}, {"baseline": {2: 100}, "compact": {4: 60, 3: 100, 2: 110, 1: 130}},
-     [("baseline", 2), ("compact", 4), ("compact", 2), ("compact", 3)], 100, 3),
+     [("baseline", 2), ("compact", 4), ("compact", 1), ("compact", 2), ("compact", 3)], 100, 3),
 ], ids=["searched-baseline", "given-baseline-blocks"])
 def test_within_baseline_against_a_reused_baseline(baseline_flag, fewest, peaks, probed, limit, found, tree_step_path,
                                                    tmp_path, capsys, monkeypatch):
