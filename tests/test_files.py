@@ -257,6 +257,26 @@ def test_a_second_writer_of_an_output_is_refused_and_the_lock_goes_away(tmp_path
     assert main(argv) == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+@pytest.mark.parametrize("bench", ["speedup", "fidelity"])
+def test_a_bench_without_out_checks_and_locks_its_default_records_file(bench, tmp_path, capsys, monkeypatch):
+    """Without --out the records go to reports/raw/BENCH/MODEL.json: named before any work, so that it is refused
+    as the command's own input and while another harts process writes it, as a given --out is."""
+    from harts.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    default = Path("reports/raw") / bench / "tiny.json"
+    default.parent.mkdir(parents=True)
+    default.write_bytes(STEP.read_bytes())
+    argv = ["bench", bench, "--model", "tiny", "--trees"]
+    assert main([*argv, str(default)]) == 2
+    assert f"harts bench {bench}: output {default} is its input {default}" in capsys.readouterr().err
+    default.unlink()
+    with output_locks(f"harts bench {bench}", [default]):
+        assert main([*argv, str(STEP)]) == 2
+        assert f"{default} is being written by another harts process" in capsys.readouterr().err
+    assert not default.exists()
+
+
 def test_two_harts_train_on_one_run_folder(tmp_path):
     """The second `harts train --out R` is refused while the first runs; the log has one start."""
     run = tmp_path / "run"

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import non_negative_int, positive_int, print_error, records_file
+from harts.bench.outputs import default_records_path, records_files
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -119,7 +120,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=records_file, default=None,
                         help="records file (default reports/raw/fidelity/MODEL.json)")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
+    parser.set_defaults(run=run, files=records_files("fidelity"))
 
 
 def _plan_members(step, capacity: int, planner: str, index=None, dp: int = 1):
@@ -594,8 +595,7 @@ def run(args: argparse.Namespace) -> int:
               "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
               "parallel_config": config_to_dict(parallel) if parallel else None,
               "execution": {name: getattr(knobs, name) for name in KNOBS}}
-    suffix = f"-{parallel.name}" if parallel else ""
-    out = Path(args.out or f"reports/raw/fidelity/{model_config.name}{suffix}.json")
+    out = Path(args.out or default_records_path("fidelity", args.model, args.parallel))
     progress: dict[str, Any] = {"phase": "setup"}  # the single-process phase an error row names, what it finished
     try:
         with sigterm_raises():

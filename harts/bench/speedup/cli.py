@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from harts.args import index_list, non_negative_int, non_negative_int_or, positive_int, records_file
+from harts.bench.outputs import records_files
 from harts.bench.speedup.recompute import SEARCHED
 from harts.bench.speedup.executions import RUN_KNOBS
 from harts.bench.speedup.reuse import COMPACT_ONLY
@@ -64,7 +65,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="records file (default reports/raw/speedup/MODEL.json)")
     parser.add_argument("--json", action="store_true", help="also print the records' headline figures as JSON")
     wandb_log.add_arguments(parser)
-    parser.set_defaults(run=run, files=lambda a: ([a.out], [a.trees]))
+    parser.set_defaults(run=run, files=records_files("speedup"))
 
 
 # The flags a `--variant` may change: how a step runs, not the weights (the model's shape, seed and parameter
