@@ -106,9 +106,12 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:
-    """ValueError naming `command` if an output is one of the inputs (or a file of an input folder), or two outputs
-    are one file (e.g. records given a table's suffix: the table would replace them)."""
+def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None], *,
+                  read_whole: bool = False) -> None:
+    """ValueError naming `command` if an output is one of the inputs (or a file of an input folder; with
+    `read_whole`, inputs that are data folders read file by file, also a new file in one: a later read of the folder
+    would take it in), or two outputs are one file (e.g. records given a table's suffix: the table would replace
+    them)."""
     inputs = [Path(p) for p in inputs if p is not None]
     outputs = [Path(p) for p in outputs if p is not None]
     for k, output in enumerate(outputs):
@@ -122,6 +125,9 @@ def check_outputs(command: str, outputs: Iterable[str | Path | None], inputs: It
                 if _same(output, existing):
                     what = "is" if existing == given else f"is {existing}, a file of"
                     raise ValueError(f"{command}: output {output} {what} its input {given} (it would be overwritten)")
+            if read_whole and given.is_dir() and _same(output.parent, given):
+                raise ValueError(f"{command}: output {output} is in its input folder {given} (a later read of the "
+                                 "folder would take it in); write it elsewhere")
 
 
 @contextmanager

@@ -204,8 +204,30 @@ def test_outputs_that_are_inputs_are_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"^harts x: outputs {tmp_path / 'records.md'} and {tmp_path / 'link.md'} are "
                                          r"one file \(one would overwrite the other\); choose another name$"):
         check_outputs("harts x", [tmp_path / "records.md", tmp_path / "link.md"], [])
-    # New files, other files and config names are fine.
-    check_outputs("harts x", [tmp_path / "new.json", tmp_path / "other.npz", None], [step, "tiny", None, folder])
+    with pytest.raises(ValueError, match=rf"^harts x: output {folder / 'new.json'} is in its input folder {folder} \(a "
+                                         r"later read of the folder would take it in\); write it elsewhere$"):
+        check_outputs("harts x", [folder / "new.json"], [folder], read_whole=True)
+    # New files, other files and config names are fine; a new file in an input folder that is not read whole (a
+    # checkpoint's) too.
+    check_outputs("harts x", [tmp_path / "new.json", tmp_path / "other.npz", None], [step, "tiny", None, folder],
+                  read_whole=True)
+    check_outputs("harts x", [folder / "sub" / "new.json"], [folder], read_whole=True)  # a folder of its own inside
+    check_outputs("harts x", [folder / "new.json"], [folder])
+
+
+def test_train_refuses_a_run_folder_in_its_data_folder_before_any_work(tmp_path, capsys):
+    """`harts train --trees steps/ --out steps/` would write train.jsonl and checkpoints/ among the steps (a resume
+    would then read the log as data); the data path, known once the config is built, is checked like --config."""
+    from harts.cli.main import main
+
+    folder = tmp_path / "steps"
+    folder.mkdir()
+    write_step(make_step([[1, 2, 3]]), folder / "step_000.npz")
+    assert main(["train", "--model", "tiny", "--trees", str(folder), "--out", str(folder), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"harts: error: harts train: output {folder / 'train.jsonl'} is in its input "
+                                       f"folder {folder} (a later read of the folder would take it in); write it "
+                                       "elsewhere\n")
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000.npz"]
 
 
 @pytest.mark.parametrize("suffix", [".md", ".csv"])

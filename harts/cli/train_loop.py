@@ -139,9 +139,12 @@ def build_config(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from harts.files import check_outputs
     from harts.training.loop import LOG_NAME, train
 
     config = build_config(args)
+    # The data path is known only now (a flag, the config file's, or the checkpoint's on --resume).
+    check_outputs("harts train", [Path(args.out) / LOG_NAME], [config.data.trees], read_whole=True)
     if config.init_from is not None and Path(args.out).resolve() == Path(config.init_from).resolve():
         raise ValueError(f"harts train: --out {args.out} is the checkpoint it starts from (--init-from); "
                          "train into another directory")
