@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import IO
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_file(path: str | Path) -> None:
+    """Flush a written file's data to the disk (before a rename makes it visible under its final name)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Flush a directory's entries (a rename in it) to the disk, where the file system can."""
     try:
         handle = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -65,7 +75,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         if isinstance(error, OSError):
             raise _named(error, f"{target}: could not write ({error.strerror or error})") from None
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 @contextmanager

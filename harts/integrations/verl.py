@@ -54,6 +54,7 @@ from harts.api import packed_batch
 from harts.config.execution import ExecutionConfig
 from harts.engine import Engine
 from harts.extras import MissingExtra
+from harts.files import fsync_file
 from harts.model.hf import hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from harts.model.model import HybridModel
 from harts.objective.step import step_config
@@ -382,8 +383,7 @@ class HartsEngine(BaseEngine):
                 state = {"optimizer": self.optimizer.optimizer.state_dict(), "masters": self.optimizer.copies,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "global_step": global_step}
                 torch.save(state, staged_state)
-                with open(staged_state, "rb+") as handle:
-                    os.fsync(handle.fileno())
+                fsync_file(staged_state)
             if model_dir.exists():
                 model_dir.rename(replaced)
             staged.rename(model_dir)

@@ -41,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from harts.config import excerpt
+from harts.files import fsync_directory, fsync_file
 from harts.optim.adamw import MasterWeightAdamW
 
 FORMAT_VERSION = 1
@@ -104,13 +105,13 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: nn.Module, optimiz
         _write_json(temporary / "trainer.json", {"format_version": FORMAT_VERSION, "step": step, **trainer})
         _write_json(temporary / "config.json", config)
         for file in temporary.iterdir():
-            _fsync(file)
+            fsync_file(file)
         os.rename(temporary, final)
     except (OSError, RuntimeError, SafetensorError) as error:
         # torch.save and safetensors report a full disk as RuntimeError/SafetensorError, without the path.
         shutil.rmtree(temporary, ignore_errors=True)
         raise OSError(f"{final}: could not write the checkpoint ({_first_line(error)})") from None
-    _fsync(directory)
+    fsync_directory(directory)
     return final
 
 
@@ -246,11 +247,3 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     with path.open("w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
         handle.write("\n")
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
