@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import non_negative_int, positive_int, print_error, records_file
-from harts.bench.outputs import default_records_path, records_files
+from harts.bench.outputs import records_files
 from harts.config import execution
 from harts.tracking import wandb_log
 
@@ -595,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
               "parallel": parallel.name if parallel else "single", "world_size": parallel.world_size if parallel else 1,
               "parallel_config": config_to_dict(parallel) if parallel else None,
               "execution": {name: getattr(knobs, name) for name in KNOBS}}
-    out = Path(args.out or default_records_path("fidelity", args.model, args.parallel))
+    out = Path(args.out)  # the default set when the command started (harts.bench.outputs.records_files)
     progress: dict[str, Any] = {"phase": "setup"}  # the single-process phase an error row names, what it finished
     try:
         with sigterm_raises():

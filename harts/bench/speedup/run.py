@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from harts.args import print_error
-from harts.bench.outputs import default_records_path
 from harts.bench.speedup.executions import RECORD_KNOBS, compact_recompute_blocks, knobs_of, requested_blocks
 from harts.bench.speedup.measure import measure_step
 from harts.bench.speedup.parallel import measure_parallel_step
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if params_name == "bf16":
             model.to(torch.bfloat16)
             Fp32Gradients(model.named_parameters())  # its hooks stay on the parameters for the run
-    out = Path(args.out or default_records_path("speedup", args.model, args.parallel))
+    out = Path(args.out)  # the default set when the command started (harts.bench.outputs.records_files)
     records = []
     # One W&B run per record, opened before the step is measured and logged to while it runs.
     tracker = wandb_log.BenchLogger(wandb_log.options(args))
