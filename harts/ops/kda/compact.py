@@ -41,7 +41,7 @@ from harts.ops.kda.chunk import check_requests, chunk_kda_torch, index_tensor
 from harts.planning.kda_schedule import KDASchedule
 
 if TYPE_CHECKING:
-    from harts.ops.kda.fla_chunk import FlaCall
+    from harts.ops.kda.fla_chunk import FlaCall, LinkedCalls
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -109,6 +109,10 @@ class PreparedSchedule:
     replay_rows: torch.Tensor
     """... and the compact rows they repeat."""
     calls: tuple[PreparedCall, ...]
+    separate_calls: bool = False
+    """Asked to run the calls one by one (`prepare_schedule`)."""
+    linked: LinkedCalls | None = None
+    """On fla with replay and several calls, unless `separate_calls`: all of them as one linked launch."""
 
     @property
     def num_call_rows(self) -> int:
@@ -116,10 +120,17 @@ class PreparedSchedule:
         return int(self.gather.shape[0])
 
 
-def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch") -> PreparedSchedule:
-    """The device form of `schedule` for `compact_kda` with `backend`."""
+def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch", *,
+                     separate_calls: bool = False) -> PreparedSchedule:
+    """The device form of `schedule` for `compact_kda` with `backend`. On fla a replay schedule of several calls
+    runs them as one linked launch (`LinkedCalls`), or with `separate_calls` one call after another."""
     check_kda_backend(backend, schedule.chunk_size)
     device = torch.device(device)
+    linked = None
+    if backend == "fla" and schedule.replay and schedule.num_calls > 1 and not separate_calls:
+        from harts.ops.kda.fla_chunk import LinkedCalls
+
+        linked = LinkedCalls.build(schedule, device)
 
     def on_device(index: np.ndarray) -> torch.Tensor:
         return index_tensor(index, device)
@@ -137,7 +148,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
         roots = np.flatnonzero(source[:, 0] < 0)
         owners.append(roots)
         fla = None
-        if backend == "fla":
+        if backend == "fla" and linked is None:
             from harts.ops.kda.fla_chunk import FlaCall
 
             requests = check_requests("compact_kda", call.boundary_offsets, call.boundary_ptr,
@@ -163,7 +174,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     return PreparedSchedule(
         schedule=schedule, backend=backend, device=gather_device.device, gather=gather_device, output=on_device(output),
         replay_positions=on_device(replay_positions), replay_rows=on_device(gather[replay_positions]),
-        calls=tuple(calls),
+        calls=tuple(calls), separate_calls=separate_calls, linked=linked,
     )
 
 
@@ -277,6 +288,8 @@ def run_calls(
         raise ValueError(f"run_calls: inputs have {q.shape[0]} rows, the calls {prepared.num_call_rows}")
     if not prepared.calls:
         return v.new_zeros(0, heads, value_dim)
+    if prepared.linked is not None:
+        return prepared.linked.run(*(x.unsqueeze(0) for x in (q, k, v, g, beta)), scale=scale)[0]
     # Views by `split`, not by slicing: the backward of a slice writes a zero tensor of all the
     # calls' rows per call (and autograd then adds them up), `split`'s concatenates once.
     sizes = [call.rows.stop - call.rows.start for call in prepared.calls]

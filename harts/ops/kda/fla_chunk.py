@@ -40,7 +40,8 @@ from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
 from harts.ops.kda.chunk import check_inputs, check_requests, chunk_kda_torch, index_tensor
 from harts.ops.kda.keep import kda_intermediates_kept
-from harts.ops.kda.triton_state import state_backward, state_forward
+from harts.ops.kda.triton_state import StateLinks, state_backward, state_forward
+from harts.planning.kda_schedule import KDASchedule
 
 FLA_CHUNK_SIZES = (32, 64)
 
@@ -53,7 +54,7 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
     @input_guard
     @autocast_custom_fwd
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
-                chunk_size, num_chunks, num_slots, keep_intermediates):
+                chunk_size, num_chunks, num_slots, keep_intermediates, links=None):
         g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                    chunk_indices=chunk_indices)
         w, u, qg, kg, aqk, akk = chunk_kda_fwd_intra(
@@ -62,7 +63,7 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         )
         h, v_new, final_state, slot_states = state_forward(
             kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size, num_chunks,
-            state_slot, num_slots,
+            state_slot, num_slots, links,
         )
         o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=aqk, h=h, scale=scale, cu_seqlens=cu_seqlens,
                                chunk_size=chunk_size, chunk_indices=chunk_indices)
@@ -70,9 +71,13 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         # values (the intra kernel's w, u and gated q/k, the state pass's h and v_new).
         kept = (w, u, qg, kg, h, v_new) if keep_intermediates else ()
         assert all(x is not None for x in kept), "fla's intra kernel hands back the gated q when asked"
+        if links is not None and not kept:
+            # A linked launch's initial states are its slots: the recomputation in the backward starts from them.
+            initial_state = slot_states
         ctx.save_for_backward(q, k, v, g_cum, beta, aqk, akk, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, state_slot, *kept)
         ctx.scale, ctx.chunk_size, ctx.num_chunks, ctx.g_dtype = scale, chunk_size, num_chunks, g.dtype
+        ctx.links = links
         ctx.set_materialize_grads(False)
         return o.type_as(q), final_state, slot_states
 
@@ -90,12 +95,14 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         else:
             w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=akk, gk=g_cum, q=q, cu_seqlens=cu_seqlens,
                                              chunk_indices=chunk_indices)
+            if ctx.links is not None:
+                initial_state = ctx.links.initial_states(initial_state, len(cu_seqlens) - 1)
             h, v_new, _, _ = state_forward(kg, w, u, g_cum, initial_state, cu_seqlens, chunk_offsets, chunk_size,
                                            num_chunks)
         daqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=aqk, scale=scale, cu_seqlens=cu_seqlens,
                                      chunk_size=chunk_size, chunk_indices=chunk_indices)
         dh, dh0, dv = state_backward(qg, kg, w, g_cum, do, dv, dht, dslots, state_slot, cu_seqlens,
-                                     chunk_offsets, chunk_size, num_chunks, scale)
+                                     chunk_offsets, chunk_size, num_chunks, scale, ctx.links)
         dq, dk, dv, db, dg, dakk = chunk_kda_bwd_wy_dqkg_fused(
             q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
@@ -106,8 +113,8 @@ class ChunkKDAStatesFunction(torch.autograd.Function):
         )
         dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
                                 chunk_indices=chunk_indices)
-        return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0,
-                None, None, None, None, None, None, None, None, None)
+        return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), None if ctx.links is not None else dh0,
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def chunk_kda_fla(
@@ -213,6 +220,71 @@ class FlaCall:
                                         self.chunk_size)
         return o, final_state, states
 
+
+
+@dataclass(frozen=True, eq=False)
+class LinkedCalls:
+    """Every call of a replay schedule as one varlen call of all their sequences (in call order), the hand-offs
+    inside the state kernels (`StateLinks`): one launch of each fla kernel per KDA layer instead of one per call,
+    and the state passes' chain of dependent chunks a root-to-leaf path instead of the calls' longest sequences
+    one after another. The same values as running the calls one by one (`FlaCall` per call; the backward adds a
+    slot's consumers' gradients in another order)."""
+
+    call: FlaCall
+    """All sequences, no requested states."""
+    state_slot: torch.Tensor
+    """int32 [NT] the slot stored at each chunk start (−1: none)."""
+    num_slots: int
+    links: StateLinks
+
+    @classmethod
+    def build(cls, schedule: KDASchedule, device: torch.device) -> LinkedCalls:
+        """The linked form of `schedule` (replay: every hand-off at a chunk start inside its producer; more than
+        one call, so at least one hand-off)."""
+        assert schedule.replay and schedule.num_calls > 1, "linked calls: a replay schedule of several calls"
+        chunk = schedule.chunk_size
+        lengths = np.concatenate([np.diff(call.cu_seqlens) for call in schedule.calls])
+        first_seq = np.concatenate([[0], np.cumsum([call.num_sequences for call in schedule.calls])])
+        call = FlaCall.build(lengths, None, chunk, device)
+        chunk_offsets = np.concatenate([[0], np.cumsum(-(-lengths // chunk))])
+        source = np.concatenate([c.initial_source for c in schedule.calls])
+        consumer_seqs = np.flatnonzero(source[:, 0] >= 0)
+        source_chunk = np.empty(len(consumer_seqs), dtype=np.int64)
+        for i, seq in enumerate(consumer_seqs):
+            producer_call, producer_seq, boundary = (int(x) for x in source[seq])
+            offset = int(schedule.calls[producer_call].sequence_boundaries(producer_seq)[boundary])
+            producer = first_seq[producer_call] + producer_seq
+            assert offset % chunk == 0 and offset < lengths[producer], "a replay hand-off starts a producer's chunk"
+            source_chunk[i] = chunk_offsets[producer] + offset // chunk
+        chunks, consumer_slots = np.unique(source_chunk, return_inverse=True)
+        state_slot = np.full(max(call.num_chunks, 1), -1, dtype=np.int32)
+        state_slot[chunks] = np.arange(len(chunks), dtype=np.int32)
+        source_slot = np.full(len(lengths), -1, dtype=np.int32)
+        source_slot[consumer_seqs] = consumer_slots
+        order = np.argsort(consumer_slots, kind="stable")
+        consumer_ptr = np.concatenate([[0], np.cumsum(np.bincount(consumer_slots, minlength=len(chunks)))])
+
+        def on_device(index: np.ndarray, dtype=torch.int32) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(index)).to(device=device, dtype=dtype)
+
+        links = StateLinks(
+            source_slot=on_device(source_slot), consumer_ptr=on_device(consumer_ptr),
+            consumers=on_device(consumer_seqs[order]), consumer_seqs=on_device(consumer_seqs, torch.int64),
+            consumer_slots=on_device(consumer_slots, torch.int64),
+        )
+        return cls(call=call, state_slot=on_device(state_slot), num_slots=len(chunks), links=links)
+
+    def run(self, q, k, v, g, beta, *, scale: float | None = None) -> torch.Tensor:
+        """o in q's dtype ``[1, T, H, V]`` of q, k, g ``[1, T, H, K]``, v ``[1, T, H, V]``, beta ``[1, T, H]``:
+        the rows of every call back to back."""
+        call = self.call
+        assert q.shape[:2] == (1, int(call.lengths.sum())), "the inputs are the calls' rows"
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        o, _, _ = ChunkKDAStatesFunction.apply(
+            q, k, v, g, beta, None, scale, call.row_start, call.chunk_indices, call.chunk_offsets,
+            self.state_slot, call.chunk_size, call.num_chunks, self.num_slots, kda_intermediates_kept(), self.links,
+        )
+        return o
 
 # Where a requested state comes from (`_StatePlan.kind`).
 _INITIAL, _FINAL, _SLOT, _PARTIAL = range(4)

@@ -166,6 +166,61 @@ def case_compact() -> dict[str, float]:
     return errors
 
 
+def case_linked(full: bool) -> dict[str, float]:
+    """compact_kda on fla with its calls linked into one launch (`LinkedCalls`) against the per-trajectory torch
+    reference, and with fla's intermediates kept (the backward then starts from the kept states, not from the
+    linked slots): nested forks, three consumers of one chunk start, the one-segment-per-call schedule (three
+    calls, hand-offs from hand-offs). `full` adds the planned schedule and the calls run one by one."""
+    import torch
+
+    from harts.ops.kda import fla_chunk
+    from harts.ops.kda.compact import compact_kda, prepare_schedule
+    from harts.ops.kda.keep import keeping_kda_intermediates
+    from harts.planning.kda_calls import plan_kda_calls
+
+    from .helpers import per_trajectory, random_inputs, relative_error, segment_schedule, tree_from_shape
+
+    tree = tree_from_shape([-1, 0, 0, 0, 1, 1, 4], [70, 40, 20, 9, 33, 12, 5])
+    chunk = 32
+    index = torch.from_numpy(tree.compact_map())
+    leaves = random_inputs(tree.num_compact_tokens, 1, 16, 16, torch.float32, seed=42)
+    expected = per_trajectory(leaves, tree, chunk)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
+    grads_expected = torch.autograd.grad((expected * weight).sum(), leaves)
+    errors: dict[str, float] = {}
+    schedules = [("segments", segment_schedule(tree, chunk, True))]
+    forms = [("linked", False, False), ("kept", False, True)]
+    if full:
+        schedules.append(("planned", plan_kda_calls(tree, chunk)))
+        forms.append(("separate", True, False))
+    for tag, schedule in schedules:
+        results = {}
+        for form, separate, keep in forms:
+            prepared = prepare_schedule(schedule, "cpu", "fla", separate_calls=separate)
+            assert (prepared.linked is None) == separate, "fla links a replay schedule's calls unless asked not to"
+            with keeping_kda_intermediates() if keep else contextlib.nullcontext():
+                o = compact_kda(*leaves, prepared)
+            semantic = o.index_select(0, index)
+            with counting_calls(fla_chunk, "state_forward") as counts:
+                grads = torch.autograd.grad((semantic * weight).sum(), leaves)
+            results[form] = (semantic, *grads)
+            errors[f"{tag}.{form}.recomputed_states"] = counts["state_forward"]
+        errors[f"{tag}.calls"] = schedule.num_calls
+        errors[f"{tag}.slots"] = prepare_schedule(schedule, "cpu", "fla").linked.num_slots
+        for name, actual, want in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], results["linked"],
+                                      (expected, *grads_expected)):
+            errors[f"{tag}.{name}"] = relative_error(actual, want)
+        if full:
+            # The same kernels on the same rows: the outputs agree bit for bit, the gradients to rounding (a slot's
+            # consumers' gradients are added in another order).
+            errors[f"{tag}.o_vs_separate"] = (results["linked"][0] - results["separate"][0]).abs().max().item()
+            errors[f"{tag}.grads_vs_separate"] = max(relative_error(a, b) for a, b in zip(results["linked"][1:],
+                                                                                          results["separate"][1:]))
+        errors[f"{tag}.kept_vs_linked"] = max((a - b).abs().max().item() for a, b in zip(results["kept"],
+                                                                                       results["linked"]))
+    return errors
+
+
 def case_gate(lower_bound: float | None = None) -> dict[str, float]:
     """fla's fused gate (`kda_gate`'s CUDA path, the bounded branch with `lower_bound`) against `naive_kda_gate`
     in fp64: g and the gradients of the input, A_log and dt_bias; rows not a multiple of its tile."""
@@ -252,6 +307,7 @@ def case_packed() -> dict[str, float]:
 
 if __name__ == "__main__":
     patch_interpreter()
-    case = {"states": case_states, "compact": case_compact, "gate": case_gate, "packed": case_packed,
+    case = {"states": case_states, "compact": case_compact, "linked": lambda: case_linked(full=False),
+            "linked-full": lambda: case_linked(full=True), "gate": case_gate, "packed": case_packed,
             "gate-lower-bound": lambda: case_gate(lower_bound=-5.0)}[sys.argv[1]]
     print(json.dumps(case()))

@@ -43,6 +43,33 @@ def test_interpreted_compact_matches_per_trajectory():
     assert max(errors.values()) < 1e-5, errors
 
 
+def _check_linked(errors: dict[str, float], schedules: tuple[str, ...]) -> None:
+    for tag in schedules:
+        # one state pass to recompute in the backward, none with the intermediates kept
+        assert (errors.pop(f"{tag}.linked.recomputed_states"), errors.pop(f"{tag}.kept.recomputed_states")) == (1, 0)
+        assert errors.pop(f"{tag}.kept_vs_linked") == 0, errors
+        assert errors.pop(f"{tag}.slots") == 2, errors
+    assert errors.pop("segments.calls") == 3
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_interpreted_linked_calls_match_per_trajectory():
+    """The calls of a schedule as one linked launch: outputs and gradients against the per-trajectory reference."""
+    errors = _interpreted("linked")
+    _check_linked(errors, ("segments",))
+    assert set(errors) == {f"segments.{name}" for name in ("o", "dq", "dk", "dv", "dg", "dbeta")}
+
+
+@pytest.mark.slow
+def test_interpreted_linked_calls_match_separate_calls():
+    errors = _interpreted("linked-full")
+    assert errors.pop("planned.calls") == 2
+    assert errors.pop("planned.separate.recomputed_states") == 2 and errors.pop("segments.separate.recomputed_states") == 3
+    for tag in ("planned", "segments"):
+        assert errors.pop(f"{tag}.o_vs_separate") == 0, errors
+    _check_linked(errors, ("planned", "segments"))
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICE, HEADS, DIM, LOW = "cuda", 4, 128, torch.bfloat16
 
