@@ -15,8 +15,8 @@ Before timing, a correctness check compares `chunk_kda_fla` (bf16) with the fp32
 reference (`chunk_kda_torch`) on outputs, final and boundary states and every gradient, and
 `compact_kda(backend="fla")` on a small tree with per-trajectory execution; timing is refused
 (an `error` record) when a check fails. With `--trees`, one microbatch of a synthetic step is also
-timed end to end: `compact_kda` over its C compact rows against fla's `chunk_kda` over its S
-semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table;
+timed end to end: `compact_kda` over its C compact rows (its calls as one linked launch, and one
+after another) against fla's `chunk_kda` over its S semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table;
 the records are rewritten after every case, so a run cut short keeps what it measured (SIGTERM
 adds an error row naming the case it stopped, or after how many records it came).
 """
@@ -284,7 +284,7 @@ def _tree_case(args, synth) -> dict:
     import torch
     from fla.ops.kda import chunk_kda
 
-    from harts.ops.kda.compact import compact_kda
+    from harts.ops.kda.compact import compact_kda, prepare_schedule
     from harts.planning.kda_calls import plan_kda_calls
     from harts.trees.synth import generate_step
     from harts.trees.trie import PrefixIndex
@@ -309,8 +309,11 @@ def _tree_case(args, synth) -> dict:
     gen = torch.Generator(device=args.device).manual_seed(0)
     w = torch.randn(len(m), args.heads, args.dim, generator=gen, device=args.device, dtype=_dtype(args))
 
-    def compact_run():
-        o = compact_kda(*leaves, schedule, backend="fla")
+    linked = prepare_schedule(schedule, args.device, "fla")
+    separate = prepare_schedule(schedule, args.device, "fla", separate_calls=True)
+
+    def compact_run(prepared=linked):
+        o = compact_kda(*leaves, prepared)
         torch.autograd.grad((o.index_select(0, m) * w).float().sum(), leaves)
 
     def baseline_run():
@@ -319,15 +322,20 @@ def _tree_case(args, synth) -> dict:
 
     with torch.no_grad():
         semantic = [x.index_select(0, m)[None] for x in leaves]
-        drift = _relative(compact_kda(*leaves, schedule, backend="fla").index_select(0, m),
-                          chunk_kda(*semantic, cu_seqlens=cu, chunk_size=args.chunk)[0][0])
+        o = compact_kda(*leaves, linked)
+        drift = _relative(o.index_select(0, m), chunk_kda(*semantic, cu_seqlens=cu, chunk_size=args.chunk)[0][0])
+        separate_drift = _relative(o, compact_kda(*leaves, separate))
     results = {"trajectories": len(members), "semantic_rows": tree.num_semantic_tokens,
                "compact_rows": tree.num_compact_tokens, "calls": schedule.num_calls,
                "sequences": schedule.num_sequences, "replay_rows": schedule.replay_tokens,
                "compact": cuda_timed(compact_run, args.warmup, args.repeats, args.device),
+               "compact_separate_calls": cuda_timed(lambda: compact_run(separate), args.warmup, args.repeats,
+                                                    args.device),
                "per_trajectory": cuda_timed(baseline_run, args.warmup, args.repeats, args.device),
-               "output_drift_vs_per_trajectory": drift}
+               "output_drift_vs_per_trajectory": drift, "output_drift_linked_vs_separate_calls": separate_drift}
     results["speedup"] = results["per_trajectory"]["median_ms"] / results["compact"]["median_ms"]
+    results["linked_over_separate_calls"] = (results["compact"]["median_ms"]
+                                             / results["compact_separate_calls"]["median_ms"])
     return results
 
 
@@ -411,7 +419,8 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
         results = _tree_case(args, synth)
         finished(make_record("kda-compact-tree", config, results))
         print(f"tree: S = {results['semantic_rows']:,}, C = {results['compact_rows']:,}, {results['calls']} calls: "
-              f"compact {results['compact']['median_ms']:.2f} ms vs per-trajectory "
+              f"compact {results['compact']['median_ms']:.2f} ms (its calls one by one "
+              f"{results['compact_separate_calls']['median_ms']:.2f} ms) vs per-trajectory "
               f"{results['per_trajectory']['median_ms']:.2f} ms ({results['speedup']:.2f}x), "
               f"output drift {results['output_drift_vs_per_trajectory']:.2e}")
     return 0

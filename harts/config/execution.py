@@ -152,6 +152,11 @@ class ExecutionConfig:
     """With recompute and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors, gated
     q/k, chunk states) from the recomputation for the backward instead of computing them a third time (a transient
     of one block's intermediates)."""
+    separate_kda_calls: bool = False
+    """The compact execution's KDA calls on fla one after another, each a launch of every kernel, the boundary
+    states handed over between them (the form before linked calls, to compare with). Default: one linked launch
+    of each kernel per KDA layer, whose state kernels hand the states over inside it. Same values (gradients to
+    rounding); a schedule without replay, the fidelity ablation, always runs its calls one after another."""
     attention_backend: str | None = None
     """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree and flash4_tree, CUDA only: Triton kernels,
     or FlashAttention-4's with the tree mask as their block sparsity, reading the ancestors' keys and values in place

@@ -254,6 +254,7 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
             attention_splits=attention_splits,
         )
     layout.keep_kda_intermediates = config.keep_kda_intermediates
+    layout.separate_kda_calls = config.separate_kda_calls
     return layout
 
 
@@ -263,11 +264,14 @@ def build_mtp_layouts(step: Step, members: np.ndarray, model: HybridModel, confi
     layers)."""
     model_config = unwrap_model(model).config
     linear = model_config.linear_attention
-    return mtp_layouts(
+    layouts = mtp_layouts(
         step, members, model_config.mtp.num_layers, execution=config.execution, index=index,
         conv_size=linear.conv_size, chunk_size=linear.chunk_size, replay=config.replay,
         attention_backend=config.attention_backend, kda_backend=config.kda_backend, gdn_kernel=config.gdn_kernel,
     )
+    for mtp in layouts:
+        mtp.layout.separate_kda_calls = config.separate_kda_calls
+    return layouts
 
 
 def autocast_context(device: torch.device, config: StepConfig):

@@ -85,7 +85,8 @@ def test_records_are_on_disk_before_the_next_case(fake_gpu, tmp_path, monkeypatc
 
 def test_the_tree_case_record_and_its_error_row_share_one_config(fake_gpu, tmp_path, monkeypatch):
     tree = {"semantic_rows": 10, "compact_rows": 4, "calls": 2, "compact": {"median_ms": 1.0},
-            "per_trajectory": {"median_ms": 2.0}, "speedup": 2.0, "output_drift_vs_per_trajectory": 0.0}
+            "compact_separate_calls": {"median_ms": 1.5}, "per_trajectory": {"median_ms": 2.0}, "speedup": 2.0,
+            "output_drift_vs_per_trajectory": 0.0}
     monkeypatch.setattr(kda_handoff, "_tree_case", lambda args, synth: tree)
     code, records = _run(tmp_path, "--trees", "configs/trees/tiny.yaml")
     assert code == 0 and records[-1]["benchmark"] == "kda-compact-tree"

@@ -74,7 +74,8 @@ def test_check_refuses_a_bad_knob_in_one_line_naming_the_key(fields, message):
 def test_every_knob_alone_passes_the_check():
     good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
                 kda_backend="fla", gdn_kernel="kda", experts_backend="lean", logprob_grad_precision="input", capacity=7,
-                logprob_chunk_rows=3, recompute=True, memory_margin=0, mtp_loss_scaling_factor=0)
+                logprob_chunk_rows=3, recompute=True, memory_margin=0, mtp_loss_scaling_factor=0,
+                separate_kda_calls=True)
     assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
         execution.FIELDS)
     ExecutionConfig(**good).check()
@@ -154,7 +155,7 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
                              recompute_blocks=3, memory_margin=0.125, recompute_by_rows=True, keep_attention=True,
                              keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
                              gdn_kernel="kda", experts_backend="lean", logprob_chunk_rows=17,
-                             logprob_grad_precision="input", mtp_loss_scaling_factor=0.25)
+                             logprob_grad_precision="input", mtp_loss_scaling_factor=0.25, separate_kda_calls=True)
     argv = []
     for name in execution.FIELDS:
         value = getattr(config, name)
@@ -172,7 +173,8 @@ SURFACES = {
     "rl": ("execution",),  # runs the config's executions
     "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "memory_margin", "recompute_by_rows",
                        "keep_attention", "keep_kda_intermediates",  # its paths fix these
-                       "mtp_loss_scaling_factor"),  # it compares the decoder's logits; MTP runs at the model's factor
+                       "mtp_loss_scaling_factor",  # it compares the decoder's logits; MTP runs at the model's factor
+                       "separate_kda_calls"),  # how the KDA calls launch: the same values either way
 }
 
 

@@ -183,6 +183,35 @@ def test_gpu_compact_matches_per_trajectory(planner):
     assert drift["o"] < 5e-3 and max(drift.values()) < 1e-2, drift
 
 
+@pytest.mark.parametrize("planner", ["plan", "segment"])
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner):
+    """A random tree of 40 segments: the calls as one linked launch agree with the calls one by one (the same
+    kernels; the backward adds a slot's consumers' gradients in another order), and repeat bit for bit (the
+    consumers' gradients are added in a fixed order, not by atomics)."""
+    from harts.ops.kda.compact import prepare_schedule
+
+    rng = np.random.default_rng(7)
+    parent = [-1] + [int(rng.integers(0, v)) for v in range(1, 40)]
+    tree = tree_from_shape(parent, [int(rng.integers(1, 700)) for _ in parent])
+    schedule = (plan_kda_calls if planner == "plan" else segment_schedule)(tree, 64, replay=True)
+    leaves = [x.detach()[0].requires_grad_() for x in _bf16_leaves(tree.num_compact_tokens, 1)[:5]]
+    weight = torch.randn(tree.num_compact_tokens, HEADS, DIM, generator=torch.Generator(device=DEVICE).manual_seed(0),
+                         device=DEVICE)
+    runs = []
+    for separate in (False, False, True):
+        prepared = prepare_schedule(schedule, DEVICE, "fla", separate_calls=separate)
+        assert (prepared.linked is None) == separate
+        o = compact_kda(*leaves, prepared)
+        runs.append([o, *torch.autograd.grad((o.float() * weight).sum(), leaves)])
+    assert schedule.num_calls > 2
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    errors = {name: relative_error(a, e) for name, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], *runs[1:])}
+    print(json.dumps(errors))
+    assert errors["o"] < 1e-3 and max(errors.values()) < 5e-3, errors
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_l2norm_matches_fla():
