@@ -175,6 +175,25 @@ def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
     assert "T = 512, recompute, KDA intermediates kept, sdpa, fla KDA" in text
 
 
+def test_separate_kda_calls_are_a_configuration_of_their_own(tmp_path):
+    """Records that differ only in separate_kda_calls (the linked launch against the calls one by one) are not
+    merged; the labels and the CSV say where the calls ran one by one."""
+    linked = speedup_record(step=0)
+    linked["config"].update(kda_backend="fla")
+    separate = speedup_record(step=0, base_fbg=7.0)
+    separate["config"].update(kda_backend="fla", separate_kda_calls=True)
+    rows = speedup_rows([linked, separate])
+    assert [r["separate_kda_calls"] for r in rows] == [False, True, NOT_REPORTED]
+    header, table = display_table(rows)
+    assert [line[header.index("device / dtype")] for line in table[:2]] == [
+        "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA separate KDA calls"]
+    path = write(tmp_path, "single.json", [linked, separate])
+    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
+    write_speedup_report([path], pdf, table_path)
+    _, text = pdf_text(pdf)
+    assert "T = 512, sdpa, fla KDA, KDA calls one by one" in text
+
+
 def test_compact_recompute_blocks_and_by_rows_are_configurations_of_their_own(tmp_path):
     """Records that differ only in the compact execution's recomputed blocks or in recompute_by_rows are not
     merged; the labels give the compact blocks after the baseline's; a record from before the compact blocks
