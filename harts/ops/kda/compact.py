@@ -8,6 +8,10 @@ the boundary states the call must return, and writes the outputs of its computed
 rows to their compact rows. Every compact row is computed exactly once, so the result is a
 permutation of the calls' computed outputs; replay outputs are discarded.
 
+On fla a replay schedule of several calls runs as one linked launch instead (`LinkedCalls`,
+harts/ops/kda/README.md "Linked calls": the state kernels hand the states over inside it), unless
+`prepare_schedule(..., separate_calls=True)`; the values are the same.
+
 `prepare_schedule(schedule, device, backend)` puts the schedule's index tensors (and, for fla, each
 call's chunk indices) on the device once per microbatch; `compact_kda` then gathers all calls' rows
 with one gather per input and permutes the outputs with one gather, so a layer neither copies from
