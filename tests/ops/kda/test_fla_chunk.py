@@ -45,9 +45,7 @@ def test_interpreted_compact_matches_per_trajectory():
 
 def _check_linked(errors: dict[str, float], schedules: tuple[str, ...]) -> None:
     for tag in schedules:
-        # one state pass to recompute in the backward, none with the intermediates kept
-        assert (errors.pop(f"{tag}.linked.recomputed_states"), errors.pop(f"{tag}.kept.recomputed_states")) == (1, 0)
-        assert errors.pop(f"{tag}.kept_vs_linked") == 0, errors
+        assert errors.pop(f"{tag}.linked.recomputed_states") == 1  # one state pass recomputed in the backward
         assert errors.pop(f"{tag}.slots") == 2, errors
     assert errors.pop("segments.calls") == 3
     assert max(errors.values()) < 1e-5, errors
@@ -67,6 +65,8 @@ def test_interpreted_linked_calls_match_separate_calls():
     assert errors.pop("planned.separate.recomputed_states") == 2 and errors.pop("segments.separate.recomputed_states") == 3
     for tag in ("planned", "segments"):
         assert errors.pop(f"{tag}.o_vs_separate") == 0, errors
+        # none recomputed with the intermediates kept, and the same values
+        assert errors.pop(f"{tag}.kept.recomputed_states") == 0 and errors.pop(f"{tag}.kept_vs_linked") == 0
     _check_linked(errors, ("planned", "segments"))
 
 
