@@ -309,8 +309,8 @@ def _tree_case(args, synth) -> dict:
     gen = torch.Generator(device=args.device).manual_seed(0)
     w = torch.randn(len(m), args.heads, args.dim, generator=gen, device=args.device, dtype=_dtype(args))
 
-    linked = prepare_schedule(schedule, args.device, "fla")
-    separate = prepare_schedule(schedule, args.device, "fla", separate_calls=True)
+    linked = prepare_schedule(schedule, args.device, "fla", calls="linked")
+    separate = prepare_schedule(schedule, args.device, "fla")
 
     def compact_run(prepared=linked):
         o = compact_kda(*leaves, prepared)

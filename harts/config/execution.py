@@ -48,6 +48,8 @@ GDN_KERNELS = ("gdn", "kda")
 GDN kernel, or its KDA kernels on the KDA form."""
 EXPERT_BACKENDS = ("auto", "loop", "grouped", "lean")
 """The MoE experts' backends (harts.model.moe)."""
+KDA_CALLS = ("separate", "linked")
+"""How the compact execution's planned KDA calls run on fla (harts.ops.kda.compact.prepare_schedule)."""
 GRAD_PRECISIONS = ("fp32", "input")
 """The LM head's logit-gradient precisions (harts.objective.logprobs)."""
 
@@ -66,7 +68,7 @@ allocator raises (on the CPU the system would kill the process). Tests widen it 
 
 CHOICES = {
     "execution": EXECUTIONS, "planner": PLANNERS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
-    "kda_backend": KDA_BACKENDS, "gdn_kernel": GDN_KERNELS, "experts_backend": EXPERT_BACKENDS,
+    "kda_backend": KDA_BACKENDS, "kda_calls": KDA_CALLS, "gdn_kernel": GDN_KERNELS, "experts_backend": EXPERT_BACKENDS,
     "logprob_grad_precision": GRAD_PRECISIONS,
 }
 """The fields that take one of a few names, and those names."""
@@ -152,17 +154,19 @@ class ExecutionConfig:
     """With recompute and the fla KDA: the recomputed blocks' KDA calls keep fla's intermediates (WY factors, gated
     q/k, chunk states) from the recomputation for the backward instead of computing them a third time (a transient
     of one block's intermediates)."""
-    separate_kda_calls: bool = False
-    """The compact execution's KDA calls on fla one after another, each a launch of every kernel, the boundary
-    states handed over between them (the form before linked calls, to compare with). Default: one linked launch
-    of each kernel per KDA layer, whose state kernels hand the states over inside it. Same values (gradients to
-    rounding); a schedule without replay, the fidelity ablation, always runs its calls one after another."""
     attention_backend: str | None = None
     """The MLA backend (default: sdpa on CPU, varlen on CUDA; triton_tree and flash4_tree, CUDA only: Triton kernels,
     or FlashAttention-4's with the tree mask as their block sparsity, reading the ancestors' keys and values in place
     through the tree mask, no ancestor-KV copies)."""
     kda_backend: str | None = None
     """The KDA backend (default: torch on CPU, fla on CUDA)."""
+    kda_calls: str = "separate"
+    """The compact execution's planned KDA calls on fla: separate (one after another, each a launch of every fla
+    kernel, the boundary states handed over between them) or linked (all of them as one launch of each kernel per
+    KDA layer, whose state kernels hand the states over inside it, so that the chain of dependent chunks is a
+    root-to-leaf path, not the calls' longest sequences one after another; checked under the Triton interpreter,
+    not yet run on a GPU). Same values (gradients to rounding); a schedule without replay, the fidelity ablation,
+    runs its calls one after another either way."""
     gdn_kernel: str = "gdn"
     """A Gated DeltaNet model's per-trajectory baseline on the fla backend: gdn runs fla's chunk_gated_delta_rule,
     kda fla's KDA kernels on the KDA form (the gate broadcast over the key channels), the kernels of the compact

@@ -254,7 +254,7 @@ def build_layout(step: Step, members: np.ndarray, model: HybridModel, config: St
             attention_splits=attention_splits,
         )
     layout.keep_kda_intermediates = config.keep_kda_intermediates
-    layout.separate_kda_calls = config.separate_kda_calls
+    layout.kda_calls = config.kda_calls
     return layout
 
 
@@ -270,7 +270,7 @@ def build_mtp_layouts(step: Step, members: np.ndarray, model: HybridModel, confi
         attention_backend=config.attention_backend, kda_backend=config.kda_backend, gdn_kernel=config.gdn_kernel,
     )
     for mtp in layouts:
-        mtp.layout.separate_kda_calls = config.separate_kda_calls
+        mtp.layout.kda_calls = config.kda_calls
     return layouts
 
 

@@ -34,7 +34,7 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
     "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates",
-    "separate_kda_calls", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
+    "kda_calls", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
     "gdn_kernel", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",
@@ -99,7 +99,12 @@ def configuration(record: dict[str, Any]) -> tuple:
             c.get("logprob_grad_precision") or "fp32", attention_backends(c), experts_backend(c), kda_backend(c),
             c.get("capacity"), c.get("logprob_chunk_rows") or DEFAULT_LOGPROB_CHUNK_ROWS,
             bool(c.get("keep_kda_intermediates")), compact_recompute_blocks(c), bool(c.get("recompute_by_rows")),
-            gdn_kernel(c), bool(c.get("separate_kda_calls")))
+            gdn_kernel(c), kda_calls(c))
+
+
+def kda_calls(config: dict[str, Any]) -> str:
+    """How the compact KDA calls ran: separate (also a record from before the knob) or linked."""
+    return config.get("kda_calls") or "separate"
 
 
 def compact_recompute_blocks(config: dict[str, Any]) -> int | None:
@@ -112,13 +117,13 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
                    keep_attention: bool = False, short: bool = False, kda: str | None = None,
                    capacity: int | None = None, chunk_rows: int | None = None,
                    kda_intermediates_kept: bool = False, compact_recompute_blocks: int | None = None,
-                   by_rows: bool = False, gdn: str | None = None, separate_kda_calls: bool = False) -> str:
+                   by_rows: bool = False, gdn: str | None = None, linked_kda_calls: bool = False) -> str:
     """The step settings beside device and dtype: the capacity T (callers pass it where it is not the default),
     recomputation (of every block or the first N; the attention kept where it is), bf16 LM-head gradients, the
     MLA backend (the compact execution's after a slash where it differs), the MoE experts backend and the KDA
     backend (callers pass these where they are not the device's default: `shown_experts`, `shown_kda`), the
-    baseline's GDN kernel where it is not fla's GDN kernel (`shown_gdn`), the compact KDA calls run one after
-    another (`separate_kda_calls`); the LM head's chunk rows where not the default. The compact execution's
+    baseline's GDN kernel where it is not fla's GDN kernel (`shown_gdn`), the compact KDA calls linked into one
+    launch (`linked_kda_calls`); the LM head's chunk rows where not the default. The compact execution's
     recomputed blocks follow the baseline's
     after a slash where they differ."""
     parts = []
@@ -152,8 +157,8 @@ def settings_label(recompute: bool, recompute_blocks: int | None, grad_precision
         parts.append(f"{kda} KDA")
     if gdn is not None:
         parts.append("GDN baseline on KDA kernels" if not short else "GDN on KDA")
-    if separate_kda_calls:
-        parts.append("KDA calls one by one" if not short else "separate KDA calls")
+    if linked_kda_calls:
+        parts.append("KDA calls linked" if not short else "linked KDA")
     return "".join((" " if short else ", ") + part for part in parts)
 
 
@@ -188,12 +193,12 @@ def shown_capacity(capacity: Any) -> int | None:
 
 def _key_settings(key: tuple, short: bool) -> str:
     (_, _, _, device, _, recompute, recompute_blocks, kept, grad_precision, attention, experts, kda,
-     capacity, chunk_rows, kda_kept, compact_blocks, by_rows, gdn, separate) = key
+     capacity, chunk_rows, kda_kept, compact_blocks, by_rows, gdn, calls) = key
     return settings_label(recompute, recompute_blocks, grad_precision, attention, shown_experts(experts, device),
                           keep_attention=kept, short=short, kda=shown_kda(kda, device),
                           capacity=shown_capacity(capacity), chunk_rows=shown_chunk_rows(chunk_rows),
                           kda_intermediates_kept=kda_kept, compact_recompute_blocks=compact_blocks,
-                          by_rows=by_rows, gdn=shown_gdn(gdn), separate_kda_calls=separate)
+                          by_rows=by_rows, gdn=shown_gdn(gdn), linked_kda_calls=calls == "linked")
 
 
 def configuration_label(key: tuple) -> str:
@@ -219,7 +224,7 @@ def speedup_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "recompute_blocks": c.get("recompute_blocks"), "compact_recompute_blocks": compact_recompute_blocks(c),
                "recompute_by_rows": bool(c.get("recompute_by_rows")), "keep_attention": bool(c.get("keep_attention")),
                "keep_kda_intermediates": bool(c.get("keep_kda_intermediates")),
-               "separate_kda_calls": bool(c.get("separate_kda_calls")),
+               "kda_calls": kda_calls(c),
                "logprob_grad_precision": c.get("logprob_grad_precision") or "fp32",
                "attention_backend": attention, "compact_attention_backend": compact_attention,
                "experts_backend": experts_backend(c), "kda_backend": kda_backend(c), "gdn_kernel": gdn_kernel(c),
@@ -265,7 +270,7 @@ def display_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
             by_rows=r["recompute_by_rows"] is True,
             kda=shown_kda(r["kda_backend"], r["device"]) if ours else None,
             gdn=shown_gdn(r["gdn_kernel"]) if ours else None,
-            separate_kda_calls=r["separate_kda_calls"] is True,
+            linked_kda_calls=r["kda_calls"] == "linked",
             capacity=shown_capacity(r["capacity"]) if ours else None,
             chunk_rows=shown_chunk_rows(r["logprob_chunk_rows"]) if ours else None)
         table.append([

@@ -79,9 +79,9 @@ class Layout:
     keep_kda_intermediates: bool = False
     """Recomputed blocks keep fla's KDA intermediates for their backward (`HybridModel.run_blocks`,
     harts.ops.kda.keep; `StepConfig.keep_kda_intermediates`); the torch KDA has none and ignores it."""
-    separate_kda_calls: bool = False
-    """The compact execution's KDA calls on fla one after another, not as one linked launch
-    (`StepConfig.separate_kda_calls`, harts.ops.kda.compact.prepare_schedule)."""
+    kda_calls: str = "separate"
+    """How the compact execution's KDA calls run on fla: separate or linked (`StepConfig.kda_calls`,
+    harts.ops.kda.compact.prepare_schedule)."""
     info: dict = field(default_factory=dict)
     """Sizes for reports: rows, semantic tokens, KDA calls, replay rows, ancestor KV rows."""
     _packed_kda_call: FlaCall | None = field(default=None, init=False, repr=False)
@@ -111,9 +111,9 @@ class Layout:
         assert self.kda_schedule is not None, "only the compact execution has a KDA schedule"
         prepared = self.kda_prepared
         if (prepared is None or prepared.schedule is not self.kda_schedule or prepared.backend != self.kda_backend
-                or prepared.device != self.input_ids.device or prepared.separate_calls != self.separate_kda_calls):
+                or prepared.device != self.input_ids.device or prepared.calls_form != self.kda_calls):
             self.kda_prepared = prepare_schedule(self.kda_schedule, self.input_ids.device, self.kda_backend,
-                                                 separate_calls=self.separate_kda_calls)
+                                                 calls=self.kda_calls)
         return self.kda_prepared
 
     def kda_rows(self, x_RC: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ class Layout:
             multiplicity=move(self.multiplicity), cu_seqlens=move(self.cu_seqlens),
             cu_seqlens_cpu=None if self.cu_seqlens is None else self.cu_seqlens.cpu(),
             kda_prepared=None if self.kda_schedule is None else prepare_schedule(
-                self.kda_schedule, device, self.kda_backend, separate_calls=self.separate_kda_calls),
+                self.kda_schedule, device, self.kda_backend, calls=self.kda_calls),
         )
 
     def causal_conv(self, x_PC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:

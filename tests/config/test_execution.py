@@ -75,7 +75,7 @@ def test_every_knob_alone_passes_the_check():
     good = dict(planner="greedy-trie", execution="baseline", dtype="bf16", attention_backend="flex",
                 kda_backend="fla", gdn_kernel="kda", experts_backend="lean", logprob_grad_precision="input", capacity=7,
                 logprob_chunk_rows=3, recompute=True, memory_margin=0, mtp_loss_scaling_factor=0,
-                separate_kda_calls=True)
+                kda_calls="linked")
     assert set(good) | {"recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates"} == set(
         execution.FIELDS)
     ExecutionConfig(**good).check()
@@ -155,7 +155,7 @@ def test_every_field_has_help_and_a_flag_that_round_trips():
                              recompute_blocks=3, memory_margin=0.125, recompute_by_rows=True, keep_attention=True,
                              keep_kda_intermediates=True, attention_backend="varlen", kda_backend="fla",
                              gdn_kernel="kda", experts_backend="lean", logprob_chunk_rows=17,
-                             logprob_grad_precision="input", mtp_loss_scaling_factor=0.25, separate_kda_calls=True)
+                             logprob_grad_precision="input", mtp_loss_scaling_factor=0.25, kda_calls="linked")
     argv = []
     for name in execution.FIELDS:
         value = getattr(config, name)
@@ -174,7 +174,7 @@ SURFACES = {
     "bench fidelity": ("execution", "planner", "recompute", "recompute_blocks", "memory_margin", "recompute_by_rows",
                        "keep_attention", "keep_kda_intermediates",  # its paths fix these
                        "mtp_loss_scaling_factor",  # it compares the decoder's logits; MTP runs at the model's factor
-                       "separate_kda_calls"),  # how the KDA calls launch: the same values either way
+                       "kda_calls"),  # how the KDA calls launch: the same values either way
 }
 
 

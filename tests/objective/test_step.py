@@ -251,10 +251,10 @@ def test_run_step_entropy_bonus_equals_written_out_objective(model, off_policy_s
         assert difference <= 1e-4 * float(expected_grad.norm()) + 1e-9, name
 
 
-@pytest.mark.parametrize("separate", [False, True], ids=["linked", "separate"])
-def test_separate_kda_calls_reaches_the_layout_of_every_depth(separate):
-    """`separate_kda_calls` reaches the compact layouts of the microbatch and of each MTP depth: on fla their
-    schedules of several calls run as one linked launch unless the knob asks for one call after another."""
+@pytest.mark.parametrize("calls", ["linked", "separate"])
+def test_kda_calls_reaches_the_layout_of_every_depth(calls):
+    """`kda_calls` reaches the compact layouts of the microbatch and of each MTP depth: on fla their schedules of
+    several calls run as one linked launch where the knob asks for it, else one call after another."""
     from harts.model.config import MTPConfig
     from harts.objective.step import build_layout, build_mtp_layouts
     from harts.trees.trie import PrefixIndex
@@ -267,7 +267,7 @@ def test_separate_kda_calls_reaches_the_layout_of_every_depth(separate):
     trunk = rng.integers(1, 50, 100).tolist()
     step = make_step([trunk + rng.integers(1, 50, 60).tolist(), trunk[:90] + [99] * 50, trunk[:70] + [98] * 40],
                      trees=["t"] * 3)
-    step_config = StepConfig(execution="compact", kda_backend="fla", separate_kda_calls=separate)
+    step_config = StepConfig(execution="compact", kda_backend="fla", kda_calls=calls)
     members = np.arange(3)
     index = PrefixIndex.from_step(step)
     layouts = [build_layout(step, members, model, step_config, index),
@@ -275,6 +275,6 @@ def test_separate_kda_calls_reaches_the_layout_of_every_depth(separate):
     assert len(layouts) == 3
     for layout in layouts:
         assert layout.kda_schedule.num_calls > 1
-        assert (layout.prepared_schedule().linked is None) == separate
-        assert (layout.to("cpu").kda_prepared.linked is None) == separate
+        assert (layout.prepared_schedule().linked is None) == (calls == "separate")
+        assert (layout.to("cpu").kda_prepared.linked is None) == (calls == "separate")
 

@@ -175,23 +175,26 @@ def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
     assert "T = 512, recompute, KDA intermediates kept, sdpa, fla KDA" in text
 
 
-def test_separate_kda_calls_are_a_configuration_of_their_own(tmp_path):
-    """Records that differ only in separate_kda_calls (the linked launch against the calls one by one) are not
-    merged; the labels and the CSV say where the calls ran one by one."""
-    linked = speedup_record(step=0)
-    linked["config"].update(kda_backend="fla")
-    separate = speedup_record(step=0, base_fbg=7.0)
-    separate["config"].update(kda_backend="fla", separate_kda_calls=True)
-    rows = speedup_rows([linked, separate])
-    assert [r["separate_kda_calls"] for r in rows] == [False, True, NOT_REPORTED]
+def test_linked_kda_calls_are_a_configuration_of_their_own(tmp_path):
+    """Records that differ only in kda_calls (the calls one by one, also a record from before the knob, against
+    the linked launch) are not merged; the labels and the CSV say where the calls were linked."""
+    old = speedup_record(step=0)
+    old["config"].update(kda_backend="fla")
+    separate = speedup_record(step=1)
+    separate["config"].update(kda_backend="fla", kda_calls="separate")
+    linked = speedup_record(step=0, base_fbg=7.0)
+    linked["config"].update(kda_backend="fla", kda_calls="linked")
+    rows = speedup_rows([old, separate, linked])
+    assert [r["kda_calls"] for r in rows] == ["separate", "separate", "linked", NOT_REPORTED]
     header, table = display_table(rows)
-    assert [line[header.index("device / dtype")] for line in table[:2]] == [
-        "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA separate KDA calls"]
-    path = write(tmp_path, "single.json", [linked, separate])
+    assert [line[header.index("device / dtype")] for line in table[:3]] == [
+        "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA linked KDA"]
+    path = write(tmp_path, "single.json", [old, separate, linked])
     pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
     write_speedup_report([path], pdf, table_path)
     _, text = pdf_text(pdf)
-    assert "T = 512, sdpa, fla KDA, KDA calls one by one" in text
+    assert "T = 512, sdpa, fla KDA, KDA calls linked" in text
+    assert text.count("tiny / single / harts T=512 sdpa fla KDA (ideal") == 1  # old and separate: one
 
 
 def test_compact_recompute_blocks_and_by_rows_are_configurations_of_their_own(tmp_path):

@@ -1,6 +1,6 @@
 """A step's baseline measured once and reused by the later cases of the step whose baseline would run the same
 (`BaselineReuse`; off with `--no-reuse-baseline`): a `--variant` that changes only the compact execution (its own
-flags, `COMPACT_ONLY`, the planner, separate_kda_calls, or the memory margin where the baseline's blocks are not
+flags, `COMPACT_ONLY`, the planner, kda_calls, or the memory margin where the baseline's blocks are not
 searched) takes the baseline of the first case of the step that measured it (`ReusedBaseline`: its times and
 samples, peak memory, `--recompute-blocks auto` search record, the breakdown's baseline op times and the baseline's
 profile) and measures the compact execution alone.
@@ -37,9 +37,9 @@ THE_RUNS_OWN = "the run's own"
 def unread_by_baseline(blocks: int | str | None) -> tuple[str, ...]:
     """The fields of the baseline's StepConfig that its measurement does not read, with its recompute_blocks
     `blocks` as requested: the planner (the command plans the baseline per-trajectory whatever `--planner` says:
-    measure.py, parallel.py), separate_kda_calls (the baseline's KDA is one packed call, no planned calls) and,
+    measure.py, parallel.py), kda_calls (the baseline's KDA is one packed call, no planned calls) and,
     unless its blocks are searched, the memory margin (only the search of the recomputed blocks reads it)."""
-    unread = ("planner", "separate_kda_calls")
+    unread = ("planner", "kda_calls")
     return unread if blocks in SEARCHED else (*unread, "memory_margin")
 
 

@@ -8,9 +8,9 @@ the boundary states the call must return, and writes the outputs of its computed
 rows to their compact rows. Every compact row is computed exactly once, so the result is a
 permutation of the calls' computed outputs; replay outputs are discarded.
 
-On fla a replay schedule of several calls runs as one linked launch instead (`LinkedCalls`,
-harts/ops/kda/README.md "Linked calls": the state kernels hand the states over inside it), unless
-`prepare_schedule(..., separate_calls=True)`; the values are the same.
+On fla a replay schedule of several calls can run as one linked launch instead (`LinkedCalls`,
+`prepare_schedule(..., calls="linked")`, harts/ops/kda/README.md "Linked calls": the state kernels
+hand the states over inside it); the values are the same.
 
 `prepare_schedule(schedule, device, backend)` puts the schedule's index tensors (and, for fla, each
 call's chunk indices) on the device once per microbatch; `compact_kda` then gathers all calls' rows
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from harts.config.execution import KDA_BACKENDS
+from harts.config.execution import KDA_BACKENDS, KDA_CALLS
 from harts.ops.kda.chunk import check_requests, chunk_kda_torch, index_tensor
 from harts.planning.kda_schedule import KDASchedule
 
@@ -113,10 +113,10 @@ class PreparedSchedule:
     replay_rows: torch.Tensor
     """... and the compact rows they repeat."""
     calls: tuple[PreparedCall, ...]
-    separate_calls: bool = False
-    """Asked to run the calls one by one (`prepare_schedule`)."""
+    calls_form: str = "separate"
+    """How the calls were asked to run (`prepare_schedule`'s `calls`)."""
     linked: LinkedCalls | None = None
-    """On fla with replay and several calls, unless `separate_calls`: all of them as one linked launch."""
+    """With calls "linked" on fla, a replay schedule of several calls: all of them as one linked launch."""
 
     @property
     def num_call_rows(self) -> int:
@@ -125,13 +125,15 @@ class PreparedSchedule:
 
 
 def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend: str = "torch", *,
-                     separate_calls: bool = False) -> PreparedSchedule:
+                     calls: str = "separate") -> PreparedSchedule:
     """The device form of `schedule` for `compact_kda` with `backend`. On fla a replay schedule of several calls
-    runs them as one linked launch (`LinkedCalls`), or with `separate_calls` one call after another."""
+    runs them one after another (`calls` "separate") or as one linked launch ("linked": `LinkedCalls`)."""
     check_kda_backend(backend, schedule.chunk_size)
+    if calls not in KDA_CALLS:
+        raise ValueError(f"prepare_schedule: calls must be one of {', '.join(KDA_CALLS)}, got {calls!r}")
     device = torch.device(device)
     linked = None
-    if backend == "fla" and schedule.replay and schedule.num_calls > 1 and not separate_calls:
+    if backend == "fla" and schedule.replay and schedule.num_calls > 1 and calls == "linked":
         from harts.ops.kda.fla_chunk import LinkedCalls
 
         linked = LinkedCalls.build(schedule, device)
@@ -139,7 +141,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     def on_device(index: np.ndarray) -> torch.Tensor:
         return index_tensor(index, device)
 
-    calls, outputs, destinations, replays, start = [], [], [], [], 0
+    prepared_calls, outputs, destinations, replays, start = [], [], [], [], 0
     for call in schedule.calls:
         source = call.initial_source
         handed = np.flatnonzero(source[:, 0] >= 0)
@@ -158,7 +160,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
             requests = check_requests("compact_kda", call.boundary_offsets, call.boundary_ptr,
                                       np.diff(call.cu_seqlens))
             fla = FlaCall.build(np.diff(call.cu_seqlens), requests, schedule.chunk_size, device)
-        calls.append(PreparedCall(
+        prepared_calls.append(PreparedCall(
             rows=slice(start, start + call.num_rows), cu_seqlens=call.cu_seqlens, state_offsets=call.boundary_offsets,
             state_ptr=call.boundary_ptr, initial=tuple(initial), num_roots=len(roots),
             initial_order=on_device(np.argsort(np.concatenate(owners))) if len(handed) else None, fla=fla,
@@ -178,7 +180,7 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     return PreparedSchedule(
         schedule=schedule, backend=backend, device=gather_device.device, gather=gather_device, output=on_device(output),
         replay_positions=on_device(replay_positions), replay_rows=on_device(gather[replay_positions]),
-        calls=tuple(calls), separate_calls=separate_calls, linked=linked,
+        calls=tuple(prepared_calls), calls_form=calls, linked=linked,
     )
 
 

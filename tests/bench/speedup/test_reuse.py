@@ -75,8 +75,8 @@ def _check_reused(record, source_record, source: str) -> None:
 
 
 @pytest.mark.parametrize("variant", ["compact-attention-backend=naive", "compact-recompute-blocks=1",
-                                     "planner=greedy-trie", "memory-margin=0.5", "separate-kda-calls=yes"],
-                         ids=["attention-backend", "recompute-blocks", "planner", "memory-margin", "separate-kda-calls"])
+                                     "planner=greedy-trie", "memory-margin=0.5", "kda-calls=linked"],
+                         ids=["attention-backend", "recompute-blocks", "planner", "memory-margin", "kda-calls"])
 def test_a_compact_only_variant_measures_the_baseline_once(variant, tree_step_path, tmp_path, capsys, monkeypatch):
     """A variant of the compact execution's own flags, of the planner (the command plans the baseline per-trajectory
     whatever --planner says) or of the memory margin (the baseline's blocks given) reuses the run's own baseline."""
@@ -302,7 +302,7 @@ MEASUREMENT_FLAGS = {"repeats": "the baseline's timed steps"}
 new one is refused below until it is named here or in `COMPACT_ONLY`."""
 READ_BY_THE_BASELINE_WHEN = {
     "planner": lambda run_args: False,  # the baseline is planned per-trajectory whatever --planner says
-    "separate_kda_calls": lambda run_args: False,  # the baseline's KDA is one packed call
+    "kda_calls": lambda run_args: False,  # the baseline's KDA is one packed call
     "memory_margin": lambda run_args: requested_blocks(run_args)["baseline"] == AUTO,  # read by a search alone
 }
 """The run flags that reach the baseline's StepConfig but not always its measurement, and when they do (of the run's

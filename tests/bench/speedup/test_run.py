@@ -102,7 +102,7 @@ def test_compact_attention_backend_applies_to_the_compact_execution_only(tree_st
                               keep_attention=True, keep_kda_intermediates=True, logprob_chunk_rows=1024,
                               compact_recompute_blocks=None, recompute_by_rows=False, planner="harts", capacity=80,
                               experts_backend=None, dtype=None, memory_margin=0.05, mtp_loss_scaling_factor=None,
-                              separate_kda_calls=False)
+                              kda_calls="separate")
     configs = step_configs(args, "fp32")
     assert (configs["baseline"].attention_backend, configs["compact"].attention_backend) == ("sdpa", "naive")
     for config in configs.values():

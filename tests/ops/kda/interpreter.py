@@ -196,8 +196,8 @@ def case_linked(full: bool) -> dict[str, float]:
     for tag, schedule in schedules:
         results = {}
         for form, separate, keep in forms:
-            prepared = prepare_schedule(schedule, "cpu", "fla", separate_calls=separate)
-            assert (prepared.linked is None) == separate, "fla links a replay schedule's calls unless asked not to"
+            prepared = prepare_schedule(schedule, "cpu", "fla", calls="separate" if separate else "linked")
+            assert (prepared.linked is None) == separate, "fla links a replay schedule's calls when asked to"
             with keeping_kda_intermediates() if keep else contextlib.nullcontext():
                 o = compact_kda(*leaves, prepared)
             semantic = o.index_select(0, index)
@@ -206,7 +206,7 @@ def case_linked(full: bool) -> dict[str, float]:
             results[form] = (semantic, *grads)
             errors[f"{tag}.{form}.recomputed_states"] = counts["state_forward"]
         errors[f"{tag}.calls"] = schedule.num_calls
-        errors[f"{tag}.slots"] = prepare_schedule(schedule, "cpu", "fla").linked.num_slots
+        errors[f"{tag}.slots"] = prepare_schedule(schedule, "cpu", "fla", calls="linked").linked.num_slots
         for name, actual, want in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], results["linked"],
                                       (expected, *grads_expected)):
             errors[f"{tag}.{name}"] = relative_error(actual, want)

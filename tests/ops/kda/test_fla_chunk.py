@@ -201,7 +201,7 @@ def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner):
                          device=DEVICE)
     runs = []
     for separate in (False, False, True):
-        prepared = prepare_schedule(schedule, DEVICE, "fla", separate_calls=separate)
+        prepared = prepare_schedule(schedule, DEVICE, "fla", calls="separate" if separate else "linked")
         assert (prepared.linked is None) == separate
         o = compact_kda(*leaves, prepared)
         runs.append([o, *torch.autograd.grad((o.float() * weight).sum(), leaves)])
