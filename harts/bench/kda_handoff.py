@@ -16,9 +16,10 @@ reference (`chunk_kda_torch`) on outputs, final and boundary states and every gr
 `compact_kda(backend="fla")` on a small tree with per-trajectory execution; timing is refused
 (an `error` record) when a check fails. With `--trees`, one microbatch of a synthetic step is also
 timed end to end: `compact_kda` over its C compact rows (its calls as one linked launch, and one
-after another) against fla's `chunk_kda` over its S semantic rows (the per-trajectory baseline). Writes one JSON record per case and prints a table;
-the records are rewritten after every case, so a run cut short keeps what it measured (SIGTERM
-adds an error row naming the case it stopped, or after how many records it came).
+after another) against fla's `chunk_kda` over its S semantic rows (the per-trajectory baseline).
+Writes one JSON record per case and prints a table; the records are rewritten after every case,
+so a run cut short keeps what it measured (SIGTERM adds an error row naming the case it stopped,
+or after how many records it came).
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ allocator raises (on the CPU the system would kill the process). Tests widen it 
 
 CHOICES = {
     "execution": EXECUTIONS, "planner": PLANNERS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
-    "kda_backend": KDA_BACKENDS, "kda_calls": KDA_CALLS, "gdn_kernel": GDN_KERNELS, "experts_backend": EXPERT_BACKENDS,
-    "logprob_grad_precision": GRAD_PRECISIONS,
+    "kda_backend": KDA_BACKENDS, "kda_calls": KDA_CALLS, "gdn_kernel": GDN_KERNELS,
+    "experts_backend": EXPERT_BACKENDS, "logprob_grad_precision": GRAD_PRECISIONS,
 }
 """The fields that take one of a few names, and those names."""
 

@@ -33,8 +33,8 @@ from harts.report.render import footer, markdown_table, page, save_pdf, table_pa
 
 SPEEDUP_COLUMNS = [
     "source", "model", "parallel", "planner", "world_size", "device", "dtype", "recompute", "recompute_blocks",
-    "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates",
-    "kda_calls", "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
+    "compact_recompute_blocks", "recompute_by_rows", "keep_attention", "keep_kda_intermediates", "kda_calls",
+    "logprob_grad_precision", "attention_backend", "compact_attention_backend", "experts_backend", "kda_backend",
     "gdn_kernel", "capacity", "logprob_chunk_rows", "trees", "step",
     "semantic_tokens", "compact_tokens", "lower_bound_compact_tokens", "compression", "baseline_fbg_s",
     "compact_fbg_s", "baseline_planning_s", "compact_planning_s", "fbg_speedup", "core_speedup", "efficiency",

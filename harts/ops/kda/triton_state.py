@@ -33,6 +33,7 @@ on CUDA by the GPU tests. K ≤ 256, chunk size a power of two ≥ 16.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +65,20 @@ class StateLinks:
         return initial.index_copy_(0, self.consumer_seqs, slot_states.index_select(0, self.consumer_slots))
 
 
-def _sync_tensors(num_slots: int, heads: int, value_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _sync_tensors(linked: bool, num_slots: int, heads: int, value_dim: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ticket int32 [1], flags int32 [slots x heads x value tiles]) zeroed; the autotuner zeroes them again
-    before each timing run and before the run it keeps."""
-    sync = torch.zeros(1 + max(num_slots, 1) * heads * triton.cdiv(value_dim, MIN_BV), dtype=torch.int32,
-                       device=device)
+    before each timing run and before the run it keeps. An unlinked launch never reads them: it gets one zeroed
+    tensor of the device, not a new one per call (and not one holding data, which the autotuner would zero)."""
+    if not linked:
+        return _unused_sync(torch.device(device))
+    sync = torch.zeros(1 + num_slots * heads * triton.cdiv(value_dim, MIN_BV), dtype=torch.int32, device=device)
+    return sync[:1], sync[1:]
+
+
+@functools.cache
+def _unused_sync(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    sync = torch.zeros(2, dtype=torch.int32, device=device)
     return sync[:1], sync[1:]
 
 
@@ -255,7 +265,7 @@ def state_forward(
     slot_states = kg.new_empty(num_slots, heads, key_dim, value_dim, dtype=torch.float32)
     store_slots = state_slot is not None and num_slots > 0
     assert links is None or store_slots, "a linked launch hands over slots"
-    ticket, flags = _sync_tensors(num_slots if links is not None else 0, heads, value_dim, kg.device)
+    ticket, flags = _sync_tensors(links is not None, num_slots, heads, value_dim, kg.device)
     grid = lambda meta: (triton.cdiv(value_dim, meta["BV"]) * num_seqs * heads,)  # noqa: E731
     _state_forward_kernel[grid](
         kg, w, u, gk, h, v_new, final_state if links is not None else initial_state, final_state, slot_states,
@@ -296,7 +306,7 @@ def state_backward(
     inject = slot_grads is not None and state_slot is not None and slot_grads.shape[0] > 0
     assert links is None or state_slot is not None, "a linked launch hands over slots"
     num_slots = int(links.consumer_ptr.shape[0]) - 1 if links is not None else 0
-    ticket, flags = _sync_tensors(num_slots, heads, value_dim, qg.device)
+    ticket, flags = _sync_tensors(links is not None, num_slots, heads, value_dim, qg.device)
     dummy = links.source_slot if links is not None else cu_seqlens
     grid = lambda meta: (triton.cdiv(value_dim, meta["BV"]) * num_seqs * heads,)  # noqa: E731
     _state_backward_kernel[grid](
