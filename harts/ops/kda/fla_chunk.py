@@ -12,6 +12,9 @@ the fp32 state at each requested chunk start, the backward adds each such state'
 gradient at that point of its single reverse sweep. No extra call and no extra rows: one forward
 and one backward over the same rows as an unsplit `chunk_kda`.
 
+`LinkedCalls` runs every call of a replay schedule as one such call, the states handed over inside
+its state kernels (`StateLinks`; README "Linked calls").
+
 Offsets that are not chunk multiples (the no-replay ablation) are formed from the state at the
 start of their chunk (a kernel slot, or the initial state) by `chunk_kda_torch` over the first
 rows of that chunk — a few rows per request, differentiable through autograd.
@@ -221,7 +224,6 @@ class FlaCall:
         return o, final_state, states
 
 
-
 @dataclass(frozen=True, eq=False)
 class LinkedCalls:
     """Every call of a replay schedule as one varlen call of all their sequences (in call order), the hand-offs
@@ -285,6 +287,7 @@ class LinkedCalls:
             self.state_slot, call.chunk_size, call.num_chunks, self.num_slots, kda_intermediates_kept(), self.links,
         )
         return o
+
 
 # Where a requested state comes from (`_StatePlan.kind`).
 _INITIAL, _FINAL, _SLOT, _PARTIAL = range(4)
