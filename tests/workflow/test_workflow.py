@@ -314,7 +314,7 @@ def test_nested_config_values_on_the_command_line(workdir):
                        "--config", "speedup={capacity: 300, recompute: true, repeats: 2, steps: [1]}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--capacity 300" in result.stdout
-    assert "--recompute --gdn-kernel gdn --logprob-grad-precision fp32 --repeats 2" in result.stdout
+    assert "--recompute --kda-calls separate --gdn-kernel gdn --logprob-grad-precision fp32 --repeats 2" in result.stdout
     assert "step_001.json" in result.stdout and "step_000.json" not in result.stdout
     assert "--logprob-grad-precision fp32" in result.stdout
     assert "--attention-backend" not in result.stdout and "--recompute-blocks" not in result.stdout
@@ -334,7 +334,7 @@ def test_speedup_execution_settings_reach_the_jobs(workdir):
                        "mtp_loss_scaling_factor: 0.25}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("--recompute --recompute-blocks 2 --recompute-by-rows --keep-attention --keep-kda-intermediates "
-            "--attention-backend varlen --kda-backend fla --gdn-kernel kda --experts-backend lean "
+            "--attention-backend varlen --kda-backend fla --kda-calls separate --gdn-kernel kda --experts-backend lean "
             "--logprob-chunk-rows 2048 --logprob-grad-precision input --mtp-loss-scaling-factor 0.25 "
             "--compact-recompute-blocks 1"
             ) in result.stdout
