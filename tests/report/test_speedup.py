@@ -85,6 +85,12 @@ def test_no_records_is_an_error(tmp_path):
         write_speedup_report([write(tmp_path, "empty.json", [])], tmp_path / "x.pdf", tmp_path / "x.csv")
 
 
+def _report_text(tmp_path, records) -> str:
+    """The PDF text of the speedup report of `records` (one records file)."""
+    path = write(tmp_path, "single.json", records)
+    write_speedup_report([path], tmp_path / "speedup.pdf", tmp_path / "speedup.csv")
+    return pdf_text(tmp_path / "speedup.pdf")[1]
+
 def test_attention_backends_are_configurations_of_their_own(tmp_path):
     """Records that differ only in the MLA backend are not merged (their own CSV columns, summary, labels in
     every figure); the bench's default is the device's backend (sdpa on CPU), the same configuration as naming it."""
@@ -102,10 +108,7 @@ def test_attention_backends_are_configurations_of_their_own(tmp_path):
     column = header.index("device / dtype")
     assert [line[column] for line in table] == [
         "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa", "cpu fp32 T=512 flash4", "cpu fp32 T=512 varlen/flex", "cuda bf16 rc"]
-    path = write(tmp_path, "single.json", [default, named, flash4, mixed])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [default, named, flash4, mixed])
     assert "cpu fp32, T = 512, flash4" in text and "cpu fp32, T = 512, varlen/flex" in text
     assert "tiny / single / harts T=512 flash4: compact" in text  # the step-time figure's labels
     assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # default and named sdpa: one breakdown bar
@@ -126,10 +129,7 @@ def test_experts_backends_are_configurations_of_their_own(tmp_path):
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:4]] == [
         "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa", "cpu fp32 T=512 sdpa lean experts", "cpu fp32 T=512 sdpa grouped experts"]
-    path = write(tmp_path, "single.json", [default, named, lean])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [default, named, lean])
     assert "cpu fp32, T = 512, sdpa, lean experts" in text
     assert text.count("tiny / single / harts T=512 sdpa (ideal") == 1  # auto and named loop: one configuration
 
@@ -148,10 +148,7 @@ def test_kept_attention_is_a_configuration_of_its_own(tmp_path):
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:3]] == [
         "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks attn kept sdpa"]
-    path = write(tmp_path, "single.json", [old, plain, kept])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [old, plain, kept])
     assert "T = 512, recompute 2 blocks, attention kept" in text
     assert text.count("tiny / single / harts T=512 rc 2 blocks sdpa (ideal") == 1  # old and plain: one configuration
 
@@ -168,10 +165,7 @@ def test_kept_kda_intermediates_are_a_configuration_of_their_own(tmp_path):
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:2]] == [
         "cpu fp32 T=512 rc sdpa fla KDA", "cpu fp32 T=512 rc KDA interm. kept sdpa fla KDA"]
-    path = write(tmp_path, "single.json", [plain, kept])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [plain, kept])
     assert "T = 512, recompute, KDA intermediates kept, sdpa, fla KDA" in text
 
 
@@ -189,10 +183,7 @@ def test_linked_kda_calls_are_a_configuration_of_their_own(tmp_path):
     header, table = display_table(rows)
     assert [line[header.index("device / dtype")] for line in table[:3]] == [
         "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA", "cpu fp32 T=512 sdpa fla KDA linked KDA"]
-    path = write(tmp_path, "single.json", [old, separate, linked])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [old, separate, linked])
     assert "T = 512, sdpa, fla KDA, KDA calls linked" in text
     assert text.count("tiny / single / harts T=512 sdpa fla KDA (ideal") == 1  # old and separate: one
 
@@ -215,10 +206,7 @@ def test_compact_recompute_blocks_and_by_rows_are_configurations_of_their_own(tm
     assert [line[header.index("device / dtype")] for line in table[:4]] == [
         "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2 blocks sdpa", "cpu fp32 T=512 rc 2/1 blocks sdpa",
         "cpu fp32 T=512 rc 2/1 blocks by rows sdpa"]
-    path = write(tmp_path, "single.json", [old, same, fewer, by_rows])
-    pdf, table_path = tmp_path / "speedup.pdf", tmp_path / "speedup.csv"
-    write_speedup_report([path], pdf, table_path)
-    _, text = pdf_text(pdf)
+    text = _report_text(tmp_path, [old, same, fewer, by_rows])
     assert "T = 512, recompute 2/1 blocks, by rows, sdpa" in text
     assert text.count("tiny / single / harts T=512 rc 2 blocks sdpa (ideal") == 1  # old and same: one configuration
 
