@@ -85,11 +85,12 @@ class PreparedCall:
     state_offsets: np.ndarray
     state_ptr: np.ndarray
     initial: tuple[tuple[int, torch.Tensor], ...]
-    """(producer call, index into its returned states) for the sequences with a handed-off state."""
+    """(producer call, index into its returned states) for the sequences with a handed-off state; empty when the
+    calls run linked (`PreparedSchedule.linked` hands the states over)."""
     num_roots: int
     """Sequences starting from the zero state."""
     initial_order: torch.Tensor | None
-    """Sequence i's position among the picked states, then the zero states; None: all zero."""
+    """Sequence i's position among the picked states, then the zero states; None: all zero, or linked."""
     fla: FlaCall | None = None
     """The call's device plan on the fla backend."""
 
@@ -144,7 +145,8 @@ def prepare_schedule(schedule: KDASchedule, device: torch.device | str, backend:
     prepared_calls, outputs, destinations, replays, start = [], [], [], [], 0
     for call in schedule.calls:
         source = call.initial_source
-        handed = np.flatnonzero(source[:, 0] >= 0)
+        # A linked launch takes every initial state from its slots: the per-call gathers would be unused.
+        handed = np.flatnonzero(source[:, 0] >= 0) if linked is None else np.zeros(0, dtype=np.int64)
         initial, owners = [], []
         for producer in np.unique(source[handed, 0]):
             mine = handed[source[handed, 0] == producer]

@@ -198,6 +198,7 @@ def case_linked(full: bool) -> dict[str, float]:
         for form, separate, keep in forms:
             prepared = prepare_schedule(schedule, "cpu", "fla", calls="separate" if separate else "linked")
             assert (prepared.linked is None) == separate, "fla links a replay schedule's calls when asked to"
+            assert separate or not any(call.initial for call in prepared.calls), "linked: no per-call state gathers"
             with keeping_kda_intermediates() if keep else contextlib.nullcontext():
                 o = compact_kda(*leaves, prepared)
             semantic = o.index_select(0, index)
