@@ -190,7 +190,17 @@ def test_gpu_compact_matches_per_trajectory(planner):
 def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner):
     """A random tree of 40 segments: the calls as one linked launch agree with the calls one by one (the same
     kernels; the backward adds a slot's consumers' gradients in another order), and repeat bit for bit (the
-    consumers' gradients are added in a fixed order, not by atomics)."""
+    consumers' gradients are added in a fixed order, not by atomics). Deterministic algorithms on: the gradient of
+    the rows' gather adds replayed rows' gradients by `index_add_`, whose CUDA kernel uses atomics otherwise."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _linked_runs_agree(planner)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _linked_runs_agree(planner: str) -> None:
     from harts.ops.kda.compact import prepare_schedule
 
     rng = np.random.default_rng(7)
@@ -207,7 +217,9 @@ def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner):
         o = compact_kda(*leaves, prepared)
         runs.append([o, *torch.autograd.grad((o.float() * weight).sum(), leaves)])
     assert schedule.num_calls > 2
-    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    repeats = {name: (a.float() - b.float()).abs().max().item()
+               for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], runs[0], runs[1])}
+    assert not any(repeats.values()), repeats
     errors = {name: relative_error(a, e) for name, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], *runs[1:])}
     print(json.dumps(errors))
     assert errors["o"] < 1e-3 and max(errors.values()) < 5e-3, errors
