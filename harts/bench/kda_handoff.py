@@ -52,7 +52,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=3)
     parser.add_argument("--max-split-calls", type=positive_int, default=65)
     parser.add_argument("--trees", help="trees config NAME or YAML path: also time one microbatch of its step 0")
-    parser.add_argument("--tasks", type=positive_int, default=1, help="tasks of the generated step (with --trees)")
+    parser.add_argument("--tasks", type=positive_int,
+                        help="tasks of the generated step (with --trees; default: the config's own, whose compression "
+                             "it is calibrated to)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--device", default="cuda", help="a CUDA device (cuda, cuda:N)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
@@ -414,8 +416,9 @@ def _measure(args, base: dict, records: list[dict], current: dict) -> int:
               f"{results['ours']['median_ms']:9.2f} {results['ours_over_unsplit']:12.3f} {split} "
               f"{results['split_calls']:>5}")
     if args.trees:
-        synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig, num_tasks=args.tasks)
-        config = base | {"trees": args.trees, "synth": config_to_dict(synth), "tasks": args.tasks}
+        overrides = {"num_tasks": args.tasks} if args.tasks else {}
+        synth = load_config(shipped_config_path(args.trees, "trees"), SynthConfig, **overrides)
+        config = base | {"trees": args.trees, "synth": config_to_dict(synth), "tasks": synth.num_tasks}
         current.update(benchmark="kda-compact-tree", config=config, phase="")
         results = _tree_case(args, synth)
         finished(make_record("kda-compact-tree", config, results))

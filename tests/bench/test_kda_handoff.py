@@ -91,8 +91,12 @@ def test_the_tree_case_record_and_its_error_row_share_one_config(fake_gpu, tmp_p
     code, records = _run(tmp_path, "--trees", "configs/trees/tiny.yaml")
     assert code == 0 and records[-1]["benchmark"] == "kda-compact-tree"
     config = records[-1]["config"]
-    assert config["trees"] == "configs/trees/tiny.yaml" and config["synth"]["num_tasks"] == 1
+    # The config's own tasks (a paper step of one task cannot reach the compression it is calibrated to).
+    assert config["trees"] == "configs/trees/tiny.yaml" and config["synth"]["num_tasks"] == config["tasks"] == 2
     assert config["heads"] == 16 and config["dtype"] == "bfloat16"
+
+    _, records = _run(tmp_path, "--trees", "configs/trees/tiny.yaml", "--tasks", "1")
+    assert records[-1]["config"]["synth"]["num_tasks"] == records[-1]["config"]["tasks"] == 1
 
     monkeypatch.setattr(kda_handoff, "_tree_case", sigterm_on_call(lambda args, synth: tree, 1))
     code, stopped = _run(tmp_path, "--trees", "configs/trees/tiny.yaml")
