@@ -15,8 +15,9 @@ Before timing, a correctness check compares `chunk_kda_fla` (bf16) with the fp32
 reference (`chunk_kda_torch`) on outputs, final and boundary states and every gradient, and
 `compact_kda(backend="fla")` on a small tree with per-trajectory execution; timing is refused
 (an `error` record) when a check fails. With `--trees`, one microbatch of a synthetic step is also
-timed end to end: `compact_kda` over its C compact rows (its calls as one linked launch, and one
-after another) against fla's `chunk_kda` over its S semantic rows (the per-trajectory baseline).
+timed end to end (of HARTS's plan of the step's first tree, the one of most KDA calls): `compact_kda`
+over its C compact rows (its calls as one linked launch, and one after another) against fla's
+`chunk_kda` over its S semantic rows (the per-trajectory baseline).
 Writes one JSON record per case and prints a table; the records are rewritten after every case,
 so a run cut short keeps what it measured (SIGTERM adds an error row naming the case it stopped,
 or after how many records it came).
@@ -51,7 +52,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--warmup", type=non_negative_int, default=3)
     parser.add_argument("--max-split-calls", type=positive_int, default=65)
-    parser.add_argument("--trees", help="trees config NAME or YAML path: also time one microbatch of its step 0")
+    parser.add_argument("--trees", help="trees config NAME or YAML path: also time the microbatch of most KDA calls "
+                                        "in HARTS's plan of the first tree of its step 0")
     parser.add_argument("--tasks", type=positive_int,
                         help="tasks of the generated step (with --trees; default: the config's own, whose compression "
                              "it is calibrated to)")
@@ -282,29 +284,26 @@ def _handoff_case(args, num_seqs: int, num_boundaries: int) -> dict:
 
 
 def _tree_case(args, synth) -> dict:
-    """One microbatch (≤ --rows compact tokens) of step 0 of the synthetic dataset `synth`."""
+    """The microbatch of most KDA calls in HARTS's plan (capacity --rows) of the first tree of step 0 of the
+    synthetic dataset `synth`: the planned microbatches of a `bench speedup --max-trees 1` run."""
     import numpy as np
     import torch
     from fla.ops.kda import chunk_kda
 
     from harts.ops.kda.compact import compact_kda, prepare_schedule
     from harts.planning.kda_calls import plan_kda_calls
+    from harts.planning.microbatch import plan
+    from harts.trees.sources import first_trees
     from harts.trees.synth import generate_step
     from harts.trees.trie import PrefixIndex
 
-    step = generate_step(synth, args.seed, 0)
+    step = first_trees(generate_step(synth, args.seed, 0), 1)
     index = PrefixIndex.from_step(step)
-    members, compact = [], 0
-    for rank, trajectory in enumerate(index.order.tolist()):
-        extra = int(index.lengths[trajectory]) - (int(index.lcp[rank]) if members else 0)
-        if compact + extra > args.rows:
-            break
-        members.append(trajectory)
-        compact += extra
-    if not members:
-        raise ValueError(f"{args.trees}: the first trajectory is longer than --rows {args.rows}")
-    tree = index.segment_tree(np.array(members))
-    schedule = plan_kda_calls(tree, args.chunk)
+    microbatches = [m for m in plan(step, args.rows, 1, index=index).members(step) if len(m)]
+    trees = [index.segment_tree(m) for m in microbatches]
+    schedules = [plan_kda_calls(tree, args.chunk) for tree in trees]
+    chosen = max(range(len(trees)), key=lambda k: (schedules[k].num_calls, -k))
+    members, tree, schedule = microbatches[chosen], trees[chosen], schedules[chosen]
     low = random_kda_leaves(tree.num_compact_tokens, 1, args.heads, args.dim, args.seed, args.device, _dtype(args))
     leaves = [x.detach()[0].requires_grad_() for x in low[:5]]
     m = torch.from_numpy(tree.compact_map()).to(args.device)
@@ -328,7 +327,9 @@ def _tree_case(args, synth) -> dict:
         o = compact_kda(*leaves, linked)
         drift = _relative(o.index_select(0, m), chunk_kda(*semantic, cu_seqlens=cu, chunk_size=args.chunk)[0][0])
         separate_drift = _relative(o, compact_kda(*leaves, separate))
-    results = {"trajectories": len(members), "semantic_rows": tree.num_semantic_tokens,
+    results = {"microbatch": chosen, "num_microbatches": len(trees), "calls_per_microbatch":
+               [schedule.num_calls for schedule in schedules], "trajectories": len(members),
+               "semantic_rows": tree.num_semantic_tokens,
                "compact_rows": tree.num_compact_tokens, "calls": schedule.num_calls,
                "sequences": schedule.num_sequences, "replay_rows": schedule.replay_tokens,
                "compact": cuda_timed(compact_run, args.warmup, args.repeats, args.device),
