@@ -216,11 +216,11 @@ def _state_backward_kernel(
                 if LINKED:
                     # The state's consumers' initial-state gradients, summed in their fixed order.
                     first = tl.load(consumer_ptr + slot)
-                    last = tl.load(consumer_ptr + slot + 1)
+                    stop = tl.load(consumer_ptr + slot + 1)
                     while tl.atomic_add(flags + (slot * H + i_h) * NV + i_v, 0, sem="acquire",
-                                        scope="gpu") < last - first:
+                                        scope="gpu") < stop - first:
                         pass
-                    for i_m in range(first, last):
+                    for i_m in range(first, stop):
                         consumer = tl.load(consumers + i_m).to(tl.int64)
                         b_dh += tl.load(dh0 + (consumer * H + i_h) * K * V + o_kv, mask=m_kv, other=0.0,
                                         cache_modifier=".cg")
