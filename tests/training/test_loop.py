@@ -320,17 +320,6 @@ def test_resume_is_exact_with_two_threads(tmp_path):
     assert all(torch.equal(final[name], reference_final[name]) for name in final)
 
 
-@pytest.fixture
-def deterministic_cuda(monkeypatch):
-    """torch's deterministic algorithms for the test, restored after it (cuBLAS wants a fixed workspace)."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_resume_on_cuda_repeats_the_uninterrupted_run(tmp_path, deterministic_cuda):

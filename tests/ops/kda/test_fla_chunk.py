@@ -187,20 +187,11 @@ def test_gpu_compact_matches_per_trajectory(planner):
 @pytest.mark.parametrize("planner", ["plan", "segment"])
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner):
+def test_gpu_linked_calls_match_separate_calls_and_repeat_bit_for_bit(planner, deterministic_cuda):
     """A random tree of 40 segments: the calls as one linked launch agree with the calls one by one (the same
     kernels; the backward adds a slot's consumers' gradients in another order), and repeat bit for bit (the
     consumers' gradients are added in a fixed order, not by atomics). Deterministic algorithms on: the gradient of
     the rows' gather adds replayed rows' gradients by `index_add_`, whose CUDA kernel uses atomics otherwise."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        _linked_runs_agree(planner)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-
-
-def _linked_runs_agree(planner: str) -> None:
     from harts.ops.kda.compact import prepare_schedule
 
     rng = np.random.default_rng(7)
@@ -217,10 +208,10 @@ def _linked_runs_agree(planner: str) -> None:
         o = compact_kda(*leaves, prepared)
         runs.append([o, *torch.autograd.grad((o.float() * weight).sum(), leaves)])
     assert schedule.num_calls > 2
-    repeats = {name: (a.float() - b.float()).abs().max().item()
-               for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], runs[0], runs[1])}
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+    repeats = {name: (a.float() - b.float()).abs().max().item() for name, a, b in zip(names, runs[0], runs[1])}
     assert not any(repeats.values()), repeats
-    errors = {name: relative_error(a, e) for name, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], *runs[1:])}
+    errors = {name: relative_error(a, e) for name, a, e in zip(names, *runs[1:])}
     print(json.dumps(errors))
     assert errors["o"] < 1e-3 and max(errors.values()) < 5e-3, errors
 
