@@ -23,19 +23,31 @@ import sys
 
 def run_interpreted(module: str, case: str) -> dict[str, float]:
     """`python -m module case` under the interpreter in a subprocess from the repository root: the
-    JSON object its last line prints (the relative errors of a case)."""
+    JSON object its last line prints (the relative errors of a case). Every kernel launch of the case
+    is then compiled for Hopper as it was specialized (tests/ops/hopper.py): the interpreter runs
+    code the compiler may refuse."""
     import subprocess
+    import tempfile
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", module, case], cwd=Path(__file__).resolve().parents[3], env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
+    from tests.ops.hopper import LAUNCHES, compile_launches
+
+    with tempfile.TemporaryDirectory() as folder:
+        launches = os.path.join(folder, "launches.jsonl")
+        env = dict(os.environ, TRITON_INTERPRET="1", **{LAUNCHES: launches})
+        done = subprocess.run([sys.executable, "-m", module, case], cwd=Path(__file__).resolve().parents[3],
+                              env=env, capture_output=True, text=True, timeout=900, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+        compile_launches(launches)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def patch_interpreter() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
+    from tests.ops.hopper import LAUNCHES, record_launches
+
+    if os.environ.get(LAUNCHES):
+        record_launches(os.environ[LAUNCHES])
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 

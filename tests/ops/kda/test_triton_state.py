@@ -1,18 +1,19 @@
-"""The state kernels compile for Hopper (sm_90) on this CPU, with each feature on and all off.
+"""The state kernels compile for Hopper (sm_90) on this CPU with every feature on (tests/ops/hopper.py).
 
-The Triton interpreter (test_fla_chunk.py) runs a kernel's body as Python and so accepts code the compiler
-refuses, e.g. a variable that changes type in one branch (the linked backward once reused `last`, an int64 row,
-for an int32 CSR bound, and failed only on the GPU). `triton.compile` for a CUDA target needs no GPU: it runs
-the front end, LLVM and the wheel's ptxas here.
+Every interpreter case compiles the launches it made (`run_interpreted`), all features off among them; none
+launches the backward with the slot gradients injected, linked and a final-state gradient at once.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
 from harts.ops.kda import triton_state  # noqa: E402
+from tests.ops import hopper  # noqa: E402
 
 _POINTERS = {
     "forward": {"kg": "*bf16", "w": "*bf16", "u": "*bf16", "gk": "*fp32", "h": "*bf16", "v_new": "*bf16",
@@ -28,17 +29,14 @@ _SHAPE = {"H": 16, "K": 128, "V": 128, "BT": 64, "BK": 128, "BV": 64}
 _FEATURES = {"forward": ("STORE_SLOTS", "LINKED"), "backward": ("USE_FINAL_GRADIENT", "INJECT", "LINKED", "AT_SLOTS")}
 
 
-@pytest.mark.parametrize("features", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["all-on", "all-off"])
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
-def test_state_kernels_compile_for_hopper(kernel, features, tmp_path, monkeypatch):
+def test_state_kernels_compile_for_hopper_with_every_feature(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not read from an earlier run's cache
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    jit = getattr(triton_state, f"_state_{kernel}_kernel").fn  # the kernel under its autotuner
-    constants = _SHAPE | dict.fromkeys(_FEATURES[kernel], features)
-    assert set(_POINTERS[kernel]) | set(constants) == set(jit.arg_names), "the test's signature is the kernel's"
-    signature = _POINTERS[kernel] | dict.fromkeys(constants, "constexpr")
-    source = ASTSource(jit, signature, {(jit.arg_names.index(name),): value for name, value in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"]
+    name = f"_state_{kernel}_kernel"
+    constants = _SHAPE | dict.fromkeys(_FEATURES[kernel], True)
+    arg_names = hopper.jit_function(getattr(triton_state, name)).arg_names
+    assert set(_POINTERS[kernel]) | set(constants) == set(arg_names), "the test's signature is the kernel's"
+    pointers = [arg for arg, kind in _POINTERS[kernel].items() if kind.startswith("*")]
+    launch = {"kernel": f"{triton_state.__name__}:{name}", "constexprs": constants, "divisible": pointers,
+              "signature": _POINTERS[kernel] | dict.fromkeys(constants, "constexpr"), "options": {"num_warps": 4}}
+    hopper.compile_for_hopper(json.dumps(launch))
