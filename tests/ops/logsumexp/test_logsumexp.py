@@ -1,8 +1,8 @@
 """`fused_logsumexp_entropy` against `naive_logsumexp_entropy`: on CPU under the Triton interpreter (a subprocess:
 tests/ops/logsumexp/interpreter.py) on one row of one partial tile, rows of several tiles with V not a multiple of the
 tile, a maximum that moves into every tile, offsets of ±1e4, −inf entries and a row of −inf only, its launches
-compiled for sm_90 without a GPU (`run_interpreted`); on CUDA (`-m gpu`) through `logsumexp_entropy`'s dispatch at the LM
-head's shape. The objective's tests (tests/objective/test_logprobs.py) check the LM head that uses it."""
+compiled for sm_90 without a GPU (`run_interpreted`); on CUDA (`-m gpu`) through `logsumexp_entropy`'s dispatch at
+the LM head's shape. The objective's tests (tests/objective/test_logprobs.py) check the LM head that uses it."""
 
 import pytest
 import torch
