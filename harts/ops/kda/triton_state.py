@@ -125,8 +125,6 @@ def _state_forward_kernel(
     else:
         b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
 
-    # Scalar int64 bases per sequence and chunk, int32 offsets within a chunk's tiles (fewer registers).
-    o_r = tl.arange(0, BT)
     for i_t in range(0, NT):
         i_c = boh + i_t
         tl.store(h + (i_c * H + i_h) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -138,20 +136,17 @@ def _state_forward_kernel(
                     # Every thread's part of the tile is written before the flag says so.
                     tl.debug_barrier()
                     tl.atomic_xchg(flags + (slot * H + i_h) * NV + i_v, 1, sem="release", scope="gpu")
-        m_t = i_t * BT + o_r < T
-        m_tk = m_t[:, None] & m_k[None, :]
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        row = bos + o_t
+        b_w = tl.load(w + (row[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_u = (row[:, None] * H + i_h) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        first_row = bos + i_t * BT
-        base_k = (first_row * H + i_h) * K
-        base_v = (first_row * H + i_h) * V
-        b_w = tl.load(w + base_k + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-        p_u = base_v + o_r[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(u + p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
         tl.store(v_new + p_u, b_v.to(v_new.dtype.element_ty), mask=m_tv)
         last = bos + tl.minimum(i_t * BT + BT, T) - 1
         b_gl = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_kg = tl.load(kg + base_k + o_r[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                       other=0.0)
+        b_kg = tl.load(kg + (row[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = b_h * tl.math.exp2(b_gl)[:, None] + tl.dot(b_kg, b_v.to(b_kg.dtype))
 
     tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_h, mask=m_kv)
@@ -191,29 +186,26 @@ def _state_backward_kernel(
     if USE_FINAL_GRADIENT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
 
-    o_r = tl.arange(0, BT)
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
         i_c = boh + i_t
         tl.store(dh + (i_c * H + i_h) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        first_row = bos + i_t * BT
-        m_t = i_t * BT + o_r < T
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        row = bos + o_t
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        m_kt = m_k[:, None] & m_t[None, :]
-        base_k = (first_row * H + i_h) * K
-        base_v = (first_row * H + i_h) * V
-        o_tk = o_r[:, None] * (H * K) + o_k[None, :]
-        o_kt = o_r[None, :] * (H * K) + o_k[:, None]
-        o_tv = o_r[:, None] * (H * V) + o_v[None, :]
-        b_kg = tl.load(kg + base_k + o_tk, mask=m_tk, other=0.0)
-        b_dv = tl.dot(b_kg, b_dh.to(b_kg.dtype)) + tl.load(dv + base_v + o_tv, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(dv2 + base_v + o_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        p_v = (row[:, None] * H + i_h) * V + o_v[None, :]
+        b_kg = tl.load(kg + (row[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dv = tl.dot(b_kg, b_dh.to(b_kg.dtype)) + tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv2 + p_v, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
         last = bos + tl.minimum(i_t * BT + BT, T) - 1
         b_gl = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_qg = tl.load(qg + base_k + o_kt, mask=m_kt, other=0.0)
-        b_wt = tl.load(w + base_k + o_kt, mask=m_kt, other=0.0)
-        b_do = tl.load(do + base_v + o_tv, mask=m_tv, other=0.0)
+        p_kt = (row[None, :] * H + i_h) * K + o_k[:, None]
+        m_kt = m_k[:, None] & m_t[None, :]
+        b_qg = tl.load(qg + p_kt, mask=m_kt, other=0.0)
+        b_wt = tl.load(w + p_kt, mask=m_kt, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
         b_dh = (b_dh * tl.math.exp2(b_gl)[:, None] + tl.dot(b_qg, b_do.to(b_qg.dtype)) * scale
                 - tl.dot(b_wt, b_dv.to(b_wt.dtype)))
         if AT_SLOTS:
