@@ -5,7 +5,8 @@ Python, so it accepts code the compiler refuses (a variable whose type changes i
 once failed only on a GPU). `triton.compile` for a CUDA target needs no GPU: the front end, LLVM and the wheel's
 ptxas run here. `record_launches` (in the interpreter's subprocess) writes each launch of a harts kernel as one JSON
 line: its argument types, constexpr values, the 16-byte divisibility the GPU launcher would see and the config's
-warps and stages; `compile_launches` (in the test process) compiles each distinct one, once per test session.
+warps and stages; `compile_launches` (in the test process) compiles each distinct one, once per test session,
+through `compile_sm90`, which the tests of hand-written signatures call too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import inspect
 import json
 import os
 
+HOPPER = 90
+"""The compute capability the kernels are compiled for."""
 LAUNCHES = "HARTS_TEST_LAUNCHES"
 """The environment variable naming the file the interpreter's subprocess appends its launches to."""
 
@@ -77,27 +80,34 @@ def jit_function(obj):
     return obj
 
 
-@functools.cache
-def compile_for_hopper(launch: str) -> None:
-    """Compile one launch (a JSON line of `record_launches`) for sm_90; raises Triton's error where it refuses."""
+def compile_sm90(jit, signature: dict[str, str], constexprs: dict, divisible=(), options: dict | None = None):
+    """The JITFunction `jit` compiled for sm_90 (Triton's CompiledKernel): `signature` every argument's type
+    ("*bf16", "i32", "constexpr", ...), `constexprs` their values, `divisible` the arguments the launcher would
+    specialize as 16-byte divisible, `options` warps and stages. Raises Triton's error where it refuses."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    index = {arg: (jit.arg_names.index(arg),) for arg in jit.arg_names}
+    source = ASTSource(jit, signature, {index[arg]: value for arg, value in constexprs.items()},
+                       {index[arg]: [["tt.divisibility", 16]] for arg in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", HOPPER, 32), options=options or {})
+
+
+@functools.cache
+def compile_for_hopper(launch: str) -> None:
+    """Compile one launch (a JSON line of `record_launches`) for sm_90; raises Triton's error where it refuses."""
     launch = json.loads(launch)
     module, name = launch["kernel"].split(":")
     jit = jit_function(getattr(importlib.import_module(module), name))
-    index = {arg: (jit.arg_names.index(arg),) for arg in jit.arg_names}
-    source = ASTSource(jit, launch["signature"], {index[arg]: value for arg, value in launch["constexprs"].items()},
-                       {index[arg]: [["tt.divisibility", 16]] for arg in launch["divisible"]})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    compiled = compile_sm90(jit, launch["signature"], launch["constexprs"], launch["divisible"], launch["options"])
     assert compiled.asm["cubin"]
 
 
-def compile_launches(path: str) -> int:
-    """Compile every distinct launch recorded in `path` for sm_90 (each once per process); their number."""
+def compile_launches(path: str) -> None:
+    """Compile every distinct launch recorded in `path` for sm_90 (each once per process)."""
     if not os.path.exists(path):
-        return 0
+        return
     with open(path) as file:
         launches = sorted(set(file.read().splitlines()))
     for launch in launches:
@@ -105,4 +115,3 @@ def compile_launches(path: str) -> int:
             compile_for_hopper(launch)
         except Exception as error:
             raise AssertionError(f"{json.loads(launch)['kernel']} does not compile for sm_90: {error}") from error
-    return len(launches)

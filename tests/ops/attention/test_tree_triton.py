@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harts.ops.attention.groups import group_attention, naive_group_attention
+from tests.ops import hopper
 from tests.ops.attention.helpers import LAYOUTS, named_layout
 from tests.ops.kda.interpreter import run_interpreted
 
@@ -61,7 +62,6 @@ def test_interpreted_kept_attention_runs_the_forward_once():
     assert max(errors.values()) < 1e-5, errors
 
 
-HOPPER = 90
 HOPPER_SHARED_MEMORY = 232448
 """Bytes of shared memory one block may take on sm_90."""
 
@@ -69,10 +69,6 @@ HOPPER_SHARED_MEMORY = 232448
 def _compile_for_hopper(kernel, dtype, constants: dict, launch: dict):
     """`kernel` compiled for sm_90 with pointers of `dtype` (fp32 log-sum-exp and delta, int32 tile lists) and the
     given constexprs, without a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     pointers = {"LSE": "*fp32", "DELTA": "*fp32",
                 **dict.fromkeys(("ENDS", "ORDER", "PTR", "NUM_FULL", "TILES"), "*i32")}
@@ -85,9 +81,7 @@ def _compile_for_hopper(kernel, dtype, constants: dict, launch: dict):
             signature[name] = pointers.get(name, f"*{element}")
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
-    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", HOPPER, 32), options=launch)
+    return hopper.compile_sm90(kernel, signature, constants, options=launch)
 
 
 @pytest.mark.parametrize("dims, dtype", [

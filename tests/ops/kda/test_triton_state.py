@@ -6,8 +6,6 @@ launches the backward with the slot gradients injected, linked and a final-state
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -32,11 +30,10 @@ _FEATURES = {"forward": ("STORE_SLOTS", "LINKED"), "backward": ("USE_FINAL_GRADI
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 def test_state_kernels_compile_for_hopper_with_every_feature(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not read from an earlier run's cache
-    name = f"_state_{kernel}_kernel"
+    jit = hopper.jit_function(getattr(triton_state, f"_state_{kernel}_kernel"))
     constants = _SHAPE | dict.fromkeys(_FEATURES[kernel], True)
-    arg_names = hopper.jit_function(getattr(triton_state, name)).arg_names
-    assert set(_POINTERS[kernel]) | set(constants) == set(arg_names), "the test's signature is the kernel's"
+    assert set(_POINTERS[kernel]) | set(constants) == set(jit.arg_names), "the test's signature is the kernel's"
     pointers = [arg for arg, kind in _POINTERS[kernel].items() if kind.startswith("*")]
-    launch = {"kernel": f"{triton_state.__name__}:{name}", "constexprs": constants, "divisible": pointers,
-              "signature": _POINTERS[kernel] | dict.fromkeys(constants, "constexpr"), "options": {"num_warps": 4}}
-    hopper.compile_for_hopper(json.dumps(launch))
+    compiled = hopper.compile_sm90(jit, _POINTERS[kernel] | dict.fromkeys(constants, "constexpr"), constants,
+                                   divisible=pointers, options={"num_warps": 4})
+    assert compiled.asm["cubin"]
