@@ -493,16 +493,20 @@ class _LeanExperts(torch.autograd.Function):
     (the same weighted sum over the same values). The backward moves each
     routed row's combine weight w onto its activation (out = Σ_k w·(a·W_down) = Σ_k (w·a)·W_down), so
     the routing-weight gradient is dw = Σ_f a·(g·W_downᵀ) and needs no expert output:
-    `weighted_swiglu_backward` gives d h, dw and w·a in one pass."""
+    `weighted_swiglu_backward` gives d h, dw and w·a in one pass. An addend (the shared expert's output) joins
+    the combine's fp32 sum and the result is rounded once to `out_dtype` there: bit for bit the composed
+    `(out + shared.to(out.dtype)).to(out_dtype)`, without its three passes over an fp32 [N, D] tensor each way
+    (the addend's gradient is the output's, cast to its dtype)."""
 
     @staticmethod
-    def forward(ctx, x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, limit):
+    def forward(ctx, x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, limit, add_ND, out_dtype):
         num_rows, top_k = probs_NK.shape
         h_R2F = torch._grouped_mm(x_ND.index_select(0, token_R), gate_up, offs=ends_E)
         y_RD = torch._grouped_mm(swiglu(h_R2F, limit), down, offs=ends_E)
-        out = gather_combine(probs_NK, y_RD, inverse_R.view(num_rows, top_k))
+        out = gather_combine(probs_NK, y_RD, inverse_R.view(num_rows, top_k), add_ND, out_dtype)
         ctx.save_for_backward(x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, h_R2F)
         ctx.limit = limit
+        ctx.add_dtype = None if add_ND is None else add_ND.dtype
         return out
 
     @staticmethod
@@ -510,6 +514,7 @@ class _LeanExperts(torch.autograd.Function):
     def backward(ctx, grad_ND):
         x_ND, probs_NK, gate_up, down, token_R, order_R, inverse_R, ends_E, h_R2F = ctx.saved_tensors
         num_rows, top_k = probs_NK.shape
+        grad_add = grad_ND.to(ctx.add_dtype) if ctx.add_dtype is not None and ctx.needs_input_grad[9] else None
         grad_RD = grad_ND.to(h_R2F.dtype).index_select(0, token_R)
         grad_a_RF = torch._grouped_mm(grad_RD, down.transpose(1, 2), offs=ends_E)
         weight_R = probs_NK.reshape(-1).index_select(0, order_R)
@@ -521,7 +526,7 @@ class _LeanExperts(torch.autograd.Function):
                                 inverse_R.view(num_rows, top_k))
         grad_gate_up = torch._grouped_mm(x_ND.index_select(0, token_R).t(), grad_h, offs=ends_E)
         grad_probs = grad_weight_R.index_select(0, inverse_R).view(num_rows, top_k)
-        return grad_x, grad_probs, grad_gate_up, grad_down, None, None, None, None, None
+        return grad_x, grad_probs, grad_gate_up, grad_down, None, None, None, None, None, grad_add, None
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
@@ -611,15 +616,19 @@ class MoE(nn.Module):
         return torch._grouped_mm(swiglu(torch._grouped_mm(x_RD, gate_up, offs=ends), self.config.swiglu_limit), down,
                                  offs=ends)
 
-    def lean_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """[N, D] in the combine dtype: the grouped path's function as one autograd node that keeps two
-        [R, D] and one [R, F] tensor less for the backward (`_LeanExperts`)."""
+    def lean_experts(
+        self, x_ND: torch.Tensor, routing: Routing, add_ND: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """[N, D] in `out_dtype` (default the combine dtype): the grouped path's function, plus `add_ND` in the
+        combine's sum, as one autograd node that keeps two [R, D] and one [R, F] tensor less for the backward
+        (`_LeanExperts`)."""
         plan = self.dispatch_plan(routing)
         ends = torch.cumsum(plan.tokens_per_expert_E, dim=0).to(torch.int32)
         x_ND, gate_up, down = self._grouped_operands(x_ND)
         return _LeanExperts.apply(
             x_ND, routing.probs_NK, gate_up, down, plan.token_R, plan.order_R, plan.inverse_R, ends,
-            self.config.swiglu_limit,
+            self.config.swiglu_limit, add_ND, out_dtype,
         )
 
     def combine(
@@ -640,15 +649,24 @@ class MoE(nn.Module):
                 out.index_add_(0, token, y.to(out.dtype) * routing.probs_NK[token, slot][:, None])
         return out
 
-    def routed_experts(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """[N, D] in the combine dtype: Σ over each row's k experts of weight · expert MLP, by the backend."""
+    def routed_experts(
+        self, x_ND: torch.Tensor, routing: Routing, add_ND: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """[N, D]: Σ over each row's k experts of weight · expert MLP, by the backend, plus `add_ND` (the shared
+        expert's output) in the combine dtype (fp32; fp64 for fp64 rows), rounded once to `out_dtype` (default
+        the combine dtype). The lean experts add and round in their combine kernel."""
         backend = self._backend(x_ND)
+        if backend == "lean":
+            return self.lean_experts(x_ND, routing, add_ND, out_dtype)
         if backend == "grouped":
             x_RD, plan = self.dispatch(x_ND, routing)
-            return self.combine(self.grouped_experts(x_RD, plan.tokens_per_expert_E), routing, plan, x_ND.shape[0])
-        if backend == "lean":
-            return self.lean_experts(x_ND, routing)
-        return self.loop_experts(x_ND, routing)
+            out = self.combine(self.grouped_experts(x_RD, plan.tokens_per_expert_E), routing, plan, x_ND.shape[0])
+        else:
+            out = self.loop_experts(x_ND, routing)
+        if add_ND is not None:
+            out = out + add_ND.to(out.dtype)
+        return out if out_dtype is None else out.to(out_dtype)
 
     def shared_expert(self, x_ND: torch.Tensor) -> torch.Tensor:
         """The shared expert's SwiGLU MLP of every row (clipped to `shared_swiglu_limit` when set), times
@@ -674,9 +692,8 @@ class MoE(nn.Module):
             )
         logits = self.router_logits(x_ND)
         routing = self.route(logits)
-        out = self.routed_experts(x_ND, routing)
-        if self.shared_gate_up_proj is not None:
-            out = out + self.shared_expert(x_ND).to(out.dtype)
+        shared = self.shared_expert(x_ND) if self.shared_gate_up_proj is not None else None
+        out = self.routed_experts(x_ND, routing, shared, x_ND.dtype)
 
         z_loss = router_z_loss(logits, multiplicity_N, c.z_loss_coeff) if c.z_loss_coeff > 0 else None
         num_tokens = _weights(multiplicity_N, logits).sum().detach()
@@ -689,7 +706,7 @@ class MoE(nn.Module):
         counts = expert_assignment_counts(routing.experts_NK, multiplicity_N, c.num_experts)
         aux = MoEAux(z_loss=z_loss, load_balancing_loss=balance, tokens_per_expert_E=counts, num_tokens=num_tokens,
                      balance_mass_E=mass, balance_counts_E=assignments)
-        return out.to(x_ND.dtype), aux
+        return out, aux
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

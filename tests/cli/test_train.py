@@ -226,8 +226,8 @@ def test_experts_backend_reaches_the_model(command, monkeypatch):
     from harts.model.moe import MoE
 
     backends = []
-    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing: backends.append(
-        self.config.experts_backend) or self.loop_experts(x, routing))
+    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing, *rest: backends.append(
+        self.config.experts_backend) or self.loop_experts(x, routing).to(x.dtype))
     argv = [*COMMANDS[command], "--model", "tiny", "--trees", STEP, "--capacity", "1024", "--experts-backend", "lean"]
     assert main(argv) == 0
     assert backends and set(backends) == {"lean"}

@@ -338,6 +338,40 @@ def test_lean_forward_is_grouped_and_keeps_less():
     assert _saved_bytes(grouped, x) - _saved_bytes(lean, x) >= 2 * routed_rows_bytes
 
 
+def _lean_composed(module, x):
+    """The lean experts in the combine dtype, then the shared expert added and the sum cast to x's dtype: what the
+    lean node computes in one piece."""
+    routing = module.route(module.router_logits(x))
+    shared = module.shared_expert(x)  # before the experts, as the layer does: x's gradient sums in the same order
+    out = module.lean_experts(x, routing)
+    return (out + shared.to(out.dtype)).to(x.dtype)
+
+
+SHARED_MODULES = [name for name in MODULES if MODULES[name].get("shared_expert_hidden_size")]
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_on_cpu(), reason="torch._grouped_mm has no CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", SHARED_MODULES)
+def test_lean_adds_the_shared_expert_in_its_combine(name, dtype):
+    """The lean node adds the shared expert's output in its combine's sum and rounds once to the rows' dtype: the
+    output and every gradient are the composed path's (lean experts, + shared, cast) bit for bit."""
+    module = _module(MODULES[name], dtype=dtype, backend="lean")
+    generator = torch.Generator().manual_seed(42)
+    x = torch.randn(63, 16, generator=generator).to(dtype)
+    upstream = torch.randn(63, 16, generator=generator).to(dtype)
+    results = []
+    for run in (lambda x: module(x)[0], lambda x: _lean_composed(module, x)):
+        leaves = [x.clone().requires_grad_(), *module.parameters()]
+        y = run(leaves[0])
+        results.append([y, *torch.autograd.grad((y.float() * upstream.float()).sum(), leaves, allow_unused=True)])
+    assert results[0][0].dtype == dtype
+    names = ["y", "x", *(n for n, _ in module.named_parameters())]
+    for quantity, got, expected in zip(names, *results):
+        assert (got is None) == (expected is None), quantity
+        assert got is None or torch.equal(got, expected), quantity
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_rows", [3, 4096], ids=lambda n: f"rows{n}")

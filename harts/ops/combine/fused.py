@@ -8,7 +8,8 @@ kernels that are slow at this shape. Tested against `naive_combine` in fp64 unde
 interpreter on CPU and in bf16 on CUDA (tests/ops/combine/test_combine.py).
 
 `fused_gather_combine` is the forward read through a row index (the lean MoE experts' outputs stay in
-expert order: no permuted copy), weighted or plain (the routed rows' input gradients summed per row).
+expert order: no permuted copy), weighted or plain (the routed rows' input gradients summed per row); the
+weighted sum can take an addend (the shared expert's output) and round once to the layer's dtype.
 
 Legend: N rows, K experts per row, D hidden size, R = N·K routed rows; BK/BD the tile's experts/columns.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from harts.ops.combine.naive import check_addend
 
 BLOCK_COLUMNS = 512
 
@@ -39,8 +42,8 @@ def _combine_forward_kernel(p, y, out, D, K: tl.constexpr, BK: tl.constexpr, BD:
 
 
 @triton.jit
-def _gather_combine_kernel(p, y, rows, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                           WEIGHTED: tl.constexpr):
+def _gather_combine_kernel(p, y, rows, add, out, D, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                           WEIGHTED: tl.constexpr, ADD: tl.constexpr):
     n, o_k, m_k, o_d, m_d = _row_tile(D, K, BK, BD)
     b_r = tl.load(rows + n * K + o_k, mask=m_k, other=0)
     b_y = tl.load(y + b_r[:, None] * D + o_d[None, :], mask=m_k[:, None] & m_d[None, :], other=0.0)
@@ -49,6 +52,8 @@ def _gather_combine_kernel(p, y, rows, out, D, K: tl.constexpr, BK: tl.constexpr
         total = tl.sum(b_p[:, None] * b_y.to(tl.float32), axis=0)
     else:
         total = tl.sum(b_y.to(tl.float32), axis=0)
+    if ADD:
+        total += tl.load(add + n * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(out + n * D + o_d, total.to(out.dtype.element_ty), mask=m_d)
 
 
@@ -113,10 +118,13 @@ def fused_combine(probs_NK: torch.Tensor, y_NKD: torch.Tensor) -> torch.Tensor:
     return _Combine.apply(probs_NK, y_NKD)
 
 
-def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows_NK: torch.Tensor) -> torch.Tensor:
+def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows_NK: torch.Tensor,
+                         add_ND: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Σ_k probs[n, k] · y[rows[n, k]] for bf16/fp16 y in expert order, read through the row index (no [N, K, D]
     copy): fp32 [N, D] with fp32 weights, the forward `fused_combine` computes on y[rows] bit for bit; without
-    weights, the plain sum rounded once to y's dtype. Not differentiable (the lean experts' node is)."""
+    weights, the plain sum rounded once to y's dtype. With weights, `add_ND` [N, D] is added to the fp32 sum and
+    `out_dtype` rounds the result once (the MoE's shared expert and its cast, without an fp32 [N, D] pass each):
+    bit for bit `(Σ + add.float()).to(out_dtype)`. Not differentiable (the lean experts' node is)."""
     if y_RD.dtype not in (torch.bfloat16, torch.float16) or (probs_NK is not None and probs_NK.dtype != torch.float32):
         raise ValueError(f"fused_gather_combine: expected bf16/fp16 rows and fp32 weights, got {y_RD.dtype} and "
                          f"{None if probs_NK is None else probs_NK.dtype}")
@@ -126,11 +134,16 @@ def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows
                          "do not match")
     num_rows, top_k = rows_NK.shape
     hidden = y_RD.shape[1]
+    check_addend(probs_NK, add_ND, out_dtype, (num_rows, hidden), "fused_gather_combine")
+    if out_dtype is None:
+        out_dtype = y_RD.dtype if probs_NK is None else torch.float32
     y_RD, rows_NK = y_RD.contiguous(), rows_NK.contiguous()
-    out = torch.empty(num_rows, hidden, dtype=y_RD.dtype if probs_NK is None else torch.float32, device=y_RD.device)
+    out = torch.empty(num_rows, hidden, dtype=out_dtype, device=y_RD.device)
     if num_rows:
         _gather_combine_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
-            y_RD if probs_NK is None else probs_NK.contiguous(), y_RD, rows_NK, out, hidden, K=top_k,
-            BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS, WEIGHTED=probs_NK is not None,
+            y_RD if probs_NK is None else probs_NK.contiguous(), y_RD, rows_NK,
+            y_RD if add_ND is None else add_ND.contiguous(), out, hidden, K=top_k,
+            BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS, WEIGHTED=probs_NK is not None, ADD=add_ND is not None,
         )
     return out
+

@@ -241,8 +241,8 @@ def test_experts_backend_overrides_the_model_config(tree_step_path, tmp_path, ca
     from harts.model.moe import MoE
 
     backends = []
-    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing: backends.append(
-        self.config.experts_backend) or self.loop_experts(x, routing))
+    monkeypatch.setattr(MoE, "routed_experts", lambda self, x, routing, *rest: backends.append(
+        self.config.experts_backend) or self.loop_experts(x, routing).to(x.dtype))
     path, _ = tree_step_path
     code, records, _ = speedup(["--trees", path, "--capacity", "80", "--repeats", "1", "--no-breakdown",
                                  "--experts-backend", "lean"], tmp_path, capsys)

@@ -59,6 +59,14 @@ def case_gather() -> dict[str, float]:
         plain = fused_gather_combine(None, y, index)
         assert plain.dtype == y.dtype
         errors[f"{name}.plain"] = relative_error(plain, naive_gather_combine(None, y.double(), index))
+        # an addend in y's dtype: in the fp32 sum (bit for bit the sum, then the addend), and rounded once
+        add = (torch.randn(rows, hidden, generator=gen) * 3).to(y.dtype)
+        summed = fused_gather_combine(probs, y, index, add, torch.float32)
+        errors[f"{name}.added_vs_sum_then_add"] = float((summed != weighted + add.float()).any())
+        rounded = fused_gather_combine(probs, y, index, add, y.dtype)
+        assert rounded.dtype == y.dtype
+        errors[f"{name}.added"] = relative_error(
+            rounded, naive_gather_combine(probs.double(), y.double(), index, add.double()))
     return errors
 
 

@@ -21,11 +21,12 @@ def test_interpreted_kernel_matches_reference():
 
 def test_interpreted_gather_kernel_matches_reference():
     errors = run_interpreted("tests.ops.combine.interpreter", "gather")
-    assert len(errors) == 9
-    assert all(errors[name] == 0.0 for name in errors if name.endswith("weighted_vs_combine")), errors
+    assert len(errors) == 15
+    assert all(errors[name] == 0.0 for name in errors if name.endswith(("weighted_vs_combine", "sum_then_add"))), errors
     assert max(errors[name] for name in errors if name.endswith(".weighted")) < 1e-6, errors
-    # the plain sum is rounded once to bf16/fp16 (the interpreter's conversion truncates: ≤ 2^-8)
-    assert max(errors[name] for name in errors if name.endswith(".plain")) < 2 ** -8, errors
+    # the plain sum and the sum with an addend are rounded once to bf16/fp16 (the interpreter's conversion
+    # truncates: ≤ 2^-8)
+    assert max(errors[name] for name in errors if name.endswith((".plain", ".added"))) < 2 ** -8, errors
 
 
 def test_gather_reference_is_combine_of_the_gathered_rows():
@@ -35,6 +36,31 @@ def test_gather_reference_is_combine_of_the_gathered_rows():
     assert torch.equal(gather_combine(probs, y, rows), naive_combine(probs, y[rows]))
     assert torch.equal(gather_combine(None, y, rows), y[rows].sum(dim=1))
     assert torch.equal(naive_gather_combine(probs, y, rows), gather_combine(probs, y, rows))
+
+
+def test_gather_reference_adds_then_rounds_once():
+    gen = torch.Generator().manual_seed(42)
+    probs, y = torch.rand(5, 3, generator=gen), torch.randn(15, 16, generator=gen).bfloat16()
+    rows = torch.randperm(15, generator=gen).view(5, 3)
+    add = torch.randn(5, 16, generator=gen).bfloat16()
+    out = gather_combine(probs, y, rows, add, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (naive_combine(probs, y[rows]) + add.float()).bfloat16())
+    assert torch.equal(gather_combine(probs, y, rows, add), naive_combine(probs, y[rows]) + add.float())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["naive", "fused"])
+def test_gather_combine_refuses_an_addend_it_cannot_take(fused):
+    from harts.ops.combine import naive_gather_combine as run
+    if fused:
+        from harts.ops.combine.fused import fused_gather_combine as run
+    y, rows = torch.zeros(6, 4).bfloat16(), torch.arange(6).view(3, 2)
+    with pytest.raises(ValueError, match="need weights"):
+        run(None, y, rows, torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="need weights"):
+        run(None, y, rows, None, torch.float32)
+    with pytest.raises(ValueError, match=r"addend has shape \(3, 5\), expected \(3, 4\)"):
+        run(torch.ones(3, 2), y, rows, torch.zeros(3, 5))
 
 
 def test_cpu_dispatch_is_the_reference():
@@ -79,3 +105,6 @@ def test_cuda_gather_combine(top_k):
     plain = gather_combine(None, y, rows)
     assert plain.dtype == torch.bfloat16
     assert relative_error(plain, naive_gather_combine(None, y.double(), rows)) < 2 ** -8
+    add = (torch.randn(4099, 2048, generator=gen, device="cuda") * 3).bfloat16()
+    added = gather_combine(probs, y, rows, add, torch.bfloat16)
+    assert torch.equal(added, (combine(probs, y[rows]) + add.float()).bfloat16())
