@@ -175,7 +175,8 @@ class ExecutionConfig:
     and < 3.7.1)."""
     experts_backend: str | None = None
     """The MoE experts' backend, overriding the model config's moe.experts_backend (auto: grouped on CUDA, loop
-    elsewhere; lean: grouped in one autograd node that keeps less for the backward)."""
+    elsewhere; lean: grouped in one autograd node that keeps less for the backward and adds the shared expert's
+    output in its combine kernel)."""
     logprob_chunk_rows: int = DEFAULT_LOGPROB_CHUNK_ROWS
     """Rows of the LM head's logits formed at a time (its transient memory: N x vocabulary fp32)."""
     logprob_grad_precision: str = "fp32"
