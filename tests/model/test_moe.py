@@ -350,16 +350,22 @@ def _lean_composed(module, x):
 SHARED_MODULES = [name for name in MODULES if MODULES[name].get("shared_expert_hidden_size")]
 
 
-@pytest.mark.skipif(not _grouped_mm_runs_on_cpu(), reason="torch._grouped_mm has no CPU kernel in this torch")
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not _grouped_mm_runs_on_cpu(),
+                                                 reason="torch._grouped_mm has no CPU kernel in this torch")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs CUDA")]),
+])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", SHARED_MODULES)
-def test_lean_adds_the_shared_expert_in_its_combine(name, dtype):
+def test_lean_adds_the_shared_expert_in_its_combine(name, dtype, device):
     """The lean node adds the shared expert's output in its combine's sum and rounds once to the rows' dtype: the
-    output and every gradient are the composed path's (lean experts, + shared, cast) bit for bit."""
-    module = _module(MODULES[name], dtype=dtype, backend="lean")
+    output and every gradient are the composed path's (lean experts, + shared, cast) bit for bit (on CUDA in bf16
+    the combine kernel's addend)."""
+    module = _module(MODULES[name], dtype=dtype, backend="lean").to(device)
     generator = torch.Generator().manual_seed(42)
-    x = torch.randn(63, 16, generator=generator).to(dtype)
-    upstream = torch.randn(63, 16, generator=generator).to(dtype)
+    x = torch.randn(63, 16, generator=generator).to(device, dtype)
+    upstream = torch.randn(63, 16, generator=generator).to(device, dtype)
     results = []
     for run in (lambda x: module(x)[0], lambda x: _lean_composed(module, x)):
         leaves = [x.clone().requires_grad_(), *module.parameters()]

@@ -5,8 +5,8 @@ Python, so it accepts code the compiler refuses (a variable whose type changes i
 once failed only on a GPU). `triton.compile` for a CUDA target needs no GPU: the front end, LLVM and the wheel's
 ptxas run here. `record_launches` (in the interpreter's subprocess) writes each launch of a harts kernel as one JSON
 line: its argument types, constexpr values, the 16-byte divisibility the GPU launcher would see and the config's
-warps and stages; `compile_launches` (in the test process) compiles each distinct one, once per test session,
-through `compile_sm90`, which the tests of hand-written signatures call too.
+warps, stages and fp fusion; `compile_launches` (in the test process) compiles each distinct one, once per test
+session, through `compile_sm90`, which the tests of hand-written signatures call too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _describe(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
         else:
             assert isinstance(value, float), f"{fn.__name__}.{name}: {type(value).__name__}"
             signature[name] = "fp32"
-    options = {key: kwargs[key] for key in ("num_warps", "num_stages") if kwargs.get(key) is not None}
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages", "enable_fp_fusion")
+               if kwargs.get(key) is not None}
     return {"kernel": f"{fn.__module__}:{fn.__name__}", "signature": signature, "constexprs": constexprs,
             "divisible": divisible, "options": options}
 
@@ -83,7 +84,7 @@ def jit_function(obj):
 def compile_sm90(jit, signature: dict[str, str], constexprs: dict, divisible=(), options: dict | None = None):
     """The JITFunction `jit` compiled for sm_90 (Triton's CompiledKernel): `signature` every argument's type
     ("*bf16", "i32", "constexpr", ...), `constexprs` their values, `divisible` the arguments the launcher would
-    specialize as 16-byte divisible, `options` warps and stages. Raises Triton's error where it refuses."""
+    specialize as 16-byte divisible, `options` warps, stages and fp fusion. Raises Triton's error where it refuses."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -7,6 +7,11 @@ and g and one write of dy, where batched GEMMs ran [1, k] × [k, D] products thr
 kernels that are slow at this shape. Tested against `naive_combine` in fp64 under the Triton
 interpreter on CPU and in bf16 on CUDA (tests/ops/combine/test_combine.py).
 
+The two forward kernels compile without multiply-add contraction (`enable_fp_fusion=False`): the k products are
+rounded and summed in order, as the interpreter computes them, so that the sums of `fused_combine`, of
+`fused_gather_combine` and of its addend variant are the same bits (with contraction the addend's add fused with
+the product at k = 1: an H100 measured it).
+
 `fused_gather_combine` is the forward read through a row index (the lean MoE experts' outputs stay in
 expert order: no permuted copy), weighted or plain (the routed rows' input gradients summed per row); the
 weighted sum can take an addend (the shared expert's output) and round once to the layer's dtype.
@@ -85,6 +90,7 @@ class _Combine(torch.autograd.Function):
         if num_rows:
             _combine_forward_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
                 probs_NK, y_NKD, out, hidden, K=top_k, BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS,
+                enable_fp_fusion=False,
             )
         ctx.save_for_backward(probs_NK, y_NKD)
         return out
@@ -144,6 +150,7 @@ def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows
             y_RD if probs_NK is None else probs_NK.contiguous(), y_RD, rows_NK,
             y_RD if add_ND is None else add_ND.contiguous(), out, hidden, K=top_k,
             BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS, WEIGHTED=probs_NK is not None, ADD=add_ND is not None,
+            enable_fp_fusion=False,
         )
     return out
 

@@ -93,7 +93,7 @@ def test_cuda_dispatch_matches_reference(top_k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("top_k", [1, 8])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_cuda_gather_combine(top_k):
     """Weighted: bit for bit the combine of the gathered rows (the lean experts' forward is the grouped one);
     plain: the fp32 sum rounded once."""
