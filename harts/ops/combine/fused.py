@@ -28,6 +28,8 @@ import triton.language as tl
 from harts.ops.combine.naive import check_addend
 
 BLOCK_COLUMNS = 512
+FORWARD_OPTIONS = {"enable_fp_fusion": False}
+"""The forward kernels' compile options: no multiply-add contraction (module docstring)."""
 
 
 @triton.jit
@@ -90,7 +92,7 @@ class _Combine(torch.autograd.Function):
         if num_rows:
             _combine_forward_kernel[(num_rows, triton.cdiv(hidden, BLOCK_COLUMNS))](
                 probs_NK, y_NKD, out, hidden, K=top_k, BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS,
-                enable_fp_fusion=False,
+                **FORWARD_OPTIONS,
             )
         ctx.save_for_backward(probs_NK, y_NKD)
         return out
@@ -150,7 +152,7 @@ def fused_gather_combine(probs_NK: torch.Tensor | None, y_RD: torch.Tensor, rows
             y_RD if probs_NK is None else probs_NK.contiguous(), y_RD, rows_NK,
             y_RD if add_ND is None else add_ND.contiguous(), out, hidden, K=top_k,
             BK=triton.next_power_of_2(top_k), BD=BLOCK_COLUMNS, WEIGHTED=probs_NK is not None, ADD=add_ND is not None,
-            enable_fp_fusion=False,
+            **FORWARD_OPTIONS,
         )
     return out
 

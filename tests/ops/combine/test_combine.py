@@ -63,6 +63,28 @@ def test_gather_combine_refuses_an_addend_it_cannot_take(fused):
         run(torch.ones(3, 2), y, rows, torch.zeros(3, 5))
 
 
+@pytest.mark.parametrize("kernel", ["combine", "gather_add"])
+def test_forward_kernels_compile_without_contraction(kernel):
+    """Compiled for sm_90 with the launch options (on the CPU): no fused multiply-add, so the products are rounded
+    and summed as the interpreter and the composed reference do. With contraction, k = 1's product fuses with the
+    addend (an H100 measured other bits)."""
+    from harts.ops.combine import fused
+    from tests.ops.hopper import compile_sm90
+
+    pointers = {"p": "*fp32", "y": "*bf16", "out": "*bf16"}
+    if kernel == "combine":  # eight products and their sum
+        jit, signature, constexprs = fused._combine_forward_kernel, pointers, {"K": 8, "BK": 8}
+    else:  # one product and the addend
+        jit, signature = fused._gather_combine_kernel, pointers | {"rows": "*i64", "add": "*bf16"}
+        constexprs = {"K": 1, "BK": 1, "WEIGHTED": True, "ADD": True}
+    signature = signature | {"D": "i32"}
+    compiled = compile_sm90(jit, {name: signature.get(name, "constexpr") for name in jit.arg_names},
+                            constexprs | {"BD": fused.BLOCK_COLUMNS}, divisible=list(signature),
+                            options=fused.FORWARD_OPTIONS)
+    ptx = compiled.asm["ptx"]
+    assert "mul" in ptx and "fma" not in ptx
+
+
 def test_cpu_dispatch_is_the_reference():
     gen = torch.Generator().manual_seed(42)
     probs, y = torch.rand(5, 4, generator=gen), torch.randn(5, 4, 16, generator=gen).bfloat16()
