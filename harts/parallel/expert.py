@@ -183,9 +183,8 @@ class ParallelMoE(MoE):
         else:
             x_full = copy_to_group(x_ND, p.tp_group)
             routing = Routing(experts_NK=routing.experts_NK, probs_NK=copy_to_group(routing.probs_NK, p.tp_group))
-        out = self.routed_experts(x_full, routing)
-        if self.shared_gate_up_proj is not None:
-            out = out + self.shared_expert(x_full).to(out.dtype)
+        shared = self.shared_expert(x_full) if self.shared_gate_up_proj is not None else None
+        out = self.routed_experts(x_full, routing, shared)
         if p.sequence_parallel:
             return reduce_scatter_rows(out, p.tp_group)
         return reduce_from_group(out, p.tp_group)

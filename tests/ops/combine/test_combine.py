@@ -118,7 +118,7 @@ def test_cuda_dispatch_matches_reference(top_k):
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_cuda_gather_combine(top_k):
     """Weighted: bit for bit the combine of the gathered rows (the lean experts' forward is the grouped one);
-    plain: the fp32 sum rounded once."""
+    plain: the fp32 sum rounded once; with an addend: bit for bit the combine, plus the addend, rounded once."""
     gen = torch.Generator(device="cuda").manual_seed(top_k)
     probs = torch.rand(4099, top_k, generator=gen, device="cuda")
     y = (torch.randn(4099 * top_k, 2048, generator=gen, device="cuda") * 3).bfloat16()
