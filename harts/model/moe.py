@@ -29,9 +29,11 @@ experts only), combine weights = the k unbiased sigmoid scores normalised to sum
 then × `topk_scaling_factor`. Group-limited routing (`num_groups` > 1, sigmoid scores: DeepSeek-V3's
 `noaux_tc`, BailingHybrid's n_group / topk_group; megatron's `group_limited_topk`): the experts form
 `num_groups` groups of consecutive experts, a group scores the sum of its two best selection scores
-(sigmoid + bias), and each row picks its k experts among those of its `topk_groups` best groups
-(`group_limited_selection`). The load-balancing loss's top-k stays over all experts (megatron's
-`compute_routing_scores_for_aux_loss`).
+(sigmoid + bias), and each row picks its k experts among those of its `topk_groups` best groups. The
+load-balancing loss's top-k stays over all experts (megatron's `compute_routing_scores_for_aux_loss`). Every
+top-k is `harts.ops.routing.select_experts` (one Triton kernel on CUDA for the groups and the experts, where
+torch's ops took about ten kernels): best first, ties to the lower index, where `torch.topk` leaves ties' order
+unspecified.
 
 Experts are SwiGLU MLPs, y = (silu(x·W_gate) ⊙ (x·W_up))·W_down, stored stacked: `gate_up_proj`
 [E, D, 2F] (gate first) and `down_proj` [E, F, D]; an optional shared expert is added to every
@@ -80,6 +82,7 @@ from harts.config.execution import EXPERT_BACKENDS
 from harts.ops.attention.query_groups import inverse_permutation, permute_rows
 from harts.ops.combine import combine as weighted_sum
 from harts.ops.combine import gather_combine
+from harts.ops.routing import select_experts
 from harts.ops.swiglu import swiglu, weighted_swiglu_backward
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -234,17 +237,6 @@ class MoEAux:
         return total
 
 
-def group_limited_selection(selection_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
-    """The selection scores with every expert outside the row's `topk_groups` best groups set to −inf; a group
-    (E/num_groups consecutive experts) scores the sum of its two best selection scores."""
-    rows, num_experts = selection_NE.shape
-    grouped = selection_NE.view(rows, num_groups, num_experts // num_groups)
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-    best = torch.topk(group_scores, k=topk_groups, dim=-1).indices
-    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
-    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(rows, num_experts)
-
-
 def topk_routing(
     logits_NE: torch.Tensor,
     *,
@@ -261,16 +253,16 @@ def topk_routing(
         if expert_bias_E is not None:
             raise ValueError("topk_routing: expert bias needs the sigmoid score function")
         if softmax_before_topk:
-            probs, experts = torch.topk(torch.softmax(logits_NE, dim=-1), k=top_k, dim=1)
+            scores = torch.softmax(logits_NE, dim=-1)
+            experts = select_experts(scores, top_k)
+            probs = scores.gather(1, experts)
         else:
-            top_logits, experts = torch.topk(logits_NE, k=top_k, dim=1)
-            probs = torch.softmax(top_logits, dim=-1)
+            experts = select_experts(logits_NE, top_k)
+            probs = torch.softmax(logits_NE.gather(1, experts), dim=-1)
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits_NE)
         selection = scores if expert_bias_E is None else scores + expert_bias_E
-        if num_groups > 1:
-            selection = group_limited_selection(selection, num_groups, topk_groups)
-        experts = torch.topk(selection, k=top_k, dim=1).indices
+        experts = select_experts(selection, top_k, num_groups, topk_groups)
         probs = scores.gather(1, experts)
         if top_k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
@@ -305,7 +297,7 @@ def aux_loss_scores(
     else:
         scores = torch.sigmoid(logits_NE)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    top = torch.topk(scores, k=top_k, dim=1).indices
+    top = select_experts(scores, top_k)
     selected = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
     return scores, selected
 

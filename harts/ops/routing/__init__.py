@@ -1,0 +1,30 @@
+"""MoE expert selection: each row's top-k experts by selection score, optionally group-limited
+(DeepSeek-V3's `noaux_tc`, BailingHybrid's n_group / topk_group), best first, ties to the lower index.
+
+- `naive_select_experts`: stable sorts, a top-k and a masked fill (naive.py), the reference.
+- `fused_select_experts`: one Triton kernel (fused.py, CUDA; imported lazily), equal to the reference bit for bit.
+- `select_experts`: the kernel on CUDA, else the reference.
+"""
+
+import torch
+
+from harts.ops.routing.naive import naive_select_experts
+
+__all__ = ["fused_select_experts", "naive_select_experts", "select_experts"]
+
+
+def select_experts(selection_NE: torch.Tensor, top_k: int, num_groups: int = 1, topk_groups: int = 1) -> torch.Tensor:
+    """int64 [N, top_k] (`naive_select_experts`): the fused kernel on CUDA, else the reference."""
+    if selection_NE.is_cuda:
+        from harts.ops.routing.fused import fused_select_experts
+
+        return fused_select_experts(selection_NE, top_k, num_groups, topk_groups)
+    return naive_select_experts(selection_NE, top_k, num_groups, topk_groups)
+
+
+def __getattr__(name: str):
+    if name == "fused_select_experts":
+        from harts.ops.routing import fused
+
+        return fused.fused_select_experts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
