@@ -3,7 +3,7 @@
 
 - `naive_select_experts`: stable sorts, a top-k and a masked fill (naive.py), the reference.
 - `fused_select_experts`: one Triton kernel (fused.py, CUDA; imported lazily), equal to the reference bit for bit.
-- `select_experts`: the kernel on CUDA, else the reference.
+- `select_experts`: the kernel on CUDA for fp32/bf16/fp16 scores, else the reference (fp64: the tests' exact mode).
 """
 
 import torch
@@ -14,8 +14,9 @@ __all__ = ["fused_select_experts", "naive_select_experts", "select_experts"]
 
 
 def select_experts(selection_NE: torch.Tensor, top_k: int, num_groups: int = 1, topk_groups: int = 1) -> torch.Tensor:
-    """int64 [N, top_k] (`naive_select_experts`): the fused kernel on CUDA, else the reference."""
-    if selection_NE.is_cuda:
+    """int64 [N, top_k] (`naive_select_experts`): the fused kernel on CUDA for fp32/bf16/fp16 scores, else the
+    reference."""
+    if selection_NE.is_cuda and selection_NE.dtype in (torch.float32, torch.bfloat16, torch.float16):
         from harts.ops.routing.fused import fused_select_experts
 
         return fused_select_experts(selection_NE, top_k, num_groups, topk_groups)
