@@ -189,28 +189,25 @@ def _state_backward_kernel(
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
         i_c = boh + i_t
+        tl.store(dh + (i_c * H + i_h) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         row = bos + o_t
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        m_kt = m_k[:, None] & m_t[None, :]
         p_v = (row[:, None] * H + i_h) * V + o_v[None, :]
-        p_kt = (row[None, :] * H + i_h) * K + o_k[:, None]
-        last = bos + tl.minimum(i_t * BT + BT, T) - 1
-        # The chunk's loads and its state-free product q·do first, so that their latency overlaps the store and
-        # the two dots that wait for the state: those form the serial chain from chunk to chunk.
         b_kg = tl.load(kg + (row[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dv = tl.dot(b_kg, b_dh.to(b_kg.dtype)) + tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv2 + p_v, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        last = bos + tl.minimum(i_t * BT + BT, T) - 1
         b_gl = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        p_kt = (row[None, :] * H + i_h) * K + o_k[:, None]
+        m_kt = m_k[:, None] & m_t[None, :]
         b_qg = tl.load(qg + p_kt, mask=m_kt, other=0.0)
         b_wt = tl.load(w + p_kt, mask=m_kt, other=0.0)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
-        b_qdo = tl.dot(b_qg, b_do.to(b_qg.dtype)) * scale
-        tl.store(dh + (i_c * H + i_h) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        b_dv = tl.dot(b_kg, b_dh.to(b_kg.dtype)) + b_dv
-        tl.store(dv2 + p_v, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
-        b_dh = b_dh * tl.math.exp2(b_gl)[:, None] + b_qdo - tl.dot(b_wt, b_dv.to(b_wt.dtype))
+        b_dh = (b_dh * tl.math.exp2(b_gl)[:, None] + tl.dot(b_qg, b_do.to(b_qg.dtype)) * scale
+                - tl.dot(b_wt, b_dv.to(b_wt.dtype)))
         if AT_SLOTS:
             slot = tl.load(state_slot + i_c).to(tl.int64)
             if slot >= 0:
