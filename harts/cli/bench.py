@@ -13,6 +13,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "harts.bench.trees", "harts.bench.kda_calls", "harts.bench.planning", "harts.bench.planning_grpo",
     "harts.bench.kda_handoff",
     "harts.bench.speedup.cli", "harts.bench.attention", "harts.bench.fidelity", "harts.bench.conv_tiles",
+    "harts.bench.routing",
     "harts.integrations.trl_bench",
 )
 

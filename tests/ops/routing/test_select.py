@@ -5,23 +5,15 @@ and on CUDA (`-m gpu`)."""
 import pytest
 import torch
 
+from harts.bench.routing import torch_topk_selection
 from harts.ops.routing import naive_select_experts, select_experts
 from tests.ops.kda.interpreter import run_interpreted
-
-
-def _grouped_by_topk(x: torch.Tensor, top_k: int, groups: int, kept: int) -> torch.Tensor:
-    """torch.topk's composition (megatron's `group_limited_topk`), for inputs without ties."""
-    rows, experts = x.shape
-    grouped = x.view(rows, groups, experts // groups)
-    best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(kept, dim=-1).indices
-    allowed = torch.zeros(rows, groups, dtype=torch.bool).scatter(1, best, True)
-    return grouped.masked_fill(~allowed[..., None], float("-inf")).view(rows, experts).topk(top_k, dim=-1).indices
 
 
 @pytest.mark.parametrize("groups,kept", [(1, 1), (8, 4), (4, 1)], ids=["no-groups", "8-groups-keep-4", "keep-1"])
 def test_reference_is_torch_topk_without_ties(groups, kept):
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(naive_select_experts(x, 4, groups, kept), _grouped_by_topk(x, 4, groups, kept))
+    assert torch.equal(naive_select_experts(x, 4, groups, kept), torch_topk_selection(x, 4, groups, kept))
 
 
 def test_reference_breaks_ties_to_the_lower_index():
