@@ -19,8 +19,8 @@ def test_reference_is_torch_topk_without_ties(groups, kept):
 def test_reference_breaks_ties_to_the_lower_index():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0]])
     assert naive_select_experts(x, 4).tolist() == [[1, 2, 4, 3]]
-    # groups (0,1) (2,3) (4,5) score 4, 5, 3 and the first two tie after rounding: bf16 sums 256 + 1 to 256
-    y = torch.tensor([[256.0, 0.0, 255.0, 1.0, 250.0, 0.0]], dtype=torch.bfloat16)
+    # groups (0,1) (2,3) (4,5) score 256, 257 and 250, but bf16 rounds 256 + 1 to 256: the first two tie
+    y = torch.tensor([[256.0, 0.0, 256.0, 1.0, 250.0, 0.0]], dtype=torch.bfloat16)
     assert naive_select_experts(y, 2, 3, 1).tolist() == [[0, 1]]
 
 
