@@ -23,8 +23,6 @@ from harts.ops.routing.naive import check_selection
 BLOCK_ROWS = 16
 NOT_FREE = tl.constexpr(-2**31 + 1)
 """Below every order key: what an entry that may not be picked compares as."""
-NEG_INF_KEY = tl.constexpr(-0x00800000 ^ 0x7FFFFFFF)
-"""The order key of −inf (bits 0xFF800000)."""
 
 
 @triton.jit
@@ -78,7 +76,7 @@ def _select_experts_kernel(
             kept = _argmax_lowest(b_group_key, free_g, o_g, GP)
             free_g = free_g & (o_g[None, :] != kept[:, None])
             allowed = allowed | (group[None, :] == kept[:, None])
-        b_key = tl.where(allowed, b_key, NEG_INF_KEY)
+        free = free & allowed  # not a −inf fill: that would tie with a −inf score
     for j in tl.static_range(K):
         pick = _argmax_lowest(b_key, free, o_e, EP)
         free = free & (o_e[None, :] != pick[:, None])

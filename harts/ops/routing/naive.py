@@ -32,7 +32,8 @@ def naive_select_experts(
 ) -> torch.Tensor:
     """int64 [N, top_k]: each row's top_k experts by selection score, best first, ties to the lower index; with
     `num_groups` > 1 only among the experts of its `topk_groups` best groups (E/num_groups consecutive experts), a
-    group scoring the sum of its two best scores rounded to the scores' dtype (ties to the lower group)."""
+    group scoring the sum of its two best scores rounded to the scores' dtype (ties to the lower group). NaN of
+    either sign ranks above +inf and −0 ties with +0 (the CPU sort's order)."""
     check_selection(selection_NE, top_k, num_groups, topk_groups)
     rows, num_experts = selection_NE.shape
     if num_groups > 1:
@@ -41,5 +42,9 @@ def naive_select_experts(
         group_scores = best_two[..., 0] + best_two[..., 1]
         allowed = torch.zeros(rows, num_groups, dtype=torch.bool, device=selection_NE.device)
         allowed.scatter_(1, _top_indices(group_scores, topk_groups), True)
-        selection_NE = grouped.masked_fill(~allowed[..., None], float("-inf")).view(rows, num_experts)
+        # The allowed experts first, each part in score order (two stable sorts): a masked expert ranks below
+        # every allowed one, −inf included, where a fill with −inf would tie with a −inf score.
+        by_score = _top_indices(selection_NE, num_experts)
+        allowed_by_score = allowed.repeat_interleave(num_experts // num_groups, dim=1).gather(1, by_score)
+        return by_score.gather(1, _top_indices(allowed_by_score.to(torch.int8), top_k))
     return _top_indices(selection_NE, top_k)

@@ -33,16 +33,25 @@ def run() -> dict[str, int]:
         got = fused_select_experts(x, top_k, groups, kept)
         assert got.dtype == torch.int64 and got.shape == (rows, top_k)
         differing[name] = int((got != naive_select_experts(x, top_k, groups, kept)).any(dim=1).sum())
-    # NaN (either sign) above +inf, −0 equal to +0, −inf and whole rows of equal values: the sort's order
+    # NaN (either sign) above +inf, −0 equal to +0 (at index 0, ahead of the +0's), −inf and whole rows of equal
+    # values: the sort's order
     x = torch.randn(9, 16, generator=gen)
     x[0, 3] = float("nan")
     x[1] = 0.0
-    x[1, 5] = -0.0
+    x[1, 0] = -0.0
     x[2, 7] = -float("nan")
     x[3, :4] = float("-inf")
     x[4] = float("-inf")
-    got = fused_select_experts(x, 4, 4, 2)
-    differing["special-values"] = int((got != naive_select_experts(x, 4, 4, 2)).any(dim=1).sum())
+    explicit = {"special-values": (x, 4, 4, 2)}
+    # group sums that tie only once rounded to the scores' dtype (256 + 1 in bf16, 2048 + 1 in fp16), the tie to
+    # the lower group; a kept expert scoring −inf ahead of a masked one
+    for name, row, dtype in (("group-sum-rounding-bf16", [256.0, 0.0, 256.0, 1.0, 250.0, 0.0], torch.bfloat16),
+                             ("group-sum-rounding-fp16", [2048.0, 0.0, 2048.0, 1.0, 2000.0, 0.0], torch.float16)):
+        explicit[name] = (torch.tensor([row], dtype=dtype), 2, 3, 1)
+    explicit["kept-minus-inf"] = (torch.tensor([[0.0, 0.0, 0.0, 5.0, 5.0, float("-inf")]]), 3, 2, 1)
+    for name, (x, top_k, groups, kept) in explicit.items():
+        got = fused_select_experts(x, top_k, groups, kept)
+        differing[name] = int((got != naive_select_experts(x, top_k, groups, kept)).any(dim=1).sum())
     return differing
 
 

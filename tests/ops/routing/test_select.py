@@ -24,6 +24,17 @@ def test_reference_breaks_ties_to_the_lower_index():
     assert naive_select_experts(y, 2, 3, 1).tolist() == [[0, 1]]
 
 
+def test_reference_picks_only_from_kept_groups():
+    """A kept expert scoring −inf ranks above every masked one (a −inf fill would tie with it, lower index first)."""
+    x = torch.tensor([[0.0, 0.0, 0.0, 5.0, 5.0, float("-inf")]])
+    assert naive_select_experts(x, 3, 2, 1).tolist() == [[3, 4, 5]]
+
+
+def test_reference_orders_special_values_as_the_cpu_sort():
+    x = torch.tensor([[-0.0, 0.0, float("-nan"), float("inf"), float("nan"), 1.0]])
+    assert naive_select_experts(x, 6).tolist() == [[2, 4, 3, 5, 0, 1]]
+
+
 def test_reference_refuses_what_no_row_can_pick():
     x = torch.zeros(2, 12)
     with pytest.raises(ValueError, match="num_groups 5 must divide the 12 experts"):
@@ -38,7 +49,7 @@ def test_reference_refuses_what_no_row_can_pick():
 
 def test_interpreted_kernel_matches_reference():
     differing = run_interpreted("tests.ops.routing.interpreter", "select")
-    assert len(differing) == 6 and not any(differing.values()), differing
+    assert len(differing) == 9 and not any(differing.values()), differing
 
 
 def test_select_experts_is_the_reference_on_cpu():
@@ -48,7 +59,7 @@ def test_select_experts_is_the_reference_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(65536, 128, 8, 8, 4), (1000, 96, 6, 6, 3), (333, 64, 4, 1, 1)],
                          ids=["ling3", "not-pow2", "no-groups"])
 def test_fused_matches_reference_on_cuda(dtype, shape):
