@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(args.rows, moe.num_experts, generator=generator, device="cuda") * 2).bfloat16()
     bias = (torch.randn(moe.num_experts, generator=generator, device="cuda") * 0.01).bfloat16()
-    selection = torch.sigmoid(logits) + bias
     scores = torch.sigmoid(logits)
+    selection = scores + bias
     balance = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
     def fused():

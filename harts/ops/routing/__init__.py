@@ -1,7 +1,7 @@
 """MoE expert selection: each row's top-k experts by selection score, optionally group-limited
 (DeepSeek-V3's `noaux_tc`, BailingHybrid's n_group / topk_group), best first, ties to the lower index.
 
-- `naive_select_experts`: stable sorts, a top-k and a masked fill (naive.py), the reference.
+- `naive_select_experts`: stable sorts (naive.py), the reference.
 - `fused_select_experts`: one Triton kernel (fused.py, CUDA; imported lazily), equal to the reference bit for bit.
 - `select_experts`: the kernel on CUDA for fp32/bf16/fp16 scores, else the reference (fp64: the tests' exact mode).
 """

@@ -41,9 +41,9 @@ def _key_values(keys):
 
 @triton.jit
 def _argmax_lowest(keys, free, o_x, WIDTH: tl.constexpr):
-    """Per row: the lowest index among the largest free keys, as [BN] int32."""
+    """Per row: the largest free key and the lowest index holding it, as [BN] int32 each."""
     best = tl.max(tl.where(free, keys, NOT_FREE), axis=1)
-    return tl.min(tl.where(free & (keys == best[:, None]), o_x[None, :], WIDTH), axis=1)
+    return best, tl.min(tl.where(free & (keys == best[:, None]), o_x[None, :], WIDTH), axis=1)
 
 
 @triton.jit
@@ -64,8 +64,7 @@ def _select_experts_kernel(
         b_group_key = tl.full([BN, GP], NOT_FREE, tl.int32)
         for g in tl.static_range(G):
             in_g = free & (group == g)[None, :]
-            first = _argmax_lowest(b_key, in_g, o_e, EP)
-            best = tl.max(tl.where(in_g, b_key, NOT_FREE), axis=1)
+            best, first = _argmax_lowest(b_key, in_g, o_e, EP)
             second = tl.max(tl.where(in_g & (o_e[None, :] != first[:, None]), b_key, NOT_FREE), axis=1)
             # the sum of the two best, rounded to the scores' dtype as the reference's sum is
             total = (_key_values(best) + _key_values(second)).to(dtype).to(tl.float32)
@@ -73,12 +72,12 @@ def _select_experts_kernel(
         free_g = m_n[:, None] & (o_g < G)[None, :]
         allowed = tl.zeros([BN, EP], dtype=tl.int1)
         for _ in tl.static_range(TG):
-            kept = _argmax_lowest(b_group_key, free_g, o_g, GP)
+            _, kept = _argmax_lowest(b_group_key, free_g, o_g, GP)
             free_g = free_g & (o_g[None, :] != kept[:, None])
             allowed = allowed | (group[None, :] == kept[:, None])
         free = free & allowed  # not a −inf fill: that would tie with a −inf score
     for j in tl.static_range(K):
-        pick = _argmax_lowest(b_key, free, o_e, EP)
+        _, pick = _argmax_lowest(b_key, free, o_e, EP)
         free = free & (o_e[None, :] != pick[:, None])
         tl.store(experts + o_n * K + j, pick.to(tl.int64), mask=m_n)
 
